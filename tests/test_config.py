@@ -1,0 +1,43 @@
+import pytest
+from hypothesis import given, strategies as st
+from tinyhet.config import Config, ConfigError, load_config, parse_bytes
+
+def test_defaults():
+  cfg = load_config(env={})
+  assert cfg == Config() and cfg.transport == "auto" and cfg.kv_block_size == 16
+
+def test_file_then_env_then_overrides(tmp_path):
+  p = tmp_path / "c.toml"
+  p.write_text('transport = "tcp"\narena_bytes = "64M"\nkv_block_size = 32\n[peers]\nd0 = "10.0.0.2:7470"\n')
+  cfg = load_config(p, env={"TINYHET_TRANSPORT": "shm"}, kv_block_size=8)
+  assert (cfg.transport, cfg.arena_bytes, cfg.kv_block_size, cfg.peers) == ("shm", 64 << 20, 8, {"d0": "10.0.0.2:7470"})
+
+def test_env_file_variable(tmp_path):
+  p = tmp_path / "c.toml"
+  p.write_text('tcp_streams = 2\n')
+  assert load_config(env={"TINYHET_CONFIG": str(p)}).tcp_streams == 2
+  with pytest.raises(ConfigError, match="no such file"): load_config(env={"TINYHET_CONFIG": str(tmp_path / "missing.toml")})
+
+@pytest.mark.parametrize("text, message", [
+  ('transport = "carrier-pigeon"', "transport"), ('bogus = 1', "unknown key 'bogus'"), ('arena_bytes = "lots"', "not a size"),
+  ('tcp_streams = 0', "tcp_streams"), ('hugepages = "maybe"', "boolean"), ('[peers]\nx = "nohostport"', "host:port"),
+  ('transport = ', "config file"), ('kv_dtype = "int4"', "kv_dtype"),
+])
+def test_bad_files_name_the_problem(tmp_path, text, message):
+  (p := tmp_path / "c.toml").write_text(text)
+  with pytest.raises(ConfigError, match=message): load_config(p, env={})
+
+def test_bad_env():
+  with pytest.raises(ConfigError, match="TINYHET_TCP_STREAMS"): load_config(env={"TINYHET_TCP_STREAMS": "many"})
+  with pytest.raises(ConfigError, match="TINYHET_PEERS"): load_config(env={"TINYHET_PEERS": "a=b"})
+  assert load_config(env={"TINYHET_PEERS": "a=h:1,b=h2:2"}).peers == {"a": "h:1", "b": "h2:2"}
+
+@given(st.integers(1, 1 << 40), st.sampled_from(["", "k", "M", "G", "KiB", "GB"]))
+def test_parse_bytes(n, unit):
+  mult = 1024 ** "_kmgt".index(unit[:1].lower() or "_")
+  assert parse_bytes(f"{n}{unit}") == n * mult
+
+@given(st.text(max_size=20))
+def test_parse_bytes_rejects_or_parses(text):
+  try: assert parse_bytes(text) > 0
+  except ConfigError: pass

@@ -1,0 +1,3 @@
+import sys
+from tinyhet.cli import main
+sys.exit(main())

@@ -1,0 +1,28 @@
+"""`tinyhet` command line: each subcommand lives in its own module and parses its own arguments."""
+import importlib, sys
+
+# name -> (module with main(argv), one-line help). Modules are imported only when their command runs: tinygrad is slow to import.
+COMMANDS = {
+  "run": ("tinyhet.run", "generate text: prefill on HET, stream KV layer by layer to a decode node (MESH), decode there"),
+  "node": ("tinyhet.node", "run a node process (--role decode: paged KV cache and decoding for remote prefill nodes)"),
+  "plan": ("tinyhet.planner", "predict TTFT / time per token / throughput and choose where prefill and decode run"),
+  "bench": ("tinyhet.bench", "benchmarks against a baseline from the same run: transfer, kv, e2e"),
+  "info": ("tinyhet.info", "show the configuration, devices and transports available on this machine"),
+}
+
+def usage() -> str:
+  return "usage: tinyhet COMMAND [ARGS]\n\ncommands:\n" + "".join(f"  {n:<7}{h}\n" for n, (_, h) in COMMANDS.items()) + \
+         "\n'tinyhet COMMAND --help' shows a command's options.\n"
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if not argv or argv[0] in ("-h", "--help", "help"):
+    print(usage(), end="")
+    return 0
+  if argv[0] not in COMMANDS:
+    print(f"tinyhet: unknown command {argv[0]!r}\n\n{usage()}", end="", file=sys.stderr)
+    return 2
+  module = importlib.import_module(COMMANDS[argv[0]][0])
+  return module.main(argv[1:]) or 0
+
+if __name__ == "__main__": sys.exit(main())

@@ -1,0 +1,119 @@
+"""tinyhet's options: one frozen object, filled from defaults, then a TOML file, then environment variables.
+
+File: the path in TINYHET_CONFIG, else ./tinyhet.toml if it exists. Keys are the field names below, e.g.
+
+  het_backend = "CUDA"
+  arena_bytes = "8G"
+  transport = "tcp"
+  [peers]
+  decode0 = "10.0.0.2:7470"
+
+Environment variables override the file: HET_BACKEND, TINYHET_ARENA_BYTES, TINYHET_HUGEPAGES, TINYHET_TRANSPORT, TINYHET_TOKEN,
+TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE.
+"""
+from __future__ import annotations
+import dataclasses, os, pathlib, re, tomllib
+from dataclasses import dataclass, field
+
+TRANSPORTS = ("auto", "verbs", "tcp", "shm")
+HET_BACKENDS = ("auto", "CUDA", "NV", "AMD", "METAL", "CL", "CPU")
+KV_DTYPES = ("float16", "float32", "bfloat16")
+
+class ConfigError(ValueError):
+  """A bad option: the message names the option, where it came from, and what is allowed."""
+
+@dataclass(frozen=True)
+class Config:
+  het_backend: str = "auto"              # tinygrad backend HET computes on; auto = the first GPU backend that opens, else CPU
+  arena_bytes: int = 1 << 30             # registered memory per device; reserved up front, pages are touched on use
+  hugepages: bool = True                 # ask for 2 MiB pages (falls back to normal pages and says so)
+  transport: str = "auto"                # verbs | tcp | shm | auto (verbs with an RDMA device, shm on this host, tcp otherwise)
+  token: str = ""                        # shared secret a peer proves before any byte lands; empty = a random one per node
+  peers: dict[str, str] = field(default_factory=dict)   # node name -> "host:port"
+  tcp_streams: int = 4                   # parallel TCP connections per peer
+  kv_block_size: int = 16                # tokens per paged-KV block
+  kv_dtype: str = "float16"              # dtype of the KV cache on the decode node
+
+  def __post_init__(self): validate(self, "config")
+
+def parse_bytes(text: str | int, what: str = "size") -> int:
+  """'512M', '8G', '1GiB', '4096' -> bytes."""
+  if isinstance(text, int) and not isinstance(text, bool): n = text
+  else:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
+    if m is None: raise ConfigError(f"{what}: {text!r} is not a size (use e.g. 4096, 512M, 8G)")
+    n = int(float(m.group(1)) * 1024 ** "_kmgt".index((m.group(2) or "_").lower()))
+  if n <= 0: raise ConfigError(f"{what}: {text!r} must be positive")
+  return n
+
+def parse_bool(text: str | bool, what: str) -> bool:
+  if isinstance(text, bool): return text
+  if str(text).strip().lower() in ("1", "true", "yes", "on"): return True
+  if str(text).strip().lower() in ("0", "false", "no", "off", ""): return False
+  raise ConfigError(f"{what}: {text!r} is not a boolean (use 1/0, true/false)")
+
+def parse_peers(text: str | dict, what: str) -> dict[str, str]:
+  if isinstance(text, dict): items = list(text.items())
+  else: items = [tuple(p.split("=", 1)) if "=" in p else (p, None) for p in str(text).split(",") if p.strip()]
+  peers = {}
+  for name, addr in items:
+    if addr is None or not isinstance(addr, str) or not re.fullmatch(r"[^\s:]+:\d{1,5}", addr.strip()):
+      raise ConfigError(f"{what}: peer {name!r} needs an address 'host:port', got {addr!r}")
+    peers[str(name).strip()] = addr.strip()
+  return peers
+
+def validate(cfg: Config, source: str):
+  def bad(name, msg): raise ConfigError(f"{source}: {name} = {getattr(cfg, name)!r} {msg}")
+  if cfg.het_backend.upper() not in [b.upper() for b in HET_BACKENDS]: bad("het_backend", f"is not one of {', '.join(HET_BACKENDS)}")
+  if cfg.transport not in TRANSPORTS: bad("transport", f"is not one of {', '.join(TRANSPORTS)}")
+  if cfg.kv_dtype not in KV_DTYPES: bad("kv_dtype", f"is not one of {', '.join(KV_DTYPES)}")
+  if not isinstance(cfg.arena_bytes, int) or cfg.arena_bytes < 1 << 20: bad("arena_bytes", "must be at least 1 MiB")
+  if not isinstance(cfg.tcp_streams, int) or not 1 <= cfg.tcp_streams <= 64: bad("tcp_streams", "must be between 1 and 64")
+  if not isinstance(cfg.kv_block_size, int) or not 1 <= cfg.kv_block_size <= 1024: bad("kv_block_size", "must be between 1 and 1024")
+
+# field -> (environment variable, parser)
+_PARSERS = {
+  "het_backend": ("HET_BACKEND", lambda v, w: str(v)),
+  "arena_bytes": ("TINYHET_ARENA_BYTES", parse_bytes),
+  "hugepages": ("TINYHET_HUGEPAGES", parse_bool),
+  "transport": ("TINYHET_TRANSPORT", lambda v, w: str(v).lower()),
+  "token": ("TINYHET_TOKEN", lambda v, w: str(v)),
+  "peers": ("TINYHET_PEERS", parse_peers),
+  "tcp_streams": ("TINYHET_TCP_STREAMS", lambda v, w: _int(v, w)),
+  "kv_block_size": ("TINYHET_KV_BLOCK_SIZE", lambda v, w: _int(v, w)),
+  "kv_dtype": ("TINYHET_KV_DTYPE", lambda v, w: str(v)),
+}
+
+def _int(v, what) -> int:
+  try: return int(v)
+  except (TypeError, ValueError): raise ConfigError(f"{what}: {v!r} is not an integer") from None
+
+def config_path(env: dict[str, str] | None = None) -> pathlib.Path | None:
+  env = os.environ if env is None else env
+  if (p := env.get("TINYHET_CONFIG")):
+    if not pathlib.Path(p).is_file(): raise ConfigError(f"TINYHET_CONFIG={p!r}: no such file")
+    return pathlib.Path(p)
+  return pathlib.Path("tinyhet.toml") if pathlib.Path("tinyhet.toml").is_file() else None
+
+def load_config(path: str | pathlib.Path | None = None, env: dict[str, str] | None = None, **overrides) -> Config:
+  """Defaults < file < environment < keyword overrides. Raises ConfigError naming the bad key and its source."""
+  env = os.environ if env is None else env
+  values: dict = {}
+  path = pathlib.Path(path) if path is not None else config_path(env)
+  if path is not None:
+    try: data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e: raise ConfigError(f"config file {path}: {e}") from None
+    for key, value in data.items():
+      if key not in _PARSERS: raise ConfigError(f"config file {path}: unknown key {key!r} (known: {', '.join(_PARSERS)})")
+      values[key] = _PARSERS[key][1](value, f"config file {path}: {key}")
+  for key, (var, parse) in _PARSERS.items():
+    if var in env: values[key] = parse(env[var], var)
+  for key, value in overrides.items():
+    if key not in _PARSERS: raise ConfigError(f"unknown option {key!r} (known: {', '.join(_PARSERS)})")
+    if value is not None: values[key] = value
+  try: return Config(**values)
+  except TypeError as e: raise ConfigError(str(e)) from None
+
+def describe(cfg: Config) -> list[tuple[str, str]]:
+  """(option, value) rows for `tinyhet info`; the token is never shown."""
+  return [(f.name, "(set)" if f.name == "token" and cfg.token else repr(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)]
