@@ -1,1 +1,17 @@
-"""Benchmarks: each prints a baseline measured in the same run next to the project's figure; installed as tinyhet.bench."""
+"""Benchmarks (`tinyhet bench NAME`, or `python -m tinyhet.bench NAME`): each prints a baseline measured in the same run
+next to the project's figure, and with --json one JSON object. Installed as tinyhet.bench."""
+import importlib, sys
+
+BENCHMARKS = {
+  "transfer": ("tinyhet.bench.transfer", "KV transports (shm, tcp, verbs) against memcpy and a raw socket"),
+  "kv": ("tinyhet.bench.kv", "paged KV: memory utilization and paged attention against contiguous/dense"),
+  "e2e": ("tinyhet.bench.e2e", "end to end: disaggregated against --no-disagg, decode against the memory-bandwidth bound"),
+}
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if not argv or argv[0] not in BENCHMARKS:
+    print("usage: tinyhet bench NAME [--json] [ARGS]\n\nbenchmarks:\n" + "".join(f"  {n:<9}{h}\n" for n, (_, h) in BENCHMARKS.items()), end="",
+          file=sys.stdout if not argv or argv[0] in ("-h", "--help") else sys.stderr)
+    return 0 if not argv or argv[0] in ("-h", "--help") else 2
+  return importlib.import_module(BENCHMARKS[argv[0]][0]).main(argv[1:]) or 0

@@ -1,0 +1,3 @@
+import sys
+from tinyhet.bench import main
+sys.exit(main())
