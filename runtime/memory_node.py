@@ -1,0 +1,56 @@
+"""A process that owns an arena, exposes regions of it and answers questions about their bytes: the far end of the
+transport tests and of `tinyhet bench transfer`. It speaks JSON lines on stdin/stdout:
+
+  start: prints {"address": "host:port", "pid": N, "node": NAME}
+  {"cmd": "expose", "nbytes": N}                          -> {"desc": HEX, "region": I}
+  {"cmd": "fill", "region": I, "seed": S}                 -> {}            (deterministic random bytes)
+  {"cmd": "sha", "region": I, "offset": O, "nbytes": N}   -> {"sha": HEX}
+  {"cmd": "notices", "count": K, "timeout": T}            -> {"notices": [[peer, value, nbytes], ...]} or {"error": ...}
+  {"cmd": "quit"}
+"""
+import argparse, hashlib, json, sys
+from tinyhet.config import load_config
+from tinyhet.runtime.arena import Arena
+from tinyhet.runtime.transport import Endpoint
+
+def fill(view: memoryview, seed: int):
+  import numpy as np
+  np.frombuffer(view, np.uint8)[:] = np.random.default_rng(seed).integers(0, 256, len(view), dtype=np.uint8)
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--name", default="memnode")
+  ap.add_argument("--token", required=True)
+  ap.add_argument("--listen", default="127.0.0.1:0")
+  ap.add_argument("--arena-bytes", type=int, default=64 << 20)
+  args = ap.parse_args(argv)
+  ep = Endpoint(args.name, token=args.token, config=load_config(env={}))
+  arena = Arena(args.arena_bytes, args.name, hugepages=False)
+  host, _, port = args.listen.rpartition(":")
+  address = ep.listen(host, int(port))
+  regions = []
+  out = sys.stdout
+  out.write(json.dumps({"address": address, "node": ep.name, "pid": __import__("os").getpid()}) + "\n")
+  out.flush()
+  for line in sys.stdin:
+    req = json.loads(line)
+    try:
+      if req["cmd"] == "expose":
+        regions.append(arena.alloc(req["nbytes"], align=4096))
+        reply = {"desc": ep.expose(regions[-1]).to_hex(), "region": len(regions) - 1}
+      elif req["cmd"] == "fill":
+        fill(regions[req["region"]].view(), req["seed"])
+        reply = {}
+      elif req["cmd"] == "sha":
+        reply = {"sha": hashlib.sha256(regions[req["region"]].view(req.get("offset", 0), req.get("nbytes"))).hexdigest()}
+      elif req["cmd"] == "notices":
+        got = [ep.wait_notice(req.get("timeout", 10)) for _ in range(req["count"])]
+        reply = {"notices": [[n.peer, n.value, n.nbytes] for n in got]}
+      elif req["cmd"] == "quit": break
+      else: reply = {"error": f"unknown command {req['cmd']!r}"}
+    except Exception as e: reply = {"error": f"{type(e).__name__}: {e}"}
+    out.write(json.dumps(reply) + "\n")
+    out.flush()
+  ep.close()
+
+if __name__ == "__main__": main()

@@ -1,0 +1,151 @@
+"""shm transport: a peer on the same host maps the receiver's arenas (memfds passed over a unix socket) and a write is
+one memcpy into the destination. The unix socket carries only control: ARENA frames (with the memfd attached) from the
+receiver, COMMIT frames (notifications, sent after the copy is done) from the writer.
+
+The writer checks every span against the descriptor it was given and the arena it maps; the receiver cannot check a
+one-sided copy, which is why only peers that proved the shared token get the memfds.
+"""
+from __future__ import annotations
+import ctypes, itertools, queue, socket, threading, time
+from tinyhet.runtime import wire
+from tinyhet.runtime.arena import Arena, Mapping
+from tinyhet.runtime.wire import Frame, COMMIT, CLOSE, ARENA, NOTIFY
+from tinyhet.runtime.transport import Transfer, TransportError, Piece, coalesce
+
+INLINE_BYTES = 256 << 10     # batches up to this size are copied by the caller's thread; larger ones by the link's copy thread
+ARENA_WAIT = 2.0             # seconds a write waits for the announcement of an arena it does not map yet
+
+def _recv_frame_with_fd(sock: socket.socket) -> tuple[Frame, int | None]:
+  data, fds, _, _ = socket.recv_fds(sock, wire.HEADER.size, 1)
+  if not data: raise ConnectionError("peer closed the connection")
+  if len(data) < wire.HEADER.size: data += wire.recv_exact(sock, wire.HEADER.size - len(data))
+  return Frame.unpack(data), (fds[0] if fds else None)
+
+class Link:
+  """The writer's side: the receiver's arenas mapped into this process."""
+  @staticmethod
+  def connect(ep, address: str, tcp_sock: socket.socket, hello: dict) -> Link:
+    tcp_sock.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+      sock.settimeout(10)
+      sock.connect(hello["unix"])
+      h = wire.recv_json(sock)
+      ep._check_hello(h, address)
+      ep.client_auth(sock, h, "shm")
+      sock.settimeout(None)
+    except OSError as e:
+      sock.close()
+      raise TransportError(f"cannot reach {hello['node']}'s shared-memory socket: {e}") from None
+    except BaseException:
+      sock.close()
+      raise
+    return Link(hello["node"], sock)
+
+  def __init__(self, peer: str, sock: socket.socket):
+    self.peer, self.sock, self.broken = peer, sock, None
+    self.lock, self.send_lock = threading.Condition(), threading.Lock()
+    self.maps: dict[int, tuple[int, Mapping]] = {}      # receiver's arena id -> (its base address there, our mapping)
+    self.batch_ids = itertools.count(1)
+    self.queue: queue.SimpleQueue = queue.SimpleQueue()
+    self.queued = 0
+    self.reader = threading.Thread(target=self._read_loop, name=f"tinyhet-shm-recv-{peer}", daemon=True)
+    self.copier = threading.Thread(target=self._copy_loop, name=f"tinyhet-shm-copy-{peer}", daemon=True)
+    self.reader.start()
+    self.copier.start()
+
+  def _read_loop(self):
+    try:
+      while True:
+        f, fd = _recv_frame_with_fd(self.sock)
+        if f.op != ARENA or fd is None: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[f.op]} frame from {self.peer}")
+        try: mapping = Mapping(fd, f.nbytes)
+        finally: socket.close(fd)
+        with self.lock:
+          if f.tag in self.maps: mapping.close()    # announced twice (registered while we connected)
+          else: self.maps[f.tag] = (f.offset, mapping)
+          self.lock.notify_all()
+    except (OSError, wire.ProtocolError) as e:
+      with self.lock:
+        self.broken = self.broken or f"connection to {self.peer} lost: {e}"
+        self.lock.notify_all()
+
+  def _resolve(self, p: Piece) -> int:
+    """Our address of the piece's remote bytes."""
+    addr = p.addr + p.region_offset
+    deadline = time.monotonic() + ARENA_WAIT
+    with self.lock:
+      while True:
+        for base, m in self.maps.values():
+          if base <= addr and addr + p.nbytes <= base + m.size: return m.addr + (addr - base)
+        if self.broken: raise TransportError(f"connection to {self.peer} is broken: {self.broken}")
+        if (left := deadline - time.monotonic()) <= 0 or not self.lock.wait(left):
+          raise TransportError(f"{self.peer}: no shared arena holds [{addr:#x}, {addr + p.nbytes:#x}): the descriptor does not match its memory")
+
+  def _run(self, t: Transfer, pieces: list[Piece], to_remote: bool, notify: int | None):
+    try:
+      for p in pieces:
+        remote, local = self._resolve(p), p.arena.base + p.start
+        ctypes.memmove(remote, local, p.nbytes) if to_remote else ctypes.memmove(local, remote, p.nbytes)
+      if notify is not None:
+        with self.send_lock: self.sock.sendall(Frame(COMMIT, flags=NOTIFY, value=notify, batch=t.batch, nbytes=t.nbytes).pack())
+      t.finish()
+    except (OSError, TransportError) as e: t.finish(str(e))
+
+  def _submit(self, kind: str, pieces: list[Piece], notify: int | None) -> Transfer:
+    if self.broken: raise TransportError(f"connection to {self.peer} is broken: {self.broken}")
+    pieces = coalesce(pieces)
+    t = Transfer(self.peer, kind, next(self.batch_ids), sum(p.nbytes for p in pieces))
+    with self.lock:
+      inline = t.nbytes <= INLINE_BYTES and self.queued == 0     # keep batches in order behind queued ones
+      if not inline: self.queued += 1
+    if inline: self._run(t, pieces, kind == "write", notify)
+    else: self.queue.put((t, pieces, kind == "write", notify))
+    return t
+
+  def _copy_loop(self):
+    while (item := self.queue.get()) is not None:
+      self._run(*item)
+      with self.lock: self.queued -= 1
+
+  def write(self, pieces: list[Piece], notify: int | None) -> Transfer: return self._submit("write", pieces, notify)
+  def read(self, pieces: list[Piece]) -> Transfer: return self._submit("read", pieces, None)
+
+  def close(self):
+    self.queue.put(None)
+    self.copier.join(timeout=30)
+    try:
+      with self.send_lock: self.sock.sendall(Frame(CLOSE).pack())
+      self.sock.shutdown(socket.SHUT_RDWR)
+    except OSError: pass
+    self.reader.join(timeout=5)
+    self.sock.close()
+    with self.lock:
+      for _, m in self.maps.values(): m.close()
+      self.maps.clear()
+
+class Server:
+  """The receiver's side of one shm peer: announces arenas, delivers notifications."""
+  def __init__(self, ep, sock: socket.socket, peer: str):
+    self.ep, self.sock, self.peer, self.send_lock = ep, sock, peer, threading.Lock()
+
+  def announce(self, arena: Arena):
+    try:
+      with self.send_lock: socket.send_fds(self.sock, [Frame(ARENA, tag=arena.id, offset=arena.base, nbytes=arena.size).pack()], [arena.fd])
+    except OSError: pass      # the peer is gone; its serving thread cleans up
+
+def serve(ep, sock: socket.socket, auth: dict):
+  server = Server(ep, sock, auth["node"])
+  ep.server_ok(sock, auth)
+  with ep.lock:
+    ep.shm_listeners.append(server)
+    arenas = list(ep.arenas.values())
+  try:
+    for arena in arenas: server.announce(arena)
+    while True:
+      f = wire.recv_frame(sock)
+      if f.op == COMMIT and f.flags & NOTIFY: ep.deliver(server.peer, f.value, f.batch, f.nbytes)
+      elif f.op == CLOSE: return
+      else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[f.op]} frame")
+  finally:
+    with ep.lock: ep.shm_listeners.remove(server)

@@ -1,0 +1,243 @@
+"""tcp transport: for nodes without RDMA. Several parallel streams per peer; the receiver lands every WRITE straight into
+the exposed region (recv_into a memoryview of registered memory) after checking the region's bounds.
+
+A batch's pieces are spread over the streams; its COMMIT frame carries the batch's total bytes. The receiver counts
+bytes landed per batch across all streams of the session, and once all have landed it delivers the notification and
+ACKs on the stream that carried the COMMIT. A peer that breaks the protocol (unknown region, out-of-bounds span, more
+bytes than committed, garbage) gets an ERROR frame and loses its whole session; nothing outside the addressed span is
+written and the node's other peers are untouched.
+"""
+from __future__ import annotations
+import itertools, queue, secrets, socket, threading
+from tinyhet.runtime import wire
+from tinyhet.runtime.wire import Frame, WRITE, COMMIT, ACK, READ, DATA, ERROR, CLOSE, NOTIFY
+from tinyhet.runtime.transport import Transfer, TransportError, Piece, coalesce, split, local_view
+
+MAX_PIECE = 4 << 20          # a span larger than this is cut so that parallel streams share it
+INLINE_BYTES = 256 << 10     # batches up to this size are sent by the caller's thread (lowest latency); larger ones by stream threads
+MAX_OPEN_BATCHES = 4096      # a session with more uncommitted batches than this is dropped
+MAX_ERROR_TEXT = 4096
+SOCKET_BUFFER = 4 << 20
+
+def _tune(sock: socket.socket):
+  for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+    try: sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+    except OSError: pass
+
+def _error_frame(batch: int, message: str) -> list:
+  text = message.encode()[:MAX_ERROR_TEXT]
+  return [Frame(ERROR, batch=batch, nbytes=len(text)).pack(), text]
+
+# ---------------------------------------------------------------- writer side
+
+class Stream:
+  """One TCP connection of a link: a send lock, a sender thread for large batches, a reader thread for replies."""
+  def __init__(self, link: Link, sock: socket.socket, index: int):
+    self.link, self.sock, self.index = link, sock, index
+    self.send_lock = threading.Lock()
+    self.queue: queue.SimpleQueue = queue.SimpleQueue()
+    _tune(sock)
+    self.sender = threading.Thread(target=self._send_loop, name=f"tinyhet-tcp-send-{link.peer}-{index}", daemon=True)
+    self.reader = threading.Thread(target=self._read_loop, name=f"tinyhet-tcp-recv-{link.peer}-{index}", daemon=True)
+    self.sender.start()
+    self.reader.start()
+
+  def send(self, buffers: list):
+    with self.send_lock: wire.send_all(self.sock, buffers)
+
+  def _send_loop(self):
+    while (item := self.queue.get()) is not None:
+      batch, buffers = item
+      try: self.send(buffers)
+      except OSError as e:
+        self.link.fail_all(f"sending to {self.link.peer} failed: {e}")
+        return
+
+  def _read_loop(self):
+    try:
+      while True:
+        f = wire.recv_frame(self.sock)
+        if f.op == ACK: self.link.finish(f.batch)
+        elif f.op == DATA: self.link.land_read(self.sock, f)
+        elif f.op == ERROR:
+          text = wire.recv_exact(self.sock, min(f.nbytes, MAX_ERROR_TEXT)).decode(errors="replace")
+          self.link.fail_all(f"{self.link.peer} dropped the connection: {text}")
+          return
+        else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[f.op]} frame from {self.link.peer}")
+    except (OSError, wire.ProtocolError) as e:
+      self.link.fail_all(f"connection to {self.link.peer} lost: {e}")
+
+class Link:
+  """The writer's side of a tcp connection to one peer."""
+  @staticmethod
+  def connect(ep, address: str, sock: socket.socket, hello: dict) -> Link:
+    session, n = secrets.token_hex(8), ep.cfg.tcp_streams
+    ep.client_auth(sock, hello, "tcp", session=session, stream=0, streams=n)
+    socks = [sock]
+    try:
+      for k in range(1, n):
+        s = ep.dial(address)
+        socks.append(s)
+        h = wire.recv_json(s)
+        ep._check_hello(h, address)
+        ep.client_auth(s, h, "tcp", session=session, stream=k, streams=n)
+    except BaseException:
+      for s in socks[1:]: s.close()
+      raise
+    for s in socks: s.settimeout(None)
+    return Link(hello["node"], socks)
+
+  def __init__(self, peer: str, socks: list[socket.socket]):
+    self.peer, self.lock, self.broken = peer, threading.Lock(), None
+    self.pending: dict[int, Transfer] = {}
+    self.reads: dict[tuple[int, int], memoryview] = {}
+    self.reads_left: dict[int, int] = {}
+    self.batch_ids = itertools.count(1)
+    self.streams = [Stream(self, s, k) for k, s in enumerate(socks)]
+
+  def _start(self, kind: str, nbytes: int) -> Transfer:
+    with self.lock:
+      if self.broken: raise TransportError(f"connection to {self.peer} is broken: {self.broken}")
+      t = Transfer(self.peer, kind, next(self.batch_ids), nbytes)
+      self.pending[t.batch] = t
+    return t
+
+  def write(self, pieces: list[Piece], notify: int | None) -> Transfer:
+    pieces = split(coalesce(pieces), MAX_PIECE)
+    t = self._start("write", sum(p.nbytes for p in pieces))
+    per_stream: list[list] = [[] for _ in self.streams]
+    for i, p in enumerate(pieces):
+      per_stream[i % len(self.streams)] += [Frame(WRITE, batch=t.batch, region=p.region_id, offset=p.region_offset, nbytes=p.nbytes).pack(), local_view(p)]
+    commit = Frame(COMMIT, flags=NOTIFY if notify is not None else 0, value=notify or 0, batch=t.batch, nbytes=t.nbytes).pack()
+    per_stream[t.batch % len(self.streams)].append(commit)
+    try:
+      for stream, buffers in zip(self.streams, per_stream):
+        if not buffers: continue
+        if t.nbytes <= INLINE_BYTES: stream.send(buffers)
+        else:
+          for i in range(0, len(buffers), 2): stream.queue.put((t.batch, buffers[i:i + 2]))
+    except OSError as e: self.fail_all(f"sending to {self.peer} failed: {e}")
+    return t
+
+  def read(self, pieces: list[Piece]) -> Transfer:
+    pieces = split(coalesce(pieces), MAX_PIECE)
+    t = self._start("read", sum(p.nbytes for p in pieces))
+    with self.lock:
+      self.reads_left[t.batch] = len(pieces)
+      for tag, p in enumerate(pieces): self.reads[(t.batch, tag)] = local_view(p)
+    try:
+      for tag, p in enumerate(pieces):
+        self.streams[tag % len(self.streams)].send([Frame(READ, batch=t.batch, tag=tag, region=p.region_id, offset=p.region_offset, nbytes=p.nbytes).pack()])
+    except OSError as e: self.fail_all(f"sending to {self.peer} failed: {e}")
+    return t
+
+  def land_read(self, sock: socket.socket, f: Frame):
+    with self.lock: view = self.reads.pop((f.batch, f.tag), None)
+    if view is None or len(view) != f.nbytes: raise wire.ProtocolError(f"{self.peer} sent data for no pending read (batch {f.batch}, tag {f.tag})")
+    wire.recv_into_exact(sock, view)
+    with self.lock:
+      self.reads_left[f.batch] -= 1
+      last = self.reads_left[f.batch] == 0
+      if last: del self.reads_left[f.batch]
+    if last: self.finish(f.batch)
+
+  def finish(self, batch: int):
+    with self.lock: t = self.pending.pop(batch, None)
+    if t is not None: t.finish()
+
+  def fail_all(self, why: str):
+    with self.lock:
+      self.broken = self.broken or why
+      pending, self.pending = list(self.pending.values()), {}
+      self.reads.clear()
+    for t in pending: t.finish(why)
+
+  def close(self):
+    self.fail_all("the link was closed")
+    for s in self.streams:
+      s.queue.put(None)
+      try:
+        with s.send_lock: s.sock.sendall(Frame(CLOSE).pack())
+      except OSError: pass
+      try: s.sock.shutdown(socket.SHUT_RDWR)
+      except OSError: pass
+    for s in self.streams:
+      s.sender.join(timeout=5)
+      s.reader.join(timeout=5)
+      s.sock.close()
+
+# ---------------------------------------------------------------- receiver side
+
+class Session:
+  """The receiver's view of one writer: its streams, and the bytes landed per batch across them."""
+  def __init__(self, ep, peer: str, streams: int):
+    self.ep, self.peer, self.streams = ep, peer, streams
+    self.lock = threading.Lock()
+    self.batches: dict[int, list] = {}            # batch -> [landed, committed total or None, notify value or None, reply stream]
+    self.socks: dict[socket.socket, threading.Lock] = {}
+
+  def landed(self, batch: int, nbytes: int): self._update(batch, nbytes, None, None, None)
+  def commit(self, batch: int, total: int, value: int | None, reply): self._update(batch, 0, total, value, reply)
+
+  def _update(self, batch: int, nbytes: int, total: int | None, value: int | None, reply):
+    with self.lock:
+      b = self.batches.get(batch)
+      if b is None:
+        if len(self.batches) >= MAX_OPEN_BATCHES: raise wire.ProtocolError(f"more than {MAX_OPEN_BATCHES} uncommitted batches")
+        b = self.batches[batch] = [0, None, None, None]
+      b[0] += nbytes
+      if total is not None:
+        if b[1] is not None: raise wire.ProtocolError(f"batch {batch} committed twice")
+        b[1], b[2], b[3] = total, value, reply
+      if b[1] is not None and b[0] > b[1]: raise wire.ProtocolError(f"batch {batch}: {b[0]} bytes landed but {b[1]} were committed")
+      done = b[1] is not None and b[0] == b[1]
+      if done: del self.batches[batch]
+    if done:
+      if b[2] is not None: self.ep.deliver(self.peer, b[2], batch, b[1])
+      sock, lock = b[3]
+      with lock: sock.sendall(Frame(ACK, batch=batch, nbytes=b[1]).pack())
+
+  def drop(self):
+    with self.lock: socks = list(self.socks)
+    for s in socks:
+      try: s.shutdown(socket.SHUT_RDWR)
+      except OSError: pass
+
+def serve(ep, sock: socket.socket, auth: dict):
+  """Serve one stream of a writer's session until it closes or breaks the protocol."""
+  session_id, index, streams = auth.get("session"), auth.get("stream"), auth.get("streams")
+  if not isinstance(session_id, str) or not isinstance(streams, int) or not isinstance(index, int) or not 0 <= index < streams <= 64:
+    raise wire.ProtocolError(f"bad tcp session fields {session_id!r} {index!r} {streams!r}")
+  key = (auth["node"], session_id)
+  with ep.lock: session = ep.tcp_sessions.setdefault(key, Session(ep, auth["node"], streams))
+  send_lock = threading.Lock()
+  with session.lock: session.socks[sock] = send_lock
+  _tune(sock)
+  ep.server_ok(sock, auth)
+  try:
+    while True:
+      f = wire.recv_frame(sock)
+      if f.op == WRITE:
+        wire.recv_into_exact(sock, ep.lookup(f.region, f.offset, f.nbytes))
+        session.landed(f.batch, f.nbytes)
+      elif f.op == COMMIT: session.commit(f.batch, f.nbytes, f.value if f.flags & NOTIFY else None, (sock, send_lock))
+      elif f.op == READ:
+        view = ep.lookup(f.region, f.offset, f.nbytes)
+        with send_lock: wire.send_all(sock, [Frame(DATA, batch=f.batch, tag=f.tag, nbytes=f.nbytes).pack(), view])
+      elif f.op == CLOSE: return
+      else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[f.op]} frame")
+  except wire.ProtocolError as e:
+    try:
+      with send_lock: wire.send_all(sock, _error_frame(0, str(e)))
+    except OSError: pass
+    session.drop()
+    raise
+  except OSError:
+    session.drop()
+    raise
+  finally:
+    with session.lock:
+      session.socks.pop(sock, None)
+      last = not session.socks
+    if last:
+      with ep.lock: ep.tcp_sessions.pop(key, None)

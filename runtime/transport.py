@@ -1,0 +1,340 @@
+"""One transport interface for moving KV bytes between nodes, whatever carries them (verbs, tcp, shm).
+
+A node opens an Endpoint, registers its arenas once and exposes regions (each exposure gives a RegionDescriptor a peer
+can use). A peer connects and moves bytes with a few flat calls:
+
+  ep = Endpoint("prefill0", token=...)            # server side: ep.listen("0.0.0.0", 7470); ep.expose(region)
+  peer = ep.connect("decode0-host:7470")          # transport: auto | verbs | tcp | shm
+  t = ep.write(peer, [Span(local, 0, remote_desc, 0, n), ...], notify=7)
+  t.wait(timeout=10)                              # every byte landed; the receiver's ep.wait_notice() returns Notice(value=7)
+  ep.read(peer, spans).wait()
+
+A write is one-sided: the receiver's code does not take part (tcp's receiving thread lands bytes straight into the
+registered region after checking its bounds). Neighbouring spans coalesce; spans over a transport's message limit split.
+`auto` picks verbs when both nodes have an RDMA device, shm when the peer shares this host (and network namespace),
+tcp otherwise.
+"""
+from __future__ import annotations
+import importlib, itertools, os, queue, secrets, socket, threading, time
+from dataclasses import dataclass, replace
+from tinyhet.config import Config, load_config, TRANSPORTS
+from tinyhet.runtime.arena import Arena, Region
+from tinyhet.runtime.descriptor import RegionDescriptor
+from tinyhet.runtime import wire
+
+HANDSHAKE_TIMEOUT = 10.0
+
+class TransportError(RuntimeError):
+  """A transfer or connection failed; the message names the peer and what was outstanding."""
+
+class TransportUnavailable(TransportError):
+  """A transport cannot be used here; the message says why and what to use instead."""
+
+@dataclass(frozen=True)
+class Span:
+  """nbytes from local[local_offset:] to the part of a remote region that `remote` describes, at remote_offset within it."""
+  local: Region
+  local_offset: int
+  remote: RegionDescriptor
+  remote_offset: int
+  nbytes: int
+
+@dataclass(frozen=True)
+class Piece:
+  """A span resolved to what a transport needs: local arena bytes, and the remote region's id, address, key and offset."""
+  arena: Arena
+  start: int            # offset of the local bytes in their arena
+  region_id: int
+  addr: int
+  rkey: int
+  region_offset: int
+  nbytes: int
+
+def to_pieces(spans: list[Span], node: str) -> list[Piece]:
+  pieces = []
+  for s in spans:
+    if s.remote.node != node: raise TransportError(f"span targets node {s.remote.node!r}, but this peer is {node!r}")
+    if s.nbytes <= 0: raise TransportError(f"span of {s.nbytes} bytes: a span must move at least one byte")
+    if s.local_offset < 0 or s.local_offset + s.nbytes > s.local.nbytes:
+      raise TransportError(f"local span [{s.local_offset}, {s.local_offset + s.nbytes}) is outside its {s.local.nbytes}-byte region")
+    if s.remote_offset < 0 or s.remote_offset + s.nbytes > s.remote.length:
+      raise TransportError(f"remote span [{s.remote_offset}, {s.remote_offset + s.nbytes}) is outside the {s.remote.length} bytes described "
+                           f"(region {s.remote.region_id} of {node})")
+    pieces.append(Piece(s.local.arena, s.local.offset + s.local_offset, s.remote.region_id, s.remote.addr, s.remote.rkey, s.remote.offset + s.remote_offset, s.nbytes))
+  return pieces
+
+def coalesce(pieces: list[Piece]) -> list[Piece]:
+  """Merge neighbours that are contiguous on both sides (same local arena, same remote region)."""
+  out: list[Piece] = []
+  for p in pieces:
+    if out and (q := out[-1]).region_id == p.region_id and q.arena is p.arena and q.start + q.nbytes == p.start \
+       and q.region_offset + q.nbytes == p.region_offset:
+      out[-1] = replace(q, nbytes=q.nbytes + p.nbytes)
+    else: out.append(p)
+  return out
+
+def split(pieces: list[Piece], limit: int) -> list[Piece]:
+  """Cut pieces larger than a transport's message limit."""
+  out = []
+  for p in pieces:
+    for off in range(0, p.nbytes, limit):
+      out.append(replace(p, start=p.start + off, region_offset=p.region_offset + off, nbytes=min(limit, p.nbytes - off)))
+  return out
+
+class Transfer:
+  """A batch in flight. wait() returns once every byte has landed (or been read), and raises with context otherwise."""
+  def __init__(self, peer: str, kind: str, batch: int, nbytes: int):
+    self.peer, self.kind, self.batch, self.nbytes = peer, kind, batch, nbytes
+    self.started, self.finished, self.error = time.perf_counter(), None, None
+    self._event = threading.Event()
+
+  def finish(self, error: str | None = None):
+    if self._event.is_set(): return
+    self.error, self.finished = error, time.perf_counter()
+    self._event.set()
+
+  def done(self) -> bool: return self._event.is_set()
+
+  def wait(self, timeout: float | None = 60.0) -> Transfer:
+    if not self._event.wait(timeout):
+      raise TimeoutError(f"{self.kind} batch {self.batch} with {self.peer}: {self.nbytes} bytes not confirmed after {timeout} s")
+    if self.error is not None: raise TransportError(f"{self.kind} batch {self.batch} with {self.peer} failed: {self.error}")
+    return self
+
+  @property
+  def seconds(self) -> float: return (self.finished or time.perf_counter()) - self.started
+  def __repr__(self): return f"<Transfer {self.kind} #{self.batch} {self.peer} {self.nbytes}B {'done' if self.done() else 'in flight'}>"
+
+@dataclass(frozen=True)
+class Notice:
+  """A writer's notification: delivered only after every byte of its batch has landed."""
+  peer: str
+  value: int
+  batch: int
+  nbytes: int
+  time: float
+
+@dataclass
+class Peer:
+  """A connection from this endpoint to another node, over one transport."""
+  name: str
+  address: str
+  transport: str
+  link: object
+  def close(self): self.link.close()
+
+def transport_module(name: str):
+  if name not in ("tcp", "shm", "verbs"): raise TransportUnavailable(f"unknown transport {name!r} (choose one of {', '.join(TRANSPORTS)})")
+  return importlib.import_module(f"tinyhet.runtime.{name}")
+
+def available_transports() -> dict[str, str | None]:
+  """transport -> None if usable here, else the reason it is not."""
+  from tinyhet.runtime import verbs
+  return {"tcp": None, "shm": None if hasattr(os, "memfd_create") else "no memfd_create on this OS", "verbs": verbs.unavailable_reason()}
+
+class Endpoint:
+  """This node's end of every transport: registered arenas, exposed regions, listeners, peers and received notices."""
+  def __init__(self, name: str | None = None, token: str | None = None, config: Config | None = None):
+    self.cfg = config or load_config()
+    self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+    self.token = token or self.cfg.token or secrets.token_hex(16)
+    self.host = wire.host_id()
+    self.arenas: dict[int, Arena] = {}
+    self.exposed: dict[int, Region] = {}
+    self.notices: queue.Queue[Notice] = queue.Queue()
+    self.lock = threading.Lock()
+    self.closed = False
+    self.address: str | None = None
+    self.unix_name: str | None = None
+    self._region_ids = itertools.count(1)
+    self._threads: list[threading.Thread] = []
+    self._sockets: set[socket.socket] = set()
+    self._peers: list[Peer] = []
+    self._listeners: list[socket.socket] = []
+    self.verbs = None                     # tinyhet.runtime.verbs.Device when this node has an RDMA device
+    self.transports = [t for t, why in available_transports().items() if why is None]
+    if "verbs" in self.transports: self.verbs = transport_module("verbs").Device.open(self.cfg)
+    self.shm_listeners: list = []         # shm peers served by this endpoint, told about arenas registered later
+    self.tcp_sessions: dict = {}          # (peer, session id) -> tinyhet.runtime.tcp.Session
+
+  # ---- memory
+  def register(self, arena: Arena):
+    """Register an arena once with every transport that needs it (verbs: one memory registration; shm: peers map it)."""
+    with self.lock:
+      if arena.id in self.arenas: return
+      self.arenas[arena.id] = arena
+      if self.verbs is not None: self.verbs.register(arena)
+      listeners = list(self.shm_listeners)
+    for serve in listeners: serve.announce(arena)
+
+  def expose(self, region: Region) -> RegionDescriptor:
+    """Make a region writable/readable by authenticated peers; returns its descriptor."""
+    self.register(region.arena)
+    with self.lock:
+      region_id = next(self._region_ids)
+      self.exposed[region_id] = region
+    rkey = self.verbs.rkey(region.arena) if self.verbs is not None else 0
+    return RegionDescriptor(self.name, region_id, region.addr, rkey, 0, region.nbytes, frozenset(self.transports))
+
+  def withdraw(self, desc: RegionDescriptor):
+    """Stop serving a region (before freeing it): later writes to it are refused."""
+    with self.lock: self.exposed.pop(desc.region_id, None)
+
+  def lookup(self, region_id: int, offset: int, nbytes: int) -> memoryview:
+    """The bytes a peer addresses, after checking them against the exposed region's bounds (raises ProtocolError)."""
+    region = self.exposed.get(region_id)
+    if region is None: raise wire.ProtocolError(f"region {region_id} is not exposed by {self.name}")
+    if nbytes <= 0 or offset < 0 or offset + nbytes > region.nbytes:
+      raise wire.ProtocolError(f"span [{offset}, {offset + nbytes}) is outside region {region_id} ({region.nbytes} bytes)")
+    return region.view(offset, nbytes)
+
+  # ---- connections
+  def listen(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    """Accept peers on host:port (TCP: handshakes, tcp and verbs) and on an abstract unix socket (shm). Returns host:port."""
+    srv = socket.create_server((host, port), reuse_port=False, backlog=64)
+    self._listeners.append(srv)
+    self.address = f"{host}:{srv.getsockname()[1]}"
+    self._spawn(f"tinyhet-accept-{self.address}", self._accept_loop, srv)
+    if "shm" in self.transports:
+      self.unix_name = f"\0tinyhet-{self.name}-{secrets.token_hex(6)}"
+      usrv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+      usrv.bind(self.unix_name)
+      usrv.listen(64)
+      self._listeners.append(usrv)
+      self._spawn("tinyhet-accept-unix", self._accept_loop, usrv)
+    return self.address
+
+  def connect(self, address: str, transport: str | None = None, timeout: float = HANDSHAKE_TIMEOUT) -> Peer:
+    """Connect to a node's listen address; transport None takes the configured one (auto by default)."""
+    wanted = transport or self.cfg.transport
+    if wanted not in TRANSPORTS: raise TransportUnavailable(f"unknown transport {wanted!r} (choose one of {', '.join(TRANSPORTS)})")
+    sock = self.dial(address, timeout)
+    try:
+      hello = wire.recv_json(sock)
+      self._check_hello(hello, address)
+      chosen = self._choose(wanted, hello, address)
+      link = transport_module(chosen).Link.connect(self, address, sock, hello)
+    except BaseException:
+      sock.close()
+      raise
+    peer = Peer(hello["node"], address, chosen, link)
+    with self.lock: self._peers.append(peer)
+    return peer
+
+  def dial(self, address: str, timeout: float = HANDSHAKE_TIMEOUT) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit(): raise TransportError(f"address {address!r} is not host:port")
+    try: sock = socket.create_connection((host, int(port)), timeout=timeout)
+    except OSError as e: raise TransportError(f"cannot connect to {address}: {e.strerror or e}. Is a tinyhet node listening there?") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+  def _check_hello(self, hello: dict, address: str):
+    if hello.get("tinyhet") != wire.PROTOCOL or not isinstance(hello.get("node"), str) or not isinstance(hello.get("nonce"), str):
+      raise TransportError(f"{address} is not a tinyhet node speaking protocol {wire.PROTOCOL} (got {str(hello)[:100]!r})")
+
+  def _choose(self, wanted: str, hello: dict, address: str) -> str:
+    theirs, same_host = set(hello.get("transports") or []), hello.get("host") == self.host and bool(hello.get("unix"))
+    if wanted == "auto":
+      if "verbs" in self.transports and "verbs" in theirs: return "verbs"
+      return "shm" if same_host and "shm" in self.transports else "tcp"
+    if wanted == "verbs" and "verbs" not in self.transports: raise TransportUnavailable(f"verbs is unavailable here: {available_transports()['verbs']}")
+    if wanted not in theirs: raise TransportUnavailable(f"{hello['node']} at {address} does not offer {wanted} (it offers {', '.join(sorted(theirs))})")
+    if wanted == "shm" and not same_host:
+      raise TransportUnavailable(f"{hello['node']} at {address} is on another host or network namespace: shm needs the same host; use tcp")
+    return wanted
+
+  def client_auth(self, sock: socket.socket, hello: dict, transport: str, **extra) -> dict:
+    """Prove the token to the server, check the server's proof, return the server's OK message."""
+    nonce = wire.new_nonce()
+    wire.send_json(sock, {"node": self.name, "transport": transport, "nonce": nonce,
+                          "proof": wire.proof(self.token, hello["nonce"], "client", self.name), **extra})
+    ok = wire.recv_json(sock)
+    if "error" in ok: raise TransportError(f"{hello['node']} refused the connection: {ok['error']}")
+    if not wire.check_proof(self.token, nonce, "server", hello["node"], ok.get("proof")):
+      raise TransportError(f"{hello['node']} did not prove the shared token: check TINYHET_TOKEN on both nodes")
+    return ok
+
+  def server_ok(self, sock: socket.socket, auth: dict, **extra):
+    wire.send_json(sock, {"proof": wire.proof(self.token, auth["nonce"], "server", self.name), **extra})
+
+  def _accept_loop(self, srv: socket.socket):
+    while not self.closed:
+      try: sock, _ = srv.accept()
+      except OSError: return
+      if srv.family == socket.AF_INET or srv.family == socket.AF_INET6: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      with self.lock: self._sockets.add(sock)
+      self._spawn("tinyhet-serve", self._serve_connection, sock)
+
+  def _serve_connection(self, sock: socket.socket):
+    """Handshake, then hand the connection to the transport the client asked for. A bad client only loses its connection."""
+    unix = sock.family == socket.AF_UNIX
+    peer = "?"
+    try:
+      sock.settimeout(HANDSHAKE_TIMEOUT)
+      nonce = wire.new_nonce()
+      wire.send_json(sock, {"tinyhet": wire.PROTOCOL, "node": self.name, "host": self.host, "nonce": nonce,
+                            "transports": self.transports, "unix": self.unix_name})
+      auth = wire.recv_json(sock)
+      peer, transport = auth.get("node"), auth.get("transport")
+      if not isinstance(peer, str) or not isinstance(auth.get("nonce"), str) or not wire.check_proof(self.token, nonce, "client", peer, auth.get("proof")):
+        wire.send_json(sock, {"error": "authentication failed: the peer did not prove the shared token (TINYHET_TOKEN)"})
+        return
+      if transport not in self.transports or (transport == "shm") != unix:
+        wire.send_json(sock, {"error": f"transport {transport!r} is not served on this socket (offered: {', '.join(self.transports)})"})
+        return
+      sock.settimeout(None)
+      threading.current_thread().name = f"tinyhet-{transport}-serve-{peer}"
+      transport_module(transport).serve(self, sock, auth)
+    except (OSError, wire.ProtocolError, ValueError) as e:
+      if not self.closed and os.environ.get("TINYHET_DEBUG"): print(f"tinyhet: {self.name}: dropped peer {peer}: {e}")
+    finally:
+      with self.lock: self._sockets.discard(sock)
+      sock.close()
+
+  def _spawn(self, name: str, target, *args) -> threading.Thread:
+    t = threading.Thread(target=target, args=args, name=name, daemon=True)
+    with self.lock:
+      self._threads = [x for x in self._threads if x.is_alive()]
+      self._threads.append(t)
+    t.start()
+    return t
+
+  # ---- the flat transfer calls
+  def write(self, peer: Peer, spans: list[Span], notify: int | None = None) -> Transfer:
+    """Post a one-sided write of spans to peer. notify (u32) reaches the receiver only after every byte has landed."""
+    if notify is not None and not 0 <= notify < 1 << 32: raise TransportError(f"notify value {notify} is not a u32")
+    return peer.link.write(to_pieces(spans, peer.name), notify)
+
+  def read(self, peer: Peer, spans: list[Span]) -> Transfer:
+    """Post a one-sided read: the remote parts of spans are copied into the local parts."""
+    return peer.link.read(to_pieces(spans, peer.name))
+
+  def wait_notice(self, timeout: float | None = 60.0) -> Notice:
+    try: return self.notices.get(timeout=timeout)
+    except queue.Empty: raise TimeoutError(f"{self.name}: no notification arrived within {timeout} s") from None
+
+  def deliver(self, peer: str, value: int, batch: int, nbytes: int):
+    self.notices.put(Notice(peer, value, batch, nbytes, time.perf_counter()))
+
+  def close(self):
+    """Close listeners, peers and served connections; stop this endpoint's threads."""
+    if self.closed: return
+    self.closed = True
+    for s in self._listeners:
+      try: s.shutdown(socket.SHUT_RDWR)      # wakes the thread blocked in accept(); close() alone does not
+      except OSError: pass
+      s.close()
+    with self.lock: peers, socks = list(self._peers), list(self._sockets)
+    for p in peers: p.close()
+    for s in socks:
+      try: s.shutdown(socket.SHUT_RDWR)
+      except OSError: pass
+    for t in self._threads:
+      if t is not threading.current_thread(): t.join(timeout=5)
+    if self.verbs is not None: self.verbs.close()
+
+  def __enter__(self): return self
+  def __exit__(self, *exc): self.close()
+
+def local_view(p: Piece) -> memoryview: return p.arena.view(p.start, p.nbytes)

@@ -1,0 +1,99 @@
+"""Bytes on the wire: the handshake (length-prefixed JSON, mutual token proof) and the fixed 48-byte data frame header.
+
+Data frame header, little-endian: magic u16 "th" | op u8 | flags u8 | value u32 | batch u64 | tag u64 | region u64 |
+offset u64 | nbytes u64. A WRITE or DATA frame is followed by nbytes of payload. Anything else a peer sends is a
+protocol error and drops that peer.
+"""
+from __future__ import annotations
+import hashlib, hmac, json, os, socket, struct
+from dataclasses import dataclass
+
+PROTOCOL = 1
+MAGIC = 0x6874
+HEADER = struct.Struct("<HBBIQQQQQ")
+JSON_LIMIT = 1 << 16
+
+# ops
+WRITE, COMMIT, ACK, READ, DATA, ERROR, CLOSE, ARENA = 1, 2, 3, 4, 5, 6, 7, 8
+OP_NAMES = {WRITE: "WRITE", COMMIT: "COMMIT", ACK: "ACK", READ: "READ", DATA: "DATA", ERROR: "ERROR", CLOSE: "CLOSE", ARENA: "ARENA"}
+NOTIFY = 1   # COMMIT flag: value is a notification for the receiver
+
+class ProtocolError(ConnectionError):
+  """A peer sent bytes that do not follow the protocol; the connection is dropped."""
+
+@dataclass(frozen=True)
+class Frame:
+  op: int
+  flags: int = 0
+  value: int = 0
+  batch: int = 0
+  tag: int = 0
+  region: int = 0
+  offset: int = 0
+  nbytes: int = 0
+
+  def pack(self) -> bytes: return HEADER.pack(MAGIC, self.op, self.flags, self.value, self.batch, self.tag, self.region, self.offset, self.nbytes)
+
+  @staticmethod
+  def unpack(data: bytes) -> Frame:
+    magic, op, flags, value, batch, tag, region, offset, nbytes = HEADER.unpack(data)
+    if magic != MAGIC: raise ProtocolError(f"bad frame magic {magic:#06x}")
+    if op not in OP_NAMES: raise ProtocolError(f"unknown frame op {op}")
+    return Frame(op, flags, value, batch, tag, region, offset, nbytes)
+
+def recv_into_exact(sock: socket.socket, view: memoryview):
+  """Fill view from sock; a peer that closes midway raises ConnectionError."""
+  got, n = 0, len(view)
+  while got < n:
+    k = sock.recv_into(view[got:], n - got)
+    if k == 0: raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+    got += k
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+  buf = bytearray(n)
+  recv_into_exact(sock, memoryview(buf))
+  return bytes(buf)
+
+def recv_frame(sock: socket.socket) -> Frame: return Frame.unpack(recv_exact(sock, HEADER.size))
+
+def send_all(sock: socket.socket, buffers: list):
+  """sendmsg until every byte of buffers is out: one syscall for a header and its payload, no copy of the payload."""
+  views = [memoryview(b).cast("B") for b in buffers if len(b)]
+  while views:
+    sent = sock.sendmsg(views)
+    while views and sent >= len(views[0]):
+      sent -= len(views[0])
+      views.pop(0)
+    if views and sent: views[0] = views[0][sent:]
+
+def send_json(sock: socket.socket, obj: dict):
+  data = json.dumps(obj).encode()
+  if len(data) > JSON_LIMIT: raise ValueError(f"handshake message of {len(data)} bytes exceeds {JSON_LIMIT}")
+  sock.sendall(struct.pack("<I", len(data)) + data)
+
+def recv_json(sock: socket.socket) -> dict:
+  (n,) = struct.unpack("<I", recv_exact(sock, 4))
+  if n > JSON_LIMIT: raise ProtocolError(f"handshake message of {n} bytes exceeds {JSON_LIMIT}")
+  try: obj = json.loads(recv_exact(sock, n))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e: raise ProtocolError(f"handshake message is not JSON: {e}") from None
+  if not isinstance(obj, dict): raise ProtocolError("handshake message is not a JSON object")
+  return obj
+
+def proof(token: str, nonce_hex: str, role: str, node: str) -> str:
+  """HMAC-SHA256 of the peer's nonce: proves the token without sending it."""
+  return hmac.new(token.encode(), f"{PROTOCOL}|{role}|{node}|{nonce_hex}".encode(), hashlib.sha256).hexdigest()
+
+def check_proof(token: str, nonce_hex: str, role: str, node: str, given) -> bool:
+  return isinstance(given, str) and hmac.compare_digest(proof(token, nonce_hex, role, node), given)
+
+def new_nonce() -> str: return os.urandom(16).hex()
+
+def host_id() -> str:
+  """Same value for two processes iff they share memory and a network namespace: then shm can reach the peer."""
+  parts = []
+  for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+    try: parts.append(open(path).read().strip())
+    except OSError: parts.append(socket.gethostname())
+  try: parts.append(str(os.stat("/proc/self/ns/net").st_ino))
+  except OSError: pass
+  return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]

@@ -1,0 +1,276 @@
+import json, os, pathlib, signal, socket, subprocess, sys, time
+import numpy as np, pytest
+from hypothesis import given, settings, strategies as st, HealthCheck
+from tinyhet.config import load_config
+from tinyhet.runtime import wire
+from tinyhet.runtime.arena import Arena
+from tinyhet.runtime.descriptor import RegionDescriptor
+from tinyhet.runtime.transport import Endpoint, Span, Piece, TransportError, TransportUnavailable, coalesce, split, to_pieces, available_transports
+from tinyhet.runtime.memory_node import fill
+from transport_util import MemoryNode, TOKEN, raw_tcp_session, sha
+
+REMOTE_BYTES = 4 << 20
+
+# ---------------------------------------------------------------- coalescing and splitting (pure)
+
+def byte_map(pieces):
+  """(arena id, local byte) -> (region, remote byte) for every byte the pieces move."""
+  out = {}
+  for p in pieces:
+    for i in range(p.nbytes): out[(id(p.arena), p.start + i)] = (p.region_id, p.region_offset + i)
+  return out
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 300), st.integers(1, 2), st.integers(0, 300), st.integers(1, 40)), max_size=12),
+       st.integers(1, 50))
+def test_coalesce_and_split_keep_every_byte(raw, limit):
+  arenas = [object(), object()]
+  # build pieces that often touch their predecessor on both sides
+  pieces, prev = [], None
+  for arena_i, start, region, roff, n in raw:
+    if prev is not None and start % 3 == 0: arena_i, region, start, roff = prev[0], prev[1], prev[2] + prev[4], prev[3] + prev[4]
+    pieces.append(Piece(arenas[arena_i], start, region, 0, 0, roff, n))
+    prev = (arena_i, region, start, roff, n)
+  merged = coalesce(pieces)
+  assert sum(p.nbytes for p in merged) == sum(p.nbytes for p in pieces)
+  assert byte_map(merged) == byte_map(pieces)
+  for a, b in zip(merged, merged[1:]):
+    assert not (a.arena is b.arena and a.region_id == b.region_id and a.start + a.nbytes == b.start and a.region_offset + a.nbytes == b.region_offset)
+  cut = split(merged, limit)
+  assert all(0 < p.nbytes <= limit for p in cut) and byte_map(cut) == byte_map(pieces)
+
+def test_spans_are_checked_before_anything_moves():
+  arena = Arena(1 << 20, "local", hugepages=False)
+  r = arena.alloc(4096)
+  d = RegionDescriptor("far", 3, 0x10000, 0, 0, 8192).narrow(4096, 4096)
+  assert to_pieces([Span(r, 0, d, 0, 4096)], "far")[0].region_offset == 4096
+  with pytest.raises(TransportError, match="targets node 'far'"): to_pieces([Span(r, 0, d, 0, 10)], "other")
+  with pytest.raises(TransportError, match="local span"): to_pieces([Span(r, 100, d, 0, 4096)], "far")
+  with pytest.raises(TransportError, match="remote span"): to_pieces([Span(r, 0, d, 1, 4096)], "far")
+  with pytest.raises(TransportError, match="at least one byte"): to_pieces([Span(r, 0, d, 0, 0)], "far")
+  r.free()
+
+# ---------------------------------------------------------------- two processes
+
+@pytest.fixture(scope="module")
+def node():
+  n = MemoryNode()
+  desc, region = n.expose(REMOTE_BYTES)
+  n.ask(cmd="fill", region=region, seed=1)
+  n.desc, n.region = desc, region
+  n.image = np.empty(REMOTE_BYTES, np.uint8)      # what the remote region must hold
+  fill(memoryview(n.image), 1)
+  yield n
+  n.close()
+
+@pytest.fixture(scope="module")
+def writer():
+  ep = Endpoint("writer", token=TOKEN, config=load_config(env={}))
+  arena = Arena(32 << 20, "writer", hugepages=False)
+  ep.local = arena.alloc(8 << 20)
+  fill(ep.local.view(), 2)
+  yield ep
+  ep.close()
+
+def disjoint_spans(draw, n_spans, remote_bytes, local_bytes, max_len):
+  """Random spans whose remote parts do not overlap (tcp lands pieces of one batch in any order); some touch, to coalesce."""
+  cuts = sorted(draw(st.lists(st.integers(0, remote_bytes), min_size=2 * n_spans, max_size=2 * n_spans, unique=True)))
+  spans = []
+  for i in range(n_spans):
+    lo, hi = cuts[2 * i], cuts[2 * i + 1]
+    if draw(st.booleans()) and spans: lo = spans[-1][1] + spans[-1][2] if spans[-1][1] + spans[-1][2] < hi else lo
+    n = min(hi - lo, max_len)
+    if n <= 0: continue
+    local = draw(st.integers(0, local_bytes - n))
+    spans.append((local, lo, n))
+  return spans
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_two_process_writes_and_reads_are_byte_exact(node, writer, transport, data):
+  peer = writer.__dict__.setdefault(f"peer_{transport}", None) or writer.connect(node.address, transport)
+  writer.__dict__[f"peer_{transport}"] = peer
+  assert peer.transport == transport
+  spans = disjoint_spans(data.draw, data.draw(st.integers(1, 24)), REMOTE_BYTES, writer.local.nbytes, data.draw(st.sampled_from([64, 4096, 300_000, 2 << 20])))
+  local = writer.local.numpy()
+  value = data.draw(st.integers(0, 2**32 - 1))
+  t = writer.write(peer, [Span(writer.local, lo, node.desc, ro, n) for lo, ro, n in spans], notify=value)
+  t.wait(30)
+  for lo, ro, n in spans: node.image[ro:ro + n] = local[lo:lo + n]
+  assert node.ask(cmd="notices", count=1, timeout=10)["notices"] == [["writer", value, sum(n for _, _, n in spans)]]
+  assert node.sha(node.region) == sha(node.image)
+  # read a few spans back, to local offsets equal to the remote ones so that no two reads land on the same bytes
+  back = [(ro, ro, n) for _, ro, n in disjoint_spans(data.draw, 4, REMOTE_BYTES, writer.local.nbytes, 1 << 20)]
+  if back:
+    scratch = Arena(8 << 20, "scratch", hugepages=False)
+    r = scratch.alloc(8 << 20)
+    writer.read(peer, [Span(r, lo, node.desc, ro, n) for lo, ro, n in back]).wait(30)
+    for lo, ro, n in back: assert (r.numpy()[lo:lo + n] == node.image[ro:ro + n]).all()
+    r.free()
+    scratch.close()
+
+def test_auto_picks_shm_on_this_host(node, writer):
+  peer = writer.connect(node.address)
+  assert peer.transport == "shm"
+  peer.close()
+
+def test_wrong_token_is_refused(node):
+  with Endpoint("intruder", token="wrong", config=load_config(env={})) as ep:
+    with pytest.raises(TransportError, match="authentication failed"): ep.connect(node.address, "tcp")
+    with pytest.raises(TransportError, match="authentication failed"): ep.connect(node.address, "shm")
+  with pytest.raises(ConnectionRefusedError, match="authentication failed"): raw_tcp_session(node.address, token="nope")
+
+def test_unknown_transport_and_verbs_unavailable(node, writer):
+  with pytest.raises(TransportUnavailable, match="unknown transport"): writer.connect(node.address, "pigeon")
+  if available_transports()["verbs"] is not None:
+    with pytest.raises(TransportUnavailable, match="verbs is unavailable"): writer.connect(node.address, "verbs")
+
+def test_connect_to_nothing_says_so():
+  with Endpoint("lonely", token=TOKEN, config=load_config(env={})) as ep:
+    with pytest.raises(TransportError, match="cannot connect.*listening"): ep.connect("127.0.0.1:1", "tcp")
+    with pytest.raises(TransportError, match="not host:port"): ep.connect("nonsense", "tcp")
+
+def hostile(node, frames: list[bytes], expect_error: str | None):
+  """Send frames over a fresh authenticated session; the node must drop it (with an ERROR frame when it can)."""
+  before = node.sha(node.region)
+  sock = raw_tcp_session(node.address)
+  try:
+    for f in frames: sock.sendall(f)
+    if expect_error is not None:
+      f = wire.recv_frame(sock)
+      assert f.op == wire.ERROR
+      assert expect_error in wire.recv_exact(sock, f.nbytes).decode()
+    else: sock.shutdown(socket.SHUT_WR)
+    sock.settimeout(10)
+    assert sock.recv(1 << 16) == b""          # the node closed the session
+  finally: sock.close()
+  assert node.sha(node.region) == before
+
+def test_bad_frames_drop_only_that_peer(node, writer):
+  rid, F = node.desc.region_id, wire.Frame
+  hostile(node, [F(wire.WRITE, batch=1, region=rid, offset=REMOTE_BYTES - 10, nbytes=11).pack()], "outside region")
+  hostile(node, [F(wire.WRITE, batch=1, region=rid + 1000, offset=0, nbytes=1).pack()], "not exposed")
+  hostile(node, [F(wire.WRITE, batch=1, region=rid, offset=2**63, nbytes=2**63).pack()], "outside region")
+  hostile(node, [b"\x00" * wire.HEADER.size], "bad frame magic")
+  hostile(node, [wire.HEADER.pack(wire.MAGIC, 99, 0, 0, 0, 0, 0, 0, 0)], "unknown frame op")
+  hostile(node, [F(wire.ACK, batch=1).pack()], "unexpected ACK")
+  hostile(node, [b"th\x01"], None)                                           # truncated header, then the peer leaves
+  # lying about lengths: 16 bytes land, the commit claims 8
+  hostile(node, [F(wire.WRITE, batch=7, region=rid, offset=0, nbytes=16).pack(), node.image[:16].tobytes(),
+                 F(wire.COMMIT, batch=7, nbytes=8).pack()], "were committed")
+  hostile(node, [F(wire.COMMIT, batch=3, nbytes=5).pack(), F(wire.COMMIT, batch=3, nbytes=5).pack()], "committed twice")
+  # the node still serves a well-behaved peer
+  peer = writer.connect(node.address, "tcp")
+  writer.write(peer, [Span(writer.local, 0, node.desc, 100, 1000)], notify=1).wait(10)
+  node.image[100:1100] = writer.local.numpy()[:1000]
+  assert node.ask(cmd="notices", count=1)["notices"][0][1] == 1
+  assert node.sha(node.region) == sha(node.image)
+  peer.close()
+
+KILLER = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from transport_util import raw_tcp_session
+from tinyhet.runtime import wire
+sock = raw_tcp_session({address!r})
+sock.sendall(wire.Frame(wire.WRITE, batch=1, region={rid}, offset={offset}, nbytes={nbytes}).pack())
+sock.sendall(b"\\xab" * ({nbytes} // 2))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+def test_peer_killed_mid_write(node, writer):
+  offset, nbytes = 1 << 20, 1 << 20
+  before_head, before_tail = node.sha(node.region, 0, offset), node.sha(node.region, offset + nbytes, REMOTE_BYTES - offset - nbytes)
+  code = KILLER.format(tests=str(pathlib.Path(__file__).parent), address=node.address, rid=node.desc.region_id, offset=offset, nbytes=nbytes)
+  proc = subprocess.run([sys.executable, "-c", code], timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  # nothing outside the addressed span changed; the half that arrived is inside it
+  assert node.sha(node.region, 0, offset) == before_head
+  assert node.sha(node.region, offset + nbytes, REMOTE_BYTES - offset - nbytes) == before_tail
+  node.image[offset:offset + nbytes // 2] = 0xAB
+  assert node.sha(node.region, offset, nbytes // 2) == sha(node.image[offset:offset + nbytes // 2])
+  # and the node keeps serving
+  peer = writer.connect(node.address, "tcp")
+  writer.write(peer, [Span(writer.local, 0, node.desc, offset, nbytes)], notify=9).wait(10)
+  node.image[offset:offset + nbytes] = writer.local.numpy()[:nbytes]
+  assert node.ask(cmd="notices", count=1)["notices"][0][1] == 9
+  assert node.sha(node.region) == sha(node.image)
+  peer.close()
+
+def test_writer_sees_a_dead_receiver():
+  n = MemoryNode(name="doomed")
+  desc, _ = n.expose(1 << 20)
+  with Endpoint("w", token=TOKEN, config=load_config(env={})) as ep:
+    arena = Arena(4 << 20, "w", hugepages=False)
+    r = arena.alloc(1 << 20)
+    peer = ep.connect(n.address, "tcp")
+    os.kill(n.pid, signal.SIGKILL)
+    n.proc.wait(10)
+    with pytest.raises((TransportError, TimeoutError), match="lost|broken|failed|closed"):
+      for _ in range(50):
+        ep.write(peer, [Span(r, 0, desc, 0, 1 << 20)]).wait(5)
+        time.sleep(0.05)
+  n.close()
+
+# ---------------------------------------------------------------- two hosts: network namespaces joined by a veth pair
+
+def netns_available() -> str | None:
+  if os.geteuid() != 0: return "needs root to create network namespaces"
+  if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0: return "the ip command (iproute2) cannot manage network namespaces"
+  return None
+
+@pytest.fixture
+def two_hosts():
+  if (why := netns_available()): pytest.skip(why)
+  tag = f"th{os.getpid() % 100000}"
+  a, b = f"{tag}a", f"{tag}b"
+  cmds = [f"ip netns add {a}", f"ip netns add {b}", f"ip link add {tag}x netns {a} type veth peer name {tag}y netns {b}",
+          f"ip -n {a} addr add 10.203.0.1/24 dev {tag}x", f"ip -n {b} addr add 10.203.0.2/24 dev {tag}y",
+          f"ip -n {a} link set {tag}x up", f"ip -n {b} link set {tag}y up", f"ip -n {a} link set lo up", f"ip -n {b} link set lo up"]
+  try:
+    for c in cmds:
+      if (p := subprocess.run(c.split(), capture_output=True, text=True)).returncode != 0: pytest.skip(f"cannot build the veth pair ({c}): {p.stderr.strip()}")
+    yield a, b
+  finally:
+    subprocess.run(["ip", "netns", "del", a], capture_output=True)
+    subprocess.run(["ip", "netns", "del", b], capture_output=True)
+
+WRITER_IN_NETNS = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from tinyhet.config import load_config
+from tinyhet.runtime.arena import Arena
+from tinyhet.runtime.descriptor import RegionDescriptor
+from tinyhet.runtime.memory_node import fill
+from tinyhet.runtime.transport import Endpoint, Span
+ep = Endpoint("hostA", token={token!r}, config=load_config(env={{}}))
+arena = Arena(16 << 20, "a", hugepages=False)
+r = arena.alloc(8 << 20)
+fill(r.view(), 5)
+peer = ep.connect({address!r})
+d = RegionDescriptor.from_hex({desc!r})
+t = ep.write(peer, [Span(r, 0, d, 0, 4 << 20), Span(r, 5 << 20, d, 4 << 20, 3 << 20)], notify=42).wait(60)
+back = arena.alloc(1 << 20)
+ep.read(peer, [Span(back, 0, d, 4 << 20, 1 << 20)]).wait(60)
+assert bytes(back.view()) == bytes(r.view(5 << 20, 1 << 20))
+print(json.dumps({{"transport": peer.transport, "seconds": t.seconds}}))
+ep.close()
+"""
+
+@pytest.mark.netns
+def test_two_hosts_over_veth(two_hosts):
+  a, b = two_hosts
+  node = MemoryNode(name="hostB", listen="10.203.0.2:7471", netns=b)
+  try:
+    desc, region = node.expose(8 << 20)
+    code = WRITER_IN_NETNS.format(tests=str(pathlib.Path(__file__).parent), token=TOKEN, address=node.address, desc=desc.to_hex())
+    out = subprocess.run(["ip", "netns", "exec", a, sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["transport"] == "tcp"      # another network namespace is another host: auto picks tcp
+    assert node.ask(cmd="notices", count=1)["notices"] == [["hostA", 42, 7 << 20]]
+    expect = np.empty(8 << 20, np.uint8)
+    fill(memoryview(expect), 5)
+    image = np.concatenate([expect[:4 << 20], expect[5 << 20:8 << 20], np.zeros(1 << 20, np.uint8)])
+    assert node.sha(region, 0, 7 << 20) == sha(image[:7 << 20])
+  finally: node.close()
