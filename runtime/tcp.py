@@ -1,19 +1,22 @@
 """tcp transport: for nodes without RDMA. Several parallel streams per peer; the receiver lands every WRITE straight into
 the exposed region (recv_into a memoryview of registered memory) after checking the region's bounds.
 
-A batch's pieces are spread over the streams; its COMMIT frame carries the batch's total bytes. The receiver counts
-bytes landed per batch across all streams of the session, and once all have landed it delivers the notification and
-ACKs on the stream that carried the COMMIT. A peer that breaks the protocol (unknown region, out-of-bounds span, more
+A batch's pieces are spread over the streams in vectored WRITE frames (one header, the piece list, the payloads: one
+sendmsg on the writer, one scatter recvmsg_into on the receiver); the batch's last frame carries its total bytes. The
+receiver counts bytes landed per batch across all streams of the session, and once all have landed it delivers the
+notification and ACKs on the stream that carried the last frame. A peer that breaks the protocol (unknown region, out-of-bounds span, more
 bytes than committed, garbage) gets an ERROR frame and loses its whole session; nothing outside the addressed span is
 written and the node's other peers are untouched.
 """
 from __future__ import annotations
 import itertools, queue, secrets, socket, threading
 from tinyhet.runtime import wire
-from tinyhet.runtime.wire import Frame, WRITE, COMMIT, ACK, READ, DATA, ERROR, CLOSE, NOTIFY
+from tinyhet.runtime.wire import Frame, WRITE, ACK, READ, DATA, ERROR, CLOSE, NOTIFY, LAST, PIECE
 from tinyhet.runtime.transport import Transfer, TransportError, Piece, coalesce, split, local_view
 
 MAX_PIECE = 4 << 20          # a span larger than this is cut so that parallel streams share it
+MAX_FRAME_PIECES = 256       # pieces per vectored WRITE frame (the receiver drops a peer that sends more)
+MAX_FRAME_BYTES = 8 << 20
 INLINE_BYTES = 256 << 10     # batches up to this size are sent by the caller's thread (lowest latency); larger ones by stream threads
 MAX_OPEN_BATCHES = 4096      # a session with more uncommitted batches than this is dropped
 MAX_ERROR_TEXT = 4096
@@ -29,6 +32,25 @@ def _error_frame(batch: int, message: str) -> list:
   return [Frame(ERROR, batch=batch, nbytes=len(text)).pack(), text]
 
 # ---------------------------------------------------------------- writer side
+
+def _frames(batch: int, pieces: list[Piece], total: int, notify: int | None, closes: bool) -> list[list]:
+  """Vectored WRITE frames (header, piece records, payload views) for one stream's share of a batch."""
+  groups, cur, cur_bytes = [], [], 0
+  for p in pieces:
+    if cur and (len(cur) == MAX_FRAME_PIECES or cur_bytes + p.nbytes > MAX_FRAME_BYTES):
+      groups.append(cur)
+      cur, cur_bytes = [], 0
+    cur.append(p)
+    cur_bytes += p.nbytes
+  if cur or closes: groups.append(cur)
+  frames = []
+  for i, g in enumerate(groups):
+    last = closes and i == len(groups) - 1
+    flags = (LAST if last else 0) | (NOTIFY if last and notify is not None else 0)
+    head = Frame(WRITE, flags=flags, value=(notify or 0) if last else 0, batch=batch, tag=len(g), offset=total if last else 0,
+                 nbytes=sum(p.nbytes for p in g)).pack()
+    frames.append([head, b"".join(PIECE.pack(p.region_id, p.region_offset, p.nbytes) for p in g), *(local_view(p) for p in g)])
+  return frames
 
 class Stream:
   """One TCP connection of a link: a send lock, a sender thread for large batches, a reader thread for replies."""
@@ -105,17 +127,20 @@ class Link:
   def write(self, pieces: list[Piece], notify: int | None) -> Transfer:
     pieces = split(coalesce(pieces), MAX_PIECE)
     t = self._start("write", sum(p.nbytes for p in pieces))
-    per_stream: list[list] = [[] for _ in self.streams]
-    for i, p in enumerate(pieces):
-      per_stream[i % len(self.streams)] += [Frame(WRITE, batch=t.batch, region=p.region_id, offset=p.region_offset, nbytes=p.nbytes).pack(), local_view(p)]
-    commit = Frame(COMMIT, flags=NOTIFY if notify is not None else 0, value=notify or 0, batch=t.batch, nbytes=t.nbytes).pack()
-    per_stream[t.batch % len(self.streams)].append(commit)
+    per_stream: list[list[Piece]] = [[] for _ in self.streams]
+    loads = [0] * len(self.streams)
+    for p in pieces:                                   # each piece to the stream with the fewest bytes so far
+      k = loads.index(min(loads))
+      per_stream[k].append(p)
+      loads[k] += p.nbytes
+    closing = t.batch % len(self.streams)              # this stream's last frame closes the batch
     try:
-      for stream, buffers in zip(self.streams, per_stream):
-        if not buffers: continue
-        if t.nbytes <= INLINE_BYTES: stream.send(buffers)
+      for k, (stream, mine) in enumerate(zip(self.streams, per_stream)):
+        frames = _frames(t.batch, mine, t.nbytes, notify if k == closing else None, closes=k == closing)
+        if t.nbytes <= INLINE_BYTES:
+          for frame in frames: stream.send(frame)
         else:
-          for i in range(0, len(buffers), 2): stream.queue.put((t.batch, buffers[i:i + 2]))
+          for frame in frames: stream.queue.put((t.batch, frame))
     except OSError as e: self.fail_all(f"sending to {self.peer} failed: {e}")
     return t
 
@@ -176,10 +201,8 @@ class Session:
     self.batches: dict[int, list] = {}            # batch -> [landed, committed total or None, notify value or None, reply stream]
     self.socks: dict[socket.socket, threading.Lock] = {}
 
-  def landed(self, batch: int, nbytes: int): self._update(batch, nbytes, None, None, None)
-  def commit(self, batch: int, total: int, value: int | None, reply): self._update(batch, 0, total, value, reply)
-
-  def _update(self, batch: int, nbytes: int, total: int | None, value: int | None, reply):
+  def landed(self, batch: int, nbytes: int, total: int | None, value: int | None, reply):
+    """nbytes of batch landed; a batch's last frame also brings its total, notification and where to ACK."""
     with self.lock:
       b = self.batches.get(batch)
       if b is None:
@@ -218,9 +241,13 @@ def serve(ep, sock: socket.socket, auth: dict):
     while True:
       f = wire.recv_frame(sock)
       if f.op == WRITE:
-        wire.recv_into_exact(sock, ep.lookup(f.region, f.offset, f.nbytes))
-        session.landed(f.batch, f.nbytes)
-      elif f.op == COMMIT: session.commit(f.batch, f.nbytes, f.value if f.flags & NOTIFY else None, (sock, send_lock))
+        if f.tag > MAX_FRAME_PIECES: raise wire.ProtocolError(f"a WRITE frame of {f.tag} pieces exceeds {MAX_FRAME_PIECES}")
+        records = wire.recv_exact(sock, f.tag * PIECE.size) if f.tag else b""
+        views = [ep.lookup(region, offset, n) for region, offset, n in PIECE.iter_unpack(records)]   # every piece checked before any lands
+        if (got := sum(len(v) for v in views)) != f.nbytes: raise wire.ProtocolError(f"frame claims {f.nbytes} bytes, its pieces hold {got}")
+        wire.recv_into_views(sock, views)
+        last = bool(f.flags & LAST)
+        session.landed(f.batch, f.nbytes, f.offset if last else None, f.value if f.flags & NOTIFY else None, (sock, send_lock) if last else None)
       elif f.op == READ:
         view = ep.lookup(f.region, f.offset, f.nbytes)
         with send_lock: wire.send_all(sock, [Frame(DATA, batch=f.batch, tag=f.tag, nbytes=f.nbytes).pack(), view])
@@ -238,6 +265,6 @@ def serve(ep, sock: socket.socket, auth: dict):
   finally:
     with session.lock:
       session.socks.pop(sock, None)
-      last = not session.socks
-    if last:
+      empty = not session.socks
+    if empty:
       with ep.lock: ep.tcp_sessions.pop(key, None)

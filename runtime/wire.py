@@ -1,8 +1,10 @@
 """Bytes on the wire: the handshake (length-prefixed JSON, mutual token proof) and the fixed 48-byte data frame header.
 
 Data frame header, little-endian: magic u16 "th" | op u8 | flags u8 | value u32 | batch u64 | tag u64 | region u64 |
-offset u64 | nbytes u64. A WRITE or DATA frame is followed by nbytes of payload. Anything else a peer sends is a
-protocol error and drops that peer.
+offset u64 | nbytes u64. A WRITE frame is vectored: `tag` piece records (region u64 | offset u64 | nbytes u64) follow the
+header, then the pieces' payloads back to back (nbytes in all); with the COMMIT flag it also closes its batch, whose total
+is `offset`. A DATA frame is followed by nbytes of payload. Anything else a peer sends is a protocol error and drops
+that peer.
 """
 from __future__ import annotations
 import hashlib, hmac, json, os, socket, struct
@@ -12,11 +14,14 @@ PROTOCOL = 1
 MAGIC = 0x6874
 HEADER = struct.Struct("<HBBIQQQQQ")
 JSON_LIMIT = 1 << 16
+IOV_MAX = 1024
 
 # ops
 WRITE, COMMIT, ACK, READ, DATA, ERROR, CLOSE, ARENA = 1, 2, 3, 4, 5, 6, 7, 8
 OP_NAMES = {WRITE: "WRITE", COMMIT: "COMMIT", ACK: "ACK", READ: "READ", DATA: "DATA", ERROR: "ERROR", CLOSE: "CLOSE", ARENA: "ARENA"}
-NOTIFY = 1   # COMMIT flag: value is a notification for the receiver
+NOTIFY = 1   # flag: value is a notification for the receiver
+LAST = 2     # WRITE flag: the frame closes its batch (COMMIT folded into the last WRITE)
+PIECE = struct.Struct("<QQQ")
 
 class ProtocolError(ConnectionError):
   """A peer sent bytes that do not follow the protocol; the connection is dropped."""
@@ -49,6 +54,17 @@ def recv_into_exact(sock: socket.socket, view: memoryview):
     if k == 0: raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
     got += k
 
+def recv_into_views(sock: socket.socket, views: list[memoryview]):
+  """Fill several buffers from sock in as few syscalls as the kernel allows (scatter receive, no staging copy)."""
+  views = [v for v in views if len(v)]
+  while views:
+    k = sock.recvmsg_into(views[:IOV_MAX])[0]
+    if k == 0: raise ConnectionError(f"peer closed the connection with {sum(len(v) for v in views)} bytes outstanding")
+    while views and k >= len(views[0]):
+      k -= len(views[0])
+      views.pop(0)
+    if views and k: views[0] = views[0][k:]
+
 def recv_exact(sock: socket.socket, n: int) -> bytes:
   buf = bytearray(n)
   recv_into_exact(sock, memoryview(buf))
@@ -60,7 +76,7 @@ def send_all(sock: socket.socket, buffers: list):
   """sendmsg until every byte of buffers is out: one syscall for a header and its payload, no copy of the payload."""
   views = [memoryview(b).cast("B") for b in buffers if len(b)]
   while views:
-    sent = sock.sendmsg(views)
+    sent = sock.sendmsg(views[:IOV_MAX])
     while views and sent >= len(views[0]):
       sent -= len(views[0])
       views.pop(0)

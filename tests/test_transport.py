@@ -131,9 +131,10 @@ def test_connect_to_nothing_says_so():
     with pytest.raises(TransportError, match="cannot connect.*listening"): ep.connect("127.0.0.1:1", "tcp")
     with pytest.raises(TransportError, match="not host:port"): ep.connect("nonsense", "tcp")
 
-def hostile(node, frames: list[bytes], expect_error: str | None):
-  """Send frames over a fresh authenticated session; the node must drop it (with an ERROR frame when it can)."""
-  before = node.sha(node.region)
+def hostile(node, frames: list[bytes], expect_error: str | None, lands: tuple[int, bytes] | None = None):
+  """Send frames over a fresh authenticated session; the node must drop it (with an ERROR frame when it can), and no byte
+  may change but those of `lands` (offset, bytes): what a truncated frame delivered inside its own span."""
+  if lands is not None: node.image[lands[0]:lands[0] + len(lands[1])] = np.frombuffer(lands[1], np.uint8)
   sock = raw_tcp_session(node.address)
   try:
     for f in frames: sock.sendall(f)
@@ -145,21 +146,31 @@ def hostile(node, frames: list[bytes], expect_error: str | None):
     sock.settimeout(10)
     assert sock.recv(1 << 16) == b""          # the node closed the session
   finally: sock.close()
-  assert node.sha(node.region) == before
+  assert node.sha(node.region) == sha(node.image)
+
+def write_frame(batch, pieces, last_total=None, flags=0):
+  """A vectored WRITE frame by hand: header, piece records; the caller appends payload."""
+  F = wire.Frame
+  head = F(wire.WRITE, flags=flags | (wire.LAST if last_total is not None else 0), batch=batch, tag=len(pieces), offset=last_total or 0,
+           nbytes=sum(n for _, _, n in pieces)).pack()
+  return head + b"".join(wire.PIECE.pack(*p) for p in pieces)
 
 def test_bad_frames_drop_only_that_peer(node, writer):
   rid, F = node.desc.region_id, wire.Frame
-  hostile(node, [F(wire.WRITE, batch=1, region=rid, offset=REMOTE_BYTES - 10, nbytes=11).pack()], "outside region")
-  hostile(node, [F(wire.WRITE, batch=1, region=rid + 1000, offset=0, nbytes=1).pack()], "not exposed")
-  hostile(node, [F(wire.WRITE, batch=1, region=rid, offset=2**63, nbytes=2**63).pack()], "outside region")
+  hostile(node, [write_frame(1, [(rid, REMOTE_BYTES - 10, 11)])], "outside region")
+  hostile(node, [write_frame(1, [(rid, 0, 8), (rid, REMOTE_BYTES, 1)])], "outside region")     # one bad piece: none of the frame lands
+  hostile(node, [write_frame(1, [(rid + 1000, 0, 1)])], "not exposed")
+  hostile(node, [write_frame(1, [(rid, 2**63, 2**63)])], "outside region")
+  hostile(node, [F(wire.WRITE, batch=1, tag=1, nbytes=99).pack() + wire.PIECE.pack(rid, 0, 8)], "claims 99 bytes")
+  hostile(node, [F(wire.WRITE, batch=1, tag=10**6, nbytes=1).pack()], "exceeds")
   hostile(node, [b"\x00" * wire.HEADER.size], "bad frame magic")
   hostile(node, [wire.HEADER.pack(wire.MAGIC, 99, 0, 0, 0, 0, 0, 0, 0)], "unknown frame op")
   hostile(node, [F(wire.ACK, batch=1).pack()], "unexpected ACK")
   hostile(node, [b"th\x01"], None)                                           # truncated header, then the peer leaves
-  # lying about lengths: 16 bytes land, the commit claims 8
-  hostile(node, [F(wire.WRITE, batch=7, region=rid, offset=0, nbytes=16).pack(), node.image[:16].tobytes(),
-                 F(wire.COMMIT, batch=7, nbytes=8).pack()], "were committed")
-  hostile(node, [F(wire.COMMIT, batch=3, nbytes=5).pack(), F(wire.COMMIT, batch=3, nbytes=5).pack()], "committed twice")
+  hostile(node, [write_frame(1, [(rid, 0, 64)]) + b"\x01" * 10], None, lands=(0, b"\x01" * 10))   # truncated payload stays in its span
+  # lying about lengths: 16 bytes land, the batch's last frame claims 8 in all
+  hostile(node, [write_frame(7, [(rid, 0, 16)], last_total=8) + node.image[:16].tobytes()], "were committed")
+  hostile(node, [write_frame(3, [], last_total=5), write_frame(3, [], last_total=5)], "committed twice")
   # the node still serves a well-behaved peer
   peer = writer.connect(node.address, "tcp")
   writer.write(peer, [Span(writer.local, 0, node.desc, 100, 1000)], notify=1).wait(10)
@@ -174,7 +185,7 @@ sys.path.insert(0, {tests!r})
 from transport_util import raw_tcp_session
 from tinyhet.runtime import wire
 sock = raw_tcp_session({address!r})
-sock.sendall(wire.Frame(wire.WRITE, batch=1, region={rid}, offset={offset}, nbytes={nbytes}).pack())
+sock.sendall(wire.Frame(wire.WRITE, batch=1, tag=1, nbytes={nbytes}).pack() + wire.PIECE.pack({rid}, {offset}, {nbytes}))
 sock.sendall(b"\\xab" * ({nbytes} // 2))
 os.kill(os.getpid(), signal.SIGKILL)
 """

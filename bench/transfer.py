@@ -1,0 +1,186 @@
+"""`tinyhet bench transfer`: each transport between two processes against the baselines of the same run.
+
+Baselines: numpy memcpy of the same bytes in the same block size (for shm), a plain Python socket stream over loopback
+into a preallocated buffer (for tcp), and a plain socket round trip of 4 KiB (for the write-with-notification latency).
+Every transport run writes `total` bytes in blocks scattered over a remote region in another process, then checks the
+remote bytes by checksum.
+"""
+from __future__ import annotations
+import argparse, hashlib, json, multiprocessing, socket, statistics, sys, time
+import numpy as np
+
+BLOCKS = (64 << 10, 1 << 20, 16 << 20)
+LATENCY_ROUNDS = 300
+
+def progress(msg: str, quiet: bool):
+  if not quiet: print(msg, file=sys.stderr, flush=True)
+
+def memcpy_gbps(block: int, total: int, src: np.ndarray, dst: np.ndarray) -> float:
+  n, st = len(src) // block, time.perf_counter()
+  for i in range(total // block):
+    j = (i * 7919) % n      # the same scattered order the transports use
+    dst[j * block:(j + 1) * block] = src[j * block:(j + 1) * block]
+  return total / (time.perf_counter() - st) / 1e9
+
+def _raw_socket_server(port_queue, block: int, total: int, rounds: int):
+  srv = socket.create_server(("127.0.0.1", 0))
+  port_queue.put(srv.getsockname()[1])
+  conn, _ = srv.accept()
+  conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  buf = memoryview(bytearray(block))
+  got = 0
+  while got < total:
+    k = conn.recv_into(buf[got % block:], block - got % block)
+    if k == 0: return
+    got += k
+  conn.sendall(b"k")
+  small = memoryview(bytearray(4096))
+  for _ in range(rounds):
+    got = 0
+    while got < 4096: got += conn.recv_into(small[got:], 4096 - got)
+    conn.sendall(b"k")
+
+def raw_socket(block: int, total: int) -> tuple[float, float]:
+  """(GB/s of a plain socket stream, median µs of a 4 KiB round trip), peer in another process."""
+  ctx = multiprocessing.get_context("spawn")
+  q = ctx.Queue()
+  p = ctx.Process(target=_raw_socket_server, args=(q, block, total, LATENCY_ROUNDS), daemon=True)
+  p.start()
+  sock = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
+  sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  data = memoryview(bytearray(np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8).tobytes()))
+  st = time.perf_counter()
+  for _ in range(total // block): sock.sendall(data)
+  sock.recv(1)
+  gbps = total / (time.perf_counter() - st) / 1e9
+  rtts, small = [], data[:4096]
+  for _ in range(LATENCY_ROUNDS):
+    t0 = time.perf_counter()
+    sock.sendall(small)
+    sock.recv(1)
+    rtts.append(time.perf_counter() - t0)
+  sock.close()
+  p.join(10)
+  return gbps, statistics.median(rtts) * 1e6
+
+def run_transport(transport: str, block: int, total: int, region_bytes: int, node, ep, src) -> dict:
+  from tinyhet.runtime.transport import Span
+  from tinyhet.runtime.descriptor import RegionDescriptor
+  exposed = node.ask(cmd="expose", nbytes=region_bytes)
+  node.ask(cmd="fill", region=exposed["region"], seed=0)      # fault the pages in first, as a decode node's KV pool is
+  desc = RegionDescriptor.from_hex(exposed["desc"])
+  peer = ep.connect(node.address, transport)
+  n = region_bytes // block
+  # block i goes to block (i * 7919) % n: an odd stride over a power-of-two count visits every block, and no two neighbours coalesce
+  spans = [Span(src, j * block, desc, j * block, block) for j in ((i * 7919) % n for i in range(total // block))]
+  per_batch = max(1, (16 << 20) // block)          # 16 MiB of blocks per batch, up to 4 batches in flight
+  def write_all(spans) -> float:
+    inflight, st = [], time.perf_counter()
+    for b in range(0, len(spans), per_batch):
+      inflight.append(ep.write(peer, spans[b:b + per_batch], notify=b))
+      if len(inflight) >= 4: inflight.pop(0).wait(120)
+    for t in inflight: t.wait(120)
+    node.ask(cmd="notices", count=len(range(0, len(spans), per_batch)), timeout=30)
+    return time.perf_counter() - st
+  # warm-up pass over the region, untimed: a KV pool is written over and over, so the steady state is what counts
+  # (the first touch of each page costs a page-table fault on both sides, ~1 µs per 4 KiB page here)
+  write_all(spans[:n])
+  gbps = total / write_all(spans) / 1e9
+  if node.ask(cmd="sha", region=exposed["region"])["sha"] != hashlib.sha256(src.view(0, region_bytes)).hexdigest():
+    raise RuntimeError(f"{transport}: the remote bytes differ from what was written ({block}-byte blocks)")
+  lat = []
+  small_desc = desc.narrow(0, 4096)
+  for i in range(LATENCY_ROUNDS):
+    t0 = time.perf_counter()
+    ep.write(peer, [Span(src, 0, small_desc, 0, 4096)], notify=i).wait(10)
+    lat.append(time.perf_counter() - t0)
+  node.ask(cmd="notices", count=LATENCY_ROUNDS, timeout=30)
+  peer.close()
+  return {"gbps": gbps, "write_latency_us": statistics.median(lat) * 1e6}
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="tinyhet bench transfer", description=__doc__.splitlines()[0])
+  ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+  ap.add_argument("--quick", action="store_true", help="128 MiB per measurement instead of 1 GiB (under a minute)")
+  ap.add_argument("--total", type=str, default=None, help="bytes per measurement (default 1G, --quick 128M)")
+  ap.add_argument("--transports", default="auto", help="comma list of shm,tcp,verbs (default: every one available here)")
+  args = ap.parse_args(argv)
+  from tinyhet.config import parse_bytes, load_config
+  from tinyhet.runtime.arena import Arena
+  from tinyhet.runtime.transport import Endpoint, available_transports
+  from tinyhet.runtime.memory_node import fill
+  total = parse_bytes(args.total or ("128M" if args.quick else "1G"), "--total")
+  avail = available_transports()
+  wanted = args.transports.split(",") if args.transports != "auto" else ["shm", "tcp", "verbs"]
+  skipped = {t: avail.get(t, "unknown transport") for t in wanted if avail.get(t, "unknown transport") is not None}
+  transports = [t for t in wanted if t not in skipped]
+  region_bytes = min(total, 256 << 20)
+  quiet = args.json
+
+  progress(f"baselines: memcpy and a raw socket, {total >> 20} MiB per block size", quiet)
+  src_np, dst_np = np.random.default_rng(1).integers(0, 256, region_bytes, dtype=np.uint8), np.ones(region_bytes, np.uint8)
+  baselines = {b: {"memcpy_gbps": memcpy_gbps(b, total, src_np, dst_np)} for b in BLOCKS}
+  for b in BLOCKS: baselines[b]["socket_gbps"], baselines[b]["rtt_us"] = raw_socket(b, total)
+  del dst_np
+
+  node = MemoryNodeProcess(arena_bytes=region_bytes * len(BLOCKS) * len(transports) + (64 << 20))
+  ep = Endpoint("bench-writer", token=node.token, config=load_config(env={}))
+  arena = Arena(region_bytes, "bench-src", hugepages=True)
+  src = arena.alloc(region_bytes)
+  fill(src.view(), 1)
+  results = []
+  try:
+    for t in transports:
+      for b in BLOCKS:
+        progress(f"{t}: {total >> 20} MiB in {b >> 10} KiB blocks", quiet)
+        r = run_transport(t, b, total, region_bytes, node, ep, src)
+        base = baselines[b]["memcpy_gbps"] if t == "shm" else baselines[b]["socket_gbps"]
+        results.append({"transport": t, "block_bytes": b, "gbps": round(r["gbps"], 3), "ratio_to_baseline": round(r["gbps"] / base, 3),
+                        "write_latency_us": round(r["write_latency_us"], 1), "baseline": "memcpy" if t == "shm" else "socket",
+                        "latency_ratio_to_socket_rtt": round(r["write_latency_us"] / baselines[b]["rtt_us"], 2)})
+  finally:
+    ep.close()
+    node.close()
+  one_mib = baselines[1 << 20]
+  out = {"baselines": {"memcpy_gbps": round(one_mib["memcpy_gbps"], 3), "socket_gbps": round(one_mib["socket_gbps"], 3),
+                       "socket_rtt_us": round(statistics.median(b["rtt_us"] for b in baselines.values()), 1),
+                       "per_block": {str(b): {k: round(v, 3) for k, v in d.items()} for b, d in baselines.items()}},
+         "results": results, "unavailable": skipped, "total_bytes": total}
+  if args.json: print(json.dumps(out))
+  else: print(table(out))
+  return 0
+
+def table(out: dict) -> str:
+  rows = [f"{'transport':<10}{'block':>8}{'GB/s':>9}{'baseline':>10}{'base GB/s':>11}{'ratio':>8}{'4K write µs':>13}{'vs RTT':>8}"]
+  for r in out["results"]:
+    base = out["baselines"]["per_block"][str(r["block_bytes"])]["memcpy_gbps" if r["baseline"] == "memcpy" else "socket_gbps"]
+    rows.append(f"{r['transport']:<10}{_size(r['block_bytes']):>8}{r['gbps']:>9.2f}{r['baseline']:>10}{base:>11.2f}{r['ratio_to_baseline']:>8.2f}"
+                f"{r['write_latency_us']:>13.1f}{r['latency_ratio_to_socket_rtt']:>8.2f}")
+  rows.append(f"raw socket 4 KiB round trip: {out['baselines']['socket_rtt_us']:.1f} µs; {out['total_bytes'] >> 20} MiB per row")
+  rows += [f"{t}: unavailable ({why})" for t, why in out["unavailable"].items()]
+  return "\n".join(rows)
+
+def _size(n: int) -> str: return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+class MemoryNodeProcess:
+  """tinyhet.runtime.memory_node in a child process: the receiving end."""
+  def __init__(self, arena_bytes: int):
+    import secrets, subprocess
+    self.token = secrets.token_hex(16)
+    self.proc = subprocess.Popen([sys.executable, "-m", "tinyhet.runtime.memory_node", "--name", "bench-receiver", "--token", self.token,
+                                  "--arena-bytes", str(arena_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    info = json.loads(self.proc.stdout.readline())
+    self.address = info["address"]
+
+  def ask(self, **req) -> dict:
+    self.proc.stdin.write(json.dumps(req) + "\n")
+    reply = json.loads(self.proc.stdout.readline())
+    if "error" in reply: raise RuntimeError(f"memory node: {reply['error']}")
+    return reply
+
+  def close(self):
+    try: self.ask(cmd="quit")
+    except (OSError, ValueError, RuntimeError): pass
+    self.proc.wait(30)
+
+if __name__ == "__main__": sys.exit(main())
