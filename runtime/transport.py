@@ -156,6 +156,7 @@ class Endpoint:
     if "verbs" in self.transports: self.verbs = transport_module("verbs").Device.open(self.cfg)
     self.shm_listeners: list = []         # shm peers served by this endpoint, told about arenas registered later
     self.tcp_sessions: dict = {}          # (peer, session id) -> tinyhet.runtime.tcp.Session
+    self.handlers: dict = {}              # control request name -> handler (tinyhet.runtime.control)
 
   # ---- memory
   def register(self, arena: Arena):
@@ -280,6 +281,10 @@ class Endpoint:
       if not isinstance(peer, str) or not isinstance(auth.get("nonce"), str) or not wire.check_proof(self.token, nonce, "client", peer, auth.get("proof")):
         wire.send_json(sock, {"error": "authentication failed: the peer did not prove the shared token (TINYHET_TOKEN)"})
         return
+      if transport == "ctl":
+        threading.current_thread().name = f"tinyhet-ctl-serve-{peer}"
+        sock.settimeout(None)
+        return importlib.import_module("tinyhet.runtime.control").serve(self, sock, auth)
       if transport not in self.transports or (transport == "shm") != unix:
         wire.send_json(sock, {"error": f"transport {transport!r} is not served on this socket (offered: {', '.join(self.transports)})"})
         return
@@ -299,6 +304,10 @@ class Endpoint:
       self._threads.append(t)
     t.start()
     return t
+
+  def handle(self, op: str, fn):
+    """Serve control requests named op (see tinyhet.runtime.control)."""
+    self.handlers[op] = fn
 
   # ---- the flat transfer calls
   def write(self, peer: Peer, spans: list[Span], notify: int | None = None) -> Transfer:

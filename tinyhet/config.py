@@ -8,7 +8,7 @@ File: the path in TINYHET_CONFIG, else ./tinyhet.toml if it exists. Keys are the
   [peers]
   decode0 = "10.0.0.2:7470"
 
-Environment variables override the file: HET_BACKEND, TINYHET_ARENA_BYTES, TINYHET_HUGEPAGES, TINYHET_TRANSPORT, TINYHET_TOKEN,
+Environment variables override the file: TINYHET_NODE, HET_BACKEND, TINYHET_ARENA_BYTES, TINYHET_HUGEPAGES, TINYHET_TRANSPORT, TINYHET_TOKEN,
 TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import dataclasses, os, pathlib, re, tomllib
 from dataclasses import dataclass, field
 
 TRANSPORTS = ("auto", "verbs", "tcp", "shm")
-HET_BACKENDS = ("auto", "CUDA", "NV", "AMD", "METAL", "CL", "CPU")
+HET_BACKENDS = ("auto", "CUDA", "NV", "AMD", "METAL", "CL", "CPU", "PYTHON")   # PYTHON: tinygrad's emulator, for tests
 KV_DTYPES = ("float16", "float32", "bfloat16")
 
 class ConfigError(ValueError):
@@ -24,6 +24,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Config:
+  node: str = ""                         # this node's name as peers see it; empty = "<hostname>-<pid>"
   het_backend: str = "auto"              # tinygrad backend HET computes on; auto = the first GPU backend that opens, else CPU
   arena_bytes: int = 1 << 30             # registered memory per device; reserved up front, pages are touched on use
   hugepages: bool = True                 # ask for 2 MiB pages (falls back to normal pages and says so)
@@ -64,6 +65,8 @@ def parse_peers(text: str | dict, what: str) -> dict[str, str]:
 
 def validate(cfg: Config, source: str):
   def bad(name, msg): raise ConfigError(f"{source}: {name} = {getattr(cfg, name)!r} {msg}")
+  if cfg.node and (len(cfg.node.encode()) > 200 or ":" in cfg.node or any(c.isspace() for c in cfg.node)):
+    bad("node", "must be at most 200 bytes, without ':' or spaces")
   if cfg.het_backend.upper() not in [b.upper() for b in HET_BACKENDS]: bad("het_backend", f"is not one of {', '.join(HET_BACKENDS)}")
   if cfg.transport not in TRANSPORTS: bad("transport", f"is not one of {', '.join(TRANSPORTS)}")
   if cfg.kv_dtype not in KV_DTYPES: bad("kv_dtype", f"is not one of {', '.join(KV_DTYPES)}")
@@ -73,6 +76,7 @@ def validate(cfg: Config, source: str):
 
 # field -> (environment variable, parser)
 _PARSERS = {
+  "node": ("TINYHET_NODE", lambda v, w: str(v)),
   "het_backend": ("HET_BACKEND", lambda v, w: str(v)),
   "arena_bytes": ("TINYHET_ARENA_BYTES", parse_bytes),
   "hugepages": ("TINYHET_HUGEPAGES", parse_bool),
