@@ -67,7 +67,8 @@ MODEL = {"like": "a catalog model to start from", "params_b": "parameters in bil
          "source": "where the shape comes from"}
 NODE = {"device": "a catalog device or one under [devices]", "count": "identical accelerators in the server (tensor-parallel)",
         "replicas": "identical servers", "intra_link": "link between its accelerators, e.g. { bandwidth_gb_s = 900, latency_us = 2 }",
-        "memory_usable": "share of memory for weights + KV, 0..1 (default 0.9)"}
+        "memory_usable": "share of memory for weights + KV, 0..1 (default 0.9)",
+        "parallel": 'how its accelerators share the model: "tensor" (default) or "pipeline"'}
 LINKS = {"nodes": 'the two nodes it joins, e.g. ["a", "b"]', **LINK}
 CALIBRATION = {"node": "the node measured", "model": "the model it served alone", "dtype": "dtype it ran in (default: the model's)",
                "prompt_len": "prompt tokens", "output_len": "generated tokens", "prefill_s": "measured prefill seconds",
@@ -195,7 +196,8 @@ def _node(r: _Reader, name: str, spec: dict, devices: dict[str, Device]) -> Node
   if count > 1 and intra is None:
     r.fail(f"{key}.intra_link", f"missing: {count} {device.name} accelerators need the link between them",
            "add intra_link = { bandwidth_gb_s = ..., latency_us = ... } to the node (or to its device)")
-  return Node(name, device, count, r.integer(spec, "replicas", key, 1, 1024, default=1), intra,
+  parallel = r.string(spec, "parallel", key, choices=("tensor", "pipeline"), default="tensor")
+  return Node(name, device, count, r.integer(spec, "replicas", key, 1, 1024, default=1), intra, parallel,
               r.number(spec, "memory_usable", key, hi=1.0, default=0.9))
 
 def _links(r: _Reader, entries: list[dict], nodes: dict[str, Node]) -> dict[tuple[str, str], Link]:

@@ -233,13 +233,21 @@ def predict(cluster: Cluster, model: str | Model, prompt_len: int, output_len: i
 
 # --- reasons -----------------------------------------------------------------------------------------------------------
 
+def _g(x: float) -> str:
+  """3 significant digits, without an exponent for large numbers."""
+  return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+def _s(x: float) -> str:
+  """Seconds, or milliseconds below 0.1 s."""
+  return f"{x:.3g} s" if x >= 0.1 else f"{x * 1e3:.3g} ms"
+
 def _bound(node: Node, model: Model, parts: tuple[float, float, float], eff: float) -> str:
   compute, memory, _ = parts
-  if compute >= memory: return f"compute-bound at {node.flops(model.dtype) * eff / 1e12:,.3g} TFLOP/s"
-  return f"memory-bound at {node.bandwidth * eff / 1e9:,.3g} GB/s"
+  if compute >= memory: return f"compute-bound at {_g(node.flops(model.dtype) * eff / 1e12)} TFLOP/s"
+  return f"memory-bound at {_g(node.bandwidth * eff / 1e9)} GB/s"
 
 def _prefill_note(node: Node, model: Model, tokens: int) -> str:
-  return f"{prefill_time(node, model, tokens):.3g} s ({_bound(node, model, prefill_parts(node, model, tokens), node.prefill_eff)})"
+  return f"{_s(prefill_time(node, model, tokens))} ({_bound(node, model, prefill_parts(node, model, tokens), node.prefill_eff)})"
 
 def _decode_note(node: Node, model: Model, prompt_len: int, output_len: int) -> str:
   parts = decode_step_parts(node, model, 1, decode_context(prompt_len, output_len))
@@ -276,16 +284,17 @@ def explain(cluster: Cluster, model: Model, prompt_len: int, output_len: int, ra
   others = [c for c in configs if c is not chosen and c.e2e_s is not None]
   workload = f"a prompt of {prompt_len} tokens and {output_len} output tokens" + (f" at {rate:g} requests/s" if rate else ", one request at a time")
   if chosen.e2e_s is None:
-    reasons.append(f"no configuration sustains {rate:g} requests/s; {chosen.name} sustains the most ({chosen.throughput_tok_s:,.4g} output tokens/s)")
+    reasons.append(f"no configuration sustains {rate:g} requests/s; {chosen.name} sustains the most ({_g(chosen.throughput_tok_s)} output tokens/s)")
   else:
-    head = f"{chosen.name}: {chosen.e2e_s:.3g} s end to end for {workload} (TTFT {chosen.ttft_s:.3g} s, {chosen.tpot_s * 1e3:.3g} ms per token)"
+    head = f"{chosen.name}: {_s(chosen.e2e_s)} end to end for {workload} (TTFT {_s(chosen.ttft_s)}, {chosen.tpot_s * 1e3:.3g} ms per token)"
     singles = [c for c in others if c.kind == "alone"]
     if chosen.kind != "alone" and singles:
       s = min(singles, key=lambda c: c.e2e_s)
-      head += f", {s.e2e_s / chosen.e2e_s:.2f}x faster than the best single node ({s.name}, {s.e2e_s:.3g} s)"
+      head += (f", {s.e2e_s / chosen.e2e_s:.2f}x faster than the best single node ({s.name}, {_s(s.e2e_s)})" if s.e2e_s > chosen.e2e_s * 1.01 else
+               f", as fast as {s.name} and sustains more ({_g(chosen.throughput_tok_s)} against {_g(s.throughput_tok_s)} output tokens/s)")
     elif others:
       s = min(others, key=lambda c: c.e2e_s)
-      head += f"; next best: {s.name}, {s.e2e_s:.3g} s"
+      head += f"; next: {s.name}, {_s(s.e2e_s)}" + (f" (sustains {_g(s.throughput_tok_s)} output tokens/s)" if s.e2e_s <= chosen.e2e_s * 1.01 else "")
     reasons.append(head)
   if chosen.kind == "disaggregated":
     p, d = _main_group(chosen, 1, cluster, model, prompt_len), _main_group(chosen, 2, cluster, model, prompt_len)
@@ -296,12 +305,12 @@ def explain(cluster: Cluster, model: Model, prompt_len: int, output_len: int, ra
     link, t_p = cluster.link(p.name, d.name), prefill_time(p, model, prompt_len)
     streamed, after = kv_transfer_exposed(model, prompt_len, t_p, link, True), kv_transfer_exposed(model, prompt_len, t_p, link, False)
     hidden = 1 - (streamed - link.latency) / max(after - link.latency, 1e-12)
-    kv = f"KV cache: {prompt_len * model.kv_bytes_per_token / 1e9:.3g} GB over the {p.name}-{d.name} link ({link.bandwidth * 8 / 1e9:,.4g} Gbit/s)"
-    if overlap: reasons.append(f"{kv} streamed layer by layer during prefill: {streamed:.3g} s of {after:.3g} s shows in TTFT ({hidden:.0%} hidden); "
-                               f"sent after prefill it would add {after:.3g} s")
-    else: reasons.append(f"{kv} sent after prefill: adds {after:.3g} s (streamed layer by layer: {streamed:.3g} s)")
+    kv = f"KV cache: {prompt_len * model.kv_bytes_per_token / 1e9:.3g} GB over the {p.name}-{d.name} link ({_g(link.bandwidth * 8 / 1e9)} Gbit/s)"
+    if overlap: reasons.append(f"{kv} streamed layer by layer during prefill: {_s(streamed)} of {_s(after)} shows in TTFT ({hidden:.0%} hidden); "
+                               f"sent after prefill it would add {_s(after)}")
+    else: reasons.append(f"{kv} sent after prefill: adds {_s(after)} (streamed layer by layer: {_s(streamed)})")
     reasons.append(f"{d.name} holds {works[d.name].batch_limit:,} sequences of {prompt_len + output_len} tokens next to the weights "
-                   f"({(d.memory - model.weight_bytes) / 1e9:,.4g} GB for KV)")
+                   f"({_g((d.memory - model.weight_bytes) / 1e9)} GB for KV)")
     if d is not p:
       t = disaggregation_threshold(cluster, model, p.name, d.name, overlap=overlap)
       reasons.append("per request: " + ("disaggregation pays for every prompt length" if t == 1 else
@@ -315,17 +324,17 @@ def explain(cluster: Cluster, model: Model, prompt_len: int, output_len: int, ra
     dis = [c for c in others if c.kind == "disaggregated"]
     if dis:
       c = dis[0]
-      reasons.append(f"disaggregated ({c.name}) would take {c.e2e_s:.3g} s: TTFT {c.ttft_s:.3g} s, {c.tpot_s * 1e3:.3g} ms per token")
+      reasons.append(f"disaggregated ({c.name}) would take {_s(c.e2e_s)}: TTFT {_s(c.ttft_s)}, {c.tpot_s * 1e3:.3g} ms per token")
   for w in works.values():
     if w.holds_request: reasons.append(w.holds_request + (" (it can prefill the prompt)" if not w.holds_prompt else ""))
   most = max((c for c in configs if c.throughput_tok_s), key=lambda c: c.throughput_tok_s)
   if chosen.throughput_tok_s:
     cap = chosen.throughput_tok_s / output_len
     if rate:
-      reasons.append(f"{chosen.name} sustains up to {cap:.3g} requests/s ({chosen.throughput_tok_s:,.4g} output tokens/s): "
+      reasons.append(f"{chosen.name} sustains up to {cap:.3g} requests/s ({_g(chosen.throughput_tok_s)} output tokens/s): "
                      f"{lam / cap:.0%} busy at {rate:g}")
     if most is not chosen:
-      reasons.append(f"under load {most.name} sustains the most: {most.throughput_tok_s:,.4g} output tokens/s against {chosen.throughput_tok_s:,.4g}"
+      reasons.append(f"under load {most.name} sustains the most: {_g(most.throughput_tok_s)} output tokens/s against {_g(chosen.throughput_tok_s)}"
                      + ("" if rate else " (give --rate to plan for a load)"))
   if rate: reasons += [n for c in configs if c is not chosen for n in c.notes if "cannot sustain" in n]
   calibrated = [n for n in cluster.nodes if n.calibration]
@@ -380,7 +389,7 @@ def table(pred: Prediction) -> str:
   load = f"{pred.rate:g} requests/s" if pred.rate else "one request at a time"
   lines = [f"{m.name} ({m.dtype}, {m.weight_bytes / 1e9:,.4g} GB of weights, {m.kv_bytes_per_token / 1e6:.3g} MB of KV per token), "
            f"{pred.prompt_len}-token prompts, {pred.output_len} output tokens, {load}", ""]
-  fmt = lambda x, scale=1.0, spec=".3g": "-" if x is None else format(x * scale, spec if x * scale < 1000 else ",.0f")
+  fmt = lambda x, scale=1.0: "-" if x is None else _g(x * scale)
   rows = [("configuration", "TTFT s", "ms/token", "end-to-end s", "tokens/s max")]
   rows += [(c.name, fmt(c.ttft_s), fmt(c.tpot_s, 1e3), fmt(c.e2e_s), fmt(c.throughput_tok_s)) for c in pred.configurations]
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -1,8 +1,10 @@
 """Roofline costs of one node serving one model: prefill, a decode step, the KV transfer between nodes, memory limits.
 
-A node is a server of `count` identical accelerators running the model tensor-parallel: its FLOP/s, bandwidth and memory
-are `count` times one accelerator's, and each layer adds two all-reduces over its intra-node link. Each phase takes
-max(compute time, memory time) / efficiency + communication time. Efficiencies are 1 for spec-sheet peaks; calibration
+A node is a server of `count` identical accelerators: its FLOP/s, bandwidth and memory are `count` times one accelerator's.
+Tensor-parallel (the default) adds two all-reduces per layer over the intra-node link; pipeline-parallel (layers split
+into `count` stages, for accelerators without a fast link) sends the activations across each stage boundary once, and
+its decode steps read the weights once per micro-batch in flight. Each phase takes max(compute time, memory time) /
+efficiency + communication time. Efficiencies are 1 for spec-sheet peaks; calibration
 (measured times of the node) sets them per phase. Every function here is plain arithmetic, no device is touched.
 """
 from __future__ import annotations
@@ -12,13 +14,14 @@ from tinyhet.catalog import ACTIVATION_BYTES, Device, Link, Model
 
 @dataclass(frozen=True)
 class Node:
-  """A server of `count` identical accelerators (one tensor-parallel group serving one copy of the model); `replicas`
+  """A server of `count` identical accelerators serving one copy of the model (tensor- or pipeline-parallel); `replicas`
   identical such servers. `prefill_eff`/`decode_eff` scale the spec-sheet rates to measured ones (1.0 = uncalibrated)."""
   name: str
   device: Device
   count: int = 1
   replicas: int = 1
   intra_link: Link | None = None
+  parallel: str = "tensor"         # "tensor" | "pipeline" across the node's accelerators
   memory_usable: float = 0.9       # share of memory for weights + KV (the rest: activations, runtime, OS)
   prefill_eff: float = 1.0
   decode_eff: float = 1.0
@@ -32,14 +35,20 @@ class Node:
   def unit_names(self) -> list[str]: return [self.name] if self.replicas == 1 else [f"{self.name}.{i}" for i in range(self.replicas)]
 
 def allreduce_time(n: int, nbytes: float, link: Link | None) -> float:
-  """Ring all-reduce of `nbytes` over `n` accelerators: 2(n-1)/n of the data crosses each link, 2(n-1) hops of latency."""
+  """All-reduce of `nbytes` over `n` accelerators: 2(n-1)/n of the data crosses each accelerator's link (reduce-scatter +
+  all-gather); two hops of latency, as a two-shot all-reduce over a switch or full mesh (a ring would pay 2(n-1))."""
   if n <= 1: return 0.0
   if link is None: raise ValueError(f"a node of {n} accelerators needs an intra-node link")
-  return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+  return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * link.latency
 
-def tp_comm_time(node: Node, model: Model, tokens: float) -> float:
-  """Tensor parallelism: two all-reduces of the activations (tokens x hidden) per layer (after attention, after the MLP)."""
-  return model.layers * 2 * allreduce_time(node.count, tokens * model.hidden * ACTIVATION_BYTES, node.intra_link)
+def comm_time(node: Node, model: Model, tokens: float) -> float:
+  """Inside a node, per pass over `tokens` tokens. Tensor-parallel: two all-reduces of the activations (tokens x hidden)
+  per layer (after attention, after the MLP). Pipeline: the activations cross the count-1 stage boundaries once."""
+  if node.count <= 1: return 0.0
+  if node.intra_link is None: raise ValueError(f"node {node.name} of {node.count} accelerators needs an intra-node link")
+  nbytes = tokens * model.hidden * ACTIVATION_BYTES
+  if node.parallel == "pipeline": return (node.count - 1) * (nbytes / node.intra_link.bandwidth + node.intra_link.latency)
+  return model.layers * 2 * allreduce_time(node.count, nbytes, node.intra_link)
 
 # --- prefill: every prompt token at once -------------------------------------------------------------------------------
 
@@ -54,7 +63,8 @@ def prefill_bytes(model: Model, tokens: int) -> float:
 
 def prefill_parts(node: Node, model: Model, tokens: int) -> tuple[float, float, float]:
   """(compute s, memory s, communication s) of one prompt's prefill at spec-sheet rates."""
-  return prefill_flops(model, tokens) / node.flops(model.dtype), prefill_bytes(model, tokens) / node.bandwidth, tp_comm_time(node, model, tokens)
+  # Pipeline stages stay busy on chunks of the prompt, so the whole node's rates apply.
+  return prefill_flops(model, tokens) / node.flops(model.dtype), prefill_bytes(model, tokens) / node.bandwidth, comm_time(node, model, tokens)
 
 def prefill_time(node: Node, model: Model, tokens: int) -> float:
   compute, memory, comm = prefill_parts(node, model, tokens)
@@ -64,10 +74,13 @@ def prefill_time(node: Node, model: Model, tokens: int) -> float:
 
 def decode_step_parts(node: Node, model: Model, batch: float, context: float) -> tuple[float, float, float]:
   """(compute s, memory s, communication s) of one decode step for `batch` sequences of `context` tokens each: the weights
-  (MoE: the experts the batch touches) and every sequence's whole KV cache are read once per step."""
-  flops = batch * (2 * model.active_params + 2 * context * model.attn_dim * model.layers)
-  nbytes = model.weights_touched(batch) + batch * context * model.kv_bytes_per_token
-  return flops / node.flops(model.dtype), nbytes / node.bandwidth, tp_comm_time(node, model, batch)
+  (MoE: the experts the batch touches) and every sequence's whole KV cache are read once per step. A pipeline splits the
+  batch into up to `count` micro-batches, each reading every stage's weights: count x the time of one micro-batch."""
+  stages = node.count if node.parallel == "pipeline" else 1
+  per = batch / min(stages, batch)  # sequences per micro-batch
+  flops = per * (2 * model.active_params + 2 * context * model.attn_dim * model.layers)
+  nbytes = model.weights_touched(per) + per * context * model.kv_bytes_per_token
+  return stages * flops / node.flops(model.dtype), stages * nbytes / node.bandwidth, comm_time(node, model, batch)
 
 def decode_step_time(node: Node, model: Model, batch: float, context: float) -> float:
   compute, memory, comm = decode_step_parts(node, model, max(batch, 1.0), context)
