@@ -219,7 +219,7 @@ GOOD = 'description = "t"\n[nodes.a]\ndevice = "h100"\n[nodes.b]\ndevice = "cpu-
   (GOOD.replace('nodes = ["a", "b"]', 'nodes = ["a", "z"]'), "links[0].nodes", "not a node"),
   (GOOD + '[[links]]\nnodes = ["b", "a"]\nbandwidth_gb_s = 1\n', "links[1].nodes", "linked twice"),
   (GOOD + '[[calibration]]\nnode = "q"\ndecode_gb_s = 1\n', "calibration[0].node", "not a node"),
-  (GOOD + '[[calibration]]\nnode = "a"\nmodel = "llama-3-8b"\nprompt_len = 512\nprefill_s = 1e-9\n', "calibration[0].prefill_s", "spec sheet"),
+  (GOOD + '[[calibration]]\nnode = "a"\nmodel = "llama-3-8b"\nprompt_len = 512\nprefill_s = 1e-5\n', "calibration[0].prefill_s", "spec sheet"),
   (GOOD + '[[calibration]]\nnode = "a"\nmodel = "llama-3-70b"\nprompt_len = 512\nprefill_s = 1\n', "calibration[0]", "a cannot hold llama-3-70b"),
   (GOOD + '[[calibration]]\nnode = "a"\nmodel = "llama-3-8b"\nprefill_s = 1\n', "calibration[0].prompt_len", "missing"),
   (GOOD + '[[calibration]]\nnode = "a"\ndecode_gb_s = 1000\n[[calibration]]\nnode = "a"\ndecode_gb_s = 900\n', "calibration[1].decode_gb_s", "again"),
@@ -256,7 +256,8 @@ def test_truncated_or_corrupted_files_never_raise_anything_else(path, data):
     try: predict(cluster, "llama-3-8b", 1024, 64)
     except PlanError: pass
 
-values = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(allow_nan=True), st.text(max_size=8),
+values = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(allow_nan=True), st.floats(1e-9, 1e-5), st.floats(1e8, 1e308),
+                   st.sampled_from([0, 1, 2, 1e9, -1]), st.text(max_size=8),
                    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
 
 def _paths(data, prefix=()):

@@ -47,9 +47,11 @@ def md1_wait(rho: float, service_s: float) -> float:
   """Mean wait in an M/D/1 queue (Poisson arrivals, fixed service time) at utilization rho < 1."""
   return rho * service_s / (2 * (1 - rho))
 
-def solve_batch(step, rate: float, output_len: int, share: float, limit: int) -> float | None:
+def solve_batch(step: Callable[[float], float], rate: float, output_len: int, share: float, limit: int) -> float | None:
   """The batch a decode node settles at: b = rate x output_len x TPOT(b), TPOT(b) = step(b) / share (share: the part of
-  the time it decodes). The smallest such b up to `limit` (what memory holds); None when even `limit` cannot keep up."""
+  the time it decodes). The smallest such b up to `limit` (what memory holds); None when even `limit` cannot keep up.
+  One bisection finds it: step(b)/b never grows with b (every sequence of the batch shares the weight reads), so once
+  b keeps up, every larger b does too."""
   need = lambda b: rate * output_len * step(b) / share - b
   if rate <= 0: return 0.0
   if need(limit) > 0: return None
