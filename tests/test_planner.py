@@ -202,9 +202,60 @@ def test_b200_cpu_example_says_when_the_b200_cannot_hold_the_model():
   pred = predict(load_cluster(ROOT / "examples/clusters/b200_cpu.toml"), "deepseek-r1", 8192, 128)
   assert pred.plan.name == "cpu alone" and any("b200 cannot hold deepseek-r1" in r for r in pred.plan.reasons)
 
+GOOD = 'description = "t"\n[nodes.a]\ndevice = "h100"\n[nodes.b]\ndevice = "cpu-node"\n[[links]]\nnodes = ["a", "b"]\nbandwidth_gbit_s = 100\n'
+
+CALIBRATED = GOOD + """
+[devices.h100-94]
+like = "h100"
+memory_gb = 94
+[models.tiny-8b]
+like = "llama-3-8b"
+dtype = "fp8"
+[models.toy]
+params_b = 1
+layers = 16
+hidden = 2048
+heads = 16
+kv_heads = 4
+head_dim = 128
+[[calibration]]
+node = "a"
+model = "tiny-8b"
+prompt_len = 4096
+output_len = 100
+prefill_tok_s = 20000
+decode_tok_s = 50
+[[calibration]]
+node = "b"
+model = "toy"
+prompt_len = 1000
+output_len = 100
+e2e_tok_s = 10
+"""
+
+def test_calibration_kinds_reproduce_what_was_measured(tmp_path):
+  (p := tmp_path / "c.toml").write_text(CALIBRATED.replace('device = "h100"', 'device = "h100-94"'))
+  cluster = load_cluster(p)
+  a, b = cluster.node("a"), cluster.node("b")
+  assert a.device.memory == 94e9 and a.device.flops == DEVICES["h100"].flops
+  tiny, toy = cluster.model("tiny-8b"), cluster.model("toy")
+  assert tiny.dtype == "fp8" and tiny.params == MODELS["llama-3-8b"].params and toy.kv_dim == 2 * 4 * 128 and toy.active_params == 1e9
+  assert prefill_time(a, tiny, 4096) == pytest.approx(4096 / 20000) and decode_time(a, tiny, 4096, 100) == pytest.approx(100 / 50)
+  assert prefill_time(b, toy, 1000) + decode_time(b, toy, 1000, 100) == pytest.approx(100 / 10) and b.prefill_eff == b.decode_eff
+  assert "decode_tok_s = 50" in a.calibration
+  (q := tmp_path / "d.toml").write_text(GOOD + '[[calibration]]\nnode = "a"\nprefill_tflops = 494.5\ndecode_gb_s = 2680\n')
+  a = load_cluster(q).node("a")
+  assert (a.prefill_eff, a.decode_eff) == (pytest.approx(0.5), pytest.approx(0.8))
+
+def test_a_pipeline_decodes_one_sequence_no_faster_than_one_stage():
+  model, one = MODELS["llama-3-70b"], Node("one", DEVICES["mi300x"])
+  pipe = Node("pipe", DEVICES["mi300x"], 4, intra_link=Link(64e9, 5e-6), parallel="pipeline")
+  tensor = dataclasses.replace(pipe, parallel="tensor")
+  assert decode_step_time(pipe, model, 1, 4096) >= decode_step_time(one, model, 1, 4096) > decode_step_time(tensor, model, 1, 4096)
+  assert prefill_time(pipe, model, 8192) < prefill_time(one, model, 8192) / 3  # chunked prompts keep all four stages busy
+
 # --- bad cluster files -------------------------------------------------------------------------------------------------
 
-GOOD = 'description = "t"\n[nodes.a]\ndevice = "h100"\n[nodes.b]\ndevice = "cpu-node"\n[[links]]\nnodes = ["a", "b"]\nbandwidth_gbit_s = 100\n'
 
 @pytest.mark.parametrize("text, key, problem", [
   (GOOD.replace('device = "h100"', 'device = "h100"\ncolour = "red"'), "nodes.a.colour", "unknown key"),
