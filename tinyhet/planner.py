@@ -81,6 +81,8 @@ def _s(x: float) -> str:
   """Seconds, or milliseconds below 0.1 s."""
   return f"{x:.3g} s" if x >= 0.1 else f"{x * 1e3:.3g} ms"
 
+def _seqs(n: int) -> str: return f"{n:,} sequence" + ("" if n == 1 else "s")
+
 def _bound(node: Node, model: Model, parts: tuple[float, float, float], eff: float) -> str:
   compute, memory, _ = parts
   if compute >= memory: return f"compute-bound at {_g(node.flops(model.dtype) * eff / 1e12)} TFLOP/s"
@@ -149,18 +151,18 @@ def explain(cluster: Cluster, model: Model, prompt_len: int, output_len: int, ra
     if overlap: reasons.append(f"{kv} streamed layer by layer during prefill: {_s(streamed)} of {_s(after)} shows in TTFT ({hidden:.0%} hidden); "
                                f"sent after prefill it would add {_s(after)}")
     else: reasons.append(f"{kv} sent after prefill: adds {_s(after)} (streamed layer by layer: {_s(streamed)})")
-    reasons.append(f"{d.name} holds {works[d.name].batch_limit:,} sequences of {prompt_len + output_len} tokens next to the weights "
+    reasons.append(f"{d.name} holds {_seqs(works[d.name].batch_limit)} of {prompt_len + output_len} tokens next to the weights "
                    f"({_g((d.memory - model.weight_bytes) / 1e9)} GB for KV)")
     if d is not p:
       t = disaggregation_threshold(cluster, model, p.name, d.name, overlap=overlap)
-      reasons.append("per request: " + ("disaggregation pays for every prompt length" if t == 1 else
+      reasons.append("per request: " + ("disaggregation pays for every prompt length, down to 1 token" if t == 1 else
                      f"prompts under {t:,} tokens get their first token sooner prefilled on {d.name}, where they are decoded "
                      "(the router keeps them local)" if t else f"{d.name} prefills every prompt sooner itself; disaggregating pays only in decode"))
   else:
     for name in dict.fromkeys(g[0] for g in chosen.groups):
       n, w = cluster.node(name), works[name]
       reasons.append(f"{name}: prefill {_prefill_note(n, model, prompt_len)}, decode {_decode_note(n, model, prompt_len, output_len)}; "
-                     f"holds {w.batch_limit:,} sequences of {prompt_len + output_len} tokens")
+                     f"holds {_seqs(w.batch_limit)} of {prompt_len + output_len} tokens")
     dis = [c for c in others if c.kind == "disaggregated"]
     if dis:
       c = dis[0]
