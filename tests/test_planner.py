@@ -73,6 +73,7 @@ def test_exo_short_prompts_stay_on_the_mac(exo):
   assert long.disaggregate and (long.prefill_node, long.decode_node) == ("spark", "mac")
   assert long.disaggregated_s == pytest.approx(plan.configuration.e2e_s) and long.local_s == pytest.approx(5.57 + 0.85)
   assert route(exo, "llama-3.1-8b", 8192, 32, plan, prefill_queue_s=10).disaggregate is False  # a busy Spark: prefill locally
+  with pytest.raises(PlanError, match="at least 1"): route(exo, "llama-3.1-8b", 0, 32, plan)
 
 # --- cost-model properties ---------------------------------------------------------------------------------------------
 

@@ -52,11 +52,14 @@ class RouteDecision:
   local_ttft_s: float | None
   reason: str
 
+def _check_lengths(prompt_len: int, output_len: int):
+  if prompt_len < 1 or output_len < 1: raise PlanError(f"prompt_len and output_len must be at least 1 (got {prompt_len}, {output_len})")
+
 def predict(cluster: Cluster, model: str | Model, prompt_len: int, output_len: int, rate: float | None = None, overlap: bool = True) -> Prediction:
   """Predict every configuration for prompts of `prompt_len` tokens generating `output_len` tokens at `rate` requests/s
   (None: one request at a time), choose the plan and say why. `overlap=False` predicts the KV sent after prefill."""
   model = cluster.model(model) if isinstance(model, str) else model
-  if prompt_len < 1 or output_len < 1: raise PlanError(f"prompt_len and output_len must be at least 1 (got {prompt_len}, {output_len})")
+  _check_lengths(prompt_len, output_len)
   if rate is not None and not rate >= 0: raise PlanError(f"rate must be >= 0 requests/s (got {rate})")
   lam = rate or 0.0
   works = {n.name: work(n, model, prompt_len, output_len) for n in cluster.nodes}
@@ -194,6 +197,7 @@ def route(cluster: Cluster, model: str | Model, prompt_len: int, output_len: int
   decode node, or prefill on the decode node itself; whichever the predicted end-to-end time is lower for.
   `plan` defaults to the plan for this request's lengths; `prefill_queue_s` is how long the prefill nodes are busy now."""
   model = cluster.model(model) if isinstance(model, str) else model
+  _check_lengths(prompt_len, output_len)
   plan = plan or predict(cluster, model, prompt_len, output_len).plan
   c = plan.configuration
   prefill_nodes = [cluster.node(g) for g, p, _ in c.groups if p]

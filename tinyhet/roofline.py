@@ -114,7 +114,7 @@ def free_for_kv(node: Node, model: Model) -> float:
 def max_batch(node: Node, model: Model, context: int) -> int:
   """How many sequences of `context` tokens fit next to the weights."""
   free = free_for_kv(node, model)
-  return max(0, math.floor(free / (context * model.kv_bytes_per_token))) if free > 0 else 0
+  return max(0, math.floor(free / (max(context, 1) * model.kv_bytes_per_token))) if free > 0 else 0
 
 def max_context(node: Node, model: Model) -> int:
   """The longest single sequence the node holds."""
