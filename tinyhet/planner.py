@@ -169,7 +169,9 @@ def explain(cluster: Cluster, model: Model, prompt_len: int, output_len: int, ra
     dis = [c for c in others if c.kind == "disaggregated"]
     if dis:
       c = dis[0]
-      reasons.append(f"disaggregated ({c.name}) would take {_s(c.e2e_s)}: TTFT {_s(c.ttft_s)}, {c.tpot_s * 1e3:.3g} ms per token")
+      p, d = _main_group(c, 1, cluster, model, prompt_len), _main_group(c, 2, cluster, model, prompt_len)
+      reasons.append(f"disaggregated ({c.name}) would take {_s(c.e2e_s)}: TTFT {_s(c.ttft_s)} with {p.name} prefilling in "
+                     f"{_prefill_note(p, model, prompt_len)}, and {d.name} decoding at {_decode_note(d, model, prompt_len, output_len)}")
   for w in works.values():
     if w.holds_request: reasons.append(w.holds_request + (" (it can prefill the prompt)" if not w.holds_prompt else ""))
   most = max((c for c in configs if c.throughput_tok_s), key=lambda c: c.throughput_tok_s)
@@ -178,6 +180,7 @@ def explain(cluster: Cluster, model: Model, prompt_len: int, output_len: int, ra
     if rate:
       reasons.append(f"{chosen.name} sustains up to {cap:.3g} requests/s ({_g(chosen.throughput_tok_s)} output tokens/s): "
                      f"{lam / cap:.0%} busy at {rate:g}")
+    if most is chosen and not rate: reasons.append(f"it also sustains the most: {_g(chosen.throughput_tok_s)} output tokens/s")
     if most is not chosen:
       reasons.append(f"under load {most.name} sustains the most: {_g(most.throughput_tok_s)} output tokens/s against {_g(chosen.throughput_tok_s)}"
                      + ("" if rate else " (give --rate to plan for a load)"))
