@@ -297,15 +297,17 @@ def _check_port(pv, ctx, name: str, port: int, gid_index: int) -> PortChoice | s
   if attr.state != pv.e.ibv_port_state.IBV_PORT_ACTIVE:
     return f"{name} port {port} is {_enum_name(pv.e.ibv_port_state, attr.state, 'IBV_PORT_')[9:]}, not ACTIVE"
   link_layer = "Ethernet" if attr.link_layer == pv.e.IBV_LINK_LAYER_ETHERNET else "InfiniBand"
-  try: return PortChoice(name, port, choose_gid_index(_gid_table(pv, ctx, port, attr.gid_tbl_len), link_layer, gid_index), link_layer)
+  try: return PortChoice(name, port, choose_gid_index(_gid_table(pv, ctx, port, attr.gid_tbl_len, link_layer), link_layer, gid_index), link_layer)
   except ValueError as e: return f"{name} port {port}: {e}"
 
-def _gid_table(pv, ctx, port: int, size: int) -> list[tuple[str, str] | None]:
+def _gid_table(pv, ctx, port: int, size: int, link_layer: str) -> list[tuple[str, str] | None]:
   table = []
   for i in range(size):
     try:
-      kind = ctx.query_gid_type(port, i)      # the sysfs enum: ROCE_V2 is 1 here, 2 in query_gid_table's enum
-      table.append((str(ctx.query_gid(port, i)), "RoCE v2" if kind == pv.e.ibv_gid_type_sysfs.IBV_GID_TYPE_SYSFS_ROCE_V2 else "IB/RoCE v1"))
+      if link_layer == "InfiniBand": kind = "IB/RoCE v1"     # GID types are a RoCE matter; an IB port need not report them
+      else:                                                     # the sysfs enum: ROCE_V2 is 1 here, 2 in query_gid_table's enum
+        kind = "RoCE v2" if ctx.query_gid_type(port, i) == pv.e.ibv_gid_type_sysfs.IBV_GID_TYPE_SYSFS_ROCE_V2 else "IB/RoCE v1"
+      table.append((str(ctx.query_gid(port, i)), kind))
     except pv.PyverbsError: table.append(None)
   return table
 
