@@ -127,10 +127,10 @@ def transport_module(name: str):
   if name not in ("tcp", "shm", "verbs"): raise TransportUnavailable(f"unknown transport {name!r} (choose one of {', '.join(TRANSPORTS)})")
   return importlib.import_module(f"tinyhet.runtime.{name}")
 
-def available_transports() -> dict[str, str | None]:
-  """transport -> None if usable here, else the reason it is not."""
+def available_transports(cfg: Config | None = None) -> dict[str, str | None]:
+  """transport -> None if usable here, else the reason it is not. cfg picks the RDMA device (None: the configuration)."""
   from tinyhet.runtime import verbs
-  return {"tcp": None, "shm": None if hasattr(os, "memfd_create") else "no memfd_create on this OS", "verbs": verbs.unavailable_reason()}
+  return {"tcp": None, "shm": None if hasattr(os, "memfd_create") else "no memfd_create on this OS", "verbs": verbs.unavailable_reason(cfg)}
 
 class Endpoint:
   """This node's end of every transport: registered arenas, exposed regions, listeners, peers and received notices."""
@@ -152,7 +152,7 @@ class Endpoint:
     self._peers: list[Peer] = []
     self._listeners: list[socket.socket] = []
     self.verbs = None                     # tinyhet.runtime.verbs.Device when this node has an RDMA device
-    self.transports = [t for t, why in available_transports().items() if why is None]
+    self.transports = [t for t, why in available_transports(self.cfg).items() if why is None]
     if "verbs" in self.transports: self.verbs = transport_module("verbs").Device.open(self.cfg)
     self.shm_listeners: list = []         # shm peers served by this endpoint, told about arenas registered later
     self.tcp_sessions: dict = {}          # (peer, session id) -> tinyhet.runtime.tcp.Session
@@ -239,7 +239,8 @@ class Endpoint:
     if wanted == "auto":
       if "verbs" in self.transports and "verbs" in theirs: return "verbs"
       return "shm" if same_host and "shm" in self.transports else "tcp"
-    if wanted == "verbs" and "verbs" not in self.transports: raise TransportUnavailable(f"verbs is unavailable here: {available_transports()['verbs']}")
+    if wanted == "verbs" and "verbs" not in self.transports:
+      raise TransportUnavailable(f"verbs is unavailable here: {available_transports(self.cfg)['verbs']}")
     if wanted not in theirs: raise TransportUnavailable(f"{hello['node']} at {address} does not offer {wanted} (it offers {', '.join(sorted(theirs))})")
     if wanted == "shm" and not same_host:
       raise TransportUnavailable(f"{hello['node']} at {address} is on another host or network namespace: shm needs the same host; use tcp")

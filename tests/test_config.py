@@ -22,6 +22,8 @@ def test_env_file_variable(tmp_path):
   ('transport = "carrier-pigeon"', "transport"), ('bogus = 1', "unknown key 'bogus'"), ('arena_bytes = "lots"', "not a size"),
   ('tcp_streams = 0', "tcp_streams"), ('hugepages = "maybe"', "boolean"), ('[peers]\nx = "nohostport"', "host:port"),
   ('transport = ', "config file"), ('kv_dtype = "int4"', "kv_dtype"),
+  ('rdma_device = "mlx5 0"', "rdma_device"), ('rdma_port = 0', "rdma_port"), ('rdma_port = "one"', "not an integer"),
+  ('rdma_gid_index = -2', "rdma_gid_index"), ('rdma_gid_index = 256', "rdma_gid_index"),
 ])
 def test_bad_files_name_the_problem(tmp_path, text, message):
   (p := tmp_path / "c.toml").write_text(text)
@@ -41,3 +43,11 @@ def test_parse_bytes(n, unit):
 def test_parse_bytes_rejects_or_parses(text):
   try: assert parse_bytes(text) > 0
   except ConfigError: pass
+
+def test_rdma_options():
+  assert (Config().rdma_device, Config().rdma_port, Config().rdma_gid_index) == ("", 1, -1)
+  cfg = load_config(env={"TINYHET_RDMA_DEVICE": "mlx5_1", "TINYHET_RDMA_PORT": "2", "TINYHET_RDMA_GID_INDEX": "3"})
+  assert (cfg.rdma_device, cfg.rdma_port, cfg.rdma_gid_index) == ("mlx5_1", 2, 3)
+  with pytest.raises(ConfigError, match="TINYHET_RDMA_PORT"): load_config(env={"TINYHET_RDMA_PORT": "first"})
+  with pytest.raises(ConfigError, match="rdma_port = 300 must be a port number"): load_config(env={"TINYHET_RDMA_PORT": "300"})
+  with pytest.raises(ConfigError, match="rdma_device = 'a/b' is not an RDMA device name"): load_config(env={"TINYHET_RDMA_DEVICE": "a/b"})

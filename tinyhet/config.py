@@ -9,7 +9,12 @@ File: the path in TINYHET_CONFIG, else ./tinyhet.toml if it exists. Keys are the
   decode0 = "10.0.0.2:7470"
 
 Environment variables override the file: TINYHET_NODE, HET_BACKEND, TINYHET_ARENA_BYTES, TINYHET_HUGEPAGES, TINYHET_TRANSPORT, TINYHET_TOKEN,
-TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE.
+TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE,
+TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX.
+
+RDMA (the verbs transport): rdma_device names the device as `ibv_devices` lists it (e.g. "mlx5_0"); empty takes the first
+device whose port rdma_port is ACTIVE. rdma_gid_index picks the source GID on RoCE; -1 chooses one (a RoCE v2 GID,
+IPv4-mapped first). On InfiniBand the GID index is not used (peers are addressed by LID).
 """
 from __future__ import annotations
 import dataclasses, os, pathlib, re, tomllib
@@ -34,6 +39,9 @@ class Config:
   tcp_streams: int = 4                   # parallel TCP connections per peer
   kv_block_size: int = 16                # tokens per paged-KV block
   kv_dtype: str = "float16"              # dtype of the KV cache on the decode node
+  rdma_device: str = ""                  # verbs: RDMA device name (ibv_devices); empty = the first with an active port
+  rdma_port: int = 1                     # verbs: port number on that device (1-based, as ibv_devinfo shows it)
+  rdma_gid_index: int = -1               # verbs: source GID index on RoCE; -1 = auto (RoCE v2, IPv4-mapped first)
 
   def __post_init__(self): validate(self, "config")
 
@@ -73,6 +81,12 @@ def validate(cfg: Config, source: str):
   if not isinstance(cfg.arena_bytes, int) or cfg.arena_bytes < 1 << 20: bad("arena_bytes", "must be at least 1 MiB")
   if not isinstance(cfg.tcp_streams, int) or not 1 <= cfg.tcp_streams <= 64: bad("tcp_streams", "must be between 1 and 64")
   if not isinstance(cfg.kv_block_size, int) or not 1 <= cfg.kv_block_size <= 1024: bad("kv_block_size", "must be between 1 and 1024")
+  if not isinstance(cfg.rdma_device, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{0,63}", cfg.rdma_device):
+    bad("rdma_device", "is not an RDMA device name (as `ibv_devices` lists them, e.g. mlx5_0; empty = the first with an active port)")
+  if not isinstance(cfg.rdma_port, int) or not 1 <= cfg.rdma_port <= 255:
+    bad("rdma_port", "must be a port number between 1 and 255 (see `ibv_devinfo`)")
+  if not isinstance(cfg.rdma_gid_index, int) or not -1 <= cfg.rdma_gid_index <= 255:
+    bad("rdma_gid_index", "must be -1 (auto) or a GID table index between 0 and 255 (see `show_gids` or /sys/class/infiniband/DEV/ports/N/gids)")
 
 # field -> (environment variable, parser)
 _PARSERS = {
@@ -86,6 +100,9 @@ _PARSERS = {
   "tcp_streams": ("TINYHET_TCP_STREAMS", lambda v, w: _int(v, w)),
   "kv_block_size": ("TINYHET_KV_BLOCK_SIZE", lambda v, w: _int(v, w)),
   "kv_dtype": ("TINYHET_KV_DTYPE", lambda v, w: str(v)),
+  "rdma_device": ("TINYHET_RDMA_DEVICE", lambda v, w: str(v).strip()),
+  "rdma_port": ("TINYHET_RDMA_PORT", lambda v, w: _int(v, w)),
+  "rdma_gid_index": ("TINYHET_RDMA_GID_INDEX", lambda v, w: _int(v, w)),
 }
 
 def _int(v, what) -> int:
