@@ -11,7 +11,7 @@ can use). A peer connects and moves bytes with a few flat calls:
 
 A write is one-sided: the receiver's code does not take part (tcp's receiving thread lands bytes straight into the
 registered region after checking its bounds). Neighbouring spans coalesce; spans over a transport's message limit split.
-`auto` picks verbs when both nodes have an RDMA device, shm when the peer shares this host (and network namespace),
+`auto` picks shm when the peer shares this host (and network namespace), verbs when both nodes have an RDMA device,
 tcp otherwise.
 """
 from __future__ import annotations
@@ -236,9 +236,9 @@ class Endpoint:
 
   def _choose(self, wanted: str, hello: dict, address: str) -> str:
     theirs, same_host = set(hello.get("transports") or []), hello.get("host") == self.host and bool(hello.get("unix"))
-    if wanted == "auto":
-      if "verbs" in self.transports and "verbs" in theirs: return "verbs"
-      return "shm" if same_host and "shm" in self.transports else "tcp"
+    if wanted == "auto":      # a peer on this host shares memory: one memcpy beats a trip through the NIC
+      if same_host and "shm" in self.transports and "shm" in theirs: return "shm"
+      return "verbs" if "verbs" in self.transports and "verbs" in theirs else "tcp"
     if wanted == "verbs" and "verbs" not in self.transports:
       raise TransportUnavailable(f"verbs is unavailable here: {available_transports(self.cfg)['verbs']}")
     if wanted not in theirs: raise TransportUnavailable(f"{hello['node']} at {address} does not offer {wanted} (it offers {', '.join(sorted(theirs))})")

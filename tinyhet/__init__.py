@@ -3,12 +3,24 @@ CPU node (device MESH), KV cache streamed between them layer by layer over RDMA,
 
 `import tinyhet` makes Device["HET"] and Device["MESH"] available in tinygrad (see tinyhet.devices)."""
 from __future__ import annotations
-import weakref
+import sys, types, weakref
 from tinyhet.config import Config, ConfigError, load_config
-from tinyhet import devices as _devices
 from tinyhet.memory import local_node
 
-_devices.install()
+def _install_devices():
+  """tinygrad has no device registry: Device["X"] imports tinygrad.runtime.ops_x and takes its XDevice class. Put two small
+  modules under those names whose classes load tinyhet.devices (and tinygrad) only when a device is opened, so that
+  `import tinyhet` stays light."""
+  for name in ("het", "mesh"):
+    cls_name = f"{name.capitalize()}Device"
+    def new(cls, device: str = name.upper(), cls_name=cls_name):
+      from tinyhet import devices
+      return getattr(devices, cls_name)(device)
+    mod = types.ModuleType(f"tinygrad.runtime.ops_{name}", f"tinyhet's {name.upper()} device (see tinyhet.devices)")
+    setattr(mod, cls_name, type(cls_name, (), {"__new__": new, "__doc__": f"Device[{name.upper()!r}], built by tinyhet.devices"}))
+    sys.modules.setdefault(mod.__name__, mod)
+
+_install_devices()
 
 __all__ = ["Config", "ConfigError", "load_config", "local_node", "register", "serve", "connect"]
 __version__ = "0.1.0"
@@ -19,6 +31,7 @@ def register(t):
   Returns (tensor, descriptor): the tensor backed by registered memory, and the RegionDescriptor a peer can write into
   or read from. HET and MESH tensors are registered already; a CPU tensor is copied into a registered CPU arena."""
   from tinygrad import Tensor
+  from tinyhet import devices
   node = local_node()
   dev = t.device if isinstance(t.device, str) else None
   if dev is None: raise ValueError("tinyhet.register takes a tensor on one device, not a sharded one")
@@ -38,7 +51,7 @@ def register(t):
     out.assign(t).realize()
     weakref.finalize(out.uop.buffer, _free_region, node, region)      # the region lives as long as the buffer
     return out, node.expose(region, 0, t.nbytes())
-  region, offset = _devices.region_of(t.uop.buffer)
+  region, offset = devices.region_of(t.uop.buffer)
   return t, node.expose(region, offset, t.nbytes())
 
 def _free_region(node, region):

@@ -6,11 +6,11 @@
   MESH         the decode node's CPU device; its buffers are carved from the node's registered host arena
   MESH:<peer>  memory of another node: memory-only; .to() it is a transport write, reading it back a transport read
 
-tinygrad has no device registry: Device["X"] imports tinygrad.runtime.ops_x and takes its XDevice class. install()
-puts two small modules under those names in sys.modules; nothing in tinygrad is changed.
+tinyhet/__init__.py registers these classes with tinygrad (as modules tinygrad.runtime.ops_het and ops_mesh); nothing in
+tinygrad is changed.
 """
 from __future__ import annotations
-import sys, threading, types
+import threading
 from tinygrad.device import Allocator, BufferSpec, Compiled, Device
 from tinygrad.renderer import Renderer
 from tinygrad.runtime.ops_cpu import CPUAllocator, CPUDevice
@@ -164,18 +164,6 @@ class MeshDevice:
   def __new__(cls, device: str = "MESH"):
     suffix = device.split(":", 1)[1] if ":" in device else ""
     return MeshCPUDevice(device) if suffix == "" or suffix.isdigit() else RemoteMemoryDevice(device)
-
-# ---------------------------------------------------------------- registration with tinygrad
-
-def install():
-  """Make Device["HET"] and Device["MESH"] resolvable (idempotent)."""
-  for name, cls in (("het", HetDevice), ("mesh", MeshDevice)):
-    mod_name = f"tinygrad.runtime.ops_{name}"
-    if mod_name not in sys.modules:
-      mod = types.ModuleType(mod_name, f"tinyhet's {name.upper()} device (see tinyhet.devices)")
-      setattr(mod, f"{name.capitalize()}Device", cls)
-      sys.modules[mod_name] = mod
-    if name.upper() not in Device._devices: Device._devices.append(name.upper())
 
 def region_of(buf) -> tuple[Region, int]:
   """The registered region behind a realized tinygrad Buffer of HET or MESH, and the buffer's offset in it."""
