@@ -24,13 +24,17 @@ class Mapping:
     addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset)
     if addr in (None, MAP_FAILED): raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed: {os.strerror(ctypes.get_errno())}")
     self.addr, self.size = addr, size
+    self.mv = memoryview((ctypes.c_char * size).from_address(addr)).cast("B")    # sliced per span: no ctypes object per view
 
   def view(self, offset: int, nbytes: int) -> memoryview:
-    if offset < 0 or nbytes < 0 or offset + nbytes > self.size: raise IndexError(f"span [{offset}, {offset + nbytes}) outside mapping of {self.size} bytes")
-    return memoryview((ctypes.c_char * nbytes).from_address(self.addr + offset)).cast("B")
+    if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+      raise IndexError(f"span [{offset}, {offset + nbytes}) outside mapping of {self.size} bytes")
+    return self.mv[offset:offset + nbytes]
 
   def close(self):
-    if self.addr is not None: _libc.munmap(self.addr, self.size)
+    if self.addr is not None:
+      self.mv.release()
+      _libc.munmap(self.addr, self.size)
     self.addr = None
 
 def _thp_shmem_mode() -> str:

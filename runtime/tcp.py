@@ -11,7 +11,7 @@ written and the node's other peers are untouched.
 from __future__ import annotations
 import itertools, queue, secrets, socket, threading
 from tinyhet.runtime import wire
-from tinyhet.runtime.wire import Frame, WRITE, ACK, READ, DATA, ERROR, CLOSE, NOTIFY, LAST, PIECE
+from tinyhet.runtime.wire import Frame, WRITE, ACK, READ, DATA, ERROR, CLOSE, NOTIFY, LAST, SINGLE, PIECE, HEADER, MAGIC
 from tinyhet.runtime.transport import Transfer, TransportError, Piece, coalesce, split, local_view
 
 MAX_PIECE = 4 << 20          # a span larger than this is cut so that parallel streams share it
@@ -35,6 +35,10 @@ def _error_frame(batch: int, message: str) -> list:
 
 def _frames(batch: int, pieces: list[Piece], total: int, notify: int | None, closes: bool) -> list[list]:
   """Vectored WRITE frames (header, piece records, payload views) for one stream's share of a batch."""
+  flags_last = LAST | (NOTIFY if notify is not None else 0)
+  if closes and len(pieces) == 1 and pieces[0].nbytes == total:       # the common small write: one frame, no records
+    p = pieces[0]
+    return [[HEADER.pack(MAGIC, WRITE, flags_last | SINGLE, notify or 0, batch, 0, p.region_id, p.region_offset, p.nbytes), local_view(p)]]
   groups, cur, cur_bytes = [], [], 0
   for p in pieces:
     if cur and (len(cur) == MAX_FRAME_PIECES or cur_bytes + p.nbytes > MAX_FRAME_BYTES):
@@ -46,9 +50,8 @@ def _frames(batch: int, pieces: list[Piece], total: int, notify: int | None, clo
   frames = []
   for i, g in enumerate(groups):
     last = closes and i == len(groups) - 1
-    flags = (LAST if last else 0) | (NOTIFY if last and notify is not None else 0)
-    head = Frame(WRITE, flags=flags, value=(notify or 0) if last else 0, batch=batch, tag=len(g), offset=total if last else 0,
-                 nbytes=sum(p.nbytes for p in g)).pack()
+    head = HEADER.pack(MAGIC, WRITE, flags_last if last else 0, (notify or 0) if last else 0, batch, len(g), 0, total if last else 0,
+                       sum(p.nbytes for p in g))
     frames.append([head, b"".join(PIECE.pack(p.region_id, p.region_offset, p.nbytes) for p in g), *(local_view(p) for p in g)])
   return frames
 
@@ -76,16 +79,17 @@ class Stream:
         return
 
   def _read_loop(self):
+    header = bytearray(HEADER.size)
     try:
       while True:
-        f = wire.recv_frame(self.sock)
-        if f.op == ACK: self.link.finish(f.batch)
-        elif f.op == DATA: self.link.land_read(self.sock, f)
-        elif f.op == ERROR:
-          text = wire.recv_exact(self.sock, min(f.nbytes, MAX_ERROR_TEXT)).decode(errors="replace")
+        op, _, _, batch, tag, _, _, nbytes = wire.recv_header(self.sock, header)
+        if op == ACK: self.link.finish(batch)
+        elif op == DATA: self.link.land_read(self.sock, batch, tag, nbytes)
+        elif op == ERROR:
+          text = wire.recv_exact(self.sock, min(nbytes, MAX_ERROR_TEXT)).decode(errors="replace")
           self.link.fail_all(f"{self.link.peer} dropped the connection: {text}")
           return
-        else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[f.op]} frame from {self.link.peer}")
+        else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[op]} frame from {self.link.peer}")
     except (OSError, wire.ProtocolError) as e:
       self.link.fail_all(f"connection to {self.link.peer} lost: {e}")
 
@@ -128,19 +132,21 @@ class Link:
     pieces = split(coalesce(pieces), MAX_PIECE)
     t = self._start("write", sum(p.nbytes for p in pieces))
     per_stream: list[list[Piece]] = [[] for _ in self.streams]
-    loads = [0] * len(self.streams)
-    for p in pieces:                                   # each piece to the stream with the fewest bytes so far
-      k = loads.index(min(loads))
-      per_stream[k].append(p)
-      loads[k] += p.nbytes
-    closing = t.batch % len(self.streams)              # this stream's last frame closes the batch
+    inline = t.nbytes <= INLINE_BYTES
+    if inline: per_stream[t.batch % len(self.streams)] = pieces     # a small batch: one frame on one stream, sent from this thread
+    else:
+      loads = [0] * len(self.streams)
+      for p in pieces:                                 # each piece to the stream with the fewest bytes so far
+        k = loads.index(min(loads))
+        per_stream[k].append(p)
+        loads[k] += p.nbytes
+    closing = max(range(len(self.streams)), key=lambda k: (len(per_stream[k]) > 0, -k))   # a stream that carries pieces closes the batch
     try:
       for k, (stream, mine) in enumerate(zip(self.streams, per_stream)):
         frames = _frames(t.batch, mine, t.nbytes, notify if k == closing else None, closes=k == closing)
-        if t.nbytes <= INLINE_BYTES:
-          for frame in frames: stream.send(frame)
-        else:
-          for frame in frames: stream.queue.put((t.batch, frame))
+        for frame in frames:
+          if inline: stream.send(frame)
+          else: stream.queue.put((t.batch, frame))
     except OSError as e: self.fail_all(f"sending to {self.peer} failed: {e}")
     return t
 
@@ -156,15 +162,15 @@ class Link:
     except OSError as e: self.fail_all(f"sending to {self.peer} failed: {e}")
     return t
 
-  def land_read(self, sock: socket.socket, f: Frame):
-    with self.lock: view = self.reads.pop((f.batch, f.tag), None)
-    if view is None or len(view) != f.nbytes: raise wire.ProtocolError(f"{self.peer} sent data for no pending read (batch {f.batch}, tag {f.tag})")
+  def land_read(self, sock: socket.socket, batch: int, tag: int, nbytes: int):
+    with self.lock: view = self.reads.pop((batch, tag), None)
+    if view is None or len(view) != nbytes: raise wire.ProtocolError(f"{self.peer} sent data for no pending read (batch {batch}, tag {tag})")
     wire.recv_into_exact(sock, view)
     with self.lock:
-      self.reads_left[f.batch] -= 1
-      last = self.reads_left[f.batch] == 0
-      if last: del self.reads_left[f.batch]
-    if last: self.finish(f.batch)
+      self.reads_left[batch] -= 1
+      last = self.reads_left[batch] == 0
+      if last: del self.reads_left[batch]
+    if last: self.finish(batch)
 
   def finish(self, batch: int):
     with self.lock: t = self.pending.pop(batch, None)
@@ -216,9 +222,9 @@ class Session:
       done = b[1] is not None and b[0] == b[1]
       if done: del self.batches[batch]
     if done:
-      if b[2] is not None: self.ep.deliver(self.peer, b[2], batch, b[1])
       sock, lock = b[3]
-      with lock: sock.sendall(Frame(ACK, batch=batch, nbytes=b[1]).pack())
+      with lock: sock.sendall(HEADER.pack(MAGIC, ACK, 0, 0, batch, 0, 0, 0, b[1]))
+      if b[2] is not None: self.ep.deliver(self.peer, b[2], batch, b[1])
 
   def drop(self):
     with self.lock: socks = list(self.socks)
@@ -237,22 +243,27 @@ def serve(ep, sock: socket.socket, auth: dict):
   with session.lock: session.socks[sock] = send_lock
   _tune(sock)
   ep.server_ok(sock, auth)
+  header = bytearray(wire.HEADER.size)
   try:
     while True:
-      f = wire.recv_frame(sock)
-      if f.op == WRITE:
-        if f.tag > MAX_FRAME_PIECES: raise wire.ProtocolError(f"a WRITE frame of {f.tag} pieces exceeds {MAX_FRAME_PIECES}")
-        records = wire.recv_exact(sock, f.tag * PIECE.size) if f.tag else b""
-        views = [ep.lookup(region, offset, n) for region, offset, n in PIECE.iter_unpack(records)]   # every piece checked before any lands
-        if (got := sum(len(v) for v in views)) != f.nbytes: raise wire.ProtocolError(f"frame claims {f.nbytes} bytes, its pieces hold {got}")
+      op, flags, value, batch, tag, region, offset, nbytes = wire.recv_header(sock, header)
+      if op == WRITE and flags & SINGLE:
+        wire.recv_into_exact(sock, ep.lookup(region, offset, nbytes))
+        with send_lock: sock.sendall(HEADER.pack(MAGIC, ACK, 0, 0, batch, 0, 0, 0, nbytes))
+        if flags & NOTIFY: ep.deliver(session.peer, value, batch, nbytes)
+      elif op == WRITE:
+        if tag > MAX_FRAME_PIECES: raise wire.ProtocolError(f"a WRITE frame of {tag} pieces exceeds {MAX_FRAME_PIECES}")
+        records = wire.recv_exact(sock, tag * PIECE.size) if tag else b""
+        views = [ep.lookup(r, o, n) for r, o, n in PIECE.iter_unpack(records)]     # every piece checked before any lands
+        if (got := sum(len(v) for v in views)) != nbytes: raise wire.ProtocolError(f"frame claims {nbytes} bytes, its pieces hold {got}")
         wire.recv_into_views(sock, views)
-        last = bool(f.flags & LAST)
-        session.landed(f.batch, f.nbytes, f.offset if last else None, f.value if f.flags & NOTIFY else None, (sock, send_lock) if last else None)
-      elif f.op == READ:
-        view = ep.lookup(f.region, f.offset, f.nbytes)
-        with send_lock: wire.send_all(sock, [Frame(DATA, batch=f.batch, tag=f.tag, nbytes=f.nbytes).pack(), view])
-      elif f.op == CLOSE: return
-      else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[f.op]} frame")
+        last = bool(flags & LAST)
+        session.landed(batch, nbytes, offset if last else None, value if flags & NOTIFY else None, (sock, send_lock) if last else None)
+      elif op == READ:
+        view = ep.lookup(region, offset, nbytes)
+        with send_lock: wire.send_all(sock, [Frame(DATA, batch=batch, tag=tag, nbytes=nbytes).pack(), view])
+      elif op == CLOSE: return
+      else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[op]} frame")
   except wire.ProtocolError as e:
     try:
       with send_lock: wire.send_all(sock, _error_frame(0, str(e)))

@@ -77,27 +77,36 @@ def split(pieces: list[Piece], limit: int) -> list[Piece]:
   """Cut pieces larger than a transport's message limit."""
   out = []
   for p in pieces:
+    if p.nbytes <= limit:
+      out.append(p)
+      continue
     for off in range(0, p.nbytes, limit):
       out.append(replace(p, start=p.start + off, region_offset=p.region_offset + off, nbytes=min(limit, p.nbytes - off)))
   return out
+
+_finishing = threading.Lock()
 
 class Transfer:
   """A batch in flight. wait() returns once every byte has landed (or been read), and raises with context otherwise."""
   def __init__(self, peer: str, kind: str, batch: int, nbytes: int):
     self.peer, self.kind, self.batch, self.nbytes = peer, kind, batch, nbytes
     self.started, self.finished, self.error = time.perf_counter(), None, None
-    self._event = threading.Event()
+    self._pending = threading.Lock()      # held until the transfer finishes: cheaper to wake on than an Event
+    self._pending.acquire()
 
   def finish(self, error: str | None = None):
-    if self._event.is_set(): return
-    self.error, self.finished = error, time.perf_counter()
-    self._event.set()
+    with _finishing:
+      if self.finished is not None: return
+      self.error, self.finished = error, time.perf_counter()
+    self._pending.release()
 
-  def done(self) -> bool: return self._event.is_set()
+  def done(self) -> bool: return self.finished is not None
 
   def wait(self, timeout: float | None = 60.0) -> Transfer:
-    if not self._event.wait(timeout):
-      raise TimeoutError(f"{self.kind} batch {self.batch} with {self.peer}: {self.nbytes} bytes not confirmed after {timeout} s")
+    if self.finished is None:
+      if not self._pending.acquire(timeout=-1 if timeout is None else timeout):
+        raise TimeoutError(f"{self.kind} batch {self.batch} with {self.peer}: {self.nbytes} bytes not confirmed after {timeout} s")
+      self._pending.release()
     if self.error is not None: raise TransportError(f"{self.kind} batch {self.batch} with {self.peer} failed: {self.error}")
     return self
 
@@ -141,7 +150,7 @@ class Endpoint:
     self.host = wire.host_id()
     self.arenas: dict[int, Arena] = {}
     self.exposed: dict[int, Region] = {}
-    self.notices: queue.Queue[Notice] = queue.Queue()
+    self.notices: queue.SimpleQueue[Notice] = queue.SimpleQueue()
     self.lock = threading.Lock()
     self.closed = False
     self.address: str | None = None

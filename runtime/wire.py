@@ -2,8 +2,8 @@
 
 Data frame header, little-endian: magic u16 "th" | op u8 | flags u8 | value u32 | batch u64 | tag u64 | region u64 |
 offset u64 | nbytes u64. A WRITE frame is vectored: `tag` piece records (region u64 | offset u64 | nbytes u64) follow the
-header, then the pieces' payloads back to back (nbytes in all); with the COMMIT flag it also closes its batch, whose total
-is `offset`. A DATA frame is followed by nbytes of payload. Anything else a peer sends is a protocol error and drops
+header, then the pieces' payloads back to back (nbytes in all); with the LAST flag it also closes its batch, whose total
+is `offset`; with the SINGLE flag it is a whole one-piece batch at (region, offset, nbytes), with no records. A DATA frame is followed by nbytes of payload. Anything else a peer sends is a protocol error and drops
 that peer.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ WRITE, COMMIT, ACK, READ, DATA, ERROR, CLOSE, ARENA = 1, 2, 3, 4, 5, 6, 7, 8
 OP_NAMES = {WRITE: "WRITE", COMMIT: "COMMIT", ACK: "ACK", READ: "READ", DATA: "DATA", ERROR: "ERROR", CLOSE: "CLOSE", ARENA: "ARENA"}
 NOTIFY = 1   # flag: value is a notification for the receiver
 LAST = 2     # WRITE flag: the frame closes its batch (COMMIT folded into the last WRITE)
+SINGLE = 4   # WRITE flag: the frame is a whole batch of one piece, described by the header's region/offset/nbytes (no records)
 PIECE = struct.Struct("<QQQ")
 
 class ProtocolError(ConnectionError):
@@ -72,15 +73,26 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def recv_frame(sock: socket.socket) -> Frame: return Frame.unpack(recv_exact(sock, HEADER.size))
 
+def recv_header(sock: socket.socket, buf: bytearray) -> tuple[int, int, int, int, int, int, int, int]:
+  """The hot path's recv_frame: into a reused buffer, as a plain tuple (op, flags, value, batch, tag, region, offset, nbytes)."""
+  recv_into_exact(sock, memoryview(buf))
+  magic, *fields = HEADER.unpack_from(buf)
+  if magic != MAGIC: raise ProtocolError(f"bad frame magic {magic:#06x}")
+  if fields[0] not in OP_NAMES: raise ProtocolError(f"unknown frame op {fields[0]}")
+  return tuple(fields)
+
 def send_all(sock: socket.socket, buffers: list):
   """sendmsg until every byte of buffers is out: one syscall for a header and its payload, no copy of the payload."""
+  sent = sock.sendmsg(buffers) if len(buffers) <= IOV_MAX else 0
+  if sent == sum(len(b) for b in buffers): return             # the usual case: all of it in one call
   views = [memoryview(b).cast("B") for b in buffers if len(b)]
-  while views:
-    sent = sock.sendmsg(views[:IOV_MAX])
+  while True:
     while views and sent >= len(views[0]):
       sent -= len(views[0])
       views.pop(0)
-    if views and sent: views[0] = views[0][sent:]
+    if not views: return
+    if sent: views[0], sent = views[0][sent:], 0
+    sent = sock.sendmsg(views[:IOV_MAX])
 
 def send_json(sock: socket.socket, obj: dict):
   data = json.dumps(obj).encode()

@@ -160,6 +160,10 @@ def test_bad_frames_drop_only_that_peer(node, writer):
   hostile(node, [write_frame(1, [(rid, REMOTE_BYTES - 10, 11)])], "outside region")
   hostile(node, [write_frame(1, [(rid, 0, 8), (rid, REMOTE_BYTES, 1)])], "outside region")     # one bad piece: none of the frame lands
   hostile(node, [write_frame(1, [(rid + 1000, 0, 1)])], "not exposed")
+  single = lambda region, offset, n: wire.HEADER.pack(wire.MAGIC, wire.WRITE, wire.SINGLE | wire.LAST, 0, 1, 0, region, offset, n)
+  hostile(node, [single(rid, REMOTE_BYTES - 4, 5)], "outside region")           # the one-piece fast path checks bounds too
+  hostile(node, [single(rid + 7, 0, 5)], "not exposed")
+  hostile(node, [single(rid, 16, 64) + b"\x02" * 20], None, lands=(16, b"\x02" * 20))
   hostile(node, [write_frame(1, [(rid, 2**63, 2**63)])], "outside region")
   hostile(node, [F(wire.WRITE, batch=1, tag=1, nbytes=99).pack() + wire.PIECE.pack(rid, 0, 8)], "claims 99 bytes")
   hostile(node, [F(wire.WRITE, batch=1, tag=10**6, nbytes=1).pack()], "exceeds")
