@@ -158,7 +158,8 @@ class Link:
       for tag, p in enumerate(pieces): self.reads[(t.batch, tag)] = local_view(p)
     try:
       for tag, p in enumerate(pieces):
-        self.streams[tag % len(self.streams)].send([Frame(READ, batch=t.batch, tag=tag, region=p.region_id, offset=p.region_offset, nbytes=p.nbytes).pack()])
+        frame = Frame(READ, batch=t.batch, tag=tag, region=p.region_id, offset=p.region_offset, nbytes=p.nbytes).pack()
+        self.streams[tag % len(self.streams)].send([frame])
     except OSError as e: self.fail_all(f"sending to {self.peer} failed: {e}")
     return t
 

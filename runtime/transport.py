@@ -60,7 +60,8 @@ def to_pieces(spans: list[Span], node: str) -> list[Piece]:
     if s.remote_offset < 0 or s.remote_offset + s.nbytes > s.remote.length:
       raise TransportError(f"remote span [{s.remote_offset}, {s.remote_offset + s.nbytes}) is outside the {s.remote.length} bytes described "
                            f"(region {s.remote.region_id} of {node})")
-    pieces.append(Piece(s.local.arena, s.local.offset + s.local_offset, s.remote.region_id, s.remote.addr, s.remote.rkey, s.remote.offset + s.remote_offset, s.nbytes))
+    pieces.append(Piece(s.local.arena, s.local.offset + s.local_offset, s.remote.region_id, s.remote.addr, s.remote.rkey,
+                        s.remote.offset + s.remote_offset, s.nbytes))
   return pieces
 
 def coalesce(pieces: list[Piece]) -> list[Piece]:
@@ -250,7 +251,8 @@ class Endpoint:
       return "verbs" if "verbs" in self.transports and "verbs" in theirs else "tcp"
     if wanted == "verbs" and "verbs" not in self.transports:
       raise TransportUnavailable(f"verbs is unavailable here: {available_transports(self.cfg)['verbs']}")
-    if wanted not in theirs: raise TransportUnavailable(f"{hello['node']} at {address} does not offer {wanted} (it offers {', '.join(sorted(theirs))})")
+    if wanted not in theirs:
+      raise TransportUnavailable(f"{hello['node']} at {address} does not offer {wanted} (it offers {', '.join(sorted(theirs))})")
     if wanted == "shm" and not same_host:
       raise TransportUnavailable(f"{hello['node']} at {address} is on another host or network namespace: shm needs the same host; use tcp")
     return wanted
@@ -288,7 +290,8 @@ class Endpoint:
                             "transports": self.transports, "unix": self.unix_name})
       auth = wire.recv_json(sock)
       peer, transport = auth.get("node"), auth.get("transport")
-      if not isinstance(peer, str) or not isinstance(auth.get("nonce"), str) or not wire.check_proof(self.token, nonce, "client", peer, auth.get("proof")):
+      proven = isinstance(peer, str) and isinstance(auth.get("nonce"), str) and wire.check_proof(self.token, nonce, "client", peer, auth.get("proof"))
+      if not proven:
         wire.send_json(sock, {"error": "authentication failed: the peer did not prove the shared token (TINYHET_TOKEN)"})
         return
       if transport == "ctl":

@@ -3,8 +3,8 @@
 Data frame header, little-endian: magic u16 "th" | op u8 | flags u8 | value u32 | batch u64 | tag u64 | region u64 |
 offset u64 | nbytes u64. A WRITE frame is vectored: `tag` piece records (region u64 | offset u64 | nbytes u64) follow the
 header, then the pieces' payloads back to back (nbytes in all); with the LAST flag it also closes its batch, whose total
-is `offset`; with the SINGLE flag it is a whole one-piece batch at (region, offset, nbytes), with no records. A DATA frame is followed by nbytes of payload. Anything else a peer sends is a protocol error and drops
-that peer.
+is `offset`; with the SINGLE flag it is a whole one-piece batch at (region, offset, nbytes), with no records. A DATA
+frame is followed by nbytes of payload. Anything else a peer sends is a protocol error and drops that peer.
 """
 from __future__ import annotations
 import hashlib, hmac, json, os, socket, struct

@@ -2,7 +2,7 @@ import gc, os, pathlib, subprocess, sys
 import numpy as np, pytest
 from hypothesis import given, settings, strategies as st
 import tinyhet
-from tinygrad import Tensor, Device, dtypes
+from tinygrad import Tensor, dtypes
 from tinyhet.devices import region_of
 from tinyhet.memory import local_node
 
@@ -10,8 +10,9 @@ ROOT = pathlib.Path(__file__).parent.parent
 NP = {dtypes.float32: np.float32, dtypes.float16: np.float16, dtypes.int32: np.int32}
 
 def arrays(draw, dtype, shape):
-  if dtype == dtypes.int32: return draw(st.integers(0, 2**32 - 1).map(lambda s: np.random.default_rng(s).integers(-1000, 1000, shape).astype(np.int32)))
-  return draw(st.integers(0, 2**32 - 1).map(lambda s: (np.random.default_rng(s).standard_normal(shape) * 3).astype(NP[dtype])))
+  rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+  if dtype == dtypes.int32: return rng.integers(-1000, 1000, shape).astype(np.int32)
+  return (rng.standard_normal(shape) * 3).astype(NP[dtype])
 
 @settings(max_examples=10, deadline=None)
 @given(st.data(), st.sampled_from(["HET", "MESH"]), st.sampled_from([dtypes.float32, dtypes.float16, dtypes.int32]),
@@ -110,7 +111,8 @@ def test_het_on_each_backend(backend):
   """The same checks (ops vs numpy, buffers inside the arena, HET->MESH->HET, bytes returning) on each HET backend.
   PYTHON is tinygrad's emulator: a non-CPU backend whose allocator HET wraps like a GPU's."""
   if backend in ("CUDA", "NV"):
-    probe = run(["-c", f"from tinygrad import Device\ntry: Device[{backend!r}]\nexcept Exception as e: print(type(e).__name__, str(e).strip().splitlines()[0][:200])"])
+    code = f"from tinygrad import Device\ntry: Device[{backend!r}]\nexcept Exception as e: print(type(e).__name__, str(e).strip().splitlines()[0][:200])"
+    probe = run(["-c", code])
     if probe.stdout.strip(): pytest.skip(f"no {backend} GPU here ({probe.stdout.strip()})")
   out = run(["-m", "tinyhet.bench", "het", "--json", "--quick"], HET_BACKEND=backend)
   assert out.returncode == 0, out.stdout + out.stderr

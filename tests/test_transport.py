@@ -92,7 +92,8 @@ def test_two_process_writes_and_reads_are_byte_exact(node, writer, transport, da
   peer = writer.__dict__.setdefault(f"peer_{transport}", None) or writer.connect(node.address, transport)
   writer.__dict__[f"peer_{transport}"] = peer
   assert peer.transport == transport
-  spans = disjoint_spans(data.draw, data.draw(st.integers(1, 24)), REMOTE_BYTES, writer.local.nbytes, data.draw(st.sampled_from([64, 4096, 300_000, 2 << 20])))
+  max_len = data.draw(st.sampled_from([64, 4096, 300_000, 2 << 20]))
+  spans = disjoint_spans(data.draw, data.draw(st.integers(1, 24)), REMOTE_BYTES, writer.local.nbytes, max_len)
   local = writer.local.numpy()
   value = data.draw(st.integers(0, 2**32 - 1))
   t = writer.write(peer, [Span(writer.local, lo, node.desc, ro, n) for lo, ro, n in spans], notify=value)
@@ -245,7 +246,8 @@ def two_hosts():
           f"ip -n {a} link set {tag}x up", f"ip -n {b} link set {tag}y up", f"ip -n {a} link set lo up", f"ip -n {b} link set lo up"]
   try:
     for c in cmds:
-      if (p := subprocess.run(c.split(), capture_output=True, text=True)).returncode != 0: pytest.skip(f"cannot build the veth pair ({c}): {p.stderr.strip()}")
+      if (p := subprocess.run(c.split(), capture_output=True, text=True)).returncode != 0:
+        pytest.skip(f"cannot build the veth pair ({c}): {p.stderr.strip()}")
     yield a, b
   finally:
     subprocess.run(["ip", "netns", "del", a], capture_output=True)

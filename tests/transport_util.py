@@ -8,8 +8,9 @@ TOKEN = "test-token"
 class MemoryNode:
   """tinyhet.runtime.memory_node in a subprocess (optionally inside a network namespace)."""
   def __init__(self, name="memnode", listen="127.0.0.1:0", netns=None, arena_bytes=64 << 20, token=TOKEN):
-    cmd = [sys.executable, "-m", "tinyhet.runtime.memory_node", "--name", name, "--token", token, "--listen", listen, "--arena-bytes", str(arena_bytes)]
-    if netns: cmd = ["ip", "netns", "exec", netns] + cmd
+    cmd = [sys.executable, "-m", "tinyhet.runtime.memory_node", "--name", name, "--token", token, "--listen", listen,
+           "--arena-bytes", str(arena_bytes)]
+    if netns: cmd = ["ip", "netns", "exec", netns, *cmd]
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
     line = self.proc.stdout.readline()
     if not line: raise RuntimeError(f"memory node did not start (exit {self.proc.wait()})")
