@@ -111,7 +111,8 @@ def test_het_on_each_backend(backend):
   """The same checks (ops vs numpy, buffers inside the arena, HET->MESH->HET, bytes returning) on each HET backend.
   PYTHON is tinygrad's emulator: a non-CPU backend whose allocator HET wraps like a GPU's."""
   if backend in ("CUDA", "NV"):
-    code = f"from tinygrad import Device\ntry: Device[{backend!r}]\nexcept Exception as e: print(type(e).__name__, str(e).strip().splitlines()[0][:200])"
+    code = (f"from tinygrad import Device\ntry: Device[{backend!r}]\n"
+            "except Exception as e: print(type(e).__name__, str(e).strip().splitlines()[0][:200])")
     probe = run(["-c", code])
     if probe.stdout.strip(): pytest.skip(f"no {backend} GPU here ({probe.stdout.strip()})")
   out = run(["-m", "tinyhet.bench", "het", "--json", "--quick"], HET_BACKEND=backend)
