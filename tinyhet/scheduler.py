@@ -74,7 +74,7 @@ class Scheduler:
     sequences when a slot needs a block and none is free. An empty list means nothing can run until blocks free up."""
     scheduled: list[Sequence] = []
     batched = 0
-    while self.waiting and len(self.running) < self.max_num_seqs:
+    while self.waiting and len(self.running) + len(self.incoming) < self.max_num_seqs:   # an incoming sequence will run here too
       seq = self.waiting[0]
       if scheduled and batched + seq.num_tokens > self.max_num_batched_tokens: break
       if not self.bm.can_allocate(seq.num_tokens): break   # first come, first served: later requests wait too
@@ -126,9 +126,10 @@ class Scheduler:
   # ***** sequences prefilled on another node *****
 
   def reserve_incoming(self, seq: Sequence) -> bool:
-    """Hold blocks for seq's prompt KV before a prefill node writes it; False (nothing held) when they do not fit now."""
+    """Hold blocks for seq's prompt KV before a prefill node writes it; False (nothing held) when they do not fit now or
+    max_num_seqs sequences are already running or arriving."""
     self.check_fits(seq)
-    if not self.bm.can_allocate(seq.num_tokens): return False
+    if not self.bm.can_allocate(seq.num_tokens) or len(self.running) + len(self.incoming) >= self.max_num_seqs: return False
     self.bm.reserve(seq.seq_id, seq.num_tokens)
     seq.status = SequenceStatus.INCOMING
     self.incoming[seq.seq_id] = seq
