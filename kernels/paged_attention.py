@@ -44,9 +44,11 @@ def _block_loop_end(max_blocks: int | UOp, cap: int) -> int | UOp:
   return max_blocks if isinstance(max_blocks, int) else UOp.variable(MAX_BLOCKS_VAR, 1, cap, param=True)
 
 def _threads(sizes: tuple[int, ...]) -> tuple[Opt, ...]:
-  # split the first outer loop whose size the thread count divides across CPU threads (tinygrad's THREAD opt)
+  # split the first outer loop whose size the thread count divides across CPU threads (tinygrad's THREAD opt). Opt axes
+  # count the kernel's loops in order, without the loops of size 1 (tinygrad drops them)
+  loops = [s for s in sizes if s > 1]
   for n in range(min(NUM_CPU_THREADS.value, 8), 1, -1):
-    for axis, size in enumerate(sizes):
+    for axis, size in enumerate(loops):
       if size % n == 0: return (Opt(OptOps.THREAD, axis, n),)
   return ()
 
