@@ -7,7 +7,8 @@ in the KV dtype. Block b is the contiguous span pool[b] = [K tiles of its n_kv h
 Why K is transposed: tinygrad renders every elementwise op as scalar C and relies on clang to vectorize; clang does not reorder a
 float sum over head_dim (no fast-math), so a row-major K tile makes q.k a serial chain. With (head_dim, block_size) the score
 loop is acc[t] += q[d] * K[d, t] over t: independent lanes that clang turns into vector FMAs. Measured on this 2-core EPYC with
-16 rows x 1024 tokens, 3 kv heads x 3 (GQA) x 64: scores 6.4 ms with row-major K, 0.47 ms transposed.
+16 rows x 1024 tokens, 3 kv heads x 3 (GQA) x 64: the score kernel took 6.4-7.5 ms with row-major K (two loop orders
+tried), 0.47 ms transposed.
 
 Rows: a query row has its own block table row and context length (the number of cached tokens it attends to, including the
 ones just stored). A decode batch of B sequences is B rows; T tokens of one sequence are T rows sharing one block table.
@@ -17,13 +18,15 @@ the row maximum, then sums exp(S - max) * V[j] and divides by the sum of the wei
 the pool dtype and cast to float32.
 
 JIT: both kernels loop over the first `max_blocks` entries of each block table. max_blocks is either a bound tinygrad Variable
-named MAX_BLOCKS_VAR (symbolic: one compile serves every length; pass the bound Variable to the TinyJit-ed function) or an
-int (bucketed: one compile and one JIT capture per bucket, padded blocks computed and masked). Measured (one layer,
-SmolLM2-135M shape: 16 rows, 9 heads, 3 kv heads, head_dim 64, block 16, fp16), a decode whose longest row grows from 16 to
-2048 tokens, one TinyJit per variant, in the same run:
-  symbolic             : 1 capture, 2 kernel compiles, mean 0.39 ms/step after capture
-  bucketed (2^k blocks): 8 captures, 16 kernel compiles, mean 0.52 ms/step after capture (up to 2x padded work)
-Chosen: symbolic (PagedKVCache passes the bound Variable; see PagedKVCache.jit_kwargs).
+named MAX_BLOCKS_VAR (symbolic: one compile serves every length; pass the bound Variable into the TinyJit-ed function) or an
+int (bucketed: one compile and one JIT capture per bucket; the padded blocks are computed, then masked). Measured with
+`tinyhet bench kv --compare-jit` (one layer of SmolLM2-135M's shape, 16 rows each growing by one token per step from <64 to
+2048 tokens, block 16, fp16, scatter + attention per step, same run, 2 shared cores so times are noisy):
+  symbolic                    : 1 capture,  4 programs compiled, 1.62 ms/step median (2.06 mean)
+  bucketed (2^k blocks)       : 6 captures, 12 programs compiled, 3.15 ms/step median (2.65 mean)
+Chosen: symbolic. It compiles once, never stalls a decode on a capture when a sequence crosses a bucket, and pads only up to
+the batch's longest row (buckets pad up to 2x past it). Its one cost: the bound Variable must reach the JIT as an argument
+(PagedKVCache.jit_kwargs).
 """
 from __future__ import annotations
 import math
