@@ -82,7 +82,7 @@ def test_begin_step_is_required_and_checked():
 
 def test_block_bytes_through_a_device_copy_match_the_zero_copy_view(monkeypatch):
   cache, _ = random_cache(np.random.default_rng(5), [20])
-  block, neighbour = cache.block_manager.block_table(0)
+  block, neighbour = cache.block_manager.block_table(0)[:2]
   direct, before = cache.read_block_bytes(1, block), cache.read_block_bytes(1, neighbour)
   monkeypatch.setattr(kv_cache, "_host_view", lambda buf: None)      # a device without host-visible memory: copies instead
   assert cache.read_block_bytes(1, block) == direct
