@@ -27,7 +27,7 @@ def test_prefill_on_the_decode_node_is_causal_and_chunks_rows(monkeypatch):
   cache, kv = random_cache(rng, [11])              # 11 cached tokens, then 20 more in one forward
   for _ in range(20): cache.block_manager.append_slot(0)
   monkeypatch.setattr(kv_cache, "SCRATCH_BYTES", 7 * H * cache.cap * cache.block_size * 4)   # 20 rows go in chunks of 7
-  cache.begin_step([0], n_tokens=20)
+  assert cache.begin_step([0], n_tokens=20).tolist() == [list(range(11, 31))]
   q = rng.standard_normal((1, 20, H, D)).astype(np.float32)
   k, v = rng.standard_normal((1, 20, N_KV, D)).astype(np.float32), rng.standard_normal((1, 20, N_KV, D)).astype(np.float32)
   pos = np.arange(11, 31, dtype=np.int32)[None]
@@ -51,8 +51,8 @@ def test_jitted_decode_matches_unjitted_as_lengths_grow_without_recompiling():
     ids = [0, 1, 2]
     for cache in (jit_cache, plain_cache):
       for sid in ids: cache.block_manager.append_slot(sid)
-      cache.begin_step(ids)
-    pos = np.array([[cache.block_manager.length(s) - 1] for s in ids], np.int32)
+      pos = cache.begin_step(ids)
+    assert pos.tolist() == [[cache.block_manager.length(s) - 1] for s in ids]
     q, k, v = (rng.standard_normal((3, 1, n, D)).astype(np.float32) for n in (H, N_KV, N_KV))
     got = jit_step(Tensor(q), Tensor(k), Tensor(v), Tensor(pos), **jit_cache.jit_kwargs()).numpy()
     want = step(plain_cache, Tensor(q), Tensor(k), Tensor(v), Tensor(pos)).numpy()
@@ -79,6 +79,7 @@ def test_begin_step_is_required_and_checked():
   cache.block_manager.allocate(9, 300)
   with pytest.raises(ValueError, match="max_seq_len 256"): cache.begin_step([9])
   with pytest.raises(ValueError, match="block is"): cache.write_block_bytes(0, 0, b"x")
+  with pytest.raises(ValueError, match="sequence 0 holds fewer than n_tokens=6"): cache.begin_step([0], n_tokens=6)
 
 def test_block_bytes_through_a_device_copy_match_the_zero_copy_view(monkeypatch):
   cache, _ = random_cache(np.random.default_rng(5), [20])

@@ -29,14 +29,13 @@ def test_batched_paged_decoding_matches_the_dense_reference():
     if is_prefill:                                     # each prompt (or preempted sequence) in one forward, T = its length
       sampled = []
       for seq in batch:
-        cache.begin_step([seq.seq_id], n_tokens=seq.num_tokens)
-        positions = Tensor([list(range(seq.num_tokens))], dtype=dtypes.int32)
+        positions = Tensor(cache.begin_step([seq.seq_id], n_tokens=seq.num_tokens))
+        assert positions.tolist() == [list(range(seq.num_tokens))]
         sampled.append(int(llama.forward(Tensor([seq.token_ids], dtype=dtypes.int32), positions, cache).numpy()[0].argmax()))
     else:
-      cache.begin_step([seq.seq_id for seq in batch])
+      positions = Tensor(cache.begin_step([seq.seq_id for seq in batch]))
       if len(batch) not in steps: steps[len(batch)] = TinyJit(lambda tokens, positions, **kv: llama.forward(tokens, positions, cache).realize())
       tokens = Tensor([[seq.token_ids[-1]] for seq in batch], dtype=dtypes.int32)
-      positions = Tensor([[seq.num_tokens - 1] for seq in batch], dtype=dtypes.int32)
       sampled = [int(row.argmax()) for row in steps[len(batch)](tokens, positions, **cache.jit_kwargs()).numpy()]
     sched.postprocess(batch, sampled)
   assert sched.num_preemptions > 0

@@ -8,11 +8,11 @@ packs a prefilled layer into exactly these bytes; block_spans gives where a sequ
 
 A step, as the engine drives it:
   seqs, is_prefill = scheduler.schedule()            # allocates / appends the token slots in the block manager
-  cache.begin_step([s.seq_id for s in seqs], T)       # the step's block tables, in the batch's row order
-  model forward -> cache.update_and_attend(layer, q, k, v, positions) per layer
+  positions = cache.begin_step([s.seq_id for s in seqs], T)   # the step's block tables, in the batch's row order
+  model forward(tokens, positions) -> cache.update_and_attend(layer, q, k, v, positions) per layer
 Under TinyJit, give the jitted step **cache.jit_kwargs() (the bound block count) so one capture serves every length:
-  step = TinyJit(lambda tokens, positions, **kv: model(tokens, positions, cache))
-  step(tokens, positions, **cache.jit_kwargs())
+  step = TinyJit(lambda tokens, positions, **kv: model.forward(tokens, positions, cache).realize())
+  logits = step(tokens, positions, **cache.jit_kwargs())
 """
 from __future__ import annotations
 from collections.abc import Sequence
@@ -67,11 +67,15 @@ class PagedKVCache:
 
   # ***** the model's KVCache protocol *****
 
-  def begin_step(self, seq_ids: Sequence[int], n_tokens: int = 1) -> None:
+  def begin_step(self, seq_ids: Sequence[int], n_tokens: int = 1) -> np.ndarray:
     """Set the batch of the next forward: row b of q/k/v/positions is seq_ids[b], each with n_tokens new tokens whose slots
-    the block manager already holds (Scheduler.schedule, or allocate / append_slot)."""
+    the block manager already holds (Scheduler.schedule, or allocate / append_slot): the last n_tokens of each sequence.
+    Returns those positions, (B, n_tokens) int32, the positions to give the model. A position outside a sequence's blocks
+    would be stored in another sequence's block: pass these."""
     tables = [self.block_manager.block_table(s) for s in seq_ids]
     if not tables: raise ValueError("begin_step: empty batch")
+    ends = np.array([self.block_manager.length(s) for s in seq_ids], dtype=np.int32)
+    if (ends < n_tokens).any(): raise ValueError(f"begin_step: sequence {seq_ids[int(np.argmin(ends))]} holds fewer than n_tokens={n_tokens} tokens")
     if (longest := max(len(t) for t in tables)) > self.cap:
       raise ValueError(f"begin_step: a sequence holds {longest} blocks, more than max_seq_len {self.max_seq_len} allows; "
                        "make the cache with a larger max_seq_len")
@@ -82,6 +86,7 @@ class PagedKVCache:
       buf = self._tables[len(rows)] = Tensor.zeros(len(rows), self.cap, dtype=dtypes.int32, device=self.pools[0].device).contiguous().realize()
     _write(buf.uop.buffer, 0, rows.tobytes())
     self._step = (len(tables), n_tokens, buf, self._max_blocks.bind(longest))
+    return ends[:, None] - n_tokens + np.arange(n_tokens, dtype=np.int32)[None]
 
   def jit_kwargs(self) -> dict[str, UOp]:
     """Keyword arguments to pass into a TinyJit-ed step: the bound block count (a Variable reaches a JIT only as an argument)."""
