@@ -155,7 +155,8 @@ def main(argv=None) -> int:
   ap.add_argument("--json", action="store_true", help='print only {"utilization": {...}, "attention_step_ms": {...}}')
   ap.add_argument("--quick", action="store_true", help="fewer requests, a smaller pool and batch (well under a minute)")
   ap.add_argument("--model", choices=list(MODELS), default="smollm2-135m", help="the shape KV is sized for (default smollm2-135m)")
-  ap.add_argument("--kv-gib", type=float, default=None, help="KV memory for the workload (default 2, --quick 0.5)")
+  ap.add_argument("--kv-gib", type=float, default=None, help="KV memory for the workload (default: room for 20 sequences of the "
+                  "workload's maximum length, --quick 6)")
   ap.add_argument("--requests", type=int, default=None, help="requests in the workload (default 300, --quick 60)")
   ap.add_argument("--batch", type=int, default=None, help="sequences in the timed decode step (default 16, --quick 6)")
   ap.add_argument("--block-size", type=int, default=16)
@@ -168,9 +169,11 @@ def main(argv=None) -> int:
   shape = MODELS[args.model]
   n_layers, _, KV, D = shape
   token_bytes = n_layers * 2 * KV * D * 2                                      # fp16 K and V of one token, all layers
-  kv_bytes = int((args.kv_gib or (0.5 if args.quick else 2.0)) * (1 << 30))
-  requests = workload(args.requests or (60 if args.quick else 300), rng)
   max_len = PROMPTS[1] + OUTPUTS[1]
+  kv_bytes = int(args.kv_gib * (1 << 30)) if args.kv_gib else (6 if args.quick else 20) * max_len * token_bytes
+  if kv_bytes < max_len * token_bytes:
+    ap.error(f"--kv-gib {args.kv_gib} holds {kv_bytes // token_bytes} tokens, less than one sequence of the workload's maximum ({max_len})")
+  requests = workload(args.requests or (60 if args.quick else 300), rng)
   BS = args.block_size
 
   progress(f"memory: {len(requests)} requests through the scheduler, {kv_bytes / (1 << 30):.2f} GiB of KV = {kv_bytes // token_bytes} tokens", quiet)
