@@ -10,9 +10,9 @@ from test_paged_attention import dense_reference
 D, N_KV, GROUP, N_LAYERS = 32, 2, 4, 2
 H = N_KV * GROUP
 
-def random_cache(rng, lengths: list[int], block_size: int = 8, num_blocks: int = 64) -> tuple[PagedKVCache, dict]:
+def random_cache(rng, lengths: list[int], block_size: int = 8, num_blocks: int = 64, device: str = "CPU") -> tuple[PagedKVCache, dict]:
   """A cache holding sequences 0..len(lengths)-1 with random K, V written as a prefill node would (pack_kv, block spans)."""
-  cache = PagedKVCache(N_LAYERS, N_KV, D, num_blocks=num_blocks, block_size=block_size, max_seq_len=256)
+  cache = PagedKVCache(N_LAYERS, N_KV, D, num_blocks=num_blocks, block_size=block_size, max_seq_len=256, device=device)
   kv = {}
   for sid, n in enumerate(lengths):
     cache.block_manager.allocate(sid, n)
@@ -91,3 +91,17 @@ def test_block_bytes_through_a_device_copy_match_the_zero_copy_view(monkeypatch)
   cache.write_block_bytes(1, block, new)
   monkeypatch.undo()
   assert cache.read_block_bytes(1, block) == new and cache.read_block_bytes(1, neighbour) == before
+
+def test_pools_on_mesh_give_the_same_attention_as_on_cpu():
+  pytest.importorskip("tinyhet.devices", reason="the MESH device (tinyhet.devices) is not in this tree yet")
+  import tinyhet.devices  # noqa: F401  (registers MESH)
+  outs = []
+  for device in ("CPU", "MESH"):
+    cache, _ = random_cache(np.random.default_rng(7), [9, 30], device=device)
+    assert cache.pools[0].device == device and cache.pool_buffer(0).nbytes == 64 * cache.block_nbytes
+    for sid in (0, 1): cache.block_manager.append_slot(sid)
+    pos = cache.begin_step([0, 1])
+    rng = np.random.default_rng(8)
+    q, k, v = (Tensor(rng.standard_normal((2, 1, n, D)).astype(np.float32), device=device) for n in (H, N_KV, N_KV))
+    outs.append(cache.update_and_attend(1, q, k, v, Tensor(pos, device=device)).numpy())
+  np.testing.assert_array_equal(outs[0], outs[1])
