@@ -9,6 +9,7 @@ from tinyhet.scheduler import Scheduler, Sequence
 
 model = pytest.importorskip("tinyhet.model", reason="tinyhet.model is not in this tree yet (it comes from the model branch)")
 
+@pytest.mark.slow
 def test_batched_paged_decoding_matches_the_dense_reference():
   cfg = model.small_config(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=256, max_context=128)
   llama = model.Llama(cfg, model.random_weights(cfg, seed=0))
