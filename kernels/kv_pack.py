@@ -1,0 +1,27 @@
+"""Packing a prefilled layer's K, V into the paged pool's block layout (kernels/paged_attention.py), so that the bytes a
+prefill node sends are exactly the bytes the decode node's blocks hold: packed block i goes to the sequence's i-th block."""
+from __future__ import annotations
+from tinygrad import Tensor
+from tinygrad.dtype import DType
+
+def pack_kv(k: Tensor, v: Tensor, block_size: int, dtype: DType | None = None) -> Tensor:
+  """k, v: (T, n_kv, head_dim) for tokens 0..T-1 of one sequence -> (ceil(T / block_size), 2, n_kv, block_size * head_dim)
+  in dtype (default k's dtype), tokens past T zero. Block i, K tile of head h holds element (t, d) at d * block_size + t;
+  its V tile at t * head_dim + d."""
+  T, KV, D = k.shape
+  if v.shape != k.shape: raise ValueError(f"pack_kv: k {k.shape} and v {v.shape} differ")
+  nb = -(-T // block_size)
+  dtype = dtype or k.dtype
+  kp = k.cast(dtype).pad(((0, nb * block_size - T), None, None)).reshape(nb, block_size, KV, D)   # (nb, t, h, d)
+  vp = v.cast(dtype).pad(((0, nb * block_size - T), None, None)).reshape(nb, block_size, KV, D)
+  kt = kp.permute(0, 2, 3, 1).reshape(nb, KV, D * block_size)   # (nb, h, d, t)
+  vt = vp.permute(0, 2, 1, 3).reshape(nb, KV, block_size * D)   # (nb, h, t, d)
+  return Tensor.stack(kt, vt, dim=1).contiguous()
+
+def unpack_kv(blocks: Tensor, n_tokens: int, head_dim: int) -> tuple[Tensor, Tensor]:
+  """The inverse of pack_kv: (n_blocks, 2, n_kv, block_size * head_dim) -> k, v (n_tokens, n_kv, head_dim)."""
+  nb, _, KV, X = blocks.shape
+  bs = X // head_dim
+  k = blocks[:, 0].reshape(nb, KV, head_dim, bs).permute(0, 3, 1, 2).reshape(nb * bs, KV, head_dim)[:n_tokens]
+  v = blocks[:, 1].reshape(nb, KV, bs, head_dim).permute(0, 2, 1, 3).reshape(nb * bs, KV, head_dim)[:n_tokens]
+  return k, v

@@ -1,0 +1,107 @@
+import numpy as np
+import pytest
+from tinygrad import Tensor, TinyJit
+from tinygrad.engine import realize
+from tinyhet import kv_cache
+from tinyhet.kernels.kv_pack import pack_kv
+from tinyhet.kv_cache import PagedKVCache
+from test_paged_attention import dense_reference
+
+D, N_KV, GROUP, N_LAYERS = 32, 2, 4, 2
+H = N_KV * GROUP
+
+def random_cache(rng, lengths: list[int], block_size: int = 8, num_blocks: int = 64, device: str = "CPU") -> tuple[PagedKVCache, dict]:
+  """A cache holding sequences 0..len(lengths)-1 with random K, V written as a prefill node would (pack_kv, block spans)."""
+  cache = PagedKVCache(N_LAYERS, N_KV, D, num_blocks=num_blocks, block_size=block_size, max_seq_len=256, device=device)
+  kv = {}
+  for sid, n in enumerate(lengths):
+    cache.block_manager.allocate(sid, n)
+    for layer in range(N_LAYERS):
+      k, v = rng.standard_normal((n, N_KV, D)).astype(np.float32), rng.standard_normal((n, N_KV, D)).astype(np.float32)
+      cache.write_sequence(sid, layer, pack_kv(Tensor(k), Tensor(v), block_size, cache.kv_dtype).numpy().tobytes())
+      kv[sid, layer] = (k.astype(np.float16), v.astype(np.float16))
+  return cache, kv
+
+def test_prefill_on_the_decode_node_is_causal_and_chunks_rows(monkeypatch):
+  rng = np.random.default_rng(0)
+  cache, kv = random_cache(rng, [11])              # 11 cached tokens, then 20 more in one forward
+  for _ in range(20): cache.block_manager.append_slot(0)
+  monkeypatch.setattr(kv_cache, "SCRATCH_BYTES", 7 * H * cache.cap * cache.block_size * 4)   # 20 rows go in chunks of 7
+  assert cache.begin_step([0], n_tokens=20).tolist() == [list(range(11, 31))]
+  q = rng.standard_normal((1, 20, H, D)).astype(np.float32)
+  k, v = rng.standard_normal((1, 20, N_KV, D)).astype(np.float32), rng.standard_normal((1, 20, N_KV, D)).astype(np.float32)
+  pos = np.arange(11, 31, dtype=np.int32)[None]
+  out = cache.update_and_attend(1, Tensor(q), Tensor(k), Tensor(v), Tensor(pos)).numpy()
+  kk = np.concatenate([kv[0, 1][0], k[0].astype(np.float16)])
+  vv = np.concatenate([kv[0, 1][1], v[0].astype(np.float16)])
+  for t in range(20): np.testing.assert_allclose(out[0, t], dense_reference(q[0, t], kk[:12 + t], vv[:12 + t]), atol=2e-5, rtol=1e-4)
+
+def test_jitted_decode_matches_unjitted_as_lengths_grow_without_recompiling():
+  lengths = [3, 15, 9]
+  jit_cache, _ = random_cache(np.random.default_rng(1), lengths)
+  plain_cache, _ = random_cache(np.random.default_rng(1), lengths)
+  calls = []
+  def step(cache, q, k, v, pos):
+    calls.append(cache)
+    return Tensor.stack(*[cache.update_and_attend(layer, q, k, v, pos) for layer in range(N_LAYERS)]).realize()
+  jit_step = TinyJit(lambda q, k, v, pos, **kv: step(jit_cache, q, k, v, pos))
+  rng = np.random.default_rng(2)
+  programs = None
+  for i in range(40):                               # the longest row grows from 16 to 55 tokens: 2 to 7 blocks of 8
+    ids = [0, 1, 2]
+    for cache in (jit_cache, plain_cache):
+      for sid in ids: cache.block_manager.append_slot(sid)
+      pos = cache.begin_step(ids)
+    assert pos.tolist() == [[cache.block_manager.length(s) - 1] for s in ids]
+    q, k, v = (rng.standard_normal((3, 1, n, D)).astype(np.float32) for n in (H, N_KV, N_KV))
+    got = jit_step(Tensor(q), Tensor(k), Tensor(v), Tensor(pos), **jit_cache.jit_kwargs()).numpy()
+    want = step(plain_cache, Tensor(q), Tensor(k), Tensor(v), Tensor(pos)).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+    if i == 2: programs = len(realize.to_program_cache)
+  assert calls.count(jit_cache) == 2                     # traced twice (ignore, capture), then replayed 38 times
+  assert len(realize.to_program_cache) == programs      # and nothing compiled after the capture
+
+def test_fork_copies_the_partial_block_in_every_layer():
+  rng = np.random.default_rng(3)
+  cache, kv = random_cache(rng, [13])
+  cache.fork(0, 1)
+  assert cache.block_manager.block_table(1)[0] == cache.block_manager.block_table(0)[0]      # the full block is shared
+  for layer in range(N_LAYERS):
+    src, dst = cache.block_manager.block_table(0)[1], cache.block_manager.block_table(1)[1]
+    assert src != dst and cache.read_block_bytes(layer, src) == cache.read_block_bytes(layer, dst)
+
+def test_begin_step_is_required_and_checked():
+  cache, _ = random_cache(np.random.default_rng(4), [5])
+  q = Tensor.zeros(1, 1, H, D).contiguous()
+  with pytest.raises(RuntimeError, match="begin_step"): cache.update_and_attend(0, q, q[:, :, :N_KV], q[:, :, :N_KV], Tensor([[5]]))
+  with pytest.raises(RuntimeError, match="begin_step"): cache.jit_kwargs()
+  with pytest.raises(KeyError, match="sequence 9"): cache.begin_step([9])
+  cache.block_manager.allocate(9, 300)
+  with pytest.raises(ValueError, match="max_seq_len 256"): cache.begin_step([9])
+  with pytest.raises(ValueError, match="block is"): cache.write_block_bytes(0, 0, b"x")
+  with pytest.raises(ValueError, match="sequence 0 holds fewer than n_tokens=6"): cache.begin_step([0], n_tokens=6)
+
+def test_block_bytes_through_a_device_copy_match_the_zero_copy_view(monkeypatch):
+  cache, _ = random_cache(np.random.default_rng(5), [20])
+  block, neighbour = cache.block_manager.block_table(0)[:2]
+  direct, before = cache.read_block_bytes(1, block), cache.read_block_bytes(1, neighbour)
+  monkeypatch.setattr(kv_cache, "_host_view", lambda buf: None)      # a device without host-visible memory: copies instead
+  assert cache.read_block_bytes(1, block) == direct
+  new = np.random.default_rng(6).integers(0, 256, cache.block_nbytes, dtype=np.uint8).tobytes()
+  cache.write_block_bytes(1, block, new)
+  monkeypatch.undo()
+  assert cache.read_block_bytes(1, block) == new and cache.read_block_bytes(1, neighbour) == before
+
+def test_pools_on_mesh_give_the_same_attention_as_on_cpu():
+  pytest.importorskip("tinyhet.devices", reason="the MESH device (tinyhet.devices) is not in this tree yet")
+  import tinyhet.devices  # noqa: F401  (registers MESH)
+  outs = []
+  for device in ("CPU", "MESH"):
+    cache, _ = random_cache(np.random.default_rng(7), [9, 30], device=device)
+    assert cache.pools[0].device == device and cache.pool_buffer(0).nbytes == 64 * cache.block_nbytes
+    for sid in (0, 1): cache.block_manager.append_slot(sid)
+    pos = cache.begin_step([0, 1])
+    rng = np.random.default_rng(8)
+    q, k, v = (Tensor(rng.standard_normal((2, 1, n, D)).astype(np.float32), device=device) for n in (H, N_KV, N_KV))
+    outs.append(cache.update_and_attend(1, q, k, v, Tensor(pos, device=device)).numpy())
+  np.testing.assert_array_equal(outs[0], outs[1])
