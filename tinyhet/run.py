@@ -1,0 +1,127 @@
+"""`tinyhet run [PROMPT]`: generate text with prefill on HET and decode on a MESH decode node, the KV cache streamed
+layer by layer between them while prefill runs. With no --decode-node, a decode node is started on this machine (another
+process; auto picks the shm transport for it). Prints the text as it is generated, then the figures that matter.
+"""
+from __future__ import annotations
+import argparse, json, os, secrets, subprocess, sys, threading, time
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one short sentence."
+
+def parse_args(argv):
+  ap = argparse.ArgumentParser(prog="tinyhet run", description=__doc__.splitlines()[0])
+  ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"the prompt (default: {DEFAULT_PROMPT!r})")
+  ap.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
+  ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+  ap.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+  ap.add_argument("--top-p", type=float, default=1.0)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--transport", choices=["auto", "verbs", "tcp", "shm"], default=None, help="default: the configured one (auto)")
+  ap.add_argument("--decode-node", metavar="HOST:PORT", default=None, help="use a running decode node (tinyhet node --role decode)")
+  ap.add_argument("--no-disagg", action="store_true", help="one device (HET) does prefill and decode, for comparison")
+  ap.add_argument("--kv-memory", default="512M", help="KV pool of the decode node started here (default 512M)")
+  ap.add_argument("--raw", action="store_true", help="no chat template: complete the prompt as plain text")
+  ap.add_argument("--json", action="store_true", help="print one JSON object instead of the text and the table")
+  ap.add_argument("--quiet", action="store_true", help="no progress on stderr")
+  args = ap.parse_args(argv)
+  if args.max_tokens < 1: ap.error("--max-tokens must be at least 1")
+  if args.temperature < 0: ap.error("--temperature must be >= 0")
+  if not 0 < args.top_p <= 1: ap.error("--top-p must be in (0, 1]")
+  return args
+
+def say(args, msg: str):
+  if not args.quiet: print(msg, file=sys.stderr, flush=True)
+
+class LocalDecodeNode:
+  """`tinyhet node --role decode` as a child process, sharing a fresh token with this process."""
+  def __init__(self, args):
+    cmd = [sys.executable, "-m", "tinyhet", "node", "--role", "decode", "--listen", "127.0.0.1:0", "--kv-memory", args.kv_memory,
+           "--stdin-stop"] + (["--model", args.model] if args.model else []) + (["--quiet"] if args.quiet else [])
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, "TINYHET_NODE": "decode-local"})
+    self.ready, self.info, self.errors = threading.Event(), None, []
+    threading.Thread(target=self._stdout, daemon=True, name="tinyhet-decode-stdout").start()
+    threading.Thread(target=self._stderr, args=(args.quiet,), daemon=True, name="tinyhet-decode-stderr").start()
+
+  def _stdout(self):
+    line = self.proc.stdout.readline()
+    if line: self.info = json.loads(line)
+    self.ready.set()
+
+  def _stderr(self, quiet: bool):
+    for line in self.proc.stderr:
+      self.errors.append(line)
+      if not quiet: print(f"[decode node] {line}", end="", file=sys.stderr, flush=True)
+
+  def address(self, timeout: float = 600) -> str:
+    if not self.ready.wait(timeout) or self.info is None:
+      raise RuntimeError("the local decode node did not start:\n" + "".join(self.errors[-20:]))
+    return self.info["address"]
+
+  def close(self):
+    if self.proc.poll() is None:
+      self.proc.stdin.close()
+      try: self.proc.wait(30)
+      except subprocess.TimeoutExpired: self.proc.kill()
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  # a fresh shared token for the decode node started here (a remote one needs TINYHET_TOKEN set on both nodes)
+  if not args.decode_node and not args.no_disagg: os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))
+  child = LocalDecodeNode(args) if not (args.decode_node or args.no_disagg) else None
+  try: return generate(args, child)
+  except KeyboardInterrupt: return 130
+  finally:
+    if child is not None: child.close()
+
+def generate(args, child) -> int:
+  import tinyhet  # noqa: F401  (HET and MESH)
+  from tinyhet.memory import local_node
+  from tinyhet.devices import resolve_backend
+  from tinyhet.weights import load_model, model_name
+  node = local_node()
+  backend = resolve_backend(node.config.het_backend)
+  say(args, f"loading {model_name(args.model)} onto HET ({backend})")
+  model, tok = load_model(args.model, device="HET", quiet=args.quiet)
+  prompt_ids = tok.encode_prompt(args.prompt, raw=args.raw)
+  stream = tok.stream_decoder()
+  def on_token(t: int):
+    if not args.json: print(stream.push(t), end="", flush=True)
+  sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+  if args.no_disagg:
+    stats: dict = {}
+    t0 = time.perf_counter()
+    ids = model.reference_generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, stats=stats, **sampling)
+    result = {"ttft_s": stats["prefill_s"], "kv_bytes": 0, "transfer_gbps": 0.0, "hidden_share": 0.0,
+              "decode_tok_s": stats["decode_tokens"] / stats["decode_s"] if stats["decode_tokens"] else 0.0, "transport": "none",
+              "prefill_device": f"HET ({backend})", "decode_device": f"HET ({backend})", "total_s": time.perf_counter() - t0}
+  else:
+    from tinyhet.prefill import DecodeClient
+    address = args.decode_node or child.address()
+    say(args, f"decode node at {address}; prefilling {len(prompt_ids)} tokens on HET, streaming KV layer by layer")
+    client = DecodeClient(node, address, model, model_name(args.model), args.transport)
+    t0 = time.perf_counter()
+    ids, st = client.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, **sampling)
+    result = {"ttft_s": st.ttft_s, "prefill_s": st.prefill_s, "kv_bytes": st.kv_bytes, "transfer_s": st.transfer_s,
+              "transfer_gbps": st.transfer_gbps, "hidden_share": st.hidden_share, "decode_tok_s": st.decode_tok_s,
+              "transport": st.transport, "preemptions": st.preemptions, "prefill_device": f"HET ({backend})",
+              "decode_device": f"MESH on {client.ctl.peer}", "total_s": time.perf_counter() - t0}
+    client.close()
+  text = tok.decode(ids)
+  out = {"prompt_ids": prompt_ids, "generated_ids": ids, "text": text, **result}
+  if args.json: print(json.dumps(out))
+  else:
+    print(stream.flush())
+    print(table(out))
+  return 0
+
+def table(r: dict) -> str:
+  rows = [("prompt tokens", f"{len(r['prompt_ids'])}"), ("generated tokens", f"{len(r['generated_ids'])}"),
+          ("TTFT", f"{r['ttft_s']:.3f} s (prefill on {r['prefill_device']})")]
+  if r["transport"] != "none":
+    rows += [("KV moved", f"{r['kv_bytes'] / 2**20:.2f} MiB over {r['transport']}"),
+             ("transfer", f"{r['transfer_gbps']:.3f} GB/s, {100 * r['hidden_share']:.0f}% hidden behind prefill")]
+  rows.append(("decode", f"{r['decode_tok_s']:.1f} tokens/s on {r['decode_device']}"))
+  width = max(len(k) for k, _ in rows)
+  return "\n".join(["-" * 60] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+if __name__ == "__main__": sys.exit(main())
