@@ -47,9 +47,8 @@ class DecodeNode:
     self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
-    self.threads = [threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True),
-                    threading.Thread(target=self._loop, name="tinyhet-decode-loop", daemon=True)]
-    for t in self.threads: t.start()
+    self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
+    self.notice_thread.start()
 
   # ---- control requests
   def _serve_info(self, conn) -> dict:
@@ -143,9 +142,10 @@ class DecodeNode:
         seq = next((s for s in self.scheduler.incoming.values() if s.seq_id == seq_id), None)
       if seq is not None and len(layers) == self.model.cfg.n_layers: seq.extra["layers"].set()
 
-  def _loop(self):
-    """Continuous batching: one decode step for every running sequence, or the recompute of preempted ones."""
-    while not self.stopped:
+  def run(self, stop: threading.Event):
+    """Continuous batching until stop is set: one decode step for every running sequence, or the recompute of preempted
+    ones. Call it from the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
+    while not self.stopped and not stop.is_set():
       with self.cond:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
@@ -186,7 +186,7 @@ class DecodeNode:
   def close(self):
     self.stopped = True
     with self.cond: self.cond.notify_all()
-    for t in self.threads: t.join(timeout=5)
+    self.notice_thread.join(timeout=5)
 
 def kv_blocks_for(cfg, block_size: int, kv_dtype: str, kv_bytes: int) -> int:
   """How many blocks a KV budget of kv_bytes holds (all layers, K and V)."""

@@ -3,7 +3,7 @@ registered memory, listens, and prints one JSON line {"address", "node", "kv_blo
 Peers prove the shared token (TINYHET_TOKEN or the config file). Stop it with Ctrl-C or by closing its stdin (--stdin-stop).
 """
 from __future__ import annotations
-import argparse, json, os, signal, sys, threading
+import argparse, json, signal, sys, threading
 
 def parse_args(argv):
   ap = argparse.ArgumentParser(prog="tinyhet node", description=__doc__.splitlines()[0])
@@ -42,7 +42,7 @@ def main(argv=None) -> int:
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   if args.stdin_stop: threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-  try: stop.wait()
+  try: decode.run(stop)
   except KeyboardInterrupt: pass
   decode.close()
   node.endpoint.close()

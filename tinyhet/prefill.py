@@ -25,14 +25,23 @@ class GenerationStats:
   ttft_s: float = 0.0               # request start -> first token sampled (prefill on HET, the transfer overlapping it)
   prefill_s: float = 0.0
   kv_bytes: int = 0                 # bytes written to the decode node (whole blocks, all layers)
-  transfer_s: float = 0.0           # first layer's write posted -> last layer landed
-  transfer_gbps: float = 0.0
+  transfer_s: float = 0.0           # time some layer's write was in flight (the union of the writes' intervals)
+  transfer_gbps: float = 0.0        # kv_bytes / transfer_s
   hidden_share: float = 0.0         # 1 - (prefill end -> last layer landed) / transfer_s
   decode_tokens: int = 0
   decode_tok_s: float = 0.0
   transport: str = ""
   preemptions: int = 0
   layer_landed_s: list[float] = field(default_factory=list)
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+  """Length of the union of [start, end) intervals: how long at least one transfer was in flight."""
+  total, end = 0.0, float("-inf")
+  for a, b in sorted(intervals):
+    if b <= end: continue
+    total += b - max(a, end)
+    end = b
+  return total
 
 class DecodeClient:
   """A prefill node's handle on one decode node: checks the model matches, then runs requests against it."""
@@ -87,9 +96,9 @@ class DecodeClient:
       except Exception: pass
       raise
     for t in transfers: t.wait(60)
-    first_post, last_landed = min(t.started for t in transfers), max(t.finished for t in transfers)
+    last_landed = max(t.finished for t in transfers)
     stats.kv_bytes = sum(t.nbytes for t in transfers)
-    stats.transfer_s = last_landed - first_post
+    stats.transfer_s = busy_time([(t.started, t.finished) for t in transfers])
     stats.transfer_gbps = stats.kv_bytes / stats.transfer_s / 1e9 if stats.transfer_s > 0 else 0.0
     stats.hidden_share = 1 - max(0.0, last_landed - t_prefill) / stats.transfer_s if stats.transfer_s > 0 else 1.0
     stats.layer_landed_s = [t.finished - t0 for t in transfers]
