@@ -1,7 +1,6 @@
 """A sequence's KV blocks on a decode node (MESH, another process) filled through a transport write land in the right slots."""
 import json, os, subprocess, sys
 import numpy as np, pytest
-import tinyhet
 from tinygrad import Tensor, dtypes
 from tinyhet.devices import region_of
 from tinyhet.kernels.kv_pack import pack_kv

@@ -81,13 +81,13 @@ class DecodeNode:
             "block_size": self.cache.block_size}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, rng_state: dict | None = None,
-                      stop_ids: list[int] | None = None, timeout: float = 60.0):
+                      stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False):
     seq = conn.__dict__.get("seqs", {}).get(seq_id)
     if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
     if not isinstance(first_token, int) or not 0 <= first_token < self.model.cfg.vocab_size: raise ValueError(f"bad first_token {first_token!r}")
     sampler = Sampler(temperature, top_p, 0)
     if rng_state is not None: sampler.rng.bit_generator.state = rng_state      # continue the prefill node's random stream
-    seq.extra.update(sampler=sampler, stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids))
+    seq.extra.update(sampler=sampler, stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids), want_logits=bool(return_logits))
     if not seq.extra["layers"].wait(timeout):
       n = len(self.landed.get(seq_id, ()))
       raise TimeoutError(f"sequence {seq_id}: KV of {n} of {self.model.cfg.n_layers} layers arrived within {timeout} s")
@@ -108,8 +108,9 @@ class DecodeNode:
       n += 1
       yield {"token": tok}
     secs = time.perf_counter() - t_ready
+    last = seq.extra.get("last_logits")
     yield {"done": True, "decode_tokens": n, "decode_s": secs, "decode_tok_s": n / secs if n and secs > 0 else 0.0,
-           "preemptions": seq.num_preemptions}
+           "preemptions": seq.num_preemptions, **({"logits": last.tolist()} if last is not None else {})}
 
   def _serve_release(self, conn, seq_id: int) -> dict:
     seq = conn.__dict__.get("seqs", {}).pop(seq_id, None)
@@ -164,6 +165,8 @@ class DecodeNode:
           if logits is None: finished = list(live)
           else:
             new = {s.seq_id: s.extra["sampler"](logits[i]) for i, s in enumerate(batch)}
+            for i, s in enumerate(batch):
+              if s.extra.get("want_logits"): s.extra["last_logits"] = logits[i].copy()     # the logits behind the newest token
             finished = self.scheduler.postprocess(live, [new[s.seq_id] for s in live])
             for s in live:
               s.extra["queue"].put(new[s.seq_id])

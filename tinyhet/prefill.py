@@ -33,6 +33,7 @@ class GenerationStats:
   transport: str = ""
   preemptions: int = 0
   layer_landed_s: list[float] = field(default_factory=list)
+  last_logits: list[float] | None = None   # with return_logits: the logits the last token was sampled from
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
   """Length of the union of [start, end) intervals: how long at least one transfer was in flight."""
@@ -58,7 +59,7 @@ class DecodeClient:
     self.kv_dtype = getattr(dtypes, self.info["kv_dtype"])
 
   def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
-               stop_ids: tuple[int, ...] = (), on_token=None) -> tuple[list[int], GenerationStats]:
+               stop_ids: tuple[int, ...] = (), on_token=None, return_logits: bool = False) -> tuple[list[int], GenerationStats]:
     """Prefill here, decode there. on_token(id) sees each token as it arrives (the first one as soon as prefill ends)."""
     stats = GenerationStats(prompt_tokens=len(prompt_ids), transport=self.peer.transport)
     t0 = time.perf_counter()
@@ -85,12 +86,13 @@ class DecodeClient:
       out = [first]
       # the decode node continues this sampler's random stream: the same seed gives the tokens one device would give
       for item in self.ctl.stream("decode.generate", seq_id=seq_id, first_token=first, temperature=temperature, top_p=top_p,
-                                  rng_state=sampler.rng.bit_generator.state, stop_ids=list(stop_ids)):
+                                  rng_state=sampler.rng.bit_generator.state, stop_ids=list(stop_ids), return_logits=return_logits):
         if "token" in item:
           out.append(item["token"])
           if on_token is not None: on_token(item["token"])
         elif item.get("done"):
           stats.decode_tokens, stats.decode_tok_s, stats.preemptions = item["decode_tokens"], item["decode_tok_s"], item["preemptions"]
+          stats.last_logits = item.get("logits", logits.numpy()[0].tolist() if return_logits and len(out) == 1 else None)
     except BaseException:
       try: self.ctl.call("decode.release", seq_id=seq_id, timeout=10)
       except Exception: pass
