@@ -73,19 +73,20 @@ class ControlClient:
       raise
     self.sock, self.peer = sock, hello["node"]
 
-  def call(self, op: str, timeout: float | None = 60, **args) -> dict:
+  def call(self, op: str, reply_timeout: float | None = 600, **args) -> dict:
+    """One request and its reply; args go to the handler (a handler's own `timeout` argument included)."""
     with self.lock:
-      self.sock.settimeout(timeout)
+      self.sock.settimeout(reply_timeout)
       send_message(self.sock, {"op": op, "args": args})
       reply = recv_message(self.sock)
     if "error" in reply: raise ControlError(f"{self.peer}: {op}: {reply['error']}")
     reply.pop("final", None)
     return reply
 
-  def stream(self, op: str, timeout: float | None = 600, **args):
-    """Yield each streamed item of a request until the final one."""
+  def stream(self, op: str, reply_timeout: float | None = 600, **args):
+    """Yield each streamed item of a request until the final one (reply_timeout: the most seconds between two items)."""
     with self.lock:
-      self.sock.settimeout(timeout)
+      self.sock.settimeout(reply_timeout)
       send_message(self.sock, {"op": op, "args": args})
       while True:
         item = recv_message(self.sock)

@@ -137,7 +137,7 @@ class RemoteAllocator(Allocator):
 
   def _free(self, buf: RemoteBuffer, options: BufferSpec | None = None):
     if not buf.owned: return
-    try: local_node().control(self.peer).call("mem.free", region_id=buf.desc.region_id, timeout=10)
+    try: local_node().control(self.peer).call("mem.free", region_id=buf.desc.region_id, reply_timeout=10)
     except (OSError, RuntimeError): pass      # the peer is gone: it freed everything this connection allocated
 
   def _offset(self, buf: RemoteBuffer, size: int, offset: int) -> RemoteBuffer: return RemoteBuffer(buf.desc.narrow(offset, size), owned=False)

@@ -94,7 +94,7 @@ class DecodeClient:
           stats.decode_tokens, stats.decode_tok_s, stats.preemptions = item["decode_tokens"], item["decode_tok_s"], item["preemptions"]
           stats.last_logits = item.get("logits", logits.numpy()[0].tolist() if return_logits and len(out) == 1 else None)
     except BaseException:
-      try: self.ctl.call("decode.release", seq_id=seq_id, timeout=10)
+      try: self.ctl.call("decode.release", seq_id=seq_id, reply_timeout=10)
       except Exception: pass
       raise
     for t in transfers: t.wait(60)
