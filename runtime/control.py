@@ -16,6 +16,9 @@ class ControlError(RuntimeError):
   """A control request failed on the remote node; the message is the remote node's."""
 
 def send_message(sock: socket.socket, obj: dict):
+  _send(sock, obj)
+
+def _send(sock: socket.socket, obj: dict):
   data = json.dumps(obj, separators=(",", ":")).encode()
   if len(data) > MESSAGE_LIMIT: raise ValueError(f"control message of {len(data)} bytes exceeds {MESSAGE_LIMIT}")
   sock.sendall(struct.pack("<I", len(data)) + data)
@@ -34,8 +37,14 @@ class Connection:
     self.peer, self.sock, self.cleanups = peer, sock, []
   def on_close(self, fn): self.cleanups.append(fn)
 
+class _SendFailed(ConnectionError):
+  """The peer is gone while we answered: drop the connection (a handler's own errors only become error replies)."""
+
 def serve(ep, sock: socket.socket, auth: dict):
   conn = Connection(auth["node"], sock)
+  def send_message(sock, obj):
+    try: _send(sock, obj)
+    except OSError as e: raise _SendFailed(str(e)) from e
   ep.server_ok(sock, auth)
   try:
     while True:
@@ -47,11 +56,12 @@ def serve(ep, sock: socket.socket, auth: dict):
         continue
       try:
         result = handler(conn, **args)
-        if isinstance(result, dict): send_message(sock, {**result, "final": True})
-        else:
-          for item in result: send_message(sock, {**item, "final": False})
-          send_message(sock, {"final": True})
-      except (OSError, wire.ProtocolError): raise
+        items = [result] if isinstance(result, dict) else result
+        for item in items:
+          reply = {**item, "final": isinstance(result, dict)}
+          send_message(sock, reply)
+        if not isinstance(result, dict): send_message(sock, {"final": True})
+      except _SendFailed: raise
       except Exception as e: send_message(sock, {"error": f"{type(e).__name__}: {e}", "final": True})
   finally:
     for fn in reversed(conn.cleanups):
