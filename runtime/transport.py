@@ -16,7 +16,8 @@ tcp otherwise.
 """
 from __future__ import annotations
 import importlib, itertools, os, queue, secrets, socket, threading, time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import NamedTuple
 from tinyhet.config import Config, load_config, TRANSPORTS
 from tinyhet.runtime.arena import Arena, Region
 from tinyhet.runtime.descriptor import RegionDescriptor
@@ -30,8 +31,7 @@ class TransportError(RuntimeError):
 class TransportUnavailable(TransportError):
   """A transport cannot be used here; the message says why and what to use instead."""
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
   """nbytes from local[local_offset:] to the part of a remote region that `remote` describes, at remote_offset within it."""
   local: Region
   local_offset: int
@@ -39,8 +39,7 @@ class Span:
   remote_offset: int
   nbytes: int
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):   # a NamedTuple, not a dataclass: several are made per write, on the latency path
   """A span resolved to what a transport needs: local arena bytes, and the remote region's id, address, key and offset."""
   arena: Arena
   start: int            # offset of the local bytes in their arena
@@ -70,7 +69,7 @@ def coalesce(pieces: list[Piece]) -> list[Piece]:
   for p in pieces:
     if out and (q := out[-1]).region_id == p.region_id and q.arena is p.arena and q.start + q.nbytes == p.start \
        and q.region_offset + q.nbytes == p.region_offset:
-      out[-1] = replace(q, nbytes=q.nbytes + p.nbytes)
+      out[-1] = q._replace(nbytes=q.nbytes + p.nbytes)
     else: out.append(p)
   return out
 
@@ -82,7 +81,7 @@ def split(pieces: list[Piece], limit: int) -> list[Piece]:
       out.append(p)
       continue
     for off in range(0, p.nbytes, limit):
-      out.append(replace(p, start=p.start + off, region_offset=p.region_offset + off, nbytes=min(limit, p.nbytes - off)))
+      out.append(p._replace(start=p.start + off, region_offset=p.region_offset + off, nbytes=min(limit, p.nbytes - off)))
   return out
 
 _finishing = threading.Lock()
@@ -115,8 +114,7 @@ class Transfer:
   def seconds(self) -> float: return (self.finished or time.perf_counter()) - self.started
   def __repr__(self): return f"<Transfer {self.kind} #{self.batch} {self.peer} {self.nbytes}B {'done' if self.done() else 'in flight'}>"
 
-@dataclass(frozen=True)
-class Notice:
+class Notice(NamedTuple):
   """A writer's notification: delivered only after every byte of its batch has landed."""
   peer: str
   value: int
@@ -151,6 +149,7 @@ class Endpoint:
     self.host = wire.host_id()
     self.arenas: dict[int, Arena] = {}
     self.exposed: dict[int, Region] = {}
+    self.exposed_views: dict[int, memoryview] = {}     # region id -> its bytes, for lookup on the receive path
     self.notices: queue.SimpleQueue[Notice] = queue.SimpleQueue()
     self.lock = threading.Lock()
     self.closed = False
@@ -184,20 +183,23 @@ class Endpoint:
     with self.lock:
       region_id = next(self._region_ids)
       self.exposed[region_id] = region
+      self.exposed_views[region_id] = region.view()
     rkey = self.verbs.rkey(region.arena) if self.verbs is not None else 0
     return RegionDescriptor(self.name, region_id, region.addr, rkey, 0, region.nbytes, frozenset(self.transports))
 
   def withdraw(self, desc: RegionDescriptor):
     """Stop serving a region (before freeing it): later writes to it are refused."""
-    with self.lock: self.exposed.pop(desc.region_id, None)
+    with self.lock:
+      self.exposed.pop(desc.region_id, None)
+      self.exposed_views.pop(desc.region_id, None)
 
   def lookup(self, region_id: int, offset: int, nbytes: int) -> memoryview:
     """The bytes a peer addresses, after checking them against the exposed region's bounds (raises ProtocolError)."""
-    region = self.exposed.get(region_id)
-    if region is None: raise wire.ProtocolError(f"region {region_id} is not exposed by {self.name}")
-    if nbytes <= 0 or offset < 0 or offset + nbytes > region.nbytes:
-      raise wire.ProtocolError(f"span [{offset}, {offset + nbytes}) is outside region {region_id} ({region.nbytes} bytes)")
-    return region.view(offset, nbytes)
+    view = self.exposed_views.get(region_id)
+    if view is None: raise wire.ProtocolError(f"region {region_id} is not exposed by {self.name}")
+    if nbytes <= 0 or offset < 0 or offset + nbytes > len(view):
+      raise wire.ProtocolError(f"span [{offset}, {offset + nbytes}) is outside region {region_id} ({len(view)} bytes)")
+    return view[offset:offset + nbytes]
 
   # ---- connections
   def listen(self, host: str = "127.0.0.1", port: int = 0) -> str:

@@ -49,7 +49,8 @@ class Frame:
 
 def recv_into_exact(sock: socket.socket, view: memoryview):
   """Fill view from sock; a peer that closes midway raises ConnectionError."""
-  got, n = 0, len(view)
+  n = len(view)
+  if (got := sock.recv_into(view, n, socket.MSG_WAITALL)) == n: return       # one syscall, unless a signal or EOF cuts it short
   while got < n:
     k = sock.recv_into(view[got:], n - got)
     if k == 0: raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
@@ -75,11 +76,11 @@ def recv_frame(sock: socket.socket) -> Frame: return Frame.unpack(recv_exact(soc
 
 def recv_header(sock: socket.socket, buf: bytearray) -> tuple[int, int, int, int, int, int, int, int]:
   """The hot path's recv_frame: into a reused buffer, as a plain tuple (op, flags, value, batch, tag, region, offset, nbytes)."""
-  recv_into_exact(sock, memoryview(buf))
-  magic, *fields = HEADER.unpack_from(buf)
+  if sock.recv_into(buf, HEADER.size, socket.MSG_WAITALL) != HEADER.size: recv_into_exact(sock, memoryview(buf))
+  magic, op, flags, value, batch, tag, region, offset, nbytes = HEADER.unpack_from(buf)
   if magic != MAGIC: raise ProtocolError(f"bad frame magic {magic:#06x}")
-  if fields[0] not in OP_NAMES: raise ProtocolError(f"unknown frame op {fields[0]}")
-  return tuple(fields)
+  if op not in OP_NAMES: raise ProtocolError(f"unknown frame op {op}")
+  return op, flags, value, batch, tag, region, offset, nbytes
 
 def send_all(sock: socket.socket, buffers: list):
   """sendmsg until every byte of buffers is out: one syscall for a header and its payload, no copy of the payload."""
