@@ -82,14 +82,15 @@ def measure(args, lens, new, child):
   return rows, {"memcpy_gbps": round(bw, 2), "weights_bytes": w_bytes, "kv_bytes_per_token": kv_per_token}
 
 def table(out: dict) -> str:
-  head = f"{'prompt':>7} {'TTFT disagg':>12} {'TTFT alone':>11} {'hidden':>7} {'KV MiB':>7} {'GB/s':>6} {'tok/s disagg':>13} {'tok/s alone':>12} {'bw bound':>9}"
+  head = (f"{'prompt':>7} {'TTFT disagg':>12} {'TTFT alone':>11} {'hidden':>7} {'KV MiB':>7} {'GB/s':>6} {'tok/s disagg':>13} "
+          f"{'tok/s alone':>12} {'bw bound':>9}")
   lines = [head]
   for r in out["rows"]:
     lines.append(f"{r['prompt_tokens']:>7} {r['ttft_s']['disagg']:>11.3f}s {r['ttft_s']['alone']:>10.3f}s {100 * r['hidden_share']:>6.1f}% "
                  f"{r['kv_bytes'] / 2**20:>7.2f} {r['transfer_gbps']:>6.2f} {r['decode_tok_s']['disagg']:>13.1f} {r['decode_tok_s']['alone']:>12.1f} "
                  f"{r['decode_tok_s']['bandwidth_bound']:>9.1f}")
-  lines.append(f"memcpy {out['memcpy_gbps']} GB/s; weights read per token {out['weights_bytes'] / 2**20:.0f} MiB; KV {out['kv_bytes_per_token']} B/token; "
-               f"transport {out['rows'][0]['transport'] if out['rows'] else '-'}")
+  lines.append(f"memcpy {out['memcpy_gbps']} GB/s; weights read per token {out['weights_bytes'] / 2**20:.0f} MiB; "
+               f"KV {out['kv_bytes_per_token']} B/token; transport {out['rows'][0]['transport'] if out['rows'] else '-'}")
   return "\n".join(lines)
 
 if __name__ == "__main__": sys.exit(main())

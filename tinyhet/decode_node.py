@@ -60,7 +60,8 @@ class DecodeNode:
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0) -> dict:
     if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
       raise ValueError(f"prompt_ids must be a non-empty list of token ids below {self.model.cfg.vocab_size}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1: raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if len(prompt_ids) + max_new_tokens > self.model.cfg.max_context:
       raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's context ({self.model.cfg.max_context})")
     seq = Sequence(next(self.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
