@@ -14,7 +14,8 @@ def random_hf_weights(cfg, seed=0) -> dict[str, np.ndarray]:
   w = {"model.embed_tokens.weight": rng.uniform(-1, 1, (cfg.vocab_size, cfg.dim)).astype(np.float32), "model.norm.weight": norm(cfg.dim)}
   for l in range(cfg.n_layers):
     p = f"model.layers.{l}."
-    w |= {p + "input_layernorm.weight": norm(cfg.dim), p + "self_attn.q_proj.weight": lin(qd, cfg.dim), p + "self_attn.k_proj.weight": lin(kvd, cfg.dim),
+    w |= {p + "input_layernorm.weight": norm(cfg.dim), p + "self_attn.q_proj.weight": lin(qd, cfg.dim),
+          p + "self_attn.k_proj.weight": lin(kvd, cfg.dim),
           p + "self_attn.v_proj.weight": lin(kvd, cfg.dim), p + "self_attn.o_proj.weight": lin(cfg.dim, qd),
           p + "post_attention_layernorm.weight": norm(cfg.dim), p + "mlp.gate_proj.weight": lin(cfg.hidden_dim, cfg.dim),
           p + "mlp.up_proj.weight": lin(cfg.hidden_dim, cfg.dim), p + "mlp.down_proj.weight": lin(cfg.dim, cfg.hidden_dim)}

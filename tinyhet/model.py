@@ -184,7 +184,7 @@ class DenseKVCache:
     self.v = [Tensor.zeros(*shape, dtype=kv_dtype, device=device).contiguous().realize() for _ in range(cfg.n_layers)]
 
   @property
-  def nbytes(self) -> int: return 2 * self.cfg.n_layers * self.batch * self.max_context * self.cfg.n_kv_heads * self.cfg.head_dim * self.kv_dtype.itemsize
+  def nbytes(self) -> int: return self.batch * self.max_context * self.cfg.kv_bytes_per_token(self.kv_dtype)
 
   def update_and_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
     B, T = positions.shape
