@@ -100,12 +100,13 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "sel
               "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down"}
 
-def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "F32", tokens: list[str] | None = None):
-  """A GGUF file the way llama.cpp's converter writes a Llama: metadata, Q/K rows permuted, names blk.N.*; quant F32, F16 or
-  Q8_0 (2-D weights only, as llama.cpp quantizes). Llama 3.1 rope scaling goes in as rope_freqs.weight."""
+def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "F32", tokens: list[str] | None = None, arch: str = "llama"):
+  """A GGUF file the way llama.cpp's converter writes a Llama: metadata, Q/K rows permuted, names blk.N.*; quant is a GGML type
+  name gguf-py can quantize (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), for 2-D weights only, as llama.cpp quantizes. Llama 3.1
+  rope scaling goes in as rope_freqs.weight."""
   import gguf
   from gguf.quants import quantize
-  wr = gguf.GGUFWriter(str(path), "llama")
+  wr = gguf.GGUFWriter(str(path), arch)
   wr.add_name("tiny")
   wr.add_block_count(cfg.n_layers)
   wr.add_context_length(cfg.max_context)
@@ -121,7 +122,7 @@ def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "
   wr.add_vocab_size(cfg.vocab_size)
   wr.add_tokenizer_model("gpt2")
   wr.add_token_list(tokens if tokens is not None else [f"<t{i}>" for i in range(cfg.vocab_size)])
-  qtype = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16, "Q8_0": gguf.GGMLQuantizationType.Q8_0}[quant]
+  qtype = gguf.GGMLQuantizationType[quant]
   def add(name, a):
     if a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32: wr.add_tensor(name, a.astype(np.float32))
     else: wr.add_tensor(name, quantize(a.astype(np.float32), qtype), raw_dtype=qtype)
@@ -141,3 +142,11 @@ def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "
   wr.close()
 
 def _base_freq(cfg) -> np.ndarray: return np.array([1.0 / (cfg.rope_theta ** (i / cfg.head_dim)) for i in range(0, cfg.head_dim, 2)])
+
+def quantized_roundtrip(w: dict[str, np.ndarray], quant: str) -> dict[str, np.ndarray]:
+  """The weights as a GGUF of that type holds them: 2-D matrices quantized and dequantized by gguf-py (llama.cpp's reference)."""
+  import gguf
+  from gguf.quants import dequantize, quantize
+  if quant == "F32": return w
+  t = gguf.GGMLQuantizationType[quant]
+  return {k: dequantize(quantize(a, t), t).astype(np.float32) if a.ndim == 2 else a for k, a in w.items()}
