@@ -211,3 +211,32 @@ def test_smollm2_layerwise_prefill_then_decode_from_its_kv(smollm2):
   step = model.make_decode_step(cache)
   for i in range(n - 1): toks.append(int(step(ids(toks[-1]), ids(T + i)).numpy()[0].argmax()))
   assert toks == PARIS_IDS[:n]
+
+@pytest.mark.parametrize("packed", [None, 2, 3, 8])   # float32, Q4_0, Q4_1, Q8_0
+def test_random_weights_run_and_packed_equal_their_float_copy(packed):
+  from tinyhet.model import random_weights
+  from tinyhet.packed import PackedWeight
+  cfg = small_config()
+  w = random_weights(cfg, "CPU", packed=packed, seed=4)
+  deq = lambda m: m.dequantize().realize() if isinstance(m, PackedWeight) else m
+  floats = LlamaWeights(deq(w.tok_embeddings), [LayerWeights(**{f.name: deq(getattr(l, f.name)) for f in dataclasses.fields(l)}) for l in w.layers],
+                        w.norm, deq(w.output))
+  a = Llama(cfg, w).forward(ids(*PROMPT), Tensor([list(range(len(PROMPT)))], dtype=dtypes.int32), DenseKVCache(cfg, 1, 16)).numpy()
+  b = Llama(cfg, floats).forward(ids(*PROMPT), Tensor([list(range(len(PROMPT)))], dtype=dtypes.int32), DenseKVCache(cfg, 1, 16)).numpy()
+  assert np.isfinite(a).all() and 0.1 < np.abs(a).max() < 100 and rel(a, b) < 1e-5
+
+@pytest.mark.slow
+def test_70b_runner_smoke():
+  """examples/llama3_70b.py end to end on the Llama-3-8B shapes with one layer (the 70B shapes need ~2 GB per layer pair)."""
+  import io, contextlib, importlib.util, json, pathlib
+  spec = importlib.util.spec_from_file_location("llama3_70b", pathlib.Path(__file__).parent.parent / "examples" / "llama3_70b.py")
+  runner = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(runner)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    assert runner.main(["--random-weights", "--preset", "Llama-3-8B", "--layers", "1", "--prompt-tokens", "8", "--decode-tokens", "2",
+                        "--context", "4096", "--batch", "4", "--json"]) == 0
+  text = out.getvalue()
+  report = json.loads(text.strip().splitlines()[-1])
+  assert report["kv_bytes_per_token_all_layers"] == 2 * 32 * 8 * 128 * 2 and report["kv_bytes_for_context_and_batch"] == 128 * 1024 * 4096 * 4
+  assert len(report["tokens"]) == 3 and len(report["decode_step_s"]) == 2 and "prefill runs on CPU, decode on CPU" in text

@@ -105,19 +105,22 @@ class LlamaWeights:
 
   def nbytes(self) -> int: return sum(t.nbytes() for t in self.tensors())
 
-def random_weights(cfg: LlamaConfig, device: str | None = None, dtype: DType = dtypes.float32, seed: int = 0) -> LlamaWeights:
+def random_weights(cfg: LlamaConfig, device: str | None = None, dtype: DType = dtypes.float32, seed: int = 0,
+                   packed: int | None = None) -> LlamaWeights:
   """Random weights generated on `device` (tinygrad's RNG runs there: nothing of the full size passes through numpy).
-  Uniform with variance 1/fan_in so activations keep their scale through the layers; norms are 1 + noise."""
+  Matrices are uniform with variance 1/fan_in, so activations keep their scale through the layers, in `dtype`, or as GGUF
+  blocks when `packed` names a type (tinyhet.packed.Q4_0, Q4_1, Q8_0); norms are 1 + noise, float32."""
   Tensor.manual_seed(seed)
-  def lin(o, i): return Tensor.uniform(o, i, low=-math.sqrt(3 / i), high=math.sqrt(3 / i), device=device, dtype=dtype).realize()
-  def norm(n): return Tensor.uniform(n, low=0.8, high=1.2, device=device, dtype=dtype).realize()
+  def lin(o, i):
+    if packed is not None: return PackedWeight.random(o, i, packed, device)
+    return Tensor.uniform(o, i, low=-math.sqrt(3 / i), high=math.sqrt(3 / i), device=device, dtype=dtype).realize()
+  def norm(n): return Tensor.uniform(n, low=0.8, high=1.2, device=device).realize()
   qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
   layers = [LayerWeights(attn_norm=norm(cfg.dim), wq=lin(qd, cfg.dim), wk=lin(kvd, cfg.dim), wv=lin(kvd, cfg.dim), wo=lin(cfg.dim, qd),
                          ffn_norm=norm(cfg.dim), w_gate=lin(cfg.hidden_dim, cfg.dim), w_up=lin(cfg.hidden_dim, cfg.dim),
                          w_down=lin(cfg.dim, cfg.hidden_dim)) for _ in range(cfg.n_layers)]
-  emb = Tensor.uniform(cfg.vocab_size, cfg.dim, low=-1.0, high=1.0, device=device, dtype=dtype).realize()
-  out = emb if cfg.tie_embeddings else lin(cfg.vocab_size, cfg.dim)
-  return LlamaWeights(tok_embeddings=emb, layers=layers, norm=norm(cfg.dim), output=out)
+  emb = lin(cfg.vocab_size, cfg.dim)
+  return LlamaWeights(tok_embeddings=emb, layers=layers, norm=norm(cfg.dim), output=emb if cfg.tie_embeddings else lin(cfg.vocab_size, cfg.dim))
 
 # ---- the pieces of the forward pass ------------------------------------------------------------------------------------------
 

@@ -51,6 +51,22 @@ class PackedWeight:
       return ggml_data_to_tensor(b.flatten(), n, self.ggml_type).reshape(*lead, self.shape[1])
     return w.reshape(*lead, self.shape[1])
 
+  @staticmethod
+  def random(rows: int, cols: int, ggml_type: int = Q4_0, device: str | None = None) -> PackedWeight:
+    """Random blocks generated on `device` (nothing of the full size passes through the host): uniform quants, one scale per
+    block chosen so the weights have mean 0 and variance 1/cols, as a fan-in-scaled initialization would."""
+    import numpy as np
+    if ggml_type not in BLOCK_BYTES: raise ValueError(f"random packed weights are Q4_0, Q4_1 or Q8_0, not GGML type {ggml_type}")
+    levels = 256 if ggml_type == Q8_0 else 16
+    d = 1 / np.sqrt((levels * levels - 1) / 12 * cols)                     # uniform integers on `levels` values: variance (L^2-1)/12
+    header = [np.float16(d)] + ([np.float16(-(levels - 1) / 2 * d)] if ggml_type == Q4_1 else [])   # Q4_1's m centres the weights
+    head = Tensor(np.array(header, np.float16).view(np.uint8), device=device)                        # (2 or 4,) bytes
+    nb, qbytes = cols // 32, BLOCK_BYTES[ggml_type] - head.shape[0]
+    q = Tensor.randint(rows, nb, qbytes, high=256, dtype=dtypes.int32, device=device).cast(dtypes.uint8)
+    if ggml_type == Q8_0: q = (q.cast(dtypes.int32) - 128).cast(dtypes.int8).bitcast(dtypes.uint8)   # int8 centred on 0
+    blocks = head.reshape(1, 1, -1).expand(rows, nb, head.shape[0]).cat(q, dim=-1)
+    return PackedWeight(blocks, (rows, cols), ggml_type).realize()
+
   def rows(self, index: Tensor) -> Tensor:
     """Dequantized rows picked by an integer Tensor (an embedding lookup): (*index.shape, cols) float32."""
     return self.dequantize(self.blocks[index])
