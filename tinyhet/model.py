@@ -159,9 +159,12 @@ def linear(x: Tensor, w: Matrix) -> Tensor:
   For a few rows (decode), the sum over `in` is written as MATVEC_LANES interleaved partial sums added at the end: tinygrad's
   CPU code then has that many independent accumulator chains instead of one serial chain of dependent adds (measured 2-5x
   faster on the matrix-vector products of decode)."""
-  if isinstance(w, PackedWeight): w = w.dequantize()                       # lazy: fused into this matmul's kernel
-  O, K = w.shape
   rows = math.prod(x.shape[:-1])
+  if isinstance(w, PackedWeight):
+    # a few rows: dequantized inside the matmul kernel, reading only the blocks; many rows (prefill): dequantized once into a
+    # temporary float32 copy, since inside the matmul every block would be dequantized again for each tile of rows
+    w = w.dequantize() if rows <= MATVEC_MAX_ROWS else w.dequantize().contiguous()
+  O, K = w.shape
   if rows <= MATVEC_MAX_ROWS and K % MATVEC_LANES == 0:
     xs = x.reshape(*x.shape[:-1], 1, K // MATVEC_LANES, MATVEC_LANES)                # (..., 1, K/L, L)
     return (xs * w.reshape(O, K // MATVEC_LANES, MATVEC_LANES)).sum(-2, dtype=dtypes.float32).sum(-1)   # (..., O)
