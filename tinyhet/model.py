@@ -32,6 +32,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class LlamaConfig:
+  """The shape of a Llama-family model. Presets below; tinyhet.weights reads one from GGUF metadata or config.json."""
   dim: int                 # model width
   n_layers: int
   n_heads: int             # query heads
