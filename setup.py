@@ -26,7 +26,7 @@ setup(
     # rdma-core 59 and fails to import against older system libraries (Debian 12 ships 44); there, `make setup` links
     # Debian's python3-pyverbs into the virtual environment instead.
     "rdma": ["pyverbs"],
-    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff"],
+    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf"],  # gguf: tests write GGUF files as llama.cpp does
   },
   entry_points={"console_scripts": ["tinyhet=tinyhet.cli:main"]},
 )

@@ -1,0 +1,112 @@
+import json
+import pytest
+from hypothesis import given, settings, strategies as st
+from tinyhet.tokenizer import Tokenizer, TokenizerError, render_template
+from tinyhet.weights import embedded_model_path, read_gguf
+
+@pytest.fixture(scope="module")
+def smollm2() -> Tokenizer:
+  return Tokenizer.from_gguf_metadata(read_gguf(embedded_model_path()).metadata)
+
+TEXTS = ["Hello, world!", "The capital of France is Paris.", "naïve café — déjà vu", "日本語のテキスト", "Ünïcödé ∑ ∫ ≠ ∞",
+         "emoji: 🤖👍🏽🇫🇷 👨‍👩‍👧", "  leading spaces\n\n\ttabs and newlines  ", "x = [1, 2, 3]  # 12345 numbers", ""]
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(smollm2, text):
+  assert smollm2.decode(smollm2.encode(text)) == text
+
+# SmolLM2's vocabulary has no symbol for a few bytes: ASCII controls 0x04, 0x06, 0x13, ... and the UTF-8 lead bytes 0xf1-0xf4 of
+# planes 4-16 (unassigned but for private use): its own tokenizer drops those too
+TEXT = st.text(st.characters(blacklist_categories=("Cs", "Cc"), max_codepoint=0x3FFFF) | st.sampled_from("\n\t\r"), max_size=60)
+
+@settings(max_examples=60, deadline=None)
+@given(TEXT)
+def test_round_trip_any_text(smollm2, text):
+  assert smollm2.decode(smollm2.encode(text)) == text
+
+def test_smollm2_specifics(smollm2):
+  assert smollm2.vocab_size == 49152 and smollm2.bos_id == 1 and smollm2.eos_id == 2 and not smollm2.add_bos
+  assert {0, 2} <= set(smollm2.stop_ids)                                # <|endoftext|>, <|im_end|>
+  assert smollm2.encode("<|im_start|>user")[:1] == [1]                 # special tokens are matched whole
+  assert [smollm2.decode([i]) for i in smollm2.encode("12345")] == list("12345")   # smollm splits digits one by one
+  assert smollm2.encode("Hello world")[1:] == smollm2.encode(" world")   # GPT-2 byte-level: the space belongs to the word
+  assert smollm2.decode([1, 9690, 2], skip_special=True) == "system" and "<|im_start|>" in smollm2.decode([1], skip_special=False)
+
+def test_chat_template(smollm2):
+  text = smollm2.render_chat([{"role": "user", "content": "What is the capital of France?"}])
+  assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                  "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+  no_prompt = smollm2.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], add_generation_prompt=False)
+  assert no_prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+  ids = smollm2.encode_prompt("What is the capital of France?")
+  assert ids[0] == 1 and ids[-4:] == smollm2.encode("<|im_start|>assistant\n") and smollm2.decode(ids, skip_special=False) == text
+  assert smollm2.encode_prompt("Once upon a time", raw=True) == smollm2.encode("Once upon a time")
+
+@settings(max_examples=30, deadline=None)
+@given(TEXT)
+def test_stream_decoder_pieces_add_up_and_never_show_half_characters(smollm2, text):
+  d = smollm2.stream_decoder()
+  pieces = [d.push(i) for i in smollm2.encode(text)]
+  assert "".join(pieces) + d.flush() == text
+  assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
+
+def test_stream_decoder_holds_back_split_emoji(smollm2):
+  ids = smollm2.encode("🤖")
+  assert len(ids) > 1                                                      # the 4 UTF-8 bytes span several tokens
+  d = smollm2.stream_decoder()
+  assert [d.push(i) for i in ids] == [""] * (len(ids) - 1) + ["🤖"]
+
+def test_template_is_sandboxed_and_errors_are_clear():
+  with pytest.raises(TokenizerError, match="chat template failed"):
+    render_template("{{ ''.__class__.__mro__[1].__subclasses__() }}", [])
+  with pytest.raises(TokenizerError, match="only user and assistant"):
+    render_template("{% if messages[0]['role'] == 'system' %}{{ raise_exception('only user and assistant') }}{% endif %}",
+                    [{"role": "system", "content": "x"}])
+  assert render_template("{{ messages | tojson }}", [{"role": "user", "content": "café"}]) == '[{"role": "user", "content": "café"}]'
+
+def llama3_style_metadata() -> dict:
+  """A byte-level BPE vocabulary as Llama 3's GGUF stores it (tokenizer.ggml.pre = llama-bpe): all 256 byte symbols, a few
+  merges, control tokens, a chat template that writes BOS itself."""
+  from tokenizers.pre_tokenizers import ByteLevel
+  alphabet = sorted(ByteLevel.alphabet())
+  merges = ["Ġ t", "h e", "Ġt he", "1 2", "12 3", "i n", "Ġ in"]
+  words = [m.replace(" ", "") for m in merges]
+  tokens = alphabet + words + ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+  return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.token_type": [1] * (len(tokens) - 5) + [3] * 5, "tokenizer.ggml.merges": merges,
+          "tokenizer.ggml.bos_token_id": len(tokens) - 5, "tokenizer.ggml.eos_token_id": len(tokens) - 1, "tokenizer.ggml.add_bos_token": True,
+          "tokenizer.chat_template": "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                                     "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+                                     "<|end_header_id|>\n\n{% endif %}"}
+
+def test_llama3_style_vocabulary():
+  kv = llama3_style_metadata()
+  tok = Tokenizer.from_gguf_metadata(kv)
+  bos, eot = kv["tokenizer.ggml.bos_token_id"], kv["tokenizer.ggml.tokens"].index("<|eot_id|>")
+  ids = tok.encode("12345 the in")
+  assert ids[0] == bos and tok.decode(ids) == "12345 the in"               # BOS added (add_bos_token), skipped in decoding
+  assert [tok.decode([i]) for i in ids[1:]] == ["123", "4", "5", " the", " in"]
+  # Llama 3's split (tiktoken's regex): digits in groups of three, a space never joins digits (GPT-2's would give "Ġ67")
+  assert [p for p, _ in tok.tok.pre_tokenizer.pre_tokenize_str("12345 67 !the")] == ["123", "45", "Ġ", "67", "Ġ!", "the"]
+  assert eot in tok.stop_ids and kv["tokenizer.ggml.eos_token_id"] in tok.stop_ids
+  chat = tok.encode_chat([{"role": "user", "content": "the"}])
+  assert chat.count(bos) == 1 and chat[0] == bos                          # the template's BOS, not a second one
+  for text in ["Hello\n\nworld 2024!", "naïve 🤖", "   "]: assert tok.decode(tok.encode(text)) == text
+
+def test_tokenizer_json_directory(smollm2, tmp_path):
+  smollm2.tok.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"},
+                                                              "chat_template": [{"name": "default", "template": "{{ messages[0]['content'] }}!"}]}))
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+  tok = Tokenizer.from_hf_dir(tmp_path)
+  assert (tok.bos_id, tok.eos_id, tok.stop_ids) == (1, 2, (0, 2))
+  assert tok.render_chat([{"role": "user", "content": "hi"}]) == "hi!"
+  for text in TEXTS: assert tok.encode(text) == smollm2.encode(text)
+
+def test_unsupported_vocabularies_are_named():
+  with pytest.raises(TokenizerError, match="'llama'.*tokenizer.json"): Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+  with pytest.raises(TokenizerError, match="'qwen2'"):
+    Tokenizer.from_gguf_metadata({**llama3_style_metadata(), "tokenizer.ggml.pre": "qwen2"})
+  with pytest.raises(TokenizerError, match="no tokenizer.json"): Tokenizer.from_hf_dir("/nonexistent")
+  with pytest.raises(TokenizerError, match="--raw"):
+    Tokenizer.from_gguf_metadata({**llama3_style_metadata(), "tokenizer.chat_template": None}).render_chat([])

@@ -1,0 +1,36 @@
+"""Choosing the next token from logits, on the host with numpy: greedy, temperature, top-p; deterministic for a seed."""
+from __future__ import annotations
+import numpy as np
+
+class Sampler:
+  """sampler(logits (vocab,)) -> token id. temperature == 0 is greedy (argmax, lowest id on ties); otherwise softmax of
+  logits / temperature, cut to the smallest set of most likely tokens whose probability reaches top_p, sampled with a
+  numpy Generator seeded once, so the same seed and the same logits give the same tokens."""
+
+  def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0):
+    if temperature < 0: raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    self.temperature, self.top_p, self.rng = temperature, top_p, np.random.default_rng(seed)
+
+  def probabilities(self, logits: np.ndarray) -> np.ndarray:
+    """The distribution sampled from (float64, sums to 1); one-hot at the argmax when greedy."""
+    logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if self.temperature == 0:
+      p = np.zeros_like(logits)
+      p[int(np.argmax(logits))] = 1.0
+      return p
+    z = logits / self.temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if self.top_p < 1:
+      order = np.argsort(-p, kind="stable")
+      keep = np.searchsorted(np.cumsum(p[order]), self.top_p) + 1   # the tokens before the cut, and the one that crosses top_p
+      cut = np.zeros_like(p)
+      cut[order[:keep]] = p[order[:keep]]
+      p = cut / cut.sum()
+    return p
+
+  def __call__(self, logits: np.ndarray) -> int:
+    if self.temperature == 0: return int(np.argmax(np.asarray(logits).reshape(-1)))
+    p = self.probabilities(logits)
+    return int(self.rng.choice(p.shape[0], p=p))

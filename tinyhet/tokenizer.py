@@ -1,0 +1,144 @@
+"""The tokenizer and chat template of a model, from GGUF metadata or a Hugging Face directory (tokenizer.json,
+tokenizer_config.json), built on the Hugging Face `tokenizers` library; chat templates rendered with jinja2 in a sandbox.
+
+GGUF vocabularies of type gpt2 are byte-level BPE (SmolLM2, Llama 3); tokenizer.ggml.pre picks the pre-tokenizer the way
+llama.cpp does: `smollm` splits digits one by one, then GPT-2's regex; `llama-bpe` is Llama 3's tiktoken-style regex.
+"""
+from __future__ import annotations
+import datetime, json, pathlib
+from typing import Any
+
+class TokenizerError(ValueError):
+  """A tokenizer that cannot be built: the message names the file or key and what is supported."""
+
+GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+LLAMA3_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+STOP_TEXTS = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")   # end-of-turn markers of common chat models
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4   # llama.cpp's token types that are matched whole in text, never split by BPE
+
+def _pre_tokenizer(pre: str):
+  from tokenizers import Regex, pre_tokenizers as pt
+  if pre == "smollm": return pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, use_regex=True)])
+  if pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe"):
+    return pt.Sequence([pt.Split(Regex(LLAMA3_SPLIT), behavior="isolated"), pt.ByteLevel(add_prefix_space=False, use_regex=False)])
+  if pre in ("default", "gpt2", "gpt-2"): return pt.ByteLevel(add_prefix_space=False, use_regex=True)
+  raise TokenizerError(f"GGUF tokenizer.ggml.pre = {pre!r} is not supported (supported: smollm, llama-bpe, default/gpt2); "
+                       "use a Hugging Face directory with tokenizer.json instead")
+
+class Tokenizer:
+  """encode/decode text <-> token ids, render chat prompts, and the ids that end a reply (stop_ids)."""
+
+  def __init__(self, tok, bos_id: int | None, eos_id: int | None, chat_template: str | None, stop_ids: tuple[int, ...], add_bos: bool):
+    self.tok, self.bos_id, self.eos_id, self.chat_template, self.stop_ids, self.add_bos = tok, bos_id, eos_id, chat_template, stop_ids, add_bos
+
+  @staticmethod
+  def from_gguf_metadata(kv: dict[str, Any]) -> Tokenizer:
+    """From llama.cpp's tokenizer.ggml.* keys and tokenizer.chat_template."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
+    model = kv.get("tokenizer.ggml.model")
+    if model != "gpt2":
+      raise TokenizerError(f"GGUF tokenizer.ggml.model = {model!r} is not supported (only byte-level BPE, 'gpt2', as SmolLM2 and Llama 3 use); "
+                           "use a Hugging Face directory with tokenizer.json instead")
+    tokens: list[str] = kv["tokenizer.ggml.tokens"]
+    types: list[int] = kv.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in kv.get("tokenizer.ggml.merges", [])]
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=kv.get("tokenizer.ggml.pre") in
+                                 ("llama-bpe", "llama3", "llama-v3")))
+    tok.pre_tokenizer = _pre_tokenizer(kv.get("tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (GGUF_CONTROL, GGUF_USER_DEFINED)])
+    bos, eos = kv.get("tokenizer.ggml.bos_token_id"), kv.get("tokenizer.ggml.eos_token_id")
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == GGUF_CONTROL}
+    stops = {i for i in (eos, kv.get("tokenizer.ggml.eot_token_id"), kv.get("tokenizer.ggml.eom_token_id")) if i is not None}
+    stops |= {special[t] for t in STOP_TEXTS if t in special}
+    return Tokenizer(tok, bos, eos, kv.get("tokenizer.chat_template"), tuple(sorted(stops)), bool(kv.get("tokenizer.ggml.add_bos_token", False)))
+
+  @staticmethod
+  def from_hf_dir(directory: str | pathlib.Path) -> Tokenizer:
+    """From tokenizer.json (+ tokenizer_config.json for the chat template and BOS/EOS, generation_config.json for extra stops)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    directory = pathlib.Path(directory)
+    if not (directory / "tokenizer.json").is_file(): raise TokenizerError(f"{directory}: no tokenizer.json; a Hugging Face model directory needs one")
+    tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.no_padding(); tok.no_truncation()
+    def load(name):
+      try: return json.loads((directory / name).read_text()) if (directory / name).is_file() else {}
+      except ValueError as e: raise TokenizerError(f"{directory / name}: not valid JSON ({e})") from None
+    cfg, gen = load("tokenizer_config.json"), load("generation_config.json")
+    def token_id(t):
+      t = t.get("content") if isinstance(t, dict) else t
+      return tok.token_to_id(t) if t else None
+    bos, eos = token_id(cfg.get("bos_token")), token_id(cfg.get("eos_token"))
+    template = cfg.get("chat_template")
+    if isinstance(template, list): template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    gen_eos = gen.get("eos_token_id", [])
+    stops = {i for i in [eos, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])] if i is not None}
+    stops |= {i for t in STOP_TEXTS if (i := tok.token_to_id(t)) is not None}
+    # a tokenizer.json's post-processor adds BOS itself where the model wants it (Llama 3); nothing is prepended here
+    return Tokenizer(tok, bos, eos, template, tuple(sorted(stops)), add_bos=False)
+
+  @property
+  def vocab_size(self) -> int: return self.tok.get_vocab_size(with_added_tokens=True)
+
+  def token_text(self, i: int) -> str | None: return self.tok.id_to_token(i)
+
+  def encode(self, text: str, add_special: bool = True) -> list[int]:
+    """Token ids of text; special-token texts (e.g. <|im_start|>) become their ids. add_special: BOS where the model wants it."""
+    ids = self.tok.encode(text, add_special_tokens=add_special).ids
+    if add_special and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]: ids = [self.bos_id, *ids]
+    return ids
+
+  def decode(self, ids: list[int], skip_special: bool = True) -> str:
+    return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+
+  def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    """The model's chat template (jinja2, sandboxed) applied to [{"role": ..., "content": ...}, ...]."""
+    if not self.chat_template: raise TokenizerError("this model has no chat template; pass --raw to complete the prompt as plain text")
+    text = lambda i: self.token_text(i) if i is not None else ""
+    return render_template(self.chat_template, messages, add_generation_prompt, bos_token=text(self.bos_id), eos_token=text(self.eos_id))
+
+  def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the rendered chat; the template writes BOS itself where the model wants one."""
+    return self.encode(self.render_chat(messages, add_generation_prompt), add_special=False)
+
+  def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+    """A user prompt as the model should see it: in the chat template as one user turn, or (raw) as plain text to continue."""
+    return self.encode(prompt) if raw or not self.chat_template else self.encode_chat([{"role": "user", "content": prompt}])
+
+  def stream_decoder(self) -> StreamDecoder: return StreamDecoder(self)
+
+def render_template(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = True, **context) -> str:
+  """Renders a Hugging Face chat template as transformers does: sandboxed jinja2, trim_blocks and lstrip_blocks, with
+  raise_exception, strftime_now and a tojson that keeps non-ASCII text."""
+  from jinja2 import TemplateError
+  from jinja2.sandbox import ImmutableSandboxedEnvironment
+  def raise_exception(message): raise TemplateError(message)
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+  env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(x, ensure_ascii=False, indent=indent,
+                                                                                             separators=separators, sort_keys=sort_keys)
+  env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+  try: return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+  except TemplateError as e: raise TokenizerError(f"the model's chat template failed: {e}") from None
+
+class StreamDecoder:
+  """Text of a growing token sequence, piece by piece: push(id) returns the new text, holding back bytes of a UTF-8
+  character split across tokens until it is complete (decoded text ending in U+FFFD is not emitted yet)."""
+
+  def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+    self.tokenizer, self.skip_special, self.ids, self.prefix, self.read = tokenizer, skip_special, [], 0, 0
+
+  def push(self, token: int) -> str:
+    self.ids.append(token)
+    before = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special)
+    now = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special)
+    if len(now) > len(before) and not now.endswith("\ufffd"):
+      self.prefix, self.read = self.read, len(self.ids)   # decoding restarts a token back: byte-level merges never reach further
+      return now[len(before):]
+    return ""
+
+  def flush(self) -> str:
+    """Whatever is held back (an incomplete character shows as U+FFFD)."""
+    before = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special)
+    now = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special)
+    self.prefix = self.read = len(self.ids)
+    return now[len(before):]
