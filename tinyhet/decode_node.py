@@ -19,7 +19,7 @@ from tinygrad import Tensor, TinyJit, dtypes
 from tinyhet.devices import region_of
 from tinyhet.kv_cache import PagedKVCache
 from tinyhet.memory import LocalNode
-from tinyhet.model import Llama
+from tinyhet.model import Llama, one_worker
 from tinyhet.sampling import Sampler
 from tinyhet.scheduler import Scheduler, Sequence, SequenceStatus
 
@@ -144,9 +144,27 @@ class DecodeNode:
         seq = next((s for s in self.scheduler.incoming.values() if s.seq_id == seq_id), None)
       if seq is not None and len(layers) == self.model.cfg.n_layers: seq.extra["layers"].set()
 
-  def run(self, stop: threading.Event):
+  def warm_up(self, batch_sizes=(1,)):
+    """Capture the jitted decode step for these batch sizes now (a scratch sequence of one token), so the first request
+    does not pay tinygrad's scheduling and compiles. Requests that arrive meanwhile wait for the loop."""
+    bm, scratch = self.cache.block_manager, -1
+    for B in batch_sizes:
+      ids = [scratch - i for i in range(B)]
+      with self.cond:
+        if not all(bm.can_allocate(2) for _ in ids) or bm.num_free < 2 * B: return
+        for i in ids: bm.allocate(i, 1)
+      try:
+        for _ in range(3):      # TinyJit: the first call runs, the second captures, the third replays
+          with self.cond: positions = self.cache.begin_step(ids, 1)
+          self._forward([[0]] * B, positions, False)
+      finally:
+        with self.cond:
+          for i in ids: bm.deallocate(i)
+
+  def run(self, stop: threading.Event, warm_up: bool = True):
     """Continuous batching until stop is set: one decode step for every running sequence, or the recompute of preempted
     ones. Call it from the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
+    if warm_up: self.warm_up()
     while not self.stopped and not stop.is_set():
       with self.cond:
         seqs, is_prefill = self.scheduler.schedule()
@@ -181,11 +199,12 @@ class DecodeNode:
   def _forward(self, tokens: list[list[int]], positions: np.ndarray, is_prefill: bool) -> np.ndarray:
     toks = Tensor(np.array(tokens, dtype=np.int32), device="MESH")
     pos = Tensor(positions.astype(np.int32), device="MESH")
-    if is_prefill: return self.model.forward(toks, pos, self.cache).numpy()
-    B = len(tokens)
-    if B not in self.steps:
-      self.steps[B] = TinyJit(lambda t, p, **kv: self.model.forward(t, p, self.cache).realize())
-    return self.steps[B](toks, pos, **self.cache.jit_kwargs()).numpy()
+    with one_worker():
+      if is_prefill: return self.model.forward(toks, pos, self.cache).numpy()
+      B = len(tokens)
+      if B not in self.steps:   # one capture per batch size; the block count reaches the JIT as a bound Variable argument
+        self.steps[B] = TinyJit(lambda t, p, **kv: self.model.forward(t, p, self.cache).realize())
+      return self.steps[B](toks, pos, **self.cache.jit_kwargs()).numpy()
 
   def close(self):
     self.stopped = True

@@ -35,6 +35,12 @@ class GenerationStats:
   layer_landed_s: list[float] = field(default_factory=list)
   last_logits: list[float] | None = None   # with return_logits: the logits the last token was sampled from
 
+PREFILL_BUCKET = 64
+
+def prefill_bucket(n: int) -> int:
+  """The padded prompt length: tinygrad compiles kernels per shape, so prompts share the kernels of their bucket."""
+  return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+
 def busy_time(intervals: list[tuple[float, float]]) -> float:
   """Length of the union of [start, end) intervals: how long at least one transfer was in flight."""
   total, end = 0.0, float("-inf")
@@ -70,14 +76,18 @@ class DecodeClient:
     keep: list[Tensor] = []                  # packed layers stay alive until their writes have landed
 
     def send_layer(layer: int, k: Tensor, v: Tensor):
-      packed = pack_kv(k, v, block_size, self.kv_dtype).contiguous().realize()      # (n_blocks, 2, KVH, block_size*D): the pool's bytes
+      # (blocks, 2, KVH, block_size*D): the pool's bytes. Rows past the prompt (pads) only reach the slack of the last block,
+      # which the decode node masks until its own tokens overwrite it.
+      packed = pack_kv(k, v, block_size, self.kv_dtype).contiguous().realize()
       region, offset = region_of(packed.uop.buffer)
       spans = [Span(region, offset + i * block_bytes, pools[layer], b * block_bytes, block_bytes) for i, b in enumerate(blocks)]
       transfers.append(self.node.endpoint.write(self.peer, spans, notify=notice_value(seq_id, layer)))
       keep.append(packed)
 
+    padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
     try:
-      logits = self.model.prefill(Tensor([prompt_ids], dtype=dtypes.int32, device=self.model.device), on_layer=send_layer, kv_dtype=self.kv_dtype)
+      logits = self.model.prefill(Tensor([padded], dtype=dtypes.int32, device=self.model.device), on_layer=send_layer, kv_dtype=self.kv_dtype,
+                                  n_valid=len(prompt_ids))
       t_prefill = time.perf_counter()
       sampler = Sampler(temperature, top_p, seed)
       first = sampler(logits.numpy()[0])

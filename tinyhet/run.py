@@ -19,6 +19,8 @@ def parse_args(argv):
   ap.add_argument("--decode-node", metavar="HOST:PORT", default=None, help="use a running decode node (tinyhet node --role decode)")
   ap.add_argument("--no-disagg", action="store_true", help="one device (HET) does prefill and decode, for comparison")
   ap.add_argument("--kv-memory", default="512M", help="KV pool of the decode node started here (default 512M)")
+  ap.add_argument("--float-weights", action="store_true", help="dequantize a GGUF's weights to float32 on both nodes (default: "
+                  "keep the quantized blocks, dequantized inside the matmul kernels)")
   ap.add_argument("--raw", action="store_true", help="no chat template: complete the prompt as plain text")
   ap.add_argument("--json", action="store_true", help="print one JSON object instead of the text and the table")
   ap.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -35,7 +37,8 @@ class LocalDecodeNode:
   """`tinyhet node --role decode` as a child process, sharing a fresh token with this process."""
   def __init__(self, args):
     cmd = [sys.executable, "-m", "tinyhet", "node", "--role", "decode", "--listen", "127.0.0.1:0", "--kv-memory", args.kv_memory,
-           "--stdin-stop"] + (["--model", args.model] if args.model else []) + (["--quiet"] if args.quiet else [])
+           "--stdin-stop"] + (["--model", args.model] if args.model else []) + (["--quiet"] if args.quiet else []) + \
+          (["--float-weights"] if args.float_weights else [])
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env={**os.environ, "TINYHET_NODE": "decode-local"})
     self.ready, self.info, self.errors = threading.Event(), None, []
@@ -81,7 +84,7 @@ def generate(args, child) -> int:
   node = local_node()
   backend = resolve_backend(node.config.het_backend)
   say(args, f"loading {model_name(args.model)} onto HET ({backend})")
-  model, tok = load_model(args.model, device="HET", quiet=args.quiet)
+  model, tok = load_model(args.model, device="HET", quiet=args.quiet, packed=not args.float_weights)
   prompt_ids = tok.encode_prompt(args.prompt, raw=args.raw)
   stream = tok.stream_decoder()
   def on_token(t: int):

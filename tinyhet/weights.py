@@ -260,3 +260,13 @@ def load_model(path: str | pathlib.Path | None = None, device: str | None = None
     return Llama(cfg, w, device), Tokenizer.from_hf_dir(path)
   cfg, w, metadata = load_gguf(path, device, n_layers, max_context, quiet, packed)
   return Llama(cfg, w, device), Tokenizer.from_gguf_metadata(metadata)
+
+def model_name(path) -> str:
+  """A short name for a model path: the file or directory name (the embedded model's file name when path is None)."""
+  return (embedded_model_path() if path is None else pathlib.Path(path)).name
+
+def model_nbytes(path, packed: bool = False) -> int:
+  """Bytes the model's weights take once loaded, from the file's header alone: float32, or the file's own size when packed."""
+  path = embedded_model_path() if path is None else pathlib.Path(path)
+  if path.is_dir(): return hf_config(path).n_params() * 4
+  return path.stat().st_size if packed else gguf_config(read_gguf(path)).n_params() * 4
