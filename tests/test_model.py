@@ -235,8 +235,8 @@ def test_70b_runner_smoke():
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     assert runner.main(["--random-weights", "--preset", "Llama-3-8B", "--layers", "1", "--prompt-tokens", "8", "--decode-tokens", "2",
-                        "--context", "4096", "--batch", "4", "--json"]) == 0
+                        "--context", "4096", "--batch", "4", "--json", "--single-device"]) == 0
   text = out.getvalue()
   report = json.loads(text.strip().splitlines()[-1])
   assert report["kv_bytes_per_token_all_layers"] == 2 * 32 * 8 * 128 * 2 and report["kv_bytes_for_context_and_batch"] == 128 * 1024 * 4096 * 4
-  assert len(report["tokens"]) == 3 and len(report["decode_step_s"]) == 2 and "prefill runs on CPU, decode on CPU" in text
+  assert len(report["tokens"]) == 3 and len(report["decode_step_s"]) == 2 and "prefill runs on HET, decode on HET" in text
