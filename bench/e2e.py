@@ -28,10 +28,6 @@ def memcpy_gbps(nbytes: int = 256 << 20) -> float:
     best = max(best, nbytes / (time.perf_counter() - st) / 1e9)
   return best
 
-def weights_nbytes(model) -> int:
-  """Bytes of weights one decode step reads, as they are stored (packed quantized blocks or float)."""
-  return sum(t.nbytes() if hasattr(t, "nbytes") and callable(t.nbytes) else t.nbytes for t in model.w.tensors())
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="tinyhet bench e2e", description=__doc__.splitlines()[0])
   ap.add_argument("--json", action="store_true")
@@ -59,10 +55,10 @@ def measure(args, lens, new, child):
   from tinyhet.prefill import DecodeClient
   from tinyhet.weights import load_model, model_name
   say = lambda m: print(m, file=sys.stderr, flush=True)
-  model, tok = load_model(args.model, device="HET", quiet=True)
+  model, tok = load_model(args.model, device="HET", quiet=True, packed=True)
   client = DecodeClient(local_node(), child.address(), model, model_name(args.model), args.transport)
   bw = memcpy_gbps()
-  w_bytes = weights_nbytes(model)
+  w_bytes = model.w.nbytes()        # what one decode step reads: the weights as stored (packed blocks, or floats)
   kv_per_token = model.cfg.kv_bytes_per_token()
   rows = []
   for n in lens:

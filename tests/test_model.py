@@ -240,3 +240,16 @@ def test_70b_runner_smoke():
   report = json.loads(text.strip().splitlines()[-1])
   assert report["kv_bytes_per_token_all_layers"] == 2 * 32 * 8 * 128 * 2 and report["kv_bytes_for_context_and_batch"] == 128 * 1024 * 4096 * 4
   assert len(report["tokens"]) == 3 and len(report["decode_step_s"]) == 2 and "prefill runs on HET, decode on HET" in text
+
+@pytest.mark.slow
+def test_70b_runner_disaggregated_matches_single_device():
+  """The runner's default path (prefill here, decode in a second process of the script) gives the single-device tokens."""
+  import json, pathlib, subprocess, sys
+  script = pathlib.Path(__file__).parent.parent / "examples" / "llama3_70b.py"
+  common = ["--random-weights", "--preset", "Llama-3-8B", "--layers", "1", "--prompt-tokens", "8", "--decode-tokens", "3", "--context", "512",
+            "--json"]
+  runs = [subprocess.run([sys.executable, str(script), *common, *extra], capture_output=True, text=True, timeout=900)
+          for extra in ([], ["--single-device"])]
+  for r in runs: assert r.returncode == 0, r.stderr[-2000:]
+  disagg, alone = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+  assert disagg["tokens"] == alone["tokens"] and disagg["decode_device"].startswith("MESH") and disagg["hidden_share"] > 0
