@@ -31,7 +31,7 @@ class ConfigError(ValueError):
 class Config:
   node: str = ""                         # this node's name as peers see it; empty = "<hostname>-<pid>"
   het_backend: str = "auto"              # tinygrad backend HET computes on; auto = the first GPU backend that opens, else CPU
-  arena_bytes: int = 1 << 30             # registered memory per device; reserved up front, pages are touched on use
+  arena_bytes: int = 8 << 30             # registered memory per device: address space reserved up front, memory only where touched
   hugepages: bool = True                 # ask for 2 MiB pages (falls back to normal pages and says so)
   transport: str = "auto"                # verbs | tcp | shm | auto (verbs with an RDMA device, shm on this host, tcp otherwise)
   token: str = ""                        # shared secret a peer proves before any byte lands; empty = a random one per node

@@ -68,6 +68,7 @@ class LocalDecodeNode:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  sys.setswitchinterval(1e-3)      # transport threads get the GIL sooner from the busy prefill thread
   # a fresh shared token for the decode node started here (a remote one needs TINYHET_TOKEN set on both nodes)
   if not args.decode_node and not args.no_disagg: os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))
   child = LocalDecodeNode(args) if not (args.decode_node or args.no_disagg) else None
