@@ -35,11 +35,11 @@ class GenerationStats:
   layer_landed_s: list[float] = field(default_factory=list)
   last_logits: list[float] | None = None   # with return_logits: the logits the last token was sampled from
 
-PREFILL_BUCKET = 64
-
 def prefill_bucket(n: int) -> int:
-  """The padded prompt length: tinygrad compiles kernels per shape, so prompts share the kernels of their bucket."""
-  return -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
+  """The padded prompt length: tinygrad compiles kernels per shape, so prompts share the kernels of their bucket. Buckets
+  grow with the length (steps of 16 tokens up to 255, then 1/8 to 1/16 of the length), so padding costs at most ~12%."""
+  step = max(16, 1 << max(0, n.bit_length() - 4))
+  return -(-n // step) * step
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
   """Length of the union of [start, end) intervals: how long at least one transfer was in flight."""
