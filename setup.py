@@ -22,10 +22,12 @@ setup(
     "jinja2",
   ],
   extras_require={
-    # pyverbs must come from the same rdma-core as the system's libibverbs (../shared/PYVERBS.md). The PyPI sdist builds
+    # pyverbs must come from the same rdma-core as the system's libibverbs. The PyPI sdist builds
     # rdma-core 59 and fails to import against older system libraries (Debian 12 ships 44); there, `make setup` links
     # Debian's python3-pyverbs into the virtual environment instead.
     "rdma": ["pyverbs"],
+    # the PyTorch float32 baseline of `tinyhet bench decode` (the CPU wheel; an unpinned torch pulls a multi-GB CUDA build)
+    "bench": ["torch==2.13.0"],
     "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf"],  # gguf: tests write GGUF files as llama.cpp does
   },
   entry_points={"console_scripts": ["tinyhet=tinyhet.cli:main"]},

@@ -10,7 +10,7 @@ tinyhet/__init__.py registers these classes with tinygrad (as modules tinygrad.r
 tinygrad is changed.
 """
 from __future__ import annotations
-import threading
+import sys, threading
 from tinygrad.device import Allocator, BufferSpec, Compiled, Device
 from tinygrad.renderer import Renderer
 from tinygrad.runtime.ops_cpu import CPUAllocator, CPUDevice
@@ -70,6 +70,7 @@ def arena_allocator(base: Allocator, arena_bytes: int) -> Allocator:
         if self.arena_buf is None:
           self.arena_buf = super()._alloc(self.arena_bytes, BufferSpec())
           self.spans = SpanAllocator(self.arena_bytes, f"arena {self.dev.device!r}")
+          self.rdma_registration = register_gpu_arena(self)
         offset = self.spans.alloc(size, GPU_ALIGN)
       buf = self._offset(self.arena_buf, size, offset)
       self.arena_offsets[id(buf)] = (offset, buf)
@@ -88,6 +89,18 @@ def arena_allocator(base: Allocator, arena_bytes: int) -> Allocator:
   alloc.__dict__.update(base.__dict__)
   alloc.arena_bytes, alloc.arena_buf, alloc.spans, alloc.arena_offsets, alloc.arena_lock = arena_bytes, None, None, {}, threading.Lock()
   return alloc
+
+def register_gpu_arena(alloc):
+  """On a node with an RDMA device, register HET's GPU arena once for GPUDirect RDMA (dma-buf, else nvidia-peermem).
+  Returns the registration, or None without RDMA or for a backend other than CUDA. The transports do not yet write from
+  GPU memory: a prefill node copies each packed layer into registered host memory first (tinyhet.prefill)."""
+  from tinyhet.runtime.transport import available_transports, TransportUnavailable
+  if available_transports().get("verbs") is not None or not hasattr(alloc.dev, "context") or not hasattr(alloc.arena_buf, "value"): return None
+  from tinyhet.runtime import verbs
+  try: return verbs.register_gpu_memory(local_node().endpoint.verbs, alloc.arena_buf.value, alloc.arena_bytes, alloc.dev.context, owner=alloc)
+  except TransportUnavailable as e:
+    print(f"tinyhet: HET's GPU memory is not registered for RDMA ({e}); KV leaves through host memory", file=sys.stderr)
+    return None
 
 def resolve_backend(wanted: str) -> str:
   """HET's backend: the configured one, or for auto the first GPU backend that opens, else CPU."""
@@ -165,9 +178,12 @@ class MeshDevice:
     suffix = device.split(":", 1)[1] if ":" in device else ""
     return MeshCPUDevice(device) if suffix == "" or suffix.isdigit() else RemoteMemoryDevice(device)
 
+class NotRegistered(RuntimeError):
+  """A buffer that is not in registered host memory (a GPU buffer without GPUDirect registration, a plain CPU buffer)."""
+
 def region_of(buf) -> tuple[Region, int]:
-  """The registered region behind a realized tinygrad Buffer of HET or MESH, and the buffer's offset in it."""
+  """The registered region behind a realized tinygrad Buffer of HET (on a CPU) or MESH, and the buffer's offset in it."""
   hb = buf.base._buf if buf._base is not None else buf._buf
   if not isinstance(hb, HCQBuffer) or not isinstance(hb.meta, Region):
-    raise RuntimeError(f"a buffer on {buf.device} does not live in registered memory; use tinyhet.register() to move it there")
+    raise NotRegistered(f"a buffer on {buf.device} does not live in registered host memory; use tinyhet.register() to move it there")
   return hb.meta, (buf.offset if buf._base is not None else 0)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
 from tinyhet.decode_node import notice_value
-from tinyhet.devices import region_of
+from tinyhet.devices import NotRegistered, region_of
 from tinyhet.kernels.kv_pack import pack_kv
 from tinyhet.memory import LocalNode
 from tinyhet.model import Llama
@@ -79,7 +79,10 @@ class DecodeClient:
       # (blocks, 2, KVH, block_size*D): the pool's bytes. Rows past the prompt (pads) only reach the slack of the last block,
       # which the decode node masks until its own tokens overwrite it.
       packed = pack_kv(k, v, block_size, self.kv_dtype).contiguous().realize()
-      region, offset = region_of(packed.uop.buffer)
+      try: region, offset = region_of(packed.uop.buffer)
+      except NotRegistered:      # HET on a GPU: one copy into registered host memory (GPUDirect writes from GPU memory: not built yet)
+        packed = packed.to("MESH").realize()
+        region, offset = region_of(packed.uop.buffer)
       spans = [Span(region, offset + i * block_bytes, pools[layer], b * block_bytes, block_bytes) for i, b in enumerate(blocks)]
       transfers.append(self.node.endpoint.write(self.peer, spans, notify=notice_value(seq_id, layer)))
       keep.append(packed)
