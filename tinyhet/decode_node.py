@@ -101,17 +101,19 @@ class DecodeNode:
     return self._stream(seq, t_ready, done)
 
   def _stream(self, seq: Sequence, t_ready: float, done: bool):
-    n = 0
+    marks: list[float] = []
     while not done:
       tok = seq.extra["queue"].get()
       if isinstance(tok, Exception): raise tok
       if tok is None: break
-      n += 1
+      marks.append(time.perf_counter())
       yield {"token": tok}
-    secs = time.perf_counter() - t_ready
     last = seq.extra.get("last_logits")
-    yield {"done": True, "decode_tokens": n, "decode_s": secs, "decode_tok_s": n / secs if n and secs > 0 else 0.0,
-           "preemptions": seq.num_preemptions, **({"logits": last.tolist()} if last is not None else {})}
+    # tokens/s between the first and the last decoded token: the rate of the running batch, not the wait for a free step
+    rate = (len(marks) - 1) / (marks[-1] - marks[0]) if len(marks) > 1 and marks[-1] > marks[0] else 0.0
+    yield {"done": True, "decode_tokens": len(marks), "decode_s": time.perf_counter() - t_ready, "decode_tok_s": rate,
+           "first_token_wait_s": marks[0] - t_ready if marks else 0.0, "preemptions": seq.num_preemptions,
+           **({"logits": last.tolist()} if last is not None else {})}
 
   def _serve_release(self, conn, seq_id: int) -> dict:
     seq = conn.__dict__.get("seqs", {}).pop(seq_id, None)
