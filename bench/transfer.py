@@ -6,7 +6,7 @@ Every transport run writes `total` bytes in blocks scattered over a remote regio
 remote bytes by checksum.
 """
 from __future__ import annotations
-import argparse, hashlib, json, multiprocessing, socket, statistics, sys, time
+import argparse, hashlib, json, multiprocessing, os, socket, statistics, sys, time
 import numpy as np
 
 BLOCKS = (64 << 10, 1 << 20, 16 << 20)
@@ -22,6 +22,15 @@ def memcpy_gbps(block: int, total: int, src: np.ndarray, dst: np.ndarray) -> flo
     dst[j * block:(j + 1) * block] = src[j * block:(j + 1) * block]
   return total / (time.perf_counter() - st) / 1e9
 
+ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+def pin(cpu: int | None):
+  """Pin the calling thread (and the threads it starts later) to one CPU, or back to all with None. Latency is measured
+  with the writer on one CPU and the receiver on another, for the baseline and the transports alike: left to the
+  scheduler, two processes on 2 cores sometimes share one (a 4 KiB round trip ~13 µs here) and sometimes not (~50 µs),
+  which would make one run's figures incomparable. Throughput runs unpinned, using the cores as a real node would."""
+  if len(ALL_CPUS) >= 2: os.sched_setaffinity(0, set(ALL_CPUS) if cpu is None else {ALL_CPUS[cpu]})
+
 def _raw_socket_server(port_queue, block: int, total: int, rounds: int):
   srv = socket.create_server(("127.0.0.1", 0))
   port_queue.put(srv.getsockname()[1])
@@ -34,6 +43,9 @@ def _raw_socket_server(port_queue, block: int, total: int, rounds: int):
     if k == 0: return
     got += k
   conn.sendall(b"k")
+  pin(1)
+  conn, _ = srv.accept()      # the round trips on a fresh connection: a connection that just streamed a GiB answers slower
+  conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
   small = memoryview(bytearray(4096))
   for _ in range(rounds):
     got = 0
@@ -46,13 +58,18 @@ def raw_socket(block: int, total: int) -> tuple[float, float]:
   q = ctx.Queue()
   p = ctx.Process(target=_raw_socket_server, args=(q, block, total, LATENCY_ROUNDS), daemon=True)
   p.start()
-  sock = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
+  port = q.get(timeout=30)
+  sock = socket.create_connection(("127.0.0.1", port))
   sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
   data = memoryview(bytearray(np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8).tobytes()))
   st = time.perf_counter()
   for _ in range(total // block): sock.sendall(data)
   sock.recv(1)
   gbps = total / (time.perf_counter() - st) / 1e9
+  sock.close()
+  pin(0)
+  sock = socket.create_connection(("127.0.0.1", port))
+  sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
   rtts, small = [], data[:4096]
   for _ in range(LATENCY_ROUNDS):
     t0 = time.perf_counter()
@@ -60,10 +77,11 @@ def raw_socket(block: int, total: int) -> tuple[float, float]:
     sock.recv(1)
     rtts.append(time.perf_counter() - t0)
   sock.close()
+  pin(None)
   p.join(10)
   return gbps, statistics.median(rtts) * 1e6
 
-def run_transport(transport: str, block: int, total: int, region_bytes: int, node, ep, src) -> dict:
+def run_transport(transport: str, block: int, total: int, region_bytes: int, node, lat_node, ep, src) -> dict:
   from tinyhet.runtime.transport import Span
   from tinyhet.runtime.descriptor import RegionDescriptor
   exposed = node.ask(cmd="expose", nbytes=region_bytes)
@@ -88,14 +106,19 @@ def run_transport(transport: str, block: int, total: int, region_bytes: int, nod
   gbps = total / write_all(spans) / 1e9
   if node.ask(cmd="sha", region=exposed["region"])["sha"] != hashlib.sha256(src.view(0, region_bytes)).hexdigest():
     raise RuntimeError(f"{transport}: the remote bytes differ from what was written ({block}-byte blocks)")
+  peer.close()
+  # latency on a fresh connection to a receiver pinned to the other CPU, this thread (and the link's) pinned to the first
+  pin(0)
+  peer = ep.connect(lat_node.address, transport)
+  small_desc = RegionDescriptor.from_hex(lat_node.ask(cmd="expose", nbytes=4096)["desc"])
   lat = []
-  small_desc = desc.narrow(0, 4096)
   for i in range(LATENCY_ROUNDS):
     t0 = time.perf_counter()
     ep.write(peer, [Span(src, 0, small_desc, 0, 4096)], notify=i).wait(10)
     lat.append(time.perf_counter() - t0)
-  node.ask(cmd="notices", count=LATENCY_ROUNDS, timeout=30)
+  lat_node.ask(cmd="notices", count=LATENCY_ROUNDS, timeout=30)
   peer.close()
+  pin(None)
   return {"gbps": gbps, "write_latency_us": statistics.median(lat) * 1e6}
 
 def main(argv=None) -> int:
@@ -124,6 +147,7 @@ def main(argv=None) -> int:
   del dst_np
 
   node = MemoryNodeProcess(arena_bytes=region_bytes * len(BLOCKS) * len(transports) + (64 << 20))
+  lat_node = MemoryNodeProcess(arena_bytes=64 << 20, cpu=1, token=node.token)
   ep = Endpoint("bench-writer", token=node.token, config=load_config(env={}))
   arena = Arena(region_bytes, "bench-src", hugepages=True)
   src = arena.alloc(region_bytes)
@@ -133,7 +157,7 @@ def main(argv=None) -> int:
     for t in transports:
       for b in BLOCKS:
         progress(f"{t}: {total >> 20} MiB in {b >> 10} KiB blocks", quiet)
-        r = run_transport(t, b, total, region_bytes, node, ep, src)
+        r = run_transport(t, b, total, region_bytes, node, lat_node, ep, src)
         base = baselines[b]["memcpy_gbps"] if t == "shm" else baselines[b]["socket_gbps"]
         results.append({"transport": t, "block_bytes": b, "gbps": round(r["gbps"], 3), "ratio_to_baseline": round(r["gbps"] / base, 3),
                         "write_latency_us": round(r["write_latency_us"], 1), "baseline": "memcpy" if t == "shm" else "socket",
@@ -141,6 +165,7 @@ def main(argv=None) -> int:
   finally:
     ep.close()
     node.close()
+    lat_node.close()
   one_mib = baselines[1 << 20]
   out = {"baselines": {"memcpy_gbps": round(one_mib["memcpy_gbps"], 3), "socket_gbps": round(one_mib["socket_gbps"], 3),
                        "socket_rtt_us": round(statistics.median(b["rtt_us"] for b in baselines.values()), 1),
@@ -164,11 +189,12 @@ def _size(n: int) -> str: return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 1
 
 class MemoryNodeProcess:
   """tinyhet.runtime.memory_node in a child process: the receiving end."""
-  def __init__(self, arena_bytes: int):
+  def __init__(self, arena_bytes: int, cpu: int | None = None, token: str | None = None):
     import secrets, subprocess
-    self.token = secrets.token_hex(16)
+    self.token = token or secrets.token_hex(16)
     self.proc = subprocess.Popen([sys.executable, "-m", "tinyhet.runtime.memory_node", "--name", "bench-receiver", "--token", self.token,
-                                  "--arena-bytes", str(arena_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                                  "--arena-bytes", str(arena_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                 preexec_fn=None if cpu is None else (lambda: pin(cpu)))
     info = json.loads(self.proc.stdout.readline())
     self.address = info["address"]
 

@@ -20,13 +20,6 @@ MAX_FRAME_BYTES = 8 << 20
 INLINE_BYTES = 256 << 10     # batches up to this size are sent by the caller's thread (lowest latency); larger ones by stream threads
 MAX_OPEN_BATCHES = 4096      # a session with more uncommitted batches than this is dropped
 MAX_ERROR_TEXT = 4096
-SOCKET_BUFFER = 4 << 20
-
-def _tune(sock: socket.socket):
-  for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-    try: sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-    except OSError: pass
-
 def _error_frame(batch: int, message: str) -> list:
   text = message.encode()[:MAX_ERROR_TEXT]
   return [Frame(ERROR, batch=batch, nbytes=len(text)).pack(), text]
@@ -61,7 +54,6 @@ class Stream:
     self.link, self.sock, self.index = link, sock, index
     self.send_lock = threading.Lock()
     self.queue: queue.SimpleQueue = queue.SimpleQueue()
-    _tune(sock)
     self.sender = threading.Thread(target=self._send_loop, name=f"tinyhet-tcp-send-{link.peer}-{index}", daemon=True)
     self.reader = threading.Thread(target=self._read_loop, name=f"tinyhet-tcp-recv-{link.peer}-{index}", daemon=True)
     self.sender.start()
@@ -242,7 +234,6 @@ def serve(ep, sock: socket.socket, auth: dict):
   with ep.lock: session = ep.tcp_sessions.setdefault(key, Session(ep, auth["node"], streams))
   send_lock = threading.Lock()
   with session.lock: session.socks[sock] = send_lock
-  _tune(sock)
   ep.server_ok(sock, auth)
   header = bytearray(wire.HEADER.size)
   try:

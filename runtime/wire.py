@@ -60,7 +60,7 @@ def recv_into_views(sock: socket.socket, views: list[memoryview]):
   """Fill several buffers from sock in as few syscalls as the kernel allows (scatter receive, no staging copy)."""
   views = [v for v in views if len(v)]
   while views:
-    k = sock.recvmsg_into(views[:IOV_MAX])[0]
+    k = sock.recvmsg_into(views[:IOV_MAX], 0, socket.MSG_WAITALL)[0]   # one wakeup when all has arrived, not one per segment
     if k == 0: raise ConnectionError(f"peer closed the connection with {sum(len(v) for v in views)} bytes outstanding")
     while views and k >= len(views[0]):
       k -= len(views[0])
