@@ -71,23 +71,29 @@ class Link:
         self.broken = self.broken or f"connection to {self.peer} lost: {e}"
         self.lock.notify_all()
 
-  def _resolve(self, p: Piece) -> int:
-    """Our address of the piece's remote bytes."""
-    addr = p.addr + p.region_offset
+  def _resolve(self, pieces: list[Piece]) -> list[int]:
+    """Our addresses of the pieces' remote bytes (the mapping that held the last piece is tried first)."""
+    out, hit = [], None
     deadline = time.monotonic() + ARENA_WAIT
     with self.lock:
-      while True:
-        for base, m in self.maps.values():
-          if base <= addr and addr + p.nbytes <= base + m.size: return m.addr + (addr - base)
-        if self.broken: raise TransportError(f"connection to {self.peer} is broken: {self.broken}")
-        if (left := deadline - time.monotonic()) <= 0 or not self.lock.wait(left):
-          raise TransportError(f"{self.peer}: no shared arena holds [{addr:#x}, {addr + p.nbytes:#x}): the descriptor does not match its memory")
+      for p in pieces:
+        addr = p.addr + p.region_offset
+        while hit is None or not (hit[0] <= addr and addr + p.nbytes <= hit[0] + hit[1].size):
+          hit = next(((base, m) for base, m in self.maps.values() if base <= addr and addr + p.nbytes <= base + m.size), None)
+          if hit is not None: break
+          if self.broken: raise TransportError(f"connection to {self.peer} is broken: {self.broken}")
+          if (left := deadline - time.monotonic()) <= 0 or not self.lock.wait(left):
+            raise TransportError(f"{self.peer}: no shared arena holds [{addr:#x}, {addr + p.nbytes:#x}): the descriptor does not match its memory")
+        out.append(hit[1].addr + (addr - hit[0]))
+    return out
 
   def _run(self, t: Transfer, pieces: list[Piece], to_remote: bool, notify: int | None):
     try:
-      for p in pieces:
-        remote, local = self._resolve(p), p.arena.base + p.start
-        ctypes.memmove(remote, local, p.nbytes) if to_remote else ctypes.memmove(local, remote, p.nbytes)
+      memmove = ctypes.memmove
+      for p, remote in zip(pieces, self._resolve(pieces)):
+        local = p.arena.base + p.start
+        if to_remote: memmove(remote, local, p.nbytes)
+        else: memmove(local, remote, p.nbytes)
       if notify is not None:
         with self.send_lock: self.sock.sendall(Frame(COMMIT, flags=NOTIFY, value=notify, batch=t.batch, nbytes=t.nbytes).pack())
       t.finish()
