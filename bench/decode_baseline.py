@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(best round shown), device {args.device}")
   print(f"{'':34}{'weights':>9}{'load':>8}{'prefill 1st':>12}{'prefill':>9}{'decode':>12}{'vs torch':>9}{'same tokens':>12}")
   for name, r in res.items():
-    print(f"{name:38}{r['weight_bytes'] / 1e6:>6.0f} MB{r.get('load_s', math.nan):>7.2f}s{r['prefill_first_s']:>11.3f}s{r['prefill_s']:>8.3f}s"
+    load = f"{r['load_s']:>7.2f}s" if "load_s" in r else f"{'-':>8}"     # torch takes the loaded weights: no load of its own
+    print(f"{name:38}{r['weight_bytes'] / 1e6:>6.0f} MB{load}{r['prefill_first_s']:>11.3f}s{r['prefill_s']:>8.3f}s"
           f"{r['decode_tok_s']:>7.1f} tok/s{r.get('decode_vs_torch', math.nan):>8.2f}x"
           f"{r.get('greedy_tokens_as_torch', 0):>7}/{len(r['tokens'])}")
   return 0
