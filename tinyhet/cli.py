@@ -1,5 +1,5 @@
 """`tinyhet` command line: each subcommand lives in its own module and parses its own arguments."""
-import importlib, sys
+import importlib, os, sys
 
 # name -> (module with main(argv), one-line help). Modules are imported only when their command runs: tinygrad is slow to import.
 COMMANDS = {
@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tinyhet: unknown command {argv[0]!r}\n\n{usage()}", end="", file=sys.stderr)
     return 2
   module = importlib.import_module(COMMANDS[argv[0]][0])
-  return module.main(argv[1:]) or 0
+  try: return module.main(argv[1:]) or 0
+  except Exception as e:
+    # tinyhet's own errors say what is wrong and how to fix it: one line, not a traceback (TINYHET_DEBUG=1 shows it)
+    if not type(e).__module__.startswith("tinyhet") or os.environ.get("TINYHET_DEBUG"): raise
+    print(f"tinyhet {argv[0]}: {e}", file=sys.stderr)
+    return 1
 
 if __name__ == "__main__": sys.exit(main())

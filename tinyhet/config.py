@@ -72,7 +72,10 @@ def parse_peers(text: str | dict, what: str) -> dict[str, str]:
   return peers
 
 def validate(cfg: Config, source: str):
-  def bad(name, msg): raise ConfigError(f"{source}: {name} = {getattr(cfg, name)!r} {msg}")
+  def bad(name, msg):
+    err = ConfigError(f"{source}: {name} = {getattr(cfg, name)!r} {msg}")
+    err.key = name
+    raise err
   if cfg.node and (len(cfg.node.encode()) > 200 or ":" in cfg.node or any(c.isspace() for c in cfg.node)):
     bad("node", "must be at most 200 bytes, without ':' or spaces")
   if cfg.het_backend.upper() not in [b.upper() for b in HET_BACKENDS]: bad("het_backend", f"is not one of {', '.join(HET_BACKENDS)}")
@@ -120,6 +123,7 @@ def load_config(path: str | pathlib.Path | None = None, env: dict[str, str] | No
   """Defaults < file < environment < keyword overrides. Raises ConfigError naming the bad key and its source."""
   env = os.environ if env is None else env
   values: dict = {}
+  sources: dict[str, str] = {}
   path = pathlib.Path(path) if path is not None else config_path(env)
   if path is not None:
     try: data = tomllib.loads(path.read_text())
@@ -127,13 +131,17 @@ def load_config(path: str | pathlib.Path | None = None, env: dict[str, str] | No
     for key, value in data.items():
       if key not in _PARSERS: raise ConfigError(f"config file {path}: unknown key {key!r} (known: {', '.join(_PARSERS)})")
       values[key] = _PARSERS[key][1](value, f"config file {path}: {key}")
+      sources[key] = f"config file {path}"
   for key, (var, parse) in _PARSERS.items():
-    if var in env: values[key] = parse(env[var], var)
+    if var in env: values[key], sources[key] = parse(env[var], var), f"environment variable {var}"
   for key, value in overrides.items():
     if key not in _PARSERS: raise ConfigError(f"unknown option {key!r} (known: {', '.join(_PARSERS)})")
-    if value is not None: values[key] = value
+    if value is not None: values[key], sources[key] = value, "argument"
   try: return Config(**values)
   except TypeError as e: raise ConfigError(str(e)) from None
+  except ConfigError as e:          # name where the bad value came from (a file, an environment variable)
+    if getattr(e, "key", None) in sources: raise ConfigError(f"{sources[e.key]}: {str(e).split(': ', 1)[1]}") from None
+    raise
 
 def describe(cfg: Config) -> list[tuple[str, str]]:
   """(option, value) rows for `tinyhet info`; the token is never shown."""
