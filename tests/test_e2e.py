@@ -138,3 +138,20 @@ def test_smollm2_run_disaggregated_and_single_device():
   assert "Paris" in disagg["text"], disagg["text"]
   assert disagg["transport"] == "shm" and disagg["kv_bytes"] > 0 and 0 <= disagg["hidden_share"] <= 1
   assert set(disagg) >= {"prompt_ids", "generated_ids", "text", "ttft_s", "kv_bytes", "transfer_gbps", "hidden_share", "decode_tok_s", "transport"}
+
+@pytest.mark.slow
+def test_run_against_a_separately_started_decode_node_over_tcp():
+  """The two-machine recipe on one host: `tinyhet node --role decode`, then `tinyhet run --decode-node ... --transport tcp`."""
+  env = {**os.environ, "TINYHET_TOKEN": "two-commands"}
+  node = subprocess.Popen([sys.executable, "-m", "tinyhet", "node", "--role", "decode", "--listen", "127.0.0.1:0", "--kv-memory", "256M",
+                           "--stdin-stop", "--quiet"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+  try:
+    info = json.loads(node.stdout.readline())
+    out = subprocess.run([sys.executable, "-m", "tinyhet", "run", SMOLLM2_PROMPT, "--decode-node", info["address"], "--transport", "tcp",
+                          "--max-tokens", "12", "--json", "--quiet"], capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["transport"] == "tcp" and "Paris" in r["text"] and r["decode_device"] == f"MESH on {info['node']}"
+  finally:
+    node.stdin.close()
+    node.wait(60)
