@@ -1,5 +1,5 @@
 """The control channel against bad input, with a real node in another process (tinyhet.serve())."""
-import json, os, socket, struct, subprocess, sys
+import os, socket, struct, subprocess, sys
 import pytest
 from tinyhet.config import load_config
 from tinyhet.runtime import wire
