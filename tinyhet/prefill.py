@@ -107,6 +107,9 @@ class DecodeClient:
           stats.decode_tokens, stats.decode_tok_s, stats.preemptions = item["decode_tokens"], item["decode_tok_s"], item["preemptions"]
           stats.last_logits = item.get("logits", logits.numpy()[0].tolist() if return_logits and len(out) == 1 else None)
     except BaseException:
+      for t in transfers:          # the packed layers in `keep` must outlive the writes reading them
+        try: t.wait(30)
+        except Exception: pass
       try: self.ctl.call("decode.release", seq_id=seq_id, reply_timeout=10)
       except Exception: pass
       raise
