@@ -31,3 +31,14 @@ def test_errors_are_one_line_without_traceback(args, env, message):
   out = tinyhet(*args, env={"TINYHET_TOKEN": "x", **env})
   assert out.returncode != 0 and message in out.stderr, out.stderr
   assert "Traceback" not in out.stderr
+
+def test_bench_transfer_quick_json():
+  """The transfer benchmark end to end (it checks the bytes it moved itself), in the JSON shape the README documents."""
+  out = tinyhet("bench", "transfer", "--quick", "--json", "--total", "16M")
+  assert out.returncode == 0, out.stderr
+  r = json.loads(out.stdout)
+  assert r["baselines"]["memcpy_gbps"] > 0 and r["baselines"]["socket_gbps"] > 0
+  got = {(x["transport"], x["block_bytes"]) for x in r["results"]}
+  assert {("shm", 1 << 20), ("tcp", 1 << 20), ("tcp", 64 << 10)} <= got
+  assert all(x["gbps"] > 0 and x["ratio_to_baseline"] > 0 and x["write_latency_us"] > 0 for x in r["results"])
+  assert "verbs" in r["unavailable"] or any(x["transport"] == "verbs" for x in r["results"])
