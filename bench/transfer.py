@@ -146,8 +146,8 @@ def main(argv=None) -> int:
   for b in BLOCKS: baselines[b]["socket_gbps"], baselines[b]["rtt_us"] = raw_socket(b, total)
   del dst_np
 
-  node = MemoryNodeProcess(arena_bytes=region_bytes * len(BLOCKS) * len(transports) + (64 << 20))
-  lat_node = MemoryNodeProcess(arena_bytes=64 << 20, cpu=1, token=node.token)
+  node = memory_node(region_bytes * len(BLOCKS) * len(transports) + (64 << 20))
+  lat_node = memory_node(64 << 20, cpu=1, token=node.token)
   ep = Endpoint("bench-writer", token=node.token, config=load_config(env={}))
   arena = Arena(region_bytes, "bench-src", hugepages=True)
   src = arena.alloc(region_bytes)
@@ -187,26 +187,11 @@ def table(out: dict) -> str:
 
 def _size(n: int) -> str: return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
-class MemoryNodeProcess:
-  """tinyhet.runtime.memory_node in a child process: the receiving end."""
-  def __init__(self, arena_bytes: int, cpu: int | None = None, token: str | None = None):
-    import secrets, subprocess
-    self.token = token or secrets.token_hex(16)
-    self.proc = subprocess.Popen([sys.executable, "-m", "tinyhet.runtime.memory_node", "--name", "bench-receiver", "--token", self.token,
-                                  "--arena-bytes", str(arena_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                 preexec_fn=None if cpu is None else (lambda: pin(cpu)))
-    info = json.loads(self.proc.stdout.readline())
-    self.address = info["address"]
-
-  def ask(self, **req) -> dict:
-    self.proc.stdin.write(json.dumps(req) + "\n")
-    reply = json.loads(self.proc.stdout.readline())
-    if "error" in reply: raise RuntimeError(f"memory node: {reply['error']}")
-    return reply
-
-  def close(self):
-    try: self.ask(cmd="quit")
-    except (OSError, ValueError, RuntimeError): pass
-    self.proc.wait(30)
+def memory_node(arena_bytes: int, cpu: int | None = None, token: str | None = None):
+  """The receiving end: tinyhet.runtime.memory_node in a child process, pinned to cpu if given."""
+  import secrets
+  from tinyhet.runtime.memory_node import MemoryNodeProcess
+  return MemoryNodeProcess(token or secrets.token_hex(16), "bench-receiver", arena_bytes=arena_bytes,
+                           preexec_fn=None if cpu is None else (lambda: pin(cpu)))
 
 if __name__ == "__main__": sys.exit(main())

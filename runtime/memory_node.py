@@ -8,7 +8,7 @@ transport tests and of `tinyhet bench transfer`. It speaks JSON lines on stdin/s
   {"cmd": "notices", "count": K, "timeout": T}            -> {"notices": [[peer, value, nbytes], ...]} or {"error": ...}
   {"cmd": "quit"}
 """
-import argparse, hashlib, json, sys
+import argparse, hashlib, json, subprocess, sys
 from tinyhet.config import load_config
 from tinyhet.runtime.arena import Arena
 from tinyhet.runtime.transport import Endpoint
@@ -52,5 +52,42 @@ def main(argv=None):
     out.write(json.dumps(reply) + "\n")
     out.flush()
   ep.close()
+
+class MemoryNodeProcess:
+  """This module in a child process (optionally in a network namespace, or pinned to one CPU), driven over its stdin."""
+  def __init__(self, token: str, name: str = "memnode", listen: str = "127.0.0.1:0", arena_bytes: int = 64 << 20,
+               netns: str | None = None, preexec_fn=None):
+    cmd = [sys.executable, "-m", "tinyhet.runtime.memory_node", "--name", name, "--token", token, "--listen", listen,
+           "--arena-bytes", str(arena_bytes)]
+    if netns: cmd = ["ip", "netns", "exec", netns, *cmd]
+    self.token = token
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, preexec_fn=preexec_fn)
+    line = self.proc.stdout.readline()
+    if not line: raise RuntimeError(f"memory node did not start (exit {self.proc.wait()})")
+    info = json.loads(line)
+    self.address, self.node, self.pid = info["address"], info["node"], info["pid"]
+
+  def ask(self, **req) -> dict:
+    self.proc.stdin.write(json.dumps(req) + "\n")
+    reply = json.loads(self.proc.stdout.readline())
+    if "error" in reply: raise RuntimeError(f"memory node: {reply['error']}")
+    return reply
+
+  def expose(self, nbytes: int):
+    from tinyhet.runtime.descriptor import RegionDescriptor
+    r = self.ask(cmd="expose", nbytes=nbytes)
+    return RegionDescriptor.from_hex(r["desc"]), r["region"]
+
+  def sha(self, region: int, offset: int = 0, nbytes: int | None = None) -> str:
+    return self.ask(cmd="sha", region=region, offset=offset, nbytes=nbytes)["sha"]
+
+  def close(self):
+    if self.proc.poll() is None:
+      try: self.ask(cmd="quit")
+      except (OSError, ValueError, RuntimeError): pass
+      try: self.proc.wait(10)
+      except subprocess.TimeoutExpired: self.proc.kill()
+    self.proc.stdin.close()
+    self.proc.stdout.close()
 
 if __name__ == "__main__": main()
