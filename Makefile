@@ -28,10 +28,12 @@ system:
 	         "'sudo dnf install clang' or 'brew install llvm'), then run make again."; exit 1; \
 	  fi; \
 	fi
-	@if [ ! -d /usr/lib/python3/dist-packages/pyverbs ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-	    && apt-cache show python3-pyverbs >/dev/null 2>&1; then \
-	  echo "tinyhet: installing Debian's python3-pyverbs for the verbs (RDMA) transport"; \
-	  $(APT) install -y python3-pyverbs rdma-core ibverbs-providers >/dev/null 2>&1 || echo "tinyhet: python3-pyverbs not installed; verbs stays unavailable"; \
+	@if [ ! -d /usr/lib/python3/dist-packages/pyverbs ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-cache show python3-pyverbs >/dev/null 2>&1 || $(APT) update >/dev/null 2>&1; \
+	  if apt-cache show python3-pyverbs >/dev/null 2>&1; then \
+	    echo "tinyhet: installing Debian's python3-pyverbs for the verbs (RDMA) transport"; \
+	    $(APT) install -y python3-pyverbs rdma-core ibverbs-providers >/dev/null 2>&1 || echo "tinyhet: python3-pyverbs not installed; verbs stays unavailable"; \
+	  fi; \
 	fi
 
 $(VENV)/.installed: setup.py pyproject.toml | system
