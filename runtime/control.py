@@ -72,16 +72,8 @@ class ControlClient:
   """Calls a node's control handlers. One request at a time per client; open several for concurrency."""
   def __init__(self, ep, address: str):
     self.ep, self.address, self.lock = ep, address, threading.Lock()
-    sock = ep.dial(address)
-    try:
-      hello = wire.recv_json(sock)
-      ep._check_hello(hello, address)
-      ep.client_auth(sock, hello, "ctl")
-      sock.settimeout(None)
-    except BaseException:
-      sock.close()
-      raise
-    self.sock, self.peer = sock, hello["node"]
+    self.sock, hello = ep.open_session(address, "ctl")
+    self.peer = hello["node"]
 
   def call(self, op: str, reply_timeout: float | None = 600, **args) -> dict:
     """One request and its reply; args go to the handler (a handler's own `timeout` argument included)."""

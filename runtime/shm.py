@@ -31,9 +31,7 @@ class Link:
     try:
       sock.settimeout(10)
       sock.connect(hello["unix"])
-      h = wire.recv_json(sock)
-      ep._check_hello(h, address)
-      ep.client_auth(sock, h, "shm")
+      ep.client_auth(sock, ep.recv_hello(sock, address), "shm")
       sock.settimeout(None)
     except OSError as e:
       sock.close()

@@ -91,18 +91,13 @@ class Link:
   def connect(ep, address: str, sock: socket.socket, hello: dict) -> Link:
     session, n = secrets.token_hex(8), ep.cfg.tcp_streams
     ep.client_auth(sock, hello, "tcp", session=session, stream=0, streams=n)
+    sock.settimeout(None)
     socks = [sock]
     try:
-      for k in range(1, n):
-        s = ep.dial(address)
-        socks.append(s)
-        h = wire.recv_json(s)
-        ep._check_hello(h, address)
-        ep.client_auth(s, h, "tcp", session=session, stream=k, streams=n)
+      for k in range(1, n): socks.append(ep.open_session(address, "tcp", session=session, stream=k, streams=n)[0])
     except BaseException:
       for s in socks[1:]: s.close()
       raise
-    for s in socks: s.settimeout(None)
     return Link(hello["node"], socks)
 
   def __init__(self, peer: str, socks: list[socket.socket]):

@@ -223,8 +223,7 @@ class Endpoint:
     if wanted not in TRANSPORTS: raise TransportUnavailable(f"unknown transport {wanted!r} (choose one of {', '.join(TRANSPORTS)})")
     sock = self.dial(address, timeout)
     try:
-      hello = wire.recv_json(sock)
-      self._check_hello(hello, address)
+      hello = self.recv_hello(sock, address)
       chosen = self._choose(wanted, hello, address)
       link = transport_module(chosen).Link.connect(self, address, sock, hello)
     except BaseException:
@@ -242,9 +241,24 @@ class Endpoint:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
-  def _check_hello(self, hello: dict, address: str):
+  def recv_hello(self, sock: socket.socket, address: str) -> dict:
+    """The server's first message, checked: its node name, nonce, host and transports."""
+    hello = wire.recv_json(sock)
     if hello.get("tinyhet") != wire.PROTOCOL or not isinstance(hello.get("node"), str) or not isinstance(hello.get("nonce"), str):
       raise TransportError(f"{address} is not a tinyhet node speaking protocol {wire.PROTOCOL} (got {str(hello)[:100]!r})")
+    return hello
+
+  def open_session(self, address: str, transport: str, **extra) -> tuple[socket.socket, dict]:
+    """A new authenticated connection for one transport (an extra tcp stream, a control channel): (socket, server hello)."""
+    sock = self.dial(address)
+    try:
+      hello = self.recv_hello(sock, address)
+      self.client_auth(sock, hello, transport, **extra)
+      sock.settimeout(None)
+    except BaseException:
+      sock.close()
+      raise
+    return sock, hello
 
   def _choose(self, wanted: str, hello: dict, address: str) -> str:
     theirs, same_host = set(hello.get("transports") or []), hello.get("host") == self.host and bool(hello.get("unix"))

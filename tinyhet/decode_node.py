@@ -65,7 +65,7 @@ class DecodeNode:
     if len(prompt_ids) + max_new_tokens > self.model.cfg.max_context:
       raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's context ({self.model.cfg.max_context})")
     seq = Sequence(next(self.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
-    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn)
+    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event())
     deadline = time.monotonic() + timeout
     with self.cond:
       self.scheduler.check_fits(seq)
@@ -143,7 +143,7 @@ class DecodeNode:
       with self.cond:
         if (layers := self.landed.get(seq_id)) is None: continue        # released, or a stale notice
         layers.add(layer)
-        seq = next((s for s in self.scheduler.incoming.values() if s.seq_id == seq_id), None)
+        seq = self.scheduler.incoming.get(seq_id)
       if seq is not None and len(layers) == self.model.cfg.n_layers: seq.extra["layers"].set()
 
   def warm_up(self, batch_sizes=(1,)):

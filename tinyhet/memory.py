@@ -115,15 +115,12 @@ class LocalNode:
   # ---- moving bytes between local memory and a peer
   def write(self, peer: str, src: memoryview, dest: RegionDescriptor, timeout: float = 600):
     """Copy local bytes to a peer's region: zero-copy when src is registered memory, else through a staging region."""
-    with self._local(src, copy_in=True) as region:
+    with _Staged(self, src, copy_in=True) as region:
       self.endpoint.write(self.peer(peer), [Span(region, 0, dest, 0, len(src))]).wait(timeout)
 
   def read(self, peer: str, dest: memoryview, src: RegionDescriptor, timeout: float = 600):
-    with self._local(dest, copy_in=False) as region:
+    with _Staged(self, dest, copy_in=False) as region:
       self.endpoint.read(self.peer(peer), [Span(region, 0, src, 0, len(dest))]).wait(timeout)
-
-  def _local(self, view: memoryview, copy_in: bool):
-    return _Staged(self, view, copy_in)
 
 def address_of(view: memoryview) -> int:
   try: return ctypes.addressof(ctypes.c_char.from_buffer(view))
