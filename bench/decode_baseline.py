@@ -77,10 +77,11 @@ class TinygradEngine:
 
   def prefill(self, prompt: list[int]) -> int:
     from tinygrad import Tensor, dtypes
-    from tinyhet.model import DenseKVCache, one_worker
+    from tinyhet.model import DenseKVCache
+    from tinyhet.cpu_threads import kernel_threads
     self.cache = DenseKVCache(self.model.cfg, 1, self.max_context, getattr(dtypes, self.kv_dtype), self.model.device)
     T = len(prompt)
-    with one_worker():
+    with kernel_threads(self.model.device):
       logits = self.model.forward(Tensor([prompt], dtype=dtypes.int32), Tensor([list(range(T))], dtype=dtypes.int32), self.cache).numpy()
     self.step, self.pos = self.model.make_decode_step(self.cache), T
     return int(logits[0].argmax())

@@ -19,12 +19,21 @@ from tinygrad import Tensor, TinyJit, dtypes
 from tinyhet.devices import region_of
 from tinyhet.kv_cache import PagedKVCache
 from tinyhet.memory import LocalNode
-from tinyhet.model import Llama, one_worker
+from tinyhet.cpu_threads import kernel_threads
+from tinyhet.model import Llama
 from tinyhet.sampling import Sampler
 from tinyhet.scheduler import Scheduler, Sequence, SequenceStatus
 
 LAYER_BITS = 8            # a notice's value: (seq_id << LAYER_BITS) | layer
 MAX_SEQ_ID = 1 << (32 - LAYER_BITS)
+PAD_SEQ = -1              # a one-token sequence that owns one block: the rows that pad a decode batch to its bucket write there
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+def batch_bucket(n: int) -> int:
+  """The batch a decode step of n sequences runs at: the next bucket (past 128, the next multiple of 64). One TinyJit capture
+  per bucket, so a batch that changes every step compiles at most once per bucket; padding rows cost little while decode
+  reads the weights once for every row."""
+  return next((b for b in BATCH_BUCKETS if b >= n), -(-n // 64) * 64)
 
 def notice_value(seq_id: int, layer: int) -> int: return (seq_id << LAYER_BITS) | layer
 def split_notice(value: int) -> tuple[int, int]: return value >> LAYER_BITS, value & ((1 << LAYER_BITS) - 1)
@@ -42,7 +51,8 @@ class DecodeNode:
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
     self.seq_ids = itertools.count(1)
     self.landed: dict[int, set[int]] = {}   # seq_id -> layers whose notice arrived
-    self.steps: dict[int, TinyJit] = {}     # batch size -> jitted decode step
+    self.steps: dict[int, TinyJit] = {}     # batch bucket -> jitted decode step
+    self.cache.block_manager.allocate(PAD_SEQ, 1)
     self.stopped = False
     self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
     ep = node.endpoint
@@ -147,21 +157,12 @@ class DecodeNode:
       if seq is not None and len(layers) == self.model.cfg.n_layers: seq.extra["layers"].set()
 
   def warm_up(self, batch_sizes=(1,)):
-    """Capture the jitted decode step for these batch sizes now (a scratch sequence of one token), so the first request
-    does not pay tinygrad's scheduling and compiles. Requests that arrive meanwhile wait for the loop."""
-    bm, scratch = self.cache.block_manager, -1
-    for B in batch_sizes:
-      ids = [scratch - i for i in range(B)]
-      with self.cond:
-        if not all(bm.can_allocate(2) for _ in ids) or bm.num_free < 2 * B: return
-        for i in ids: bm.allocate(i, 1)
-      try:
-        for _ in range(3):      # TinyJit: the first call runs, the second captures, the third replays
-          with self.cond: positions = self.cache.begin_step(ids, 1)
-          self._forward([[0]] * B, positions, False)
-      finally:
-        with self.cond:
-          for i in ids: bm.deallocate(i)
+    """Capture the jitted decode step for these batch buckets now (every row a padding row), so the first request does not
+    pay tinygrad's scheduling and compiles. Requests that arrive meanwhile wait for the loop."""
+    for B in sorted({batch_bucket(b) for b in batch_sizes}):
+      for _ in range(3):      # TinyJit: the first call runs, the second captures, the third replays
+        with self.cond: positions = self.cache.begin_step([PAD_SEQ] * B, 1)
+        self._forward([[0]] * B, positions, False)
 
   def run(self, stop: threading.Event, warm_up: bool = True):
     """Continuous batching until stop is set: one decode step for every running sequence, or the recompute of preempted
@@ -175,8 +176,9 @@ class DecodeNode:
           continue
         self.in_step = set(seqs)
       for batch in ([[s] for s in seqs] if is_prefill else [seqs]):    # a recompute runs each sequence at its own length
-        with self.cond: positions = self.cache.begin_step([s.seq_id for s in batch], batch[0].num_tokens if is_prefill else 1)
-        tokens = [s.token_ids for s in batch] if is_prefill else [[s.token_ids[-1]] for s in batch]
+        pad = 0 if is_prefill else batch_bucket(len(batch)) - len(batch)
+        with self.cond: positions = self.cache.begin_step([s.seq_id for s in batch] + [PAD_SEQ] * pad, batch[0].num_tokens if is_prefill else 1)
+        tokens = [s.token_ids for s in batch] if is_prefill else [[s.token_ids[-1]] for s in batch] + [[0]] * pad
         try: logits = self._forward(tokens, positions, is_prefill)
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
@@ -201,10 +203,10 @@ class DecodeNode:
   def _forward(self, tokens: list[list[int]], positions: np.ndarray, is_prefill: bool) -> np.ndarray:
     toks = Tensor(np.array(tokens, dtype=np.int32), device="MESH")
     pos = Tensor(positions.astype(np.int32), device="MESH")
-    with one_worker():
+    with kernel_threads("MESH"):
       if is_prefill: return self.model.forward(toks, pos, self.cache).numpy()
-      B = len(tokens)
-      if B not in self.steps:   # one capture per batch size; the block count reaches the JIT as a bound Variable argument
+      B = len(tokens)             # a batch bucket (run() pads the batch)
+      if B not in self.steps:   # one capture per bucket; the block count reaches the JIT as a bound Variable argument
         self.steps[B] = TinyJit(lambda t, p, **kv: self.model.forward(t, p, self.cache).realize())
       return self.steps[B](toks, pos, **self.cache.jit_kwargs()).numpy()
 

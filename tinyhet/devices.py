@@ -15,6 +15,7 @@ from tinygrad.device import Allocator, BufferSpec, Compiled, Device
 from tinygrad.renderer import Renderer
 from tinygrad.runtime.ops_cpu import CPUAllocator, CPUDevice
 from tinygrad.runtime.support.hcq import HCQBuffer, MMIOInterface
+from tinyhet.cpu_threads import use_pool
 from tinyhet.memory import local_node
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.spans import SpanAllocator
@@ -51,11 +52,15 @@ class MeshCPUDevice(CPUDevice):
   def __init__(self, device: str = "MESH"):
     super().__init__(device)
     self.allocator = ArenaAllocator(self, _arena_name("MESH", device))
+    use_pool(self)       # kernels split over every core (tinyhet.cpu_threads)
+    Device["CPU"]        # opened now: tinygrad's exit hook finalizes these devices, which open CPU, while it iterates the open set
 
 class HetCPUDevice(CPUDevice):
   def __init__(self, device: str = "HET"):
     super().__init__(device)
     self.allocator = ArenaAllocator(self, _arena_name("HET", device))
+    use_pool(self)
+    Device["CPU"]
 
 # ---------------------------------------------------------------- GPU-backed HET
 

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 import numpy as np
-from tinygrad import Context, Tensor, TinyJit, dtypes
+from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
+from tinyhet.cpu_threads import kernel_threads
 from tinyhet.packed import PackedWeight
 
 @dataclass(frozen=True)
@@ -186,12 +187,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
   out = scores.softmax(-1).contiguous() @ vg                               # (B, KVH, G, T, D)
   return out.permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
-def one_worker() -> Context:
-  """Compile kernels without splitting them over CPU threads. tinygrad 0.14's CPU backend runs every kernel on one worker
-  thread, so a kernel split in N 'threads' runs its N parts one after another and only pays the splitting (measured: a
-  SmolLM2 decode step 13% faster unsplit). GPU backends ignore the setting."""
-  return Context(NUM_CPU_THREADS=1)
-
 # ---- KV cache ----------------------------------------------------------------------------------------------------------------
 
 class KVCache(Protocol):
@@ -296,7 +291,7 @@ class Llama:
     @TinyJit
     def jitted(tokens: Tensor, positions: Tensor) -> Tensor: return self.forward(tokens, positions, cache).realize()
     def step(tokens: Tensor, positions: Tensor) -> Tensor:
-      with one_worker(): return jitted(tokens, positions)
+      with kernel_threads(self.device): return jitted(tokens, positions)
     return step
 
   def prefill(self, tokens: Tensor, on_layer: Callable[[int, Tensor, Tensor], None] | None = None, cache: KVCache | None = None,
@@ -312,7 +307,7 @@ class Llama:
     if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"prefill takes one prompt, tokens of shape (1, T); got {tokens.shape}")
     if n_valid is not None and not (0 < n_valid <= tokens.shape[1] and cache is None):
       raise ValueError(f"n_valid={n_valid} must be in 1..{tokens.shape[1]}, and without a cache (it would store the pads)")
-    with one_worker(): return self._prefill(tokens, on_layer, cache, kv_dtype, n_valid)
+    with kernel_threads(self.device): return self._prefill(tokens, on_layer, cache, kv_dtype, n_valid)
 
   def _prefill(self, tokens: Tensor, on_layer, cache: KVCache | None, kv_dtype: DType | None, n_valid: int | None = None) -> Tensor:
     kv_dtype = cache.kv_dtype if cache is not None else (kv_dtype or dtypes.float16)
@@ -346,12 +341,12 @@ class Llama:
     cache = DenseKVCache(self.cfg, 1, len(prompt_ids) + max_tokens, kv_dtype, self.device)
     T = len(prompt_ids)
     t0 = time.perf_counter()
-    with one_worker():
+    with kernel_threads(self.device):
       logits = self.forward(Tensor([prompt_ids], dtype=dtypes.int32, device=self.device),
                             Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device), cache).numpy()
     t1 = time.perf_counter()
     def eager(tok: Tensor, pos: Tensor) -> Tensor:
-      with one_worker(): return self.forward(tok, pos, cache).realize()
+      with kernel_threads(self.device): return self.forward(tok, pos, cache).realize()
     step = self.make_decode_step(cache) if jit else eager
     for i in range(max_tokens):
       out.append(token := sampler(logits[0]))

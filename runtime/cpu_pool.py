@@ -1,0 +1,178 @@
+"""A native pool of CPU worker threads that runs tinygrad's CPU kernels on every core.
+
+tinygrad 0.14 renders a CPU kernel split in N parts by a `core_id` argument (NUM_CPU_THREADS), then calls the parts one after
+another on one thread. This pool runs the parts side by side: the calling thread and N-1 pthreads each take parts
+t, t+N, t+2N, ... of a kernel, then meet at a barrier before the next kernel. A whole list of kernels (a TinyJit capture)
+goes to C in one call, so a decode step of hundreds of kernels costs one ctypes call and one barrier per split kernel
+(about a microsecond between cores of one socket), not a Python round trip per kernel. Kernels that were not split run on
+the caller alone while the workers wait.
+
+Workers spin briefly between kernels (the next split kernel usually comes within microseconds), then sleep on a futex, so
+an idle pool costs no CPU. The pool is process-wide; a thread that finds it busy (another thread is running kernels on it)
+runs its kernel's parts itself, one after another, instead of waiting.
+
+The C source is compiled once with the same compiler tinygrad uses (clang) and cached under ~/.cache/tinyhet.
+"""
+from __future__ import annotations
+import ctypes, hashlib, os, subprocess, tempfile, threading
+from pathlib import Path
+
+MAX_ARGS = 63   # tinygrad's CPU programs take at most 63 arguments (ops_cpu.MAX_ARGS)
+
+class Command(ctypes.Structure):
+  """One kernel launch: fn(args[0..nargs)), run as `parts` parts with args[core_slot] = part id (core_slot < 0: one part)."""
+  _fields_ = [("fn", ctypes.c_uint64), ("nargs", ctypes.c_int32), ("core_slot", ctypes.c_int32), ("parts", ctypes.c_int32),
+              ("_pad", ctypes.c_int32), ("args", ctypes.c_uint64 * MAX_ARGS)]
+
+_ARGS = ", ".join(f"a[{i}]" for i in range(MAX_ARGS))
+_TYPES = ", ".join(["u64"] * MAX_ARGS)
+
+SOURCE = r"""
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdint.h>
+#include <stdatomic.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+typedef uint64_t u64;
+typedef struct { u64 fn; int32_t nargs, core_slot, parts, pad; u64 args[%(max_args)d]; } cmd_t;
+typedef void (*k63)(%(types)s);
+
+static struct {
+  int n;                                  /* threads, the caller included */
+  _Atomic uint32_t gen;                   /* bumped once per split kernel: workers start on a new value */
+  _Atomic int done, sleepers, quit;
+  const cmd_t *cur;
+  pthread_mutex_t busy;
+  pthread_t tid[1024];
+  long spin;
+} P = {.busy = PTHREAD_MUTEX_INITIALIZER};
+
+/* Every argument travels as a 64-bit integer, as tinygrad's ctypes call passes them. The x86-64 and AArch64 calling
+   conventions let a caller pass more arguments than the callee reads, so one 63-argument call shape serves every kernel. */
+static inline void run_part(const cmd_t *c, int part) {
+  u64 a[%(max_args)d];
+  for (int i = 0; i < c->nargs; i++) a[i] = c->args[i];
+  for (int i = c->nargs; i < %(max_args)d; i++) a[i] = 0;
+  if (c->core_slot >= 0) a[c->core_slot] = (u64)part;
+  ((k63)c->fn)(%(args)s);
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+static void *worker(void *arg) {
+  int id = (int)(intptr_t)arg;
+  uint32_t seen = 0;
+  char name[16];
+  snprintf(name, sizeof name, "tinyhet-cpu-%%d", id);
+  pthread_setname_np(pthread_self(), name);
+  for (;;) {
+    uint32_t g;
+    long spins = 0;
+    while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
+      if (++spins < P.spin) { relax(); continue; }
+      atomic_fetch_add(&P.sleepers, 1);
+      syscall(SYS_futex, (uint32_t *)&P.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+      atomic_fetch_sub(&P.sleepers, 1);
+      spins = 0;
+    }
+    seen = g;
+    if (atomic_load(&P.quit)) return NULL;
+    const cmd_t *c = P.cur;
+    for (int t = id; t < c->parts; t += P.n) run_part(c, t);
+    atomic_fetch_add_explicit(&P.done, 1, memory_order_acq_rel);
+  }
+}
+
+/* Starts threads until there are n in all (the caller counts as one); a pool only grows. Returns the count. */
+int pool_start(int n, long spin) {
+  if (n < 1 || n > 1024) return -1;
+  pthread_mutex_lock(&P.busy);              /* no kernel is running while the thread count changes */
+  if (P.n < 1) P.n = 1;
+  P.spin = spin;
+  while (P.n < n && pthread_create(&P.tid[P.n], NULL, worker, (void *)(intptr_t)P.n) == 0) P.n++;
+  pthread_mutex_unlock(&P.busy);
+  return P.n;
+}
+
+static void run_split(const cmd_t *c) {
+  P.cur = c;
+  atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+  atomic_fetch_add(&P.gen, 1);                                  /* seq_cst: pairs with a worker's sleepers increment */
+  if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, (uint32_t *)&P.gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+  for (int t = 0; t < c->parts; t += P.n) run_part(c, t);
+  while (atomic_load_explicit(&P.done, memory_order_acquire) < P.n - 1) relax();
+}
+
+/* Runs cmds[0..n) in order, each split kernel on every thread; returns 1 if it ran them serially (the pool was busy). */
+int pool_run(const cmd_t *cmds, int n) {
+  int serial = P.n <= 1 || pthread_mutex_trylock(&P.busy) != 0;
+  for (int i = 0; i < n; i++) {
+    const cmd_t *c = &cmds[i];
+    if (serial || c->parts <= 1 || c->core_slot < 0) { for (int t = 0; t < (c->parts > 0 ? c->parts : 1); t++) run_part(c, t); }
+    else run_split(c);
+  }
+  if (!(P.n <= 1) && !serial) pthread_mutex_unlock(&P.busy);
+  return serial;
+}
+
+int pool_threads(void) { return P.n; }
+""" % {"max_args": MAX_ARGS, "types": _TYPES, "args": _ARGS}
+
+def _cache_dir() -> Path:
+  return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tinyhet"
+
+def _compile() -> ctypes.CDLL:
+  digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
+  lib = _cache_dir() / f"cpu_pool-{digest}.so"
+  if not lib.exists():
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+      src, out = Path(tmp) / "cpu_pool.c", Path(tmp) / "cpu_pool.so"
+      src.write_text(SOURCE)
+      cc = os.environ.get("CC", "clang")
+      try: subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(out), str(src)], check=True, capture_output=True, text=True)
+      except FileNotFoundError: raise RuntimeError(f"the CPU worker pool is compiled with {cc}, which is not installed: install clang") from None
+      except subprocess.CalledProcessError as e: raise RuntimeError(f"compiling the CPU worker pool failed: {e.stderr.strip()}") from None
+      os.replace(out, lib)     # atomic: a concurrent process sees the whole library or none
+  dll = ctypes.CDLL(str(lib))
+  dll.pool_start.argtypes, dll.pool_start.restype = [ctypes.c_int, ctypes.c_long], ctypes.c_int
+  dll.pool_run.argtypes, dll.pool_run.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
+  dll.pool_threads.restype = ctypes.c_int
+  return dll
+
+class CpuPool:
+  """The process's worker pool: `threads` threads in all (the caller's included)."""
+  def __init__(self, threads: int, spin: int = 20000):
+    self.lib, self.spin, self.threads = _compile(), spin, 0
+    self.grow(threads)
+
+  def grow(self, threads: int) -> int:
+    """Start threads until there are `threads` in all (fewer if the OS refuses one); a pool never shrinks."""
+    if not 1 <= threads <= 1024: raise ValueError(f"a CPU pool has 1 to 1024 threads, not {threads}")
+    if threads > self.threads: self.threads = self.lib.pool_start(threads, self.spin)
+    return self.threads
+
+  def run(self, cmds: ctypes.Array, n: int | None = None) -> bool:
+    """Run the first n Commands of cmds in order (all by default); True if the pool was busy and they ran serially."""
+    return bool(self.lib.pool_run(ctypes.addressof(cmds), len(cmds) if n is None else n))
+
+_pool: CpuPool | None = None
+_pool_lock = threading.Lock()
+
+def cpu_pool(threads: int) -> CpuPool:
+  """The process-wide pool, with at least `threads` threads (started on first use, grown when more are asked)."""
+  global _pool
+  with _pool_lock:
+    if _pool is None: _pool = CpuPool(threads)
+    elif threads > _pool.threads: _pool.grow(threads)
+    return _pool
