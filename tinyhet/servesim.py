@@ -1,0 +1,284 @@
+"""Serving under load, simulated: a small discrete-event simulation of requests flowing through prefill and decode units.
+
+Why a simulation and not formulas: the figures an operator asks for (p90 TTFT and TPOT, goodput under both SLOs) are
+tails of distributions that depend on batching, on queues in front of two stages in series, and on a colocated unit
+alternating prefill and decode; closed forms exist for one stage at a time (DistServe's M/D/1 prefill queue) but not
+for their interplay. DistServe and Vidur answer the same question the same way. This one is kept small and exact about
+what it models:
+
+  - requests: `prompt_len` prompt tokens, `output_len` output tokens; Poisson arrivals at `rate` (open loop, seeded: the
+    same seed gives the same run) or `concurrency` clients each sending its next request when the last one ends (closed).
+  - a prefill unit takes waiting prompts first come first served, as many as fit a token budget, in one pass
+    (roofline: FLOPs add up, weights are read once); the first token is out when the pass ends.
+  - the KV cache then goes to the decode unit with the least load for its speed: streamed layer by layer, only what the
+    link has not sent by the end of prefill shows; a unit's NIC sends one request's KV at a time.
+  - a decode unit runs continuous batching: each step every admitted sequence gains a token and costs
+    max(weights + every sequence's KV / bandwidth, FLOPs / compute) (roofline.decode_step_time); it admits what its
+    memory holds (roofline.max_batch), the rest wait.
+  - a colocated ("both") unit does both, as vLLM does without chunking: waiting prompts go first (a prefill pass stalls
+    every running decode), then decode steps; so each phase slows the other.
+  - runs of decode steps between events are taken in one jump (the step time is fixed while the batch is), so a run
+    costs a few events per request, not one per token.
+Measured: requests issued from 20% to 90% of the run (the start fills the pipeline, the end drains it). Every function
+here is arithmetic over roofline costs, no device is touched.
+"""
+from __future__ import annotations
+import heapq, math, random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from tinyhet.catalog import Link, Model
+from tinyhet.roofline import Node, decode_context, decode_step_time, kv_transfer_exposed, max_batch, prefill_batch_time
+
+PREFILL_TOKEN_BUDGET = 8192  # tokens one prefill pass takes at most (at least one whole prompt), as vLLM's max_num_batched_tokens
+ROLES = ("prefill", "decode", "both")
+
+@dataclass(frozen=True)
+class Unit:
+  """One replica of a node in one role."""
+  name: str
+  node: Node
+  role: str  # "prefill" | "decode" | "both"
+
+@dataclass(frozen=True)
+class SLO:
+  """Latency targets a request must meet (None: no target) and the share of requests that must meet them."""
+  ttft_s: float | None = None
+  tpot_s: float | None = None
+  attainment: float = 0.9
+
+  def met(self, ttft: float, tpot: float) -> bool:
+    return (self.ttft_s is None or ttft <= self.ttft_s) and (self.tpot_s is None or tpot <= self.tpot_s)
+
+@dataclass(frozen=True)
+class Outcome:
+  """What one run measured. TPOT: (finish - first token) / (output_len - 1), per request."""
+  ttft_p50_s: float
+  ttft_p90_s: float
+  tpot_p50_s: float
+  tpot_p90_s: float
+  throughput_tok_s: float   # output tokens/s over the measured window
+  request_rps: float        # requests/s finishing over the measured window
+  attainment: float         # share of measured requests meeting the SLO
+  goodput_rps: float        # requests/s meeting the SLO
+  busy: dict[str, float] = field(default_factory=dict)  # role -> mean share of time its units were busy (decoding counts)
+  prefill_busy: float = 0.0  # share of time units that prefill spent prefilling
+  decode_batch: float = 0.0  # sequences a decoding unit ran per step, averaged over time
+
+def _pct(xs: list[float], q: float) -> float:
+  s = sorted(xs)
+  return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+@dataclass
+class _State:
+  unit: Unit
+  limit: int                  # sequences its memory holds
+  prefill_s: float            # one prompt alone
+  step: Callable[[float], float]
+  queue: deque = field(default_factory=deque)    # requests waiting for prefill
+  waiting: deque = field(default_factory=deque)  # requests waiting for a decode slot
+  active: dict = field(default_factory=dict)     # request -> output tokens still to make
+  busy_until: float = 0.0
+  busy_s: float = 0.0
+  prefill_s_total: float = 0.0
+  batch_s: float = 0.0        # sequences x seconds of decode runs
+  nic_free: float = 0.0
+  work: tuple = ()            # what runs until busy_until: ("prefill", requests) or ("decode", steps, start, step seconds)
+  version: int = 0            # of the pending "free" event; a cut run pushes a new one and the old is ignored
+
+  def decode_load(self) -> float: return (len(self.active) + len(self.waiting) + 1) * self.step(max(1, len(self.active))) / max(1, len(self.active))
+
+def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, link: Callable[[str, str], Link],
+             rate: float | None = None, concurrency: int | None = None, requests: int = 400, slo: SLO = SLO(), seed: int = 0,
+             round_robin: bool = False) -> Outcome:
+  """Run `requests` requests through `units` (at least one that prefills and one that decodes, each holding the model
+  with one request) at `rate` requests/s or `concurrency` clients; `link(node_a, node_b)` is the link between two nodes.
+  `round_robin`: each request goes to the next colocated unit in turn (naive load balancing) instead of the least loaded."""
+  if (rate is None) == (concurrency is None): raise ValueError("give exactly one of rate and concurrency")
+  if rate is not None and not rate > 0: raise ValueError(f"rate must be > 0 requests/s (got {rate})")
+  if concurrency is not None and concurrency < 1: raise ValueError(f"concurrency must be at least 1 (got {concurrency})")
+  if requests < 10: raise ValueError(f"simulate at least 10 requests (got {requests})")
+  context = decode_context(prompt_len, output_len)
+  states = [_State(u, max_batch(u.node, model, prompt_len + output_len), prefill_batch_time(u.node, model, 1, prompt_len),
+                   (lambda n: lambda b: decode_step_time(n, model, b, context))(u.node)) for u in units]
+  prefillers = [s for s in states if s.unit.role in ("prefill", "both")]
+  decoders = [s for s in states if s.unit.role in ("decode", "both")]
+  if not prefillers or not decoders: raise ValueError("a configuration needs a unit that prefills and one that decodes")
+  kv_bytes = prompt_len * model.kv_bytes_per_token
+  arrive, first, finish = {}, {}, {}
+  events, seq, issued, rr = [], 0, 0, 0
+  rng = random.Random(seed)
+
+  def push(t: float, kind: str, what):
+    nonlocal seq
+    heapq.heappush(events, (t, seq, kind, what))
+    seq += 1
+
+  def issue(t: float):
+    nonlocal issued
+    if issued < requests:
+      push(t, "arrive", issued)
+      issued += 1
+
+  if rate is not None:
+    t = 0.0
+    for _ in range(requests):
+      push(t, "arrive", issued)
+      issued += 1
+      t += rng.expovariate(rate)
+  else:
+    for _ in range(min(concurrency, requests)): issue(0.0)
+
+  def done(r: int, t: float):
+    finish[r] = t
+    if concurrency is not None: issue(t)
+
+  def start(s: _State, now: float):
+    """Give an idle unit its next work: waiting prompts first (if their decode will fit, for a colocated unit), then decode steps."""
+    if s.busy_until > now: return
+    room = s.limit - len(s.active) - len(s.waiting) if s.unit.role == "both" else len(s.queue)
+    if s.queue and room > 0:
+      take = max(1, min(room, len(s.queue), PREFILL_TOKEN_BUDGET // prompt_len))
+      batch = [s.queue.popleft() for _ in range(take)]
+      s.work, s.busy_until = ("prefill", batch), now + prefill_batch_time(s.unit.node, model, take, prompt_len)
+      s.prefill_s_total += s.busy_until - now
+    elif s.active:
+      step = s.step(len(s.active))
+      steps = min(s.active.values())  # run until a sequence ends; new work cuts the run short (cut)
+      s.work, s.busy_until = ("decode", steps, now, step), now + steps * step
+      s.batch_s += len(s.active) * steps * step
+    else:
+      return
+    s.busy_s += s.busy_until - now
+    s.version += 1
+    push(s.busy_until, "free", (s, s.version))
+
+  def cut(s: _State, now: float):
+    """New work for a unit in a run of decode steps: end the run at the next step boundary, where the work can join."""
+    if not s.work or s.work[0] != "decode" or s.busy_until <= now: return
+    _, steps, begun, step = s.work
+    done_steps = max(1, math.ceil((now - begun) / step - 1e-9))
+    if done_steps >= steps: return
+    end = begun + done_steps * step
+    s.busy_s -= s.busy_until - end
+    s.batch_s -= len(s.active) * (s.busy_until - end)
+    s.work, s.busy_until = ("decode", done_steps, begun, step), end
+    s.version += 1
+    push(end, "free", (s, s.version))
+
+  def admit(s: _State, now: float):
+    while s.waiting and len(s.active) < s.limit:
+      s.active[s.waiting.popleft()] = output_len - 1
+    start(s, now)
+
+  now = 0.0
+  while events:
+    now, _, kind, what = heapq.heappop(events)
+    if kind == "arrive":
+      arrive[what] = now
+      if round_robin:
+        s = prefillers[rr % len(prefillers)]
+        rr += 1
+      else:
+        s = min(prefillers, key=lambda p: ((len(p.queue) + 1) * p.prefill_s + max(0.0, p.busy_until - now)))
+      s.queue.append(what)
+      cut(s, now)
+      start(s, now)
+    elif kind == "kv":
+      r, s = what
+      if output_len == 1: done(r, now)
+      else:
+        s.waiting.append(r)
+        if len(s.active) < s.limit: cut(s, now)
+        admit(s, now)
+    else:  # a unit finished its work
+      s, version = what
+      if version != s.version: continue  # a run that was cut short
+      kind_, payload = s.work[:2]
+      s.work = ()
+      if kind_ == "prefill":
+        for r in payload:
+          first[r] = now
+          if output_len == 1: done(r, now)
+          elif s.unit.role == "both": s.waiting.append(r)
+          else:
+            d = min(decoders, key=lambda d: d.decode_load())
+            l = link(s.unit.node.name, d.unit.node.name)
+            sent = max(now + kv_transfer_exposed(model, prompt_len, s.prefill_s, l), s.nic_free + kv_bytes / l.bandwidth + l.latency)
+            s.nic_free = sent
+            push(sent, "kv", (r, d))
+        admit(s, now) if s.unit.role == "both" else start(s, now)
+      else:
+        for r in list(s.active):
+          s.active[r] -= payload
+          if s.active[r] <= 0:
+            del s.active[r]
+            done(r, now)
+        admit(s, now)
+  if len(finish) != requests: raise RuntimeError(f"simulation ended with {requests - len(finish)} requests unfinished")  # a bug, not an input
+  return _measure(arrive, first, finish, requests, output_len, rate, slo, states, now)
+
+def _measure(arrive, first, finish, requests, output_len, rate, slo, states, end) -> Outcome:
+  lo, hi = int(0.2 * requests), max(int(0.9 * requests), int(0.2 * requests) + 1)
+  measured = [r for r in range(lo, min(hi, requests)) if r in finish]
+  ttft = [first[r] - arrive[r] for r in measured]
+  tpot = [(finish[r] - first[r]) / (output_len - 1) if output_len > 1 else 0.0 for r in measured]
+  ends = sorted(finish.values())
+  a, b = ends[int(0.2 * (len(ends) - 1))], ends[int(0.9 * (len(ends) - 1))]
+  n = sum(1 for t in ends if a < t <= b)
+  rps = n / (b - a) if b > a else (len(ends) / ends[-1] if ends and ends[-1] > 0 else math.inf)
+  met = sum(1 for x, y in zip(ttft, tpot) if slo.met(x, y)) / max(1, len(ttft))
+  offered = rps if rate is None else min(rate, rps)
+  busy = {}
+  for role in ROLES:
+    mine = [s.busy_s / end for s in states if s.unit.role == role] if end > 0 else []
+    if mine: busy[role] = sum(mine) / len(mine)
+  pre = [s.prefill_s_total / end for s in states if s.unit.role != "decode"] if end > 0 else [0.0]
+  dec = [s.batch_s / end for s in states if s.unit.role != "prefill"] if end > 0 else [0.0]
+  return Outcome(_pct(ttft, 0.5), _pct(ttft, 0.9), _pct(tpot, 0.5), _pct(tpot, 0.9), rps * output_len, rps, met, offered * met, busy,
+                 sum(pre) / len(pre), sum(dec) / len(dec))
+
+def capacity(units: list[Unit], model: Model, prompt_len: int, output_len: int) -> float:
+  """A quick upper estimate of the requests/s `units` sustain (for screening configurations and bounding searches):
+  prefill units at one prompt per pass, decode units at their full batch, colocated units alone in both roles."""
+  context = decode_context(prompt_len, output_len)
+  def decode_rps(n: Node) -> float:
+    b = max(1, max_batch(n, model, prompt_len + output_len))
+    return b / (max(output_len - 1, 1) * decode_step_time(n, model, b, context))
+  p = d = 0.0
+  for u in units:
+    p_s = prefill_batch_time(u.node, model, max(1, PREFILL_TOKEN_BUDGET // prompt_len), prompt_len) / max(1, PREFILL_TOKEN_BUDGET // prompt_len)
+    if u.role == "prefill": p += 1 / p_s
+    elif u.role == "decode": d += decode_rps(u.node)
+    else:
+      both = 1 / (p_s + 1 / decode_rps(u.node))
+      p, d = p + both, d + both
+  return min(p, d)
+
+def alone_throughput(node: Node, model: Model, prompt_len: int, output_len: int, rate: float | None = None, concurrency: int | None = None) -> float:
+  """Output tokens/s of one replica of `node` serving alone (prefill and decode colocated) at a rate or a concurrency."""
+  def no_link(a: str, b: str) -> Link: raise AssertionError("a unit alone sends no KV")
+  requests = min(2000, max(200, 4 * (concurrency or 0)))
+  return simulate([Unit(node.name, node, "both")], model, prompt_len, output_len, no_link, rate, concurrency, requests).throughput_tok_s
+
+def max_goodput(units: list[Unit], model: Model, prompt_len: int, output_len: int, link, slo: SLO, requests: int = 400, seed: int = 0,
+                round_robin: bool = False, iterations: int = 7) -> tuple[float, Outcome | None]:
+  """DistServe's goodput: the highest Poisson rate at which at least `slo.attainment` of requests meet the SLO, found by a
+  scan up to the capacity estimate and bisection; with the run at that rate (None when even a trickle misses the SLO)."""
+  cap = capacity(units, model, prompt_len, output_len)
+  run = lambda r: simulate(units, model, prompt_len, output_len, link, rate=r, requests=requests, slo=slo, seed=seed, round_robin=round_robin)
+  # attainment need not fall monotonically with the rate (a colocated unit may take a prompt at one rate and not at the
+  # next), so a coarse scan finds the highest rate that meets it before bisection refines it
+  grid = [cap * f for f in (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2)]
+  outs = [run(r) for r in grid]
+  ok = [i for i, o in enumerate(outs) if o.attainment >= slo.attainment]
+  if not ok: return 0.0, None
+  i = ok[-1]
+  lo, best = grid[i], outs[i]
+  hi = grid[i + 1] if i + 1 < len(grid) else grid[i] * 2
+  for _ in range(iterations):
+    mid = (lo + hi) / 2
+    out = run(mid)
+    if out.attainment >= slo.attainment: lo, best = mid, out
+    else: hi = mid
+  return lo, best
