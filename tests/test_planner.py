@@ -1,5 +1,5 @@
 """The planner: the EXO check against a published result, cost-model properties, cluster files good and bad, the CLI."""
-import dataclasses, json, math, pathlib, subprocess, sys, tomllib
+import dataclasses, json, pathlib, subprocess, sys, tomllib
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from tinyhet.catalog import DEVICES, MODELS, Device, Link, PlanError, find_model
