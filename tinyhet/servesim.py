@@ -65,6 +65,7 @@ class Outcome:
   busy: dict[str, float] = field(default_factory=dict)  # role -> mean share of time its units were busy (decoding counts)
   prefill_busy: float = 0.0  # share of time units that prefill spent prefilling
   decode_batch: float = 0.0  # sequences a decoding unit ran per step, averaged over time
+  e2e_mean_s: float = 0.0    # arrival to last token, mean over measured requests
 
 def _pct(xs: list[float], q: float) -> float:
   s = sorted(xs)
@@ -169,6 +170,8 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
     push(end, "free", (s, s.version))
 
   def admit(s: _State, now: float):
+    """Sequences join a unit's batch only between steps: while it runs, they wait for its next "free" event."""
+    if s.busy_until > now: return
     while s.waiting and len(s.active) < s.limit:
       s.active[s.waiting.popleft()] = output_len - 1
     start(s, now)
@@ -241,7 +244,7 @@ def _measure(arrive, first, finish, requests, output_len, rate, slo, states, end
   pre = [s.prefill_s_total / end for s in states if s.unit.role != "decode"] if end > 0 else [0.0]
   dec = [s.batch_s / end for s in states if s.unit.role != "prefill"] if end > 0 else [0.0]
   return Outcome(_pct(ttft, 0.5), _pct(ttft, 0.9), _pct(tpot, 0.5), _pct(tpot, 0.9), rps * output_len, rps, met, offered * met, busy,
-                 sum(pre) / len(pre), sum(dec) / len(dec))
+                 sum(pre) / len(pre), sum(dec) / len(dec), sum(finish[r] - arrive[r] for r in measured) / max(1, len(measured)))
 
 def capacity(units: list[Unit], model: Model, prompt_len: int, output_len: int) -> float:
   """A quick upper estimate of the requests/s `units` sustain (for screening configurations and bounding searches):
