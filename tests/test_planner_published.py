@@ -41,20 +41,20 @@ def test_distserve_plan_is_two_prefill_gpus_for_one_decode_gpu(distserve):
 
 def test_distserve_disaggregated_goodput_per_gpu_within_20_percent(distserve):
   per_gpu = distserve.chosen.goodput_rps / 3
-  assert abs(err(per_gpu, 3.3)) < 0.2  # achieved: 3.3 (+1%); it rests on the decode GPU's 10 rps, an input, so it checks the ratio
+  assert abs(err(per_gpu, 3.3)) < 0.2  # achieved: 3.29 (-0.4%); it rests on the decode GPU's 10 rps, an input, so it checks the ratio
 
 def test_distserve_colocated_goodput_per_gpu_as_achieved(distserve):
   colocated = next(c for c in distserve.configurations if c.kind == "alone")
   per_gpu = colocated.goodput_rps / 3
-  # achieved 1.07 against 1.6 (-33%): a miss. With spec-sheet costs the inferred TPOT SLO (15 ms) sits only 18% above a
-  # lone decode step (12.8 ms), so every 42.5 ms prefill pass that stalls a colocated decode breaks it; vLLM's real step
-  # costs and the paper's real SLOs leave more room. The direction (colocation loses) holds.
-  assert 0.95 < per_gpu < 1.2 and abs(err(per_gpu, 1.6)) > 0.2
+  # achieved 1.19 against 1.6 (-26%): a miss. With spec-sheet costs the inferred TPOT SLO (15.7 ms) sits only 22% above
+  # a lone decode step (12.8 ms), so a 42.5 ms prefill pass that stalls a colocated decode soon breaks it; vLLM's real
+  # step costs and the paper's real SLOs leave more room. The direction (colocation loses) holds.
+  assert 1.05 < per_gpu < 1.35 and abs(err(per_gpu, 1.6)) > 0.15
 
 def test_distserve_disaggregation_gain_as_achieved(distserve):
   colocated = next(c for c in distserve.configurations if c.kind == "alone")
   gain = distserve.chosen.goodput_rps / colocated.goodput_rps
-  assert 2.6 < gain < 3.6  # achieved 3.1x against 2.1x (+48%): the colocated miss above, carried into the ratio
+  assert 2.4 < gain < 3.1  # achieved 2.8x against 2.1x (+31%): the colocated miss above, carried into the ratio
 
 def test_distserve_kv_cache_of_a_512_token_opt_66b_request():
   # DistServe §3.3: "the KV cache size of a single 512-token request on OPT-66B is approximately 1.13GB" (GiB: 2^30 bytes)

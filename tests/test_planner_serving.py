@@ -115,7 +115,8 @@ def test_one_serving_throughput_sets_one_resource_and_keeps_the_physics():
   prefill on the compute-rich server, decode on the compute-poor one."""
   truth = {n: Node(n, d, compute_eff=0.45, bandwidth_eff=0.7) for n, d in (("rich", RICH), ("poor", POOR))}
   measured = {n: alone_throughput(node, SMALL, 4096, 256, concurrency=32) for n, node in truth.items()}
-  doc = {"devices": {n: {"tflops": {"fp16": d.flops["fp16"] / 1e12}, "bandwidth_gb_s": 5300, "memory_gb": 192} for n, d in (("rich", RICH), ("poor", POOR))},
+  doc = {"devices": {n: {"tflops": {"fp16": d.flops["fp16"] / 1e12}, "bandwidth_gb_s": 5300, "memory_gb": 192}
+                     for n, d in (("rich", RICH), ("poor", POOR))},
          "nodes": {"rich": {"device": "rich"}, "poor": {"device": "poor"}},
          "links": [{"nodes": ["rich", "poor"], "bandwidth_gbit_s": 400}],
          "calibration": [_serving_calibration(n, measured[n], "simulated truth") for n in ("rich", "poor")]}
