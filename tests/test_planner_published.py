@@ -1,10 +1,10 @@
 """The planner against published results. Each check calibrates only from the single-node figures its source gives and
 predicts figures that are not inputs. Where the prediction misses the 20% target, the test asserts what the planner
 achieves (and the README's error table gives the error and its cause); no bound here is set to pass by construction."""
-import dataclasses, tomllib
+import dataclasses, pathlib
 import pytest
 from tinyhet.catalog import MODELS
-from tinyhet.cluster_file import parse_cluster
+from tinyhet.cluster_file import load_cluster, parse_cluster
 from tinyhet.roofline import decode_context, decode_step_time, prefill_time
 from tinyhet.servesim import SLO, Unit, simulate
 from tinyhet.serving import plan_serving
@@ -69,41 +69,11 @@ def test_distserve_kv_cache_of_a_512_token_opt_66b_request():
 # Insight VII: the H100 cuts TTFT to 0.51x of the A100's but TBT only to 0.70x. Calibrated here on the coding rows only;
 # predicted: the conversation rows, and the H100's rows from the A100's efficiencies and the spec sheets alone.
 
-SPLITWISE = """
-[models.llama-2-70b]
-like = "llama-3-70b"
-params_b = 68.98
-source = "Llama 2 70B: the Llama 3 70B shape with a 32,000-token vocabulary (68.98 B parameters)"
-[nodes.a100]
-device = "a100"
-count = 8
-[nodes.h100]
-device = "h100"
-count = 8
-[[links]]
-nodes = ["a100", "h100"]
-bandwidth_gbit_s = 1600
-[[calibration]]
-node = "a100"
-model = "llama-2-70b"
-prompt_len = 1500
-output_len = 13
-prefill_s = 0.185
-decode_s = 0.676
-source = "Splitwise Table IV, coding, DGX-A100 (TTFT 185 ms, TBT 52 ms x 13 tokens)"
-[[calibration]]
-node = "h100"
-model = "llama-2-70b"
-prompt_len = 1500
-output_len = 13
-prefill_s = 0.095
-decode_s = 0.403
-source = "Splitwise Table IV, coding, DGX-H100 (TTFT 95 ms, TBT 31 ms x 13 tokens)"
-"""
+SPLITWISE = pathlib.Path(__file__).resolve().parents[1] / "examples/clusters/splitwise_dgx.toml"  # those two rows, as calibration
 
 @pytest.fixture(scope="module")
 def splitwise():
-  return parse_cluster(tomllib.loads(SPLITWISE), "splitwise")
+  return load_cluster(SPLITWISE)
 
 def _rows(node, model, prompt_len, output_len):
   ttft, tbt = prefill_time(node, model, prompt_len), decode_step_time(node, model, 1, decode_context(prompt_len, output_len))
