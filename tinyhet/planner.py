@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster = load_cluster(args.cluster)
     model = cluster.model(args.model, args.dtype)
     if serving:
-      pred = plan_serving(cluster, model, args.prompt_len, args.output_len, args.rate, args.concurrency, SLO(args.ttft_slo, args.tpot_slo), args.seed)
+      pred = plan_serving(cluster, model, args.prompt_len, args.output_len, args.rate, args.concurrency, SLO(args.ttft_slo, args.tpot_slo), args.seed,
+                          overlap=not args.no_overlap)
     else:
       pred = predict(cluster, model, args.prompt_len, args.output_len, None, overlap=not args.no_overlap)
   except PlanError as e:

@@ -11,7 +11,8 @@ what it models:
   - a prefill unit takes waiting prompts first come first served, as many as fit a token budget, in one pass
     (roofline: FLOPs add up, weights are read once); the first token is out when the pass ends.
   - the KV cache then goes to the decode unit with the least load for its speed: streamed layer by layer, only what the
-    link has not sent by the end of prefill shows; a unit's NIC sends one request's KV at a time.
+    link has not sent by the end of prefill shows; a unit's NIC sends one request's KV at a time. The first token leaves
+    the prefill unit, so the transfer delays the second token (TPOT), as Splitwise and DistServe count it.
   - a decode unit runs continuous batching: each step every admitted sequence gains a token and costs
     max(weights + every sequence's KV / bandwidth, FLOPs / compute) (roofline.decode_step_time); it admits what its
     memory holds (roofline.max_batch), the rest wait.
@@ -92,10 +93,11 @@ class _State:
 
 def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, link: Callable[[str, str], Link],
              rate: float | None = None, concurrency: int | None = None, requests: int = 400, slo: SLO = SLO(), seed: int = 0,
-             round_robin: bool = False) -> Outcome:
+             round_robin: bool = False, overlap: bool = True) -> Outcome:
   """Run `requests` requests through `units` (at least one that prefills and one that decodes, each holding the model
   with one request) at `rate` requests/s or `concurrency` clients; `link(node_a, node_b)` is the link between two nodes.
-  `round_robin`: each request goes to the next colocated unit in turn (naive load balancing) instead of the least loaded."""
+  `round_robin`: each request goes to the next colocated unit in turn (naive load balancing) instead of the least loaded;
+  `overlap=False`: the KV cache is sent after prefill instead of layer by layer."""
   if (rate is None) == (concurrency is None): raise ValueError("give exactly one of rate and concurrency")
   if rate is not None and not rate > 0: raise ValueError(f"rate must be > 0 requests/s (got {rate})")
   if concurrency is not None and concurrency < 1: raise ValueError(f"concurrency must be at least 1 (got {concurrency})")
@@ -212,7 +214,7 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
               s.waiting.append(r)
               continue
             l = link(s.unit.node.name, d.unit.node.name)
-            sent = max(now + kv_transfer_exposed(model, prompt_len, s.prefill_s, l), s.nic_free + kv_bytes / l.bandwidth + l.latency)
+            sent = max(now + kv_transfer_exposed(model, prompt_len, s.prefill_s, l, overlap), s.nic_free + kv_bytes / l.bandwidth + l.latency)
             s.nic_free = sent
             push(sent, "kv", (r, d))
         admit(s, now) if s.unit.role == "both" else start(s, now)
@@ -270,11 +272,12 @@ def alone_throughput(node: Node, model: Model, prompt_len: int, output_len: int,
   return simulate([Unit(node.name, node, "both")], model, prompt_len, output_len, no_link, rate, concurrency, requests).throughput_tok_s
 
 def max_goodput(units: list[Unit], model: Model, prompt_len: int, output_len: int, link, slo: SLO, requests: int = 400, seed: int = 0,
-                round_robin: bool = False, iterations: int = 7) -> tuple[float, Outcome | None]:
+                round_robin: bool = False, iterations: int = 7, overlap: bool = True) -> tuple[float, Outcome | None]:
   """DistServe's goodput: the highest Poisson rate at which at least `slo.attainment` of requests meet the SLO, found by a
   scan up to the capacity estimate and bisection; with the run at that rate (None when even a trickle misses the SLO)."""
   cap = capacity(units, model, prompt_len, output_len)
-  run = lambda r: simulate(units, model, prompt_len, output_len, link, rate=r, requests=requests, slo=slo, seed=seed, round_robin=round_robin)
+  run = lambda r: simulate(units, model, prompt_len, output_len, link, rate=r, requests=requests, slo=slo, seed=seed, round_robin=round_robin,
+                           overlap=overlap)
   # attainment need not fall monotonically with the rate (a colocated unit may take a prompt at one rate and not at the
   # next), so a coarse scan finds the highest rate that meets it before bisection refines it
   grid = [cap * f for f in (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2)]

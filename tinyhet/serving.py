@@ -105,7 +105,7 @@ def _kind(groups) -> str:
   return "mixed" if any(g[3] for g in groups) else "disaggregated"
 
 def evaluate(cluster: Cluster, model: Model, prompt_len: int, output_len: int, groups, slo: SLO, rate: float | None = None,
-             concurrency: int | None = None, kind: str | None = None, requests: int = 400, seed: int = 0) -> ServingConfig:
+             concurrency: int | None = None, kind: str | None = None, requests: int = 400, seed: int = 0, overlap: bool = True) -> ServingConfig:
   """Simulate one assignment at the load: `rate` requests/s, `concurrency` clients, or (neither) the highest rate the SLO
   allows (DistServe's goodput; without SLOs, the most the configuration sustains)."""
   kind = kind or _kind(groups)
@@ -115,13 +115,13 @@ def evaluate(cluster: Cluster, model: Model, prompt_len: int, output_len: int, g
   if rate is None and concurrency is None:
     if slo.ttft_s is None and slo.tpot_s is None:  # no SLO: the most it sustains, measured overloaded
       out = simulate(units, model, prompt_len, output_len, link, rate=2 * capacity(units, model, prompt_len, output_len), requests=requests,
-                     slo=slo, seed=seed, round_robin=rr)
+                     slo=slo, seed=seed, round_robin=rr, overlap=overlap)
       goodput = out.request_rps
     else:
-      goodput, out = max_goodput(units, model, prompt_len, output_len, link, slo, requests, seed, rr)
+      goodput, out = max_goodput(units, model, prompt_len, output_len, link, slo, requests, seed, rr, overlap=overlap)
   else:
     out = simulate(units, model, prompt_len, output_len, link, rate=rate, concurrency=concurrency, requests=requests, slo=slo, seed=seed,
-                   round_robin=rr)
+                   round_robin=rr, overlap=overlap)
     goodput = out.goodput_rps
   P = tuple(u.name for u in units if u.role == "prefill")
   D = tuple(u.name for u in units if u.role == "decode")
@@ -131,10 +131,10 @@ def evaluate(cluster: Cluster, model: Model, prompt_len: int, output_len: int, g
 def _requests(cluster: Cluster, concurrency: int | None) -> int:
   """Enough requests that every unit sees a steady state, and the closed loop's clients each send a few."""
   units = sum(n.replicas for n in cluster.nodes)
-  return min(4000, max(400, 40 * units, 4 * (concurrency or 0)))
+  return min(4000, max(400, 20 * units, 4 * (concurrency or 0)))
 
 def plan_serving(cluster: Cluster, model: str | Model, prompt_len: int, output_len: int, rate: float | None = None, concurrency: int | None = None,
-                 slo: SLO | None = None, seed: int = 0) -> ServingPlan:
+                 slo: SLO | None = None, seed: int = 0, overlap: bool = True) -> ServingPlan:
   """Simulate the configurations worth trying under this load and choose one (module docstring)."""
   model = cluster.model(model) if isinstance(model, str) else model
   slo = slo or SLO()
@@ -153,7 +153,7 @@ def plan_serving(cluster: Cluster, model: str | Model, prompt_len: int, output_l
   cap = lambda a: capacity(_units(cluster, a), model, prompt_len, output_len)
   rest = sorted((a for a in every if a not in naive), key=lambda a: (-cap(a), str(a)))[:SIMULATED]
   requests = _requests(cluster, concurrency)
-  run = lambda a, kind=None: evaluate(cluster, model, prompt_len, output_len, a, slo, rate, concurrency, kind, requests, seed)
+  run = lambda a, kind=None: evaluate(cluster, model, prompt_len, output_len, a, slo, rate, concurrency, kind, requests, seed, overlap)
   configs = [run(a) for a in naive] + ([run(groups_all, "balanced")] if len(groups_all) > 1 else []) + [run(a) for a in rest]
   chosen = max(configs, key=_rank)
   return ServingPlan(model, prompt_len, output_len, _load(rate, concurrency), slo, tuple(configs), chosen,
