@@ -190,3 +190,15 @@ def test_every_example_file_plans_under_load(path):
   plan = plan_serving(cluster, model, 2048, 64, rate=1.0, slo=SLO(2.0, 0.2))
   assert plan.chosen in plan.configurations and plan.reasons and plan.chosen.goodput_rps > 0
   assert all(c.outcome is None or c.outcome.ttft_p90_s >= c.outcome.ttft_p50_s for c in plan.configurations)
+
+@pytest.mark.parametrize("units, kwargs, problem", [
+  ([Unit("a", Node("a", DEVICES["h100"]), "both")], {}, "exactly one of rate and concurrency"),
+  ([Unit("a", Node("a", DEVICES["h100"]), "both")], {"rate": 0.0}, "rate must be > 0"),
+  ([Unit("a", Node("a", DEVICES["h100"]), "both")], {"concurrency": 0}, "concurrency must be at least 1"),
+  ([Unit("a", Node("a", DEVICES["h100"]), "both")], {"rate": 1.0, "requests": 5}, "at least 10 requests"),
+  ([Unit("a", Node("a", DEVICES["h100"]), "prefill")], {"rate": 1.0}, "a unit that prefills and one that decodes"),
+  ([Unit("a", Node("a", DEVICES["h100"]), "cook")], {"rate": 1.0}, "roles are prefill, decode, both"),
+  ([Unit("a", Node("a", Device("tiny", {"fp16": 1e12}, 1e11, 10e9)), "both")], {"rate": 1.0}, "cannot hold llama-3-8b"),
+])
+def test_bad_simulation_inputs_raise(units, kwargs, problem):
+  with pytest.raises(ValueError, match=problem): simulate(units, SMALL, 1024, 32, link, **kwargs)

@@ -63,7 +63,6 @@ class Outcome:
   request_rps: float        # requests/s finishing over the measured window
   attainment: float         # share of measured requests meeting the SLO
   goodput_rps: float        # requests/s meeting the SLO
-  busy: dict[str, float] = field(default_factory=dict)  # role -> mean share of time its units were busy (decoding counts)
   prefill_busy: float = 0.0  # share of time units that prefill spent prefilling
   decode_batch: float = 0.0  # sequences a decoding unit ran per step, averaged over time
   e2e_mean_s: float = 0.0    # arrival to last token, mean over measured requests
@@ -82,7 +81,6 @@ class _State:
   waiting: deque = field(default_factory=deque)  # requests waiting for a decode slot
   active: dict = field(default_factory=dict)     # request -> output tokens still to make
   busy_until: float = 0.0
-  busy_s: float = 0.0
   prefill_s_total: float = 0.0
   batch_s: float = 0.0        # sequences x seconds of decode runs
   nic_free: float = 0.0
@@ -102,6 +100,7 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
   if rate is not None and not rate > 0: raise ValueError(f"rate must be > 0 requests/s (got {rate})")
   if concurrency is not None and concurrency < 1: raise ValueError(f"concurrency must be at least 1 (got {concurrency})")
   if requests < 10: raise ValueError(f"simulate at least 10 requests (got {requests})")
+  if (bad := [f"{u.name}: {u.role!r}" for u in units if u.role not in ROLES]): raise ValueError(f"roles are {', '.join(ROLES)}; got {', '.join(bad)}")
   context = decode_context(prompt_len, output_len)
   states = [_State(u, max_batch(u.node, model, prompt_len + output_len), prefill_batch_time(u.node, model, 1, prompt_len),
                    (lambda n: lambda b: decode_step_time(n, model, b, context))(u.node)) for u in units]
@@ -109,6 +108,8 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
   decoders = [s for s in states if s.unit.role in ("decode", "both")]
   decode_only = [s for s in states if s.unit.role == "decode"]
   if not prefillers or not decoders: raise ValueError("a configuration needs a unit that prefills and one that decodes")
+  if (full := [s.unit.name for s in decoders if s.limit < 1]):
+    raise ValueError(f"{', '.join(full)} cannot hold {model.name} with a {prompt_len + output_len}-token sequence")
   kv_bytes = prompt_len * model.kv_bytes_per_token
   arrive, first, finish = {}, {}, {}
   events, seq, issued, rr = [], 0, 0, 0
@@ -154,7 +155,6 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
       s.batch_s += len(s.active) * steps * step
     else:
       return
-    s.busy_s += s.busy_until - now
     s.version += 1
     push(s.busy_until, "free", (s, s.version))
 
@@ -165,7 +165,6 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
     done_steps = max(1, math.ceil((now - begun) / step - 1e-9))
     if done_steps >= steps: return
     end = begun + done_steps * step
-    s.busy_s -= s.busy_until - end
     s.batch_s -= len(s.active) * (s.busy_until - end)
     s.work, s.busy_until = ("decode", done_steps, begun, step), end
     s.version += 1
@@ -239,13 +238,9 @@ def _measure(arrive, first, finish, requests, output_len, rate, slo, states, end
   rps = n / (b - a) if b > a else (len(ends) / ends[-1] if ends and ends[-1] > 0 else math.inf)
   met = sum(1 for x, y in zip(ttft, tpot) if slo.met(x, y)) / max(1, len(ttft))
   offered = rps if rate is None else min(rate, rps)
-  busy = {}
-  for role in ROLES:
-    mine = [s.busy_s / end for s in states if s.unit.role == role] if end > 0 else []
-    if mine: busy[role] = sum(mine) / len(mine)
   pre = [s.prefill_s_total / end for s in states if s.unit.role != "decode"] if end > 0 else [0.0]
   dec = [s.batch_s / end for s in states if s.unit.role != "prefill"] if end > 0 else [0.0]
-  return Outcome(_pct(ttft, 0.5), _pct(ttft, 0.9), _pct(tpot, 0.5), _pct(tpot, 0.9), rps * output_len, rps, met, offered * met, busy,
+  return Outcome(_pct(ttft, 0.5), _pct(ttft, 0.9), _pct(tpot, 0.5), _pct(tpot, 0.9), rps * output_len, rps, met, offered * met,
                  sum(pre) / len(pre), sum(dec) / len(dec), sum(finish[r] - arrive[r] for r in measured) / max(1, len(measured)))
 
 def capacity(units: list[Unit], model: Model, prompt_len: int, output_len: int) -> float:
