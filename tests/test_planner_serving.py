@@ -137,7 +137,7 @@ def test_one_serving_throughput_sets_one_resource_and_keeps_the_physics():
   groups = (("rich", 1, 0, 0), ("poor", 0, 1, 0))
   truly = evaluate(dataclasses.replace(cluster, nodes=tuple(truth.values())), SMALL, 4096, 256, groups, SLO(5.0, 0.05))
   predicted = next(c for c in plan.configurations if c.groups == groups)
-  assert abs(predicted.goodput_rps / truly.goodput_rps - 1) < 0.25  # achieved -18%: each unmeasured resource stays at its spec sheet
+  assert abs(predicted.goodput_rps / truly.goodput_rps - 1) < 0.25  # achieved -17%: each unmeasured resource stays at its spec sheet
 
 @pytest.mark.parametrize("change, key, problem", [
   ({"concurrency": None}, "calibration[0].throughput_tok_s", "exactly one of concurrency and rate"),

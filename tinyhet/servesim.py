@@ -17,8 +17,9 @@ what it models:
     max(weights + every sequence's KV / bandwidth, FLOPs / compute) (roofline.decode_step_time); it admits what its
     memory holds (roofline.max_batch), the rest wait.
   - a colocated ("both") unit does both, as vLLM does without chunking: waiting prompts go first (a prefill pass stalls
-    every running decode), then decode steps; so each phase slows the other. It decodes what it prefilled unless a
-    decode unit is less loaded for its speed.
+    every running decode) while fewer than COLOCATED_SEQS sequences run, then decode steps; so each phase slows the
+    other (and past what it sustains, decodes starve while prompts keep coming). It decodes what it prefilled unless a
+    decode-only unit is as lightly loaded.
   - runs of decode steps between events are taken in one jump (the step time is fixed while the batch is), so a run
     costs a few events per request, not one per token.
 Measured: requests issued from 20% to 90% of the run (the start fills the pipeline, the end drains it). Every function
@@ -33,6 +34,7 @@ from tinyhet.catalog import Link, Model
 from tinyhet.roofline import Node, decode_context, decode_step_time, kv_transfer_exposed, max_batch, prefill_batch_time
 
 PREFILL_TOKEN_BUDGET = 8192  # tokens one prefill pass takes at most (at least one whole prompt), as vLLM's max_num_batched_tokens
+COLOCATED_SEQS = 256         # sequences a colocated unit runs at most (vLLM's max_num_seqs): past it, prompts wait and decode runs
 ROLES = ("prefill", "decode", "both")
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
   if requests < 10: raise ValueError(f"simulate at least 10 requests (got {requests})")
   if (bad := [f"{u.name}: {u.role!r}" for u in units if u.role not in ROLES]): raise ValueError(f"roles are {', '.join(ROLES)}; got {', '.join(bad)}")
   context = decode_context(prompt_len, output_len)
-  states = [_State(u, max_batch(u.node, model, prompt_len + output_len), prefill_batch_time(u.node, model, 1, prompt_len),
+  states = [_State(u, min(max_batch(u.node, model, prompt_len + output_len), COLOCATED_SEQS if u.role == "both" else 1 << 30),
+                   prefill_batch_time(u.node, model, 1, prompt_len),
                    (lambda n: lambda b: decode_step_time(n, model, b, context))(u.node)) for u in units]
   prefillers = [s for s in states if s.unit.role in ("prefill", "both")]
   decoders = [s for s in states if s.unit.role in ("decode", "both")]
@@ -112,6 +115,7 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
     raise ValueError(f"{', '.join(full)} cannot hold {model.name} with a {prompt_len + output_len}-token sequence")
   kv_bytes = prompt_len * model.kv_bytes_per_token
   arrive, first, finish = {}, {}, {}
+  made: list[tuple[float, int]] = []  # (time, output tokens made then): throughput counts tokens as they come, not as requests end
   events, seq, issued, rr = [], 0, 0, 0
   rng = random.Random(seed)
 
@@ -203,6 +207,7 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
       kind_, payload = s.work[:2]
       s.work = ()
       if kind_ == "prefill":
+        made.append((now, len(payload)))
         for r in payload:
           first[r] = now
           if output_len == 1: done(r, now)
@@ -218,6 +223,7 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
             push(sent, "kv", (r, d))
         admit(s, now) if s.unit.role == "both" else start(s, now)
       else:
+        made.append((now, len(s.active) * payload))
         for r in list(s.active):
           s.active[r] -= payload
           if s.active[r] <= 0:
@@ -225,17 +231,18 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
             done(r, now)
         admit(s, now)
   if len(finish) != requests: raise RuntimeError(f"simulation ended with {requests - len(finish)} requests unfinished")  # a bug, not an input
-  return _measure(arrive, first, finish, requests, output_len, rate, slo, states, now)
+  return _measure(arrive, first, finish, made, requests, output_len, rate, slo, states, now)
 
-def _measure(arrive, first, finish, requests, output_len, rate, slo, states, end) -> Outcome:
+def _measure(arrive, first, finish, made, requests, output_len, rate, slo, states, end) -> Outcome:
+  """Latencies of the requests issued from 20% to 90% of the run; throughput: output tokens made while they arrived
+  (the load is steady then; counting tokens rather than finished requests keeps bursts of completions out of it)."""
   lo, hi = int(0.2 * requests), max(int(0.9 * requests), int(0.2 * requests) + 1)
   measured = [r for r in range(lo, min(hi, requests)) if r in finish]
   ttft = [first[r] - arrive[r] for r in measured]
   tpot = [(finish[r] - first[r]) / (output_len - 1) if output_len > 1 else 0.0 for r in measured]
-  ends = sorted(finish.values())
-  a, b = ends[int(0.2 * (len(ends) - 1))], ends[int(0.9 * (len(ends) - 1))]
-  n = sum(1 for t in ends if a < t <= b)
-  rps = n / (b - a) if b > a else (len(ends) / ends[-1] if ends and ends[-1] > 0 else math.inf)
+  a, b = arrive[lo], arrive[min(hi, requests - 1)]
+  if b <= a: a, b = 0.0, end  # a closed loop's clients all sent at once: the whole run
+  rps = sum(n for t, n in made if a < t <= b) / (b - a) / output_len
   met = sum(1 for x, y in zip(ttft, tpot) if slo.met(x, y)) / max(1, len(ttft))
   offered = rps if rate is None else min(rate, rps)
   pre = [s.prefill_s_total / end for s in states if s.unit.role != "decode"] if end > 0 else [0.0]

@@ -15,8 +15,8 @@ import itertools, math
 from dataclasses import dataclass
 from tinyhet.catalog import Model, PlanError
 from tinyhet.cluster_file import Cluster
-from tinyhet.roofline import Node, cannot_hold
-from tinyhet.servesim import SLO, Outcome, Unit, capacity, max_goodput, simulate
+from tinyhet.roofline import Node, cannot_hold, max_batch
+from tinyhet.servesim import COLOCATED_SEQS, SLO, Outcome, Unit, capacity, max_goodput, simulate
 
 SIMULATED = 14          # assignments simulated after screening, besides each group alone and round-robin
 MAX_ASSIGNMENTS = 20_000
@@ -105,11 +105,14 @@ def _kind(groups) -> str:
   return "mixed" if any(g[3] for g in groups) else "disaggregated"
 
 def evaluate(cluster: Cluster, model: Model, prompt_len: int, output_len: int, groups, slo: SLO, rate: float | None = None,
-             concurrency: int | None = None, kind: str | None = None, requests: int = 400, seed: int = 0, overlap: bool = True) -> ServingConfig:
-  """Simulate one assignment at the load: `rate` requests/s, `concurrency` clients, or (neither) the highest rate the SLO
-  allows (DistServe's goodput; without SLOs, the most the configuration sustains)."""
+             concurrency: int | None = None, kind: str | None = None, requests: int | None = None, seed: int = 0,
+             overlap: bool = True) -> ServingConfig:
+  """Simulate one assignment (`requests` requests; default: as many as plan_serving runs) at the load: `rate` requests/s,
+  `concurrency` clients, or (neither) the highest rate the SLO allows (DistServe's goodput; without SLOs, the most the
+  configuration sustains)."""
   kind = kind or _kind(groups)
   units = _units(cluster, groups)
+  requests = requests or _requests(cluster, model, prompt_len, output_len, concurrency)
   link = cluster.link
   rr = kind == "balanced"
   if rate is None and concurrency is None:
@@ -128,10 +131,12 @@ def evaluate(cluster: Cluster, model: Model, prompt_len: int, output_len: int, g
   B = tuple(u.name for u in units if u.role == "both")
   return ServingConfig(_name(cluster, groups, kind), kind, P, D, B, tuple(groups), out, goodput, output_len)
 
-def _requests(cluster: Cluster, concurrency: int | None) -> int:
-  """Enough requests that every unit sees a steady state, and the closed loop's clients each send a few."""
+def _requests(cluster: Cluster, model: Model, prompt_len: int, output_len: int, concurrency: int | None) -> int:
+  """Enough requests that every unit sees a steady state (twice what the decode memory of all of them holds, so an
+  overloaded one fills up), and the closed loop's clients each send a few."""
   units = sum(n.replicas for n in cluster.nodes)
-  return min(4000, max(400, 20 * units, 4 * (concurrency or 0)))
+  slots = sum(n.replicas * min(max_batch(n, model, prompt_len + output_len), COLOCATED_SEQS) for n in cluster.nodes)
+  return min(4000, max(400, 20 * units, 2 * slots, 4 * (concurrency or 0)))
 
 def plan_serving(cluster: Cluster, model: str | Model, prompt_len: int, output_len: int, rate: float | None = None, concurrency: int | None = None,
                  slo: SLO | None = None, seed: int = 0, overlap: bool = True) -> ServingPlan:
@@ -152,20 +157,22 @@ def plan_serving(cluster: Cluster, model: str | Model, prompt_len: int, output_l
   groups_all = tuple((n.name, 0, 0, n.replicas) for n in cluster.nodes if not cannot_hold(n, model, prompt_len + output_len))
   cap = lambda a: capacity(_units(cluster, a), model, prompt_len, output_len)
   rest = sorted((a for a in every if a not in naive), key=lambda a: (-cap(a), str(a)))[:SIMULATED]
-  requests = _requests(cluster, concurrency)
+  requests = _requests(cluster, model, prompt_len, output_len, concurrency)
   run = lambda a, kind=None: evaluate(cluster, model, prompt_len, output_len, a, slo, rate, concurrency, kind, requests, seed, overlap)
   configs = [run(a) for a in naive] + ([run(groups_all, "balanced")] if len(groups_all) > 1 else []) + [run(a) for a in rest]
   chosen = max(configs, key=_rank)
   return ServingPlan(model, prompt_len, output_len, _load(rate, concurrency), slo, tuple(configs), chosen,
                      tuple(explain(cluster, model, configs, chosen, rate, concurrency, slo)))
 
+def _bucket(x: float) -> int: return round(math.log(max(x, 1e-12)) / math.log(1.01))  # values within ~1% share a bucket
+
 def _rank(c: ServingConfig):
-  """Goodput first (within 1% counts as equal), then throughput (within 1%), then lower p90 end-to-end time, then fewer units."""
+  """Goodput first, then throughput, then lower p90 end-to-end time (each within ~1% counts as equal), then fewer units,
+  then fewer colocated ones (a plain split is simpler to route)."""
   o = c.outcome
-  if o is None: return (-1.0, 0.0, 0.0, 0)
+  if o is None: return (-(1 << 30), 0, 0, 0, 0)
   e2e = o.ttft_p90_s + (c.output_len - 1) * o.tpot_p90_s
-  return (round(math.log(max(c.goodput_rps or 0.0, 1e-12)) / math.log(1.01)), round(math.log(max(o.throughput_tok_s, 1e-12)) / math.log(1.01)),
-          -e2e, -(len(c.prefill) + len(c.decode) + len(c.both)))
+  return (_bucket(c.goodput_rps or 0.0), _bucket(o.throughput_tok_s), -_bucket(e2e), -(len(c.prefill) + len(c.decode) + len(c.both)), -len(c.both))
 
 def _load(rate: float | None, concurrency: int | None) -> str:
   if rate is not None: return f"{rate:g} requests/s (Poisson)"
