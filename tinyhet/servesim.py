@@ -26,7 +26,7 @@ Measured: requests issued from 20% to 90% of the run (the start fills the pipeli
 here is arithmetic over roofline costs, no device is touched.
 """
 from __future__ import annotations
-import heapq, math, random
+import functools, heapq, math, random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -106,7 +106,11 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
   context = decode_context(prompt_len, output_len)
   states = [_State(u, min(max_batch(u.node, model, prompt_len + output_len), COLOCATED_SEQS if u.role == "both" else 1 << 30),
                    prefill_batch_time(u.node, model, 1, prompt_len),
-                   (lambda n: lambda b: decode_step_time(n, model, b, context))(u.node)) for u in units]
+                   functools.cache((lambda n: lambda b: decode_step_time(n, model, b, context))(u.node))) for u in units]  # batch -> step s
+  passes: dict[tuple[int, int], float] = {}  # (id of node, prompts) -> seconds of one prefill pass
+  def pass_s(node: Node, prompts: int) -> float:
+    if (id(node), prompts) not in passes: passes[id(node), prompts] = prefill_batch_time(node, model, prompts, prompt_len)
+    return passes[id(node), prompts]
   prefillers = [s for s in states if s.unit.role in ("prefill", "both")]
   decoders = [s for s in states if s.unit.role in ("decode", "both")]
   decode_only = [s for s in states if s.unit.role == "decode"]
@@ -150,7 +154,7 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
     if s.queue and room > 0:
       take = max(1, min(room, len(s.queue), PREFILL_TOKEN_BUDGET // prompt_len))
       batch = [s.queue.popleft() for _ in range(take)]
-      s.work, s.busy_until = ("prefill", batch), now + prefill_batch_time(s.unit.node, model, take, prompt_len)
+      s.work, s.busy_until = ("prefill", batch), now + pass_s(s.unit.node, take)
       s.prefill_s_total += s.busy_until - now
     elif s.active:
       step = s.step(len(s.active))
@@ -250,22 +254,22 @@ def _measure(arrive, first, finish, made, requests, output_len, rate, slo, state
   return Outcome(_pct(ttft, 0.5), _pct(ttft, 0.9), _pct(tpot, 0.5), _pct(tpot, 0.9), rps * output_len, rps, met, offered * met,
                  sum(pre) / len(pre), sum(dec) / len(dec), sum(finish[r] - arrive[r] for r in measured) / max(1, len(measured)))
 
+def unit_rates(node: Node, role: str, model: Model, prompt_len: int, output_len: int) -> tuple[float, float]:
+  """(requests/s it prefills, requests/s it decodes) at most, for one unit in `role`: prompts batched to the token
+  budget, decode at the full batch its memory (or, colocated, COLOCATED_SEQS) allows; a colocated unit alone in both."""
+  k = max(1, PREFILL_TOKEN_BUDGET // prompt_len)
+  p_s = prefill_batch_time(node, model, k, prompt_len) / k
+  b = max(1, min(max_batch(node, model, prompt_len + output_len), COLOCATED_SEQS if role == "both" else 1 << 30))
+  d = b / (max(output_len - 1, 1) * decode_step_time(node, model, b, decode_context(prompt_len, output_len)))
+  if role == "prefill": return 1 / p_s, 0.0
+  if role == "decode": return 0.0, d
+  both = 1 / (p_s + 1 / d)
+  return both, both
+
 def capacity(units: list[Unit], model: Model, prompt_len: int, output_len: int) -> float:
-  """A quick upper estimate of the requests/s `units` sustain (for screening configurations and bounding searches):
-  prefill units at one prompt per pass, decode units at their full batch, colocated units alone in both roles."""
-  context = decode_context(prompt_len, output_len)
-  def decode_rps(n: Node) -> float:
-    b = max(1, max_batch(n, model, prompt_len + output_len))
-    return b / (max(output_len - 1, 1) * decode_step_time(n, model, b, context))
-  p = d = 0.0
-  for u in units:
-    p_s = prefill_batch_time(u.node, model, max(1, PREFILL_TOKEN_BUDGET // prompt_len), prompt_len) / max(1, PREFILL_TOKEN_BUDGET // prompt_len)
-    if u.role == "prefill": p += 1 / p_s
-    elif u.role == "decode": d += decode_rps(u.node)
-    else:
-      both = 1 / (p_s + 1 / decode_rps(u.node))
-      p, d = p + both, d + both
-  return min(p, d)
+  """A quick upper estimate of the requests/s `units` sustain (for screening configurations and bounding searches)."""
+  rates = [unit_rates(u.node, u.role, model, prompt_len, output_len) for u in units]
+  return min(sum(p for p, _ in rates), sum(d for _, d in rates))
 
 def alone_throughput(node: Node, model: Model, prompt_len: int, output_len: int, rate: float | None = None, concurrency: int | None = None) -> float:
   """Output tokens/s of one replica of `node` serving alone (prefill and decode colocated) at a rate or a concurrency."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from tinyhet.catalog import Model, PlanError
 from tinyhet.cluster_file import Cluster
 from tinyhet.roofline import Node, cannot_hold, max_batch
-from tinyhet.servesim import COLOCATED_SEQS, SLO, Outcome, Unit, capacity, max_goodput, simulate
+from tinyhet.servesim import COLOCATED_SEQS, SLO, Outcome, Unit, capacity, max_goodput, simulate, unit_rates
 
 SIMULATED = 14          # assignments simulated after screening, besides each group alone and round-robin
 MAX_ASSIGNMENTS = 20_000
@@ -61,18 +61,21 @@ class ServingPlan:
   def to_json(self) -> dict:
     return {"configurations": [c.to_json() for c in self.configurations], "plan": {"name": self.chosen.name, "reasons": list(self.reasons)}}
 
-def _ratios(r: int) -> list[int]:
-  """Replica counts worth giving one role out of r: all of them up to 8, then a spread."""
-  if r <= 8: return list(range(1, r))
-  return sorted({max(1, min(r - 1, round(r * f))) for f in (1 / 8, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 3 / 4, 5 / 6, 7 / 8)} | {1, r - 1})
+def _ratios(r: int, detail: int = 2) -> list[int]:
+  """Replica counts worth giving one role out of r: every one up to 8, then a spread (detail 2); a quarter, a half and
+  three quarters (detail 1); none (detail 0, whole groups only)."""
+  fractions = {2: (1 / 8, 1 / 6, 1 / 4, 1 / 3, 1 / 2, 2 / 3, 3 / 4, 5 / 6, 7 / 8), 1: (1 / 4, 1 / 2, 3 / 4), 0: ()}[detail]
+  if detail == 2 and r <= 8: return list(range(1, r))
+  return sorted({max(1, min(r - 1, round(r * f))) for f in fractions if r > 1})
 
-def splits(node: Node, holds_prompt: bool, holds_request: bool) -> list[tuple[int, int, int]]:
-  """(prefill, decode, both) replica counts one node group may take: unused, one role for all, or two roles split."""
+def splits(node: Node, holds_prompt: bool, holds_request: bool, detail: int = 2) -> list[tuple[int, int, int]]:
+  """(prefill, decode, both) replica counts one node group may take: unused, one role for all, or two roles split
+  (prefill/decode, prefill/both, and at full detail decode/both)."""
   r, out = node.replicas, [(0, 0, 0)]
   if holds_prompt: out.append((r, 0, 0))
   if holds_request: out += [(0, r, 0), (0, 0, r)]
   if holds_prompt and holds_request:
-    for k in _ratios(r): out += [(k, r - k, 0), (k, 0, r - k), (0, k, r - k)]
+    for k in _ratios(r, detail): out += [(k, r - k, 0), (k, 0, r - k)] + ([(0, k, r - k)] if detail == 2 else [])
   return out
 
 def _units(cluster: Cluster, groups) -> list[Unit]:
@@ -92,10 +95,13 @@ def _name(cluster: Cluster, groups, kind: str) -> str:
   return ", ".join(f"{part(i, role)} {role}" for i, role in ((1, "prefill"), (2, "decode"), (3, "both")) if part(i, role))
 
 def assignments(cluster: Cluster, model: Model, prompt_len: int, output_len: int) -> list[tuple[tuple[str, int, int, int], ...]]:
-  """Every assignment of node groups to roles (see splits) with something that prefills and something that decodes."""
-  options = [[(n.name, *s) for s in splits(n, not cannot_hold(n, model, prompt_len), not cannot_hold(n, model, prompt_len + output_len))]
-             for n in cluster.nodes]
-  if math.prod(len(o) for o in options) > MAX_ASSIGNMENTS:
+  """Every assignment of node groups to roles (see splits) with something that prefills and something that decodes;
+  with many groups, each group's replicas are split in fewer ratios so that at most MAX_ASSIGNMENTS are tried."""
+  holds = [(n, not cannot_hold(n, model, prompt_len), not cannot_hold(n, model, prompt_len + output_len)) for n in cluster.nodes]
+  for detail in (2, 1, 0):  # as fine a split of each group as keeps the product of choices tractable
+    options = [[(n.name, *s) for s in splits(n, p, d, detail)] for n, p, d in holds]
+    if math.prod(len(o) for o in options) <= MAX_ASSIGNMENTS: break
+  else:
     raise PlanError(f"{cluster.source}: too many node groups to try every assignment; describe identical servers as one node with replicas = N")
   return [tuple(g for g in a if any(g[1:])) for a in itertools.product(*options)
           if any(g[1] or g[3] for g in a) and any(g[2] or g[3] for g in a)]
@@ -155,7 +161,10 @@ def plan_serving(cluster: Cluster, model: str | Model, prompt_len: int, output_l
                     + "; ".join(w for n in cluster.nodes if (w := cannot_hold(n, model, prompt_len + output_len))))
   naive = [a for a in every if _kind(a) == "alone"]
   groups_all = tuple((n.name, 0, 0, n.replicas) for n in cluster.nodes if not cannot_hold(n, model, prompt_len + output_len))
-  cap = lambda a: capacity(_units(cluster, a), model, prompt_len, output_len)
+  rates = {(n.name, role): unit_rates(n, role, model, prompt_len, output_len) for n in cluster.nodes for role in ("prefill", "decode", "both")}
+  def cap(a) -> float:  # servesim.capacity, summed per group: thousands of assignments are screened
+    per = [(rates[g[0], role], k) for g in a for role, k in zip(("prefill", "decode", "both"), g[1:]) if k]
+    return min(sum(r[0] * k for r, k in per), sum(r[1] * k for r, k in per))
   rest = sorted((a for a in every if a not in naive), key=lambda a: (-cap(a), str(a)))[:SIMULATED]
   requests = _requests(cluster, model, prompt_len, output_len, concurrency)
   run = lambda a, kind=None: evaluate(cluster, model, prompt_len, output_len, a, slo, rate, concurrency, kind, requests, seed, overlap)
