@@ -202,3 +202,13 @@ def test_every_example_file_plans_under_load(path):
 ])
 def test_bad_simulation_inputs_raise(units, kwargs, problem):
   with pytest.raises(ValueError, match=problem): simulate(units, SMALL, 1024, 32, link, **kwargs)
+
+def test_many_node_groups_get_coarser_splits_not_an_error():
+  names = ["a", "b", "c", "d"]
+  doc = {"nodes": {n: {"device": d, "replicas": 4} for n, d in zip(names, ["h100", "a100", "mi300x", "b200"])},
+         "links": [{"nodes": [x, y], "bandwidth_gbit_s": 400} for i, x in enumerate(names) for y in names[i:]]}
+  every = assignments(parse_cluster(doc, "four"), SMALL, 2048, 256)
+  assert 1000 < len(every) <= 20_000 and (("a", 2, 2, 0),) in every and (("a", 1, 2, 0),) not in every  # quarters, halves only
+  wide = {"nodes": {n: {"device": "h100", "replicas": 2} for n in "abcdefgh"}, "links": []}
+  wide["links"] = [{"nodes": [x, y], "bandwidth_gbit_s": 400} for i, x in enumerate("abcdefgh") for y in "abcdefgh"[i:]]
+  with pytest.raises(PlanError, match="replicas = N"): assignments(parse_cluster(wide, "eight"), SMALL, 2048, 256)
