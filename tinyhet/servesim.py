@@ -198,13 +198,11 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
       s.queue.append(what)
       cut(s, now)
       start(s, now)
-    elif kind == "kv":
+    elif kind == "kv":  # a request's KV cache is in a decode unit's memory: it joins at the next step boundary
       r, s = what
-      if output_len == 1: done(r, now)
-      else:
-        s.waiting.append(r)
-        if len(s.active) < s.limit: cut(s, now)
-        admit(s, now)
+      s.waiting.append(r)
+      if len(s.active) < s.limit: cut(s, now)
+      admit(s, now)
     else:  # a unit finished its work
       s, version = what
       if version != s.version: continue  # a run that was cut short

@@ -6,7 +6,8 @@
 Configurations: each node group alone (all its replicas colocated), naive round-robin over every group (colocated), and
 every assignment of node groups to prefill / decode / both / unused, in both directions, with each group's replicas split
 between prefill and decode (or prefill and both, or decode and both) in the ratios P:D worth trying (every ratio for up
-to 8 replicas, a spread of them above). An analytic capacity estimate screens the assignments; the most promising are
+to 8 replicas, a spread of them above; coarser when there are many groups). An analytic capacity estimate screens the
+assignments; the most promising are
 simulated (tinyhet/servesim.py) with the alone and round-robin ones, and the plan is the one with the highest goodput
 (requests/s meeting both SLOs), then the highest throughput, then the lowest p90 latency.
 """
@@ -49,6 +50,7 @@ class ServingConfig:
 
 @dataclass(frozen=True)
 class ServingPlan:
+  """Every simulated configuration for one workload and load, the chosen one and why."""
   model: Model
   prompt_len: int
   output_len: int
