@@ -16,7 +16,7 @@ def err(predicted: float, published: float) -> float: return predicted / publish
 # under 90% SLO attainment the existing (colocated, vLLM) system reaches a goodput of about 1.6 requests/s; a GPU serving
 # only the prefill phase reaches 5.6 rps, one serving only decoding 10 rps; "by allocating 2 GPUs for prefill and 1 GPU
 # for decoding, we can effectively serve the model with an overall goodput of 10 rps, or equally 3.3 rps per GPU, which
-# is 2.1x higher than existing systems". The model is OPT-13B (§6.1). The SLO values are drawn in the figure, not given
+# is 2.1x higher than existing systems" (quoted from the paper's text). The model is OPT-13B (§6.1). The SLO values are drawn in the figure, not given
 # in the text, so they are inferred here from the two single-phase figures (the calibration inputs): the TTFT SLO is the
 # p90 TTFT the model predicts for a prefill-only A100 at 5.6 rps, the TPOT SLO the p90 TPOT of a decode-only A100 at
 # 10 rps. A100 costs are spec-sheet (the text gives no single-phase latency). Predicted: the 2:1 assignment, the
@@ -67,7 +67,8 @@ def test_distserve_kv_cache_of_a_512_token_opt_66b_request():
 #                 TTFT A100 / H100    TBT A100 / H100    E2E A100 / H100
 #   coding        185 / 95 ms         52 / 31 ms         856 / 493 ms
 #   conversation  155 / 84 ms         40 / 28 ms         4957 / 3387 ms
-# Insight VII: the H100 cuts TTFT to 0.51x of the A100's but TBT only to 0.70x. Calibrated here on the coding rows only;
+# Insight VII: the H100 cuts TTFT to 0.51x of the A100's but TBT only to 0.70x. (The table as two independent write-ups
+# of the paper reproduce it; the paper's PDF itself was not at hand.) Calibrated here on the coding rows only;
 # predicted: the conversation rows, and the H100's rows from the A100's efficiencies and the spec sheets alone.
 
 SPLITWISE = pathlib.Path(__file__).resolve().parents[1] / "examples/clusters/splitwise_dgx.toml"  # those two rows, as calibration
