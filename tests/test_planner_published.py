@@ -16,11 +16,12 @@ def err(predicted: float, published: float) -> float: return predicted / publish
 # under 90% SLO attainment the existing (colocated, vLLM) system reaches a goodput of about 1.6 requests/s; a GPU serving
 # only the prefill phase reaches 5.6 rps, one serving only decoding 10 rps; "by allocating 2 GPUs for prefill and 1 GPU
 # for decoding, we can effectively serve the model with an overall goodput of 10 rps, or equally 3.3 rps per GPU, which
-# is 2.1x higher than existing systems" (quoted from the paper's text). The figure says "a 13B LLM"; OPT-13B is the 13B model the paper evaluates (§6). The SLO values are drawn in the figure, not given
-# in the text, so they are inferred here from the two single-phase figures (the calibration inputs): the TTFT SLO is the
-# p90 TTFT the model predicts for a prefill-only A100 at 5.6 rps, the TPOT SLO the p90 TPOT of a decode-only A100 at
-# 10 rps. A100 costs are spec-sheet (the text gives no single-phase latency). Predicted: the 2:1 assignment, the
-# disaggregated and the colocated goodput per GPU, and their ratio.
+# is 2.1x higher than existing systems" (quoted from the paper's text). The figure says "a 13B LLM"; OPT-13B is the 13B
+# model the paper evaluates (§6). The SLO values are drawn in the figure, not given in the text, so they are inferred
+# here from the two single-phase figures (the calibration inputs): the TTFT SLO is the p90 TTFT the model predicts for a
+# prefill-only A100 at 5.6 rps, the TPOT SLO the p90 TPOT of a decode-only A100 at 10 rps. A100 costs are spec-sheet
+# (the text gives no single-phase latency). Predicted: the 2:1 assignment, the disaggregated and the colocated goodput
+# per GPU, and their ratio.
 
 A100S = {"nodes": {"a100": {"device": "a100", "replicas": 3}},
          "links": [{"nodes": ["a100", "a100"], "bandwidth_gb_s": 300, "latency_us": 2}]}  # NVLink 3 inside one server
