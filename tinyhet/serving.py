@@ -208,8 +208,14 @@ def explain(cluster: Cluster, model: Model, configs: list[ServingConfig], chosen
       reasons.append(f"against {what} ({c.name}): {_g(c.goodput_rps or 0)} requests/s of goodput" + (f", {times:.2f}x less" if times >= 1.005 else "")
                      + f"; TTFT p90 {_ms(c.outcome.ttft_p90_s)}, TPOT p90 {_ms(c.outcome.tpot_p90_s)}")
   stage = "prefill" if o.prefill_busy > 0.8 else "decode"
-  reasons.append(f"prefilling units busy {o.prefill_busy:.0%} of the time; decoding units run {o.decode_batch:.3g} sequences per step on average; "
+  reasons.append(f"prefilling units busy {o.prefill_busy:.0%} of the time; decoding units hold {o.decode_batch:.3g} sequences on average; "
                  + ("queues form at prefill (TTFT grows first)" if stage == "prefill" else "decode batches set TPOT and throughput"))
+  if rate is not None:
+    short = [c.name for c in configs if c.outcome and c.outcome.attainment < slo.attainment]
+    if len(short) == len(configs):
+      reasons.append(f"no configuration meets the SLO for {slo.attainment:.0%} of requests at {rate:g} requests/s; "
+                     "this one serves the most within it")
+    elif short: reasons.append(f"at {rate:g} requests/s fewer than {slo.attainment:.0%} of requests meet the SLO with: {'; '.join(short)}")
   if chosen.both and (chosen.prefill or chosen.decode):
     reasons.append(f"{len(chosen.both)} of its units both prefill and decode: each of their prefill passes stalls their running decode steps")
   elif chosen.both:
