@@ -92,6 +92,9 @@ DEVICES: dict[str, Device] = {d.name: d for d in [
   Device("b200", _tf(fp4=9000, fp8=4500, fp16=2250), 8000 * G, 180 * G, NVLINK5,
          "NVIDIA HGX/DGX B200 datasheet (1,000 W): dense FP4 9, FP8 4.5, FP16 2.25 PFLOP/s; 8 TB/s HBM3e; DGX B200 lists "
          "1,440 GB for 8 GPUs (180 GB usable of 192 GB per GPU); NVLink 5 1.8 TB/s bidirectional"),
+  Device("a100", _tf(fp16=312), 2039 * G, 80 * G, Link(300 * G, 2e-6),
+         "NVIDIA A100 80GB SXM datasheet: FP16/BF16 tensor 312 TFLOP/s dense (624 with sparsity), 2,039 GB/s HBM2e, 80 GB; "
+         "NVLink 3 600 GB/s bidirectional per GPU"),
   Device("h100", _tf(fp8=1979, fp16=989), 3350 * G, 80 * G, NVLINK4,
          "NVIDIA H100 SXM5 datasheet: FP8 3,958 / FP16 1,979 TFLOP/s with sparsity (dense = half); 80 GB HBM3, 3.35 TB/s; NVLink 4 900 GB/s"),
   Device("h200", _tf(fp8=1979, fp16=989), 4800 * G, 141 * G, NVLINK4,
@@ -126,6 +129,9 @@ MODELS: dict[str, Model] = {m.name: m for m in [
   Model("llama-3-8b", 8.03e9, 32, 4096, 32, 8, 128, source="Meta Llama 3 / 3.1 8B config.json (8.03 B parameters, GQA 32/8)"),
   Model("llama-3-70b", 70.6e9, 80, 8192, 64, 8, 128, source="Meta Llama 3 / 3.1 70B config.json (70.6 B parameters, GQA 64/8)"),
   Model("llama-3.1-405b", 405.9e9, 126, 16384, 128, 8, 128, source="Meta Llama 3.1 405B config.json"),
+  Model("opt-13b", 12.85e9, 40, 5120, 40, 40, 128, source="facebook/opt-13b config.json (40 layers, hidden 5120, 40 heads, MHA; 12.85 B "
+        "parameters); DistServe's 13B model"),
+  Model("opt-66b", 65.7e9, 64, 9216, 72, 72, 128, source="facebook/opt-66b config.json (64 layers, hidden 9216, 72 heads, MHA; 65.7 B parameters)"),
   Model("smollm2-135m", 134.5e6, 30, 576, 9, 3, 64, source="HuggingFaceTB SmolLM2-135M config.json (tied embeddings)"),
   Model("deepseek-r1", 671e9, 61, 7168, 128, 128, 128, dtype="fp8", active_params=37e9, experts=256, experts_active=8,
         kv_dim=512 + 64, attn_dim=128 * (192 + 128),

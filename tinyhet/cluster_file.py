@@ -17,7 +17,8 @@
   model = "llama-3-8b"
   prompt_len = 8192
   output_len = 32
-  prefill_s = 1.47                   # and/or decode_s; or prefill_tok_s / decode_tok_s; or e2e_tok_s; or prefill_tflops / decode_gb_s
+  prefill_s = 1.47                   # and/or decode_s; or prefill_tok_s / decode_tok_s; or e2e_tok_s; or prefill_tflops / decode_gb_s;
+                                     # or throughput_tok_s with concurrency (or rate): a serving measurement
 
 Every problem raises ClusterFileError naming the file, the key and the fix.
 """
@@ -25,7 +26,8 @@ from __future__ import annotations
 import dataclasses, difflib, pathlib, re, tomllib
 from dataclasses import dataclass, field
 from tinyhet.catalog import DTYPE_BYTES, WIDER, Device, Link, Model, PlanError, find_device, find_model
-from tinyhet.roofline import Node, calibrated, cannot_hold
+from tinyhet.roofline import Node, calibrated, cannot_hold, most_sensitive, solve_efficiency
+from tinyhet.servesim import alone_throughput
 
 class ClusterFileError(PlanError):
   """A bad cluster file: names the file, the key, the problem and the fix."""
@@ -75,7 +77,12 @@ CALIBRATION = {"node": "the node measured", "model": "the model it served alone"
                "decode_s": "measured decode seconds for output_len tokens", "prefill_tok_s": "measured prompt tokens/s",
                "decode_tok_s": "measured generated tokens/s of one sequence", "e2e_tok_s": "output_len / (prefill + decode seconds)",
                "prefill_tflops": "measured prefill TFLOP/s (tinyhet bench)", "decode_gb_s": "measured decode GB/s (tinyhet bench)",
+               "throughput_tok_s": "measured serving throughput, output tokens/s, at concurrency or rate",
+               "concurrency": "clients of the throughput measurement (closed loop)", "rate": "requests/s of the throughput measurement",
                "source": "where the measurement comes from"}
+# what each measured figure calibrates: a phase ("both": one figure for the whole request, split between phases by the model)
+PHASES = {"prefill_s": "prefill", "prefill_tok_s": "prefill", "prefill_tflops": "prefill", "decode_s": "decode", "decode_tok_s": "decode",
+          "decode_gb_s": "decode", "e2e_tok_s": "both", "throughput_tok_s": "both"}
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 def _at(key: str, name: str) -> str: return f"{key}.{name}" if key else name
@@ -223,6 +230,7 @@ def _links(r: _Reader, entries: list[dict], nodes: dict[str, Node]) -> dict[tupl
   return links
 
 def _calibrate(r: _Reader, entries: list[dict], nodes: dict[str, Node], devices: dict[str, Device], models: dict[str, Model]):
+  """Measured figures -> each node's compute and bandwidth efficiencies (roofline.calibrated, servesim.alone_throughput)."""
   done: dict[tuple[str, str], str] = {}
   for i, spec in enumerate(entries):
     key = f"calibration[{i}]"
@@ -230,41 +238,64 @@ def _calibrate(r: _Reader, entries: list[dict], nodes: dict[str, Node], devices:
     name = r.string(spec, "node", key)
     if name not in nodes: r.fail(f"{key}.node", f"{name!r} is not a node", f"use one of {', '.join(nodes)}")
     node, num = nodes[name], lambda k: r.number(spec, k, key)
-    measured = [k for k in CALIBRATION if k not in ("node", "model", "dtype", "prompt_len", "output_len", "source") and k in spec]
-    if not measured: r.fail(key, "measures nothing", "add prefill_s/decode_s, prefill_tok_s/decode_tok_s, e2e_tok_s or prefill_tflops/decode_gb_s")
-    phases = {"prefill_s": "prefill", "prefill_tok_s": "prefill", "prefill_tflops": "prefill", "decode_s": "decode", "decode_tok_s": "decode",
-              "decode_gb_s": "decode", "e2e_tok_s": "both"}
+    measured = [k for k in PHASES if k in spec]
+    if not measured:
+      r.fail(key, "measures nothing",
+             "add prefill_s/decode_s, prefill_tok_s/decode_tok_s, e2e_tok_s, throughput_tok_s or prefill_tflops/decode_gb_s")
     for k in measured:
-      for phase in (["prefill", "decode"] if phases[k] == "both" else [phases[k]]):
+      for phase in (["prefill", "decode"] if PHASES[k] == "both" else [PHASES[k]]):
         if (name, phase) in done:
           r.fail(f"{key}.{k}", f"calibrates {name}'s {phase} again ({done[name, phase]} did already)", "keep one measurement per phase")
         done[name, phase] = f"{key}.{k}"
+    for k in ("concurrency", "rate"):
+      if k in spec and "throughput_tok_s" not in spec:
+        r.fail(f"{key}.{k}", "is given without throughput_tok_s", "add throughput_tok_s = ... or drop it")
     dtype = r.string(spec, "dtype", key, choices=DTYPE_BYTES)
     note = r.string(spec, "source", key, default="")
-    if "prefill_tflops" in spec: node = dataclasses.replace(node, prefill_eff=num("prefill_tflops") * 1e12 / node.flops(dtype or "fp16"))
-    if "decode_gb_s" in spec: node = dataclasses.replace(node, decode_eff=num("decode_gb_s") * 1e9 / node.bandwidth)
+    if "prefill_tflops" in spec: node = dataclasses.replace(node, compute_eff=num("prefill_tflops") * 1e12 / node.flops(dtype or "fp16"))
+    if "decode_gb_s" in spec: node = dataclasses.replace(node, bandwidth_eff=num("decode_gb_s") * 1e9 / node.bandwidth)
     timed = [k for k in measured if k not in ("prefill_tflops", "decode_gb_s")]
     if timed:
-      for k in ("model", "prompt_len") + (("output_len",) if any(k.startswith(("decode", "e2e")) for k in timed) else ()):
+      for k in ("model", "prompt_len") + (("output_len",) if any(k.startswith(("decode", "e2e", "throughput")) for k in timed) else ()):
         if k not in spec: r.fail(f"{key}.{k}", f"missing (needed with {timed[0]})", f"add {k} = ... ({CALIBRATION[k]})")
       model = r.lookup(find_model, r.string(spec, "model", key), models, f"{key}.model")
       model = model.with_dtype(dtype) if dtype else model
       prompt_len, output_len = r.integer(spec, "prompt_len", key, 1, 1 << 24), r.integer(spec, "output_len", key, 1, 1 << 24, default=1)
       if (why := cannot_hold(node, model, prompt_len + output_len)):
         r.fail(key, f"measures something the node cannot run ({why})", "check the node's device, count and memory_usable")
-      if "e2e_tok_s" in spec and len(timed) > 1:
-        r.fail(f"{key}.e2e_tok_s", "is given with per-phase figures", "give e2e_tok_s alone, or per-phase figures")
-      times = {"prefill_s": num("prefill_s") if "prefill_s" in spec else prompt_len / num("prefill_tok_s") if "prefill_tok_s" in spec else None,
-               "decode_s": num("decode_s") if "decode_s" in spec else output_len / num("decode_tok_s") if "decode_tok_s" in spec else None,
-               "total_s": output_len / num("e2e_tok_s") if "e2e_tok_s" in spec else None}
-      try: node = calibrated(node, model, prompt_len, output_len, **times)
-      except ValueError as e: r.fail(f"{key}.{timed[0]}", f"cannot be explained: {e}", "check the measurement and the node's intra_link")
+      for whole in ("e2e_tok_s", "throughput_tok_s"):
+        if whole in spec and len(timed) > 1: r.fail(f"{key}.{whole}", "is given with other figures", f"give {whole} alone in its entry")
+      if "throughput_tok_s" in spec: node, how = _fit_throughput(r, key, spec, node, model, prompt_len, output_len)
+      else:
+        times = {"prefill_s": num("prefill_s") if "prefill_s" in spec else prompt_len / num("prefill_tok_s") if "prefill_tok_s" in spec else None,
+                 "decode_s": num("decode_s") if "decode_s" in spec else output_len / num("decode_tok_s") if "decode_tok_s" in spec else None,
+                 "total_s": output_len / num("e2e_tok_s") if "e2e_tok_s" in spec else None}
+        try: node = calibrated(node, model, prompt_len, output_len, **times)
+        except ValueError as e: r.fail(f"{key}.{timed[0]}", f"cannot be explained: {e}", "check the measurement and the node's intra_link")
+        how = ""
       figures = f"{', '.join(f'{k} = {spec[k]:g}' for k in timed)} for {model.name}, {prompt_len}-token prompt" + \
-                (f", {output_len} tokens" if "output_len" in spec else "")
+                (f", {output_len} tokens" if "output_len" in spec else "") + how
       note = f"{note}: {figures}" if note else figures
-    for phase, eff in (("prefill", node.prefill_eff), ("decode", node.decode_eff)):
-      if not 1e-4 < eff <= 10: r.fail(f"{key}.{measured[0]}", f"puts {name}'s {phase} at {eff:.3g}x its spec sheet", "check the units and the device")
+    for resource, eff in (("compute", node.compute_eff), ("bandwidth", node.bandwidth_eff)):
+      if not 1e-4 < eff <= 10:
+        r.fail(f"{key}.{measured[0]}", f"puts {name}'s {resource} at {eff:.3g}x its spec sheet", "check the units and the device")
     nodes[name] = dataclasses.replace(node, calibration="; ".join(filter(None, [node.calibration, note or "measured"])))
+
+def _fit_throughput(r: _Reader, key: str, spec: dict, node: Node, model: Model, prompt_len: int, output_len: int) -> tuple[Node, str]:
+  """A measured serving throughput (output tokens/s of the node alone at a concurrency or a rate) sets the efficiency of
+  the one resource that figure is most sensitive to, as the serving simulation predicts it; the other stays as it was."""
+  if ("concurrency" in spec) == ("rate" in spec):
+    r.fail(f"{key}.throughput_tok_s", "needs exactly one of concurrency and rate",
+           "add concurrency = N (clients) or rate = R (requests/s) of the measurement")
+  conc = r.integer(spec, "concurrency", key, 1, 100_000)
+  rate = r.number(spec, "rate", key, hi=1e6)
+  predict = lambda n: alone_throughput(n, model, prompt_len, output_len, rate=rate, concurrency=conc)
+  resource = most_sensitive(node, predict)
+  try: node = solve_efficiency(node, resource, predict, r.number(spec, "throughput_tok_s", key))
+  except ValueError as e:
+    r.fail(f"{key}.throughput_tok_s", f"cannot be explained: {e}",
+           "check the figure; a throughput measured below what the node sustains (at a low rate) says nothing of its speed: measure at a concurrency")
+  return node, f" at {f'concurrency {conc}' if conc else f'{rate:g} requests/s'} (sets {resource})"
 
 def parse_cluster(data: dict, source: str = "<cluster>") -> Cluster:
   """A Cluster from parsed TOML (a dict); raises ClusterFileError on the first problem."""

@@ -3,6 +3,10 @@
   cluster = load_cluster("examples/clusters/spark_m3ultra.toml")
   p = predict(cluster, "llama-3-8b", prompt_len=8192, output_len=32)   # every configuration + the plan and its reasons
   d = route(cluster, "llama-3-8b", prompt_len=300, output_len=64)      # disaggregate this one request or not
+  s = pd_split(cluster, "llama-3-8b", 1024, 128, rate=4, slo=(1.0, 0.05)) # under load: {"prefill": [...], "decode": [...], "both", "ratio"}
+
+Without a load (`tinyhet plan` with no --rate/--concurrency/--max-throughput), each configuration is predicted for one
+request at a time (below). With one, tinyhet/serving.py simulates each configuration under that load (tinyhet/servesim.py).
 
 Configurations: each node alone (its replicas round-robin), naive load balancing (round-robin over every node that holds
 the model, each serving whole requests), and disaggregated prefill/decode with the best assignment of nodes to prefill,
@@ -16,8 +20,14 @@ import argparse, json, sys
 from dataclasses import dataclass
 from tinyhet.catalog import DEVICES, MODELS, Model, PlanError
 from tinyhet.cluster_file import Cluster, load_cluster
+from tinyhet.servesim import SLO
+from tinyhet.serving import pd_split, plan_serving, table as serving_table
 from tinyhet.configurations import Configuration, Work, alone, assignments, balanced, best, disaggregated, work
-from tinyhet.roofline import Node, cannot_hold, decode_context, decode_step_parts, decode_step_time, kv_transfer_exposed, prefill_parts, prefill_time
+
+__all__ = ["SLO", "Plan", "Prediction", "RouteDecision", "pd_split", "plan_serving", "predict", "route", "main"]  # pd_split: the router's P:D split
+
+from tinyhet.roofline import (Node, binding, cannot_hold, decode_context, decode_step_parts, decode_step_time, kv_transfer_exposed, prefill_parts,
+                              prefill_time)
 
 @dataclass(frozen=True)
 class Plan:
@@ -86,18 +96,17 @@ def _s(x: float) -> str:
 
 def _seqs(n: int) -> str: return f"{n:,} sequence" + ("" if n == 1 else "s")
 
-def _bound(node: Node, model: Model, parts: tuple[float, float, float], eff: float) -> str:
-  compute, memory, _ = parts
-  if compute >= memory: return f"compute-bound at {_g(node.flops(model.dtype) * eff / 1e12)} TFLOP/s"
-  return f"memory-bound at {_g(node.bandwidth * eff / 1e9)} GB/s"
+def _bound(node: Node, model: Model, parts: tuple[float, float, float]) -> str:
+  if binding(node, parts) == "compute": return f"compute-bound at {_g(node.flops(model.dtype) * node.compute_eff / 1e12)} TFLOP/s"
+  return f"memory-bound at {_g(node.bandwidth * node.bandwidth_eff / 1e9)} GB/s"
 
 def _prefill_note(node: Node, model: Model, tokens: int) -> str:
-  return f"{_s(prefill_time(node, model, tokens))} ({_bound(node, model, prefill_parts(node, model, tokens), node.prefill_eff)})"
+  return f"{_s(prefill_time(node, model, tokens))} ({_bound(node, model, prefill_parts(node, model, tokens))})"
 
 def _decode_note(node: Node, model: Model, prompt_len: int, output_len: int) -> str:
   parts = decode_step_parts(node, model, 1, decode_context(prompt_len, output_len))
   step = decode_step_time(node, model, 1, decode_context(prompt_len, output_len))
-  return f"{step * 1e3:.3g} ms per token ({_bound(node, model, parts, node.decode_eff)})"
+  return f"{step * 1e3:.3g} ms per token ({_bound(node, model, parts)})"
 
 def disaggregation_threshold(cluster: Cluster, model: Model, prefill: str, decode: str, limit: int = 1 << 24, overlap: bool = True) -> int | None:
   """The shortest prompt from which prefilling on `prefill` and streaming the KV to `decode` gives a first token sooner
@@ -120,7 +129,7 @@ def _main_group(c: Configuration, role: int, cluster: Cluster, model: Model, pro
   """The node doing most of a role (1: prefill, 2: decode) in a configuration."""
   names = [g[0] for g in c.groups if g[role]]
   if role == 1: return min((cluster.node(n) for n in names), key=lambda n: prefill_time(n, model, prompt_len))
-  return max((cluster.node(n) for n in names), key=lambda n: n.replicas * n.bandwidth * n.decode_eff)
+  return max((cluster.node(n) for n in names), key=lambda n: n.replicas * n.bandwidth * n.bandwidth_eff)
 
 def explain(cluster: Cluster, model: Model, prompt_len: int, output_len: int, rate: float | None, works: dict[str, Work],
             configs: list[Configuration], chosen: Configuration, overlap: bool = True) -> list[str]:
@@ -187,7 +196,7 @@ def explain(cluster: Cluster, model: Model, prompt_len: int, output_len: int, ra
   if rate: reasons += [n for c in configs if c is not chosen for n in c.notes if "cannot sustain" in n]
   calibrated = [n for n in cluster.nodes if n.calibration]
   for n in calibrated:
-    reasons.append(f"calibrated {n.name} ({n.calibration}): prefill at {n.prefill_eff:.0%}, decode at {n.decode_eff:.0%} of its spec sheet")
+    reasons.append(f"calibrated {n.name} ({n.calibration}): compute at {n.compute_eff:.0%}, bandwidth at {n.bandwidth_eff:.0%} of its spec sheet")
   if (raw := [n.name for n in cluster.nodes if not n.calibration]):
     reasons.append(f"spec-sheet peaks, uncalibrated (optimistic): {', '.join(raw)}; add [[calibration]] entries with measured figures")
   return reasons
@@ -262,12 +271,18 @@ def catalog_text() -> str:
 
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="tinyhet plan", description="Predict TTFT, time per output token and throughput of each way to run a model "
-                               "on a cluster, and choose where prefill and decode run.")
+                               "on a cluster, and choose where prefill and decode run. With --rate, --concurrency or --max-throughput: "
+                               "simulate each configuration under that load and report goodput, TTFT and TPOT p50/p90.")
   ap.add_argument("--cluster", help="cluster file (TOML); examples in examples/clusters/")
   ap.add_argument("--model", help="model name (see --list) or one defined in the cluster file")
   ap.add_argument("--prompt-len", type=int, default=8192, help="prompt tokens (default 8192)")
   ap.add_argument("--output-len", type=int, default=256, help="generated tokens (default 256)")
-  ap.add_argument("--rate", type=float, default=None, help="requests per second to plan for (default: one request at a time)")
+  ap.add_argument("--rate", type=float, default=None, help="serving mode: Poisson requests/s to plan for")
+  ap.add_argument("--concurrency", type=int, default=None, help="serving mode: clients, each sending its next request when the last ends")
+  ap.add_argument("--max-throughput", action="store_true", help="serving mode: the most requests/s each configuration serves within the SLOs")
+  ap.add_argument("--ttft-slo", type=float, default=None, help="serving mode: p90 time to first token target, seconds")
+  ap.add_argument("--tpot-slo", type=float, default=None, help="serving mode: p90 time per output token target, seconds")
+  ap.add_argument("--seed", type=int, default=0, help="serving mode: seed of the simulated arrivals (default 0)")
   ap.add_argument("--dtype", default=None, help="weight dtype to plan for instead of the model's (fp4, fp8, fp16, bf16, fp32)")
   ap.add_argument("--no-overlap", action="store_true", help="predict the KV cache sent after prefill instead of streamed layer by layer")
   ap.add_argument("--json", action="store_true", help="print one JSON object: configurations and plan")
@@ -277,13 +292,22 @@ def main(argv: list[str] | None = None) -> int:
     print(catalog_text(), end="")
     return 0
   if not args.cluster or not args.model: ap.error("--cluster and --model are required (or --list)")
+  loads = sum(x is not None and x is not False for x in (args.rate, args.concurrency, args.max_throughput or None))
+  if loads > 1: ap.error("give one of --rate, --concurrency and --max-throughput")
+  serving = loads == 1 or args.ttft_slo is not None or args.tpot_slo is not None
   try:
     cluster = load_cluster(args.cluster)
-    pred = predict(cluster, cluster.model(args.model, args.dtype), args.prompt_len, args.output_len, args.rate, overlap=not args.no_overlap)
+    model = cluster.model(args.model, args.dtype)
+    if serving:
+      pred = plan_serving(cluster, model, args.prompt_len, args.output_len, args.rate, args.concurrency, SLO(args.ttft_slo, args.tpot_slo), args.seed,
+                          overlap=not args.no_overlap)
+    else:
+      pred = predict(cluster, model, args.prompt_len, args.output_len, None, overlap=not args.no_overlap)
   except PlanError as e:
     print(f"tinyhet plan: {e}", file=sys.stderr)
     return 2
-  print(json.dumps(pred.to_json(), indent=2) if args.json else table(pred), end="\n" if args.json else "")
+  text = serving_table(pred) if serving else table(pred)
+  print(json.dumps(pred.to_json(), indent=2) if args.json else text, end="\n" if args.json else "")
   return 0
 
 if __name__ == "__main__": sys.exit(main())

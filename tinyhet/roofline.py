@@ -3,9 +3,11 @@
 A node is a server of `count` identical accelerators: its FLOP/s, bandwidth and memory are `count` times one accelerator's.
 Tensor-parallel (the default) adds two all-reduces per layer over the intra-node link; pipeline-parallel (layers split
 into `count` stages, for accelerators without a fast link) sends the activations across each stage boundary once, and
-its decode steps read the weights once per micro-batch in flight. Each phase takes max(compute time, memory time) /
-efficiency + communication time. Efficiencies are 1 for spec-sheet peaks; calibration
-(measured times of the node) sets them per phase. Every function here is plain arithmetic, no device is touched.
+its decode steps read the weights once per micro-batch in flight. Each phase takes max(FLOPs / (peak FLOP/s x compute
+efficiency), bytes / (peak bandwidth x bandwidth efficiency)) + communication time. Efficiencies are per resource, not per
+phase: 1 for spec-sheet peaks; calibration sets each from a measurement bound by that resource (a long prefill: compute;
+a small-batch decode: bandwidth), so a device slow only in compute is not made slow at bandwidth-bound decode too.
+Every function here is plain arithmetic, no device is touched.
 """
 from __future__ import annotations
 import dataclasses, math
@@ -15,7 +17,8 @@ from tinyhet.catalog import ACTIVATION_BYTES, Device, Link, Model
 @dataclass(frozen=True)
 class Node:
   """A server of `count` identical accelerators serving one copy of the model (tensor- or pipeline-parallel); `replicas`
-  identical such servers. `prefill_eff`/`decode_eff` scale the spec-sheet rates to measured ones (1.0 = uncalibrated)."""
+  identical such servers. `compute_eff`/`bandwidth_eff` scale the spec-sheet FLOP/s and bytes/s to measured ones (1.0 =
+uncalibrated); they apply to whichever phase is bound by that resource."""
   name: str
   device: Device
   count: int = 1
@@ -23,8 +26,8 @@ class Node:
   intra_link: Link | None = None
   parallel: str = "tensor"         # "tensor" | "pipeline" across the node's accelerators
   memory_usable: float = 0.9       # share of memory for weights + KV (the rest: activations, runtime, OS)
-  prefill_eff: float = 1.0
-  decode_eff: float = 1.0
+  compute_eff: float = 1.0
+  bandwidth_eff: float = 1.0
   calibration: str = ""            # where the efficiencies come from, for the plan's reasons
 
   @property
@@ -66,9 +69,20 @@ def prefill_parts(node: Node, model: Model, tokens: int) -> tuple[float, float, 
   # Pipeline stages stay busy on chunks of the prompt, so the whole node's rates apply.
   return prefill_flops(model, tokens) / node.flops(model.dtype), prefill_bytes(model, tokens) / node.bandwidth, comm_time(node, model, tokens)
 
+def at_efficiency(node: Node, parts: tuple[float, float, float]) -> float:
+  """Seconds of a pass from its (compute s, memory s, communication s) at spec-sheet rates, at the node's efficiencies."""
+  compute, memory, comm = parts
+  return max(compute / node.compute_eff, memory / node.bandwidth_eff) + comm
+
 def prefill_time(node: Node, model: Model, tokens: int) -> float:
-  compute, memory, comm = prefill_parts(node, model, tokens)
-  return max(compute, memory) / node.prefill_eff + comm
+  return at_efficiency(node, prefill_parts(node, model, tokens))
+
+def prefill_batch_time(node: Node, model: Model, prompts: int, tokens: int) -> float:
+  """Seconds to prefill `prompts` prompts of `tokens` tokens in one pass: FLOPs add up, the weights are read once."""
+  compute, memory, _ = prefill_parts(node, model, tokens)
+  weights = model.weights_touched(prompts * tokens) / node.bandwidth
+  return at_efficiency(node, (prompts * compute, weights + prompts * (memory - model.weights_touched(tokens) / node.bandwidth),
+                              comm_time(node, model, prompts * tokens)))
 
 # --- decode: one token per sequence per step ---------------------------------------------------------------------------
 
@@ -83,8 +97,7 @@ def decode_step_parts(node: Node, model: Model, batch: float, context: float) ->
   return stages * flops / node.flops(model.dtype), stages * nbytes / node.bandwidth, comm_time(node, model, batch)
 
 def decode_step_time(node: Node, model: Model, batch: float, context: float) -> float:
-  compute, memory, comm = decode_step_parts(node, model, max(batch, 1.0), context)
-  return max(compute, memory) / node.decode_eff + comm
+  return at_efficiency(node, decode_step_parts(node, model, max(batch, 1.0), context))
 
 def decode_context(prompt_len: int, output_len: int) -> float:
   """Mean context over a request's decode steps (the KV grows from prompt_len to prompt_len + output_len)."""
@@ -132,21 +145,64 @@ def cannot_hold(node: Node, model: Model, context: int) -> str | None:
 
 # --- calibration: measured times -> efficiencies -----------------------------------------------------------------------
 
+RESOURCES = {"compute": "compute_eff", "bandwidth": "bandwidth_eff"}
+
 def efficiency(work_s: float, comm_s: float, measured_s: float) -> float:
   """The efficiency e with work_s / e + comm_s = measured_s; ValueError when the measurement cannot be explained."""
   if not measured_s > comm_s: raise ValueError(f"{measured_s:g} s is not longer than the communication alone ({comm_s:.3g} s)")
   return work_s / (measured_s - comm_s)
 
+def binding(node: Node, parts: tuple[float, float, float]) -> str:
+  """The resource that bounds a pass at the node's present efficiencies: "compute" or "bandwidth"."""
+  compute, memory, _ = parts
+  return "compute" if compute / node.compute_eff >= memory / node.bandwidth_eff else "bandwidth"
+
+def fit_pass(node: Node, parts: tuple[float, float, float], measured_s: float, prefer: str, count: int = 1) -> Node:
+  """The node with efficiencies that make this pass (`count` times in a row) take `measured_s`. `prefer` is the resource
+  such a pass is normally bound by (prefill: compute; decode: bandwidth): it takes the measurement, unless the other
+  resource, at its present efficiency, already accounts for the whole time; then that one does (the pass is bound by it)."""
+  compute, memory, comm = (count * x for x in parts)
+  work = {"compute": compute, "bandwidth": memory}
+  other = "bandwidth" if prefer == "compute" else "compute"
+  if not measured_s > comm: raise ValueError(f"{measured_s:g} s is not longer than the communication alone ({comm:.3g} s)")
+  if work[other] / getattr(node, RESOURCES[other]) >= measured_s - comm: prefer = other
+  return dataclasses.replace(node, **{RESOURCES[prefer]: efficiency(work[prefer], comm, measured_s)})
+
+def solve_efficiency(node: Node, resource: str, predict, measured: float, lo: float = 1e-4, hi: float = 10.0) -> Node:
+  """The node with `resource`'s efficiency set so that `predict(node)` (a figure that never falls as the efficiency
+  rises, e.g. throughput) equals `measured`; bisection in log space. ValueError when no efficiency in [lo, hi] gives it."""
+  at = lambda e: predict(dataclasses.replace(node, **{RESOURCES[resource]: e}))
+  if not at(lo) <= measured <= at(hi) * (1 + 1e-9):
+    raise ValueError(f"no {resource} efficiency from {lo:g} to {hi:g} of the spec sheet gives {measured:g} "
+                     f"(from {at(lo):.3g} to {at(hi):.3g})")
+  for _ in range(50):
+    mid = math.sqrt(lo * hi)
+    lo, hi = (mid, hi) if at(mid) < measured else (lo, mid)
+  return dataclasses.replace(node, **{RESOURCES[resource]: math.sqrt(lo * hi)})
+
+def most_sensitive(node: Node, predict) -> str:
+  """The resource whose efficiency moves `predict(node)` most: what one measured figure can tell about the node.
+  The other resource keeps its present efficiency (spec sheet, or an earlier measurement)."""
+  base = predict(node)
+  moved = {r: abs(predict(dataclasses.replace(node, **{f: getattr(node, f) * 1.1})) - base) for r, f in RESOURCES.items()}
+  return max(moved, key=moved.get)
+
 def calibrated(node: Node, model: Model, prompt_len: int, output_len: int, prefill_s: float | None = None, decode_s: float | None = None,
                total_s: float | None = None) -> Node:
-  """The node with efficiencies that reproduce measured times of it serving `model` alone: `prefill_s` for a
-  `prompt_len`-token prompt and/or `decode_s` for `output_len` tokens after it, or only `total_s` for both (one common
-  efficiency then). Raises ValueError when a time is impossible."""
-  p_c, p_m, p_comm = prefill_parts(node, model, prompt_len)
-  d_c, d_m, d_comm = decode_step_parts(node, model, 1, decode_context(prompt_len, output_len))
-  p_work, d_work = max(p_c, p_m), output_len * max(d_c, d_m)
-  changes = {}
-  if total_s is not None: changes["prefill_eff"] = changes["decode_eff"] = efficiency(p_work + d_work, p_comm + output_len * d_comm, total_s)
-  if prefill_s is not None: changes["prefill_eff"] = efficiency(p_work, p_comm, prefill_s)
-  if decode_s is not None: changes["decode_eff"] = efficiency(d_work, output_len * d_comm, decode_s)
-  return dataclasses.replace(node, **changes)
+  """The node with efficiencies that reproduce measured times of it serving `model` alone, one request at a time:
+  `decode_s` for `output_len` tokens after a `prompt_len`-token prompt sets the bandwidth efficiency (a decode step reads
+  the weights and KV), `prefill_s` for the prompt the compute efficiency (unless the bytes alone explain it: fit_pass).
+  `total_s` alone (prefill + decode, one figure) is split between the phases by the model: it sets the efficiency of
+  the one resource it is most sensitive to and leaves the other as it was. Raises ValueError when a time is impossible."""
+  p_parts = prefill_parts(node, model, prompt_len)
+  d_parts = decode_step_parts(node, model, 1, decode_context(prompt_len, output_len))
+  if total_s is not None:
+    both = lambda n: -(at_efficiency(n, p_parts) + output_len * at_efficiency(n, d_parts))  # never falls as an efficiency rises
+    resource = most_sensitive(node, both)
+    comm = p_parts[2] + output_len * d_parts[2]
+    if not total_s > comm: raise ValueError(f"{total_s:g} s is not longer than the communication alone ({comm:.3g} s)")
+    node = solve_efficiency(node, resource, both, -total_s)
+  for _ in range(2):  # decode first: it pins bandwidth, which tells whether the prefill was bound by it; then once more
+    if decode_s is not None: node = fit_pass(node, d_parts, decode_s, "bandwidth", output_len)
+    if prefill_s is not None: node = fit_pass(node, p_parts, prefill_s, "compute")
+  return node
