@@ -5,7 +5,7 @@ import importlib, sys
 BENCHMARKS = {
   "transfer": ("tinyhet.bench.transfer", "KV transports (shm, tcp, verbs) against memcpy and a raw socket"),
   "kv": ("tinyhet.bench.kv", "paged KV: memory utilization and paged attention against contiguous/dense"),
-  "decode": ("tinyhet.bench.decode_baseline", "decode at batch 1: tinyhet's Llama (float and packed weights) against a PyTorch float32 forward"),
+  "decode": ("tinyhet.bench.decode", "the decode node's engine against llama.cpp and PyTorch: decode at batches 1-64, prefill, read-bandwidth share"),
   "het": ("tinyhet.bench.het_check", "the HET device on its backend (HET_BACKEND=CUDA on a GPU): checks and matmul speed"),
   "e2e": ("tinyhet.bench.e2e", "end to end: disaggregated against --no-disagg, decode against the memory-bandwidth bound"),
 }

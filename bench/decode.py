@@ -1,0 +1,251 @@
+"""tinyhet bench decode: the decode node's engine against llama.cpp and PyTorch, on the same GGUF, the same thread count, in
+one run: batch-1 decode tokens/s, aggregate decode tokens/s at batches 4, 16 and 64, prefill tokens/s at 100 and 1,000
+tokens, and the share of the machine's read bandwidth a decode step uses.
+
+  tinyhet    prefill on HET (CPU), decode on MESH: the paged KV cache and one TinyJit capture per batch bucket, as the decode
+             node runs them; the GGUF's quantized blocks read by the kernels; float16 KV
+  llama.cpp  llama-cpp-python (pip install -e '.[bench]' compiles it; `make bench-setup` builds it as the README says) on the
+             same GGUF: one context with a sequence per batch row, float16 KV
+  torch      Meta's reference forward in PyTorch float32 (weights dequantized), a preallocated KV cache per batch row
+
+Decode rows run every sequence at a context of --context tokens (the KV is present, its values do not matter to the speed).
+read share = bytes one decode step reads (the weights it streams, plus every row's KV) / step time / the machine's read
+bandwidth (bench/membw.py, a streaming read by the same number of threads, measured in this run). Engines take turns,
+round after round; each figure is the best round (another process can stall one round on a shared machine).
+"""
+from __future__ import annotations
+import argparse, json, math, os, sys, time
+import numpy as np
+from tinyhet.bench.torch_llama import TorchLlama
+
+FILLER = ("The history of astronomy is long. Early observers tracked the motions of the Sun, the Moon and the planets, "
+          "built calendars from them, and argued about the shape of the heavens. ")
+
+def prompt_ids(tok, n: int) -> list[int]:
+  """Exactly n token ids of filler text (a benchmark prompt: no chat template, so every engine gets the same ids)."""
+  ids = tok.encode(FILLER * (2 + n // 20), add_special=False)
+  while len(ids) < n: ids = ids + ids
+  return ids[:n]
+
+def best_rate(fn, work: int, rounds: int) -> float:
+  best = math.inf
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    fn()
+    best = min(best, time.perf_counter() - t0)
+  return work / best
+
+class TinyhetEngine:
+  name = "tinyhet"
+  def __init__(self, path, threads: int, max_batch: int, max_context: int):
+    import tinyhet  # noqa: F401  (HET and MESH)
+    from tinygrad import TinyJit
+    from tinyhet.cpu_threads import configured_threads
+    from tinyhet.decode_node import PAD_SEQ
+    from tinyhet.kv_cache import PagedKVCache
+    from tinyhet.weights import load_model
+    if configured_threads() != threads: raise SystemExit(f"tinyhet runs {configured_threads()} threads: set TINYHET_CPU_THREADS={threads}")
+    self.het, self.tok = load_model(path, device="HET", max_context=max_context, quiet=True, packed=True)
+    self.mesh, _ = load_model(path, device="MESH", max_context=max_context, quiet=True, packed=True)
+    cfg = self.mesh.cfg
+    blocks = (max_batch + 1) * -(-max_context // 16) + 2
+    self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, blocks, 16, "float16", device="MESH", max_seq_len=max_context)
+    self.cache.block_manager.allocate(PAD_SEQ, 1)
+    self.pad, self.steps = PAD_SEQ, {}
+    self.jit = lambda: TinyJit(lambda t, p, **kv: self.mesh.forward(t, p, self.cache).realize())
+    w = self.mesh.w
+    self.weight_bytes = w.nbytes() - (0 if w.output is w.tok_embeddings else w.tok_embeddings.nbytes())   # rows of the embedding only
+    self.kv_token_bytes = cfg.kv_bytes_per_token()
+
+  def prefill(self, prompt: list[int]) -> int:
+    from tinygrad import Tensor, dtypes
+    return int(self.het.prefill(Tensor([prompt], dtype=dtypes.int32, device="HET")).numpy()[0].argmax())
+
+  def decode(self, batch: int, context: int, steps: int) -> tuple[float, int]:
+    """(seconds for `steps` decode steps of `batch` sequences at `context` tokens, bytes one step reads)."""
+    from tinygrad import Tensor, dtypes
+    from tinyhet.cpu_threads import kernel_threads
+    from tinyhet.decode_node import batch_bucket
+    bm, ids = self.cache.block_manager, list(range(batch))
+    for i in ids: bm.allocate(i, context)
+    bucket = batch_bucket(batch)
+    step = self.steps.setdefault(bucket, self.jit())
+    tokens = [[1]] * batch
+    def one():
+      nonlocal tokens
+      for i in ids: bm.append_slot(i)
+      positions = self.cache.begin_step(ids + [self.pad] * (bucket - batch), 1)
+      with kernel_threads("MESH"):
+        logits = step(Tensor(tokens + [[0]] * (bucket - batch), dtype=dtypes.int32, device="MESH"),
+                      Tensor(positions, device="MESH"), **self.cache.jit_kwargs()).numpy()
+      tokens = [[int(t)] for t in logits[:batch].argmax(-1)]
+    try:
+      for _ in range(3): one()          # TinyJit: run, capture, replay
+      t0 = time.perf_counter()
+      for _ in range(steps): one()
+      return time.perf_counter() - t0, self.weight_bytes + batch * (context + 3 + steps) * self.kv_token_bytes
+    finally:
+      for i in ids: bm.deallocate(i)
+
+class LlamaCppEngine:
+  name = "llama.cpp"
+  def __init__(self, path, threads: int, max_batch: int, max_context: int):
+    import llama_cpp as L
+    self.L = L
+    L.llama_backend_init()
+    self.model = L.llama_load_model_from_file(str(path).encode(), L.llama_model_default_params())
+    if not self.model: raise RuntimeError(f"llama.cpp could not load {path}")
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_seq_max, cp.kv_unified = max_context * max_batch, max_batch, True
+    cp.n_batch = cp.n_ubatch = max(512, max_batch)
+    cp.n_threads = cp.n_threads_batch = threads
+    self.ctx = L.llama_init_from_model(self.model, cp)
+    if not self.ctx: raise RuntimeError("llama.cpp could not create a context")
+    self.mem, self.n_vocab = L.llama_get_memory(self.ctx), L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+    self.batch = L.llama_batch_init(max(512, max_batch), 0, max_batch)
+    self.weight_bytes = os.path.getsize(path)
+    self.kv_token_bytes = None      # set by the caller from the model's config (float16 K and V)
+
+  def _run(self, items: list[tuple[int, int, int, bool]]) -> list[int]:
+    """Decode (token, position, sequence, wants logits) items in chunks of n_batch; the argmax of each wanted row."""
+    L, b, out = self.L, self.batch, []
+    for s in range(0, len(items), 512):
+      chunk = items[s:s + 512]
+      b.n_tokens = len(chunk)
+      for i, (tok, pos, seq, want) in enumerate(chunk):
+        b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, want
+        b.seq_id[i][0] = seq
+      if (rc := L.llama_decode(self.ctx, b)) != 0: raise RuntimeError(f"llama_decode returned {rc}")
+      out += [int(np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), (self.n_vocab,)).argmax()) for i, c in enumerate(chunk) if c[3]]
+    return out
+
+  def prefill(self, prompt: list[int]) -> int:
+    self.L.llama_memory_clear(self.mem, True)
+    return self._run([(t, p, 0, p == len(prompt) - 1) for p, t in enumerate(prompt)])[0]
+
+  def decode(self, batch: int, context: int, steps: int) -> tuple[float, int]:
+    self.L.llama_memory_clear(self.mem, True)
+    self._run([(1, p, 0, p == context - 1) for p in range(context)])
+    for s in range(1, batch): self.L.llama_memory_seq_cp(self.mem, 0, s, -1, -1)
+    tokens, pos = [1] * batch, context
+    def one():
+      nonlocal tokens, pos
+      tokens = self._run([(tokens[s], pos, s, True) for s in range(batch)])
+      pos += 1
+    for _ in range(3): one()
+    t0 = time.perf_counter()
+    for _ in range(steps): one()
+    return time.perf_counter() - t0, self.weight_bytes + batch * (context + 3 + steps) * self.kv_token_bytes
+
+class TorchEngine:
+  name = "torch"
+  def __init__(self, mesh_model, threads: int, max_batch: int, max_context: int):
+    import torch
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(threads)
+    self.torch, self.cfg = torch, mesh_model.cfg
+    self.tm = TorchLlama(mesh_model.cfg, mesh_model.w, max_context, batch=max_batch)
+    self.weight_bytes = 4 * (self.cfg.n_params() - (0 if self.cfg.tie_embeddings else self.cfg.vocab_size * self.cfg.dim))
+    self.kv_token_bytes = 2 * self.cfg.n_layers * self.cfg.n_kv_heads * self.cfg.head_dim * 4
+
+  def prefill(self, prompt: list[int]) -> int: return int(self.tm.forward(self.torch.tensor([prompt]), 0)[0].argmax())
+
+  def decode(self, batch: int, context: int, steps: int) -> tuple[float, int]:
+    tokens, pos = self.torch.ones(batch, 1, dtype=self.torch.long), context
+    def one():
+      nonlocal tokens, pos
+      tokens = self.tm.forward(tokens, pos).argmax(-1, keepdim=True)
+      pos += 1
+    for _ in range(3): one()
+    t0 = time.perf_counter()
+    for _ in range(steps): one()
+    return time.perf_counter() - t0, self.weight_bytes + batch * (context + 3 + steps) * self.kv_token_bytes
+
+def llama_cpp_build() -> str:
+  try:
+    import llama_cpp
+    return f"llama-cpp-python {llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}"
+  except ImportError: return ""
+
+def main(argv: list[str] | None = None) -> int:
+  from tinyhet.cpu_threads import configured_threads
+  ap = argparse.ArgumentParser(prog="tinyhet bench decode", description=__doc__.split("\n\n")[0])
+  ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct, Q4_1)")
+  ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: tinyhet's, TINYHET_CPU_THREADS or every CPU)")
+  ap.add_argument("--batches", default="1,4,16,64")
+  ap.add_argument("--prompts", default="100,1000", help="prefill lengths")
+  ap.add_argument("--context", type=int, default=100, help="tokens in each sequence's KV during the decode rows")
+  ap.add_argument("--steps", type=int, default=16, help="decode steps per round")
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--engines", default="tinyhet,llama.cpp,torch")
+  ap.add_argument("--quick", action="store_true", help="batches 1,4; prompt 100; 8 steps; 2 rounds")
+  ap.add_argument("--json", action="store_true")
+  args = ap.parse_args(argv)
+  if args.quick: args.batches, args.prompts, args.steps, args.rounds = "1,4", "100", 8, 2
+  threads = args.threads or configured_threads()
+  os.environ["TINYHET_CPU_THREADS"] = str(threads)
+  configured_threads.cache_clear()
+  batches, prompts = [int(b) for b in args.batches.split(",")], [int(p) for p in args.prompts.split(",")]
+  from tinyhet.bench.membw import read_gbps
+  from tinyhet.weights import embedded_model_path
+  path = embedded_model_path() if args.model is None else args.model
+  max_context = max(max(prompts), args.context + 3 + args.steps * args.rounds) + 16
+  log = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
+  log(f"loading engines ({threads} threads) ...")
+  engines, skipped = [], {}
+  tinyhet_engine = TinyhetEngine(path, threads, max(batches), max_context)
+  wanted = args.engines.split(",")
+  if "tinyhet" in wanted: engines.append(tinyhet_engine)
+  for name, make in (("llama.cpp", lambda: LlamaCppEngine(path, threads, max(batches), max_context)),
+                     ("torch", lambda: TorchEngine(tinyhet_engine.mesh, threads, max(batches), max_context))):
+    if name not in wanted: continue
+    try: engines.append(make())
+    except ImportError as e: skipped[name] = f"not installed ({e.name}): pip install -e '.[bench]'"
+  for e in engines:
+    if e.kv_token_bytes is None: e.kv_token_bytes = tinyhet_engine.kv_token_bytes
+  gbps = read_gbps(threads=threads)
+  log(f"read bandwidth {gbps:.1f} GB/s ({threads} threads)")
+  rows = []
+  for n in prompts:
+    prompt = prompt_ids(tinyhet_engine.tok, n)
+    for e in engines: e.prefill(prompt)           # compiles, warms caches
+    for e in engines:
+      rows.append({"engine": e.name, "batch": 1, "prompt_tokens": n, "prefill_tok_s": best_rate(lambda: e.prefill(prompt), n, args.rounds),
+                   "decode_tok_s": None, "read_share": None})
+      log(f"  prefill {n:>5} tokens  {e.name:<10} {rows[-1]['prefill_tok_s']:8.1f} tok/s")
+  for b in batches:
+    for e in engines:
+      best, nbytes = math.inf, 0
+      for _ in range(args.rounds):
+        dt, nbytes = e.decode(b, args.context, args.steps)
+        best = min(best, dt)
+      step_s = best / args.steps
+      rows.append({"engine": e.name, "batch": b, "prompt_tokens": args.context, "prefill_tok_s": None, "decode_tok_s": b / step_s,
+                   "read_share": nbytes / step_s / (gbps * 1e9)})
+      log(f"  decode batch {b:>3}  {e.name:<10} {rows[-1]['decode_tok_s']:8.1f} tok/s  read share {rows[-1]['read_share']:.2f}")
+  out = {"threads": threads, "read_gbps": gbps, "model": tinyhet_engine.mesh.cfg.name, "context": args.context,
+         "llama_cpp": llama_cpp_build(), "skipped": skipped, "rows": rows}
+  if args.json: print(json.dumps(out))
+  else: print(table(out))
+  return 0
+
+def table(out: dict) -> str:
+  rows, engines = out["rows"], list(dict.fromkeys(r["engine"] for r in out["rows"]))
+  lines = [f"{out['model']}, {out['threads']} threads, read bandwidth {out['read_gbps']:.1f} GB/s; decode at a context of {out['context']} tokens"]
+  lines.append(f"{'':22}" + "".join(f"{e:>14}" for e in engines) + (f"{'tinyhet/llama.cpp':>19}" if "llama.cpp" in engines else ""))
+  def line(label, pick, fmt):
+    vals = {e: pick(e) for e in engines}
+    ratio = f"{vals['tinyhet'] / vals['llama.cpp']:>18.2f}x" if "llama.cpp" in vals and vals.get("tinyhet") and vals["llama.cpp"] else ""
+    lines.append(f"{label:22}" + "".join(f"{fmt(vals[e]):>14}" for e in engines) + ratio)
+  for n in sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"]}):
+    rate = lambda e: next(r["prefill_tok_s"] for r in rows if r["engine"] == e and r["prefill_tok_s"] and r["prompt_tokens"] == n)
+    line(f"prefill {n} tok/s", rate, lambda v: f"{v:.1f}")
+  for b in sorted({r["batch"] for r in rows if r["decode_tok_s"]}):
+    pick = lambda e, k: next(r[k] for r in rows if r["engine"] == e and r["decode_tok_s"] and r["batch"] == b)
+    line(f"decode batch {b} tok/s", lambda e: pick(e, "decode_tok_s"), lambda v: f"{v:.1f}")
+    line("  read share", lambda e: pick(e, "read_share"), lambda v: f"{v:.0%}")
+  if out["llama_cpp"]: lines.append(f"llama.cpp: {out['llama_cpp']}")
+  lines += [f"{k}: skipped, {v}" for k, v in out["skipped"].items()]
+  return "\n".join(lines)
+
+if __name__ == "__main__": sys.exit(main())
