@@ -89,7 +89,25 @@ class _State:
   work: tuple = ()            # what runs until busy_until: ("prefill", requests) or ("decode", steps, start, step seconds)
   version: int = 0            # of the pending "free" event; a cut run pushes a new one and the old is ignored
 
-  def decode_load(self) -> float: return (len(self.active) + len(self.waiting) + 1) * self.step(max(1, len(self.active))) / max(1, len(self.active))
+  def pending_s(self, now: float, output_len: int) -> float:
+    """How loaded a unit is for a new prompt, in seconds, for least-loaded routing. A prefill-only unit: the prompts
+    ahead of it and the pass under way (FCFS passes). A colocated unit: its requests in flight (queued, waiting, running)
+    times the seconds one takes there (a prefill pass plus its tokens at the present batch's step), i.e. least
+    outstanding requests weighted by how long one takes there alone, as a load balancer in front of vLLM replicas does
+    (the weight is fixed per unit: one that fell with the batch would make the busier unit look lighter). Its decode run is cut at the
+    next step for a prompt, so the run's planned end is no measure: routing by it (or by prefill queues alone) piles
+    prompts, and the stalls they bring, onto a few replicas while others idle."""
+    if self.unit.role != "both":
+      return (len(self.queue) + 1) * self.prefill_s + max(0.0, self.busy_until - now)
+    passing = len(self.work[1]) if self.work and self.work[0] == "prefill" else 0  # in the pass under way
+    return (len(self.queue) + passing + len(self.waiting) + len(self.active) + 1) * (self.prefill_s + (output_len - 1) * self.step(1))
+
+  def decode_load(self) -> float:
+    """How loaded a decoding unit is for one more sequence: its sequences once that one joins, times the step they
+    would then take (so a unit twice as fast takes about twice as many). Not the step shared per sequence, which falls
+    with the batch and would make the busier unit look lighter and pile sequences onto it."""
+    n = len(self.active) + len(self.waiting) + 1
+    return n * self.step(n)
 
 def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, link: Callable[[str, str], Link],
              rate: float | None = None, concurrency: int | None = None, requests: int = 400, slo: SLO = SLO(), seed: int = 0,
@@ -194,7 +212,7 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
         s = prefillers[rr % len(prefillers)]
         rr += 1
       else:
-        s = min(prefillers, key=lambda p: ((len(p.queue) + 1) * p.prefill_s + max(0.0, p.busy_until - now)))
+        s = min(prefillers, key=lambda p: p.pending_s(now, output_len))
       s.queue.append(what)
       cut(s, now)
       start(s, now)
