@@ -86,8 +86,8 @@ def test_decode_units_share_the_sequences():
   # two identical decode units behind the same prefill units split the sequences (fewest running first): each runs the
   # batch, and TPOT, of one unit at half the rate
   p = [Unit(f"p{i}", A100, "prefill") for i in range(4)]
-  two = simulate(p + [Unit("d0", A100, "decode"), Unit("d1", A100, "decode")], OPT13, 512, 64, link, rate=16, requests=800)
-  one = simulate(p + [Unit("d0", A100, "decode")], OPT13, 512, 64, link, rate=8, requests=800)
+  two = simulate([*p, Unit("d0", A100, "decode"), Unit("d1", A100, "decode")], OPT13, 512, 64, link, rate=16, requests=800)
+  one = simulate([*p, Unit("d0", A100, "decode")], OPT13, 512, 64, link, rate=8, requests=800)
   assert two.tpot_p90_s == pytest.approx(one.tpot_p90_s, rel=0.05) and two.decode_batch == pytest.approx(one.decode_batch, rel=0.1)
 
 def test_assignments_cover_both_directions_ratios_and_colocation():

@@ -254,13 +254,17 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
   return _measure(arrive, first, finish, made, requests, output_len, rate, slo, states, now)
 
 def _measure(arrive, first, finish, made, requests, output_len, rate, slo, states, end) -> Outcome:
-  """Latencies of the requests issued from 20% to 90% of the run; throughput: output tokens made while they arrived
-  (the load is steady then; counting tokens rather than finished requests keeps bursts of completions out of it)."""
+  """Latencies of the requests issued from 20% to 90% of the run; throughput: output tokens made between their first
+  tokens (the load is steady then; counting tokens rather than finished requests keeps bursts of completions out of it)."""
   lo, hi = int(0.2 * requests), max(int(0.9 * requests), int(0.2 * requests) + 1)
   measured = [r for r in range(lo, min(hi, requests)) if r in finish]
   ttft = [first[r] - arrive[r] for r in measured]
   tpot = [(finish[r] - first[r]) / (output_len - 1) if output_len > 1 else 0.0 for r in measured]
-  a, b = arrive[lo], arrive[min(hi, requests - 1)]
+  # the window: from the first token of the first measured request to that of the last. Under a load it keeps up with
+  # this is the arrival window shifted by a TTFT; overloaded, the arrival window would close while the work it admitted
+  # is barely started (a colocated unit is still filling its batch with prompts), measuring the ramp, not the saturated
+  # rate, whereas the queue still holds the requests after the last measured one when its first token is out
+  a, b = first[lo], first[min(hi, requests - 1)]
   if b <= a: a, b = 0.0, end  # a closed loop's clients all sent at once: the whole run
   rps = sum(n for t, n in made if a < t <= b) / (b - a) / output_len
   met = sum(1 for x, y in zip(ttft, tpot) if slo.met(x, y)) / max(1, len(ttft))
