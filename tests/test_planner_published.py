@@ -71,6 +71,17 @@ def test_distserve_colocated_goodput_within_20_percent(distserve):
 def test_distserve_disaggregation_gain_within_20_percent(distserve):
   assert abs(err(distserve[1].chosen.goodput_rps / 3 / distserve[2], 2.1)) < 0.2  # achieved 2.28x (+8%)
 
+def test_distserve_colocated_ttft_bound_goodput_as_achieved(distserve):
+  # The same write-up reads ~3 rps as where the colocated GPU's p90 TTFT crosses 0.4 s (the TPOT line, 1.6 rps, is what
+  # binds). Achieved 5.4 rps (+80%), a miss: here a colocated GPU puts waiting prompts before its decode steps, so its
+  # TTFT is nearly that of a prefill-only GPU (5.6 rps); the figure's vLLM loses TTFT to decoding too. What it does
+  # (batching prefills with running decodes, as §2.2 describes "existing systems", or not putting prompts strictly first)
+  # is not in the text; the figure read off a chart is itself approximate. The TPOT-bound goodput above is within 20%.
+  cluster = distserve[0]
+  node, model = cluster.node("a100"), MODELS["opt-13b"]
+  g, _ = max_goodput([Unit("a100", node, "both")], model, 512, 64, cluster.link, SLO(ttft_s=0.4), requests=_requests(cluster, model, 512, 64, None))
+  assert 4.5 < g < 6 and err(g, 3.0) > 0.5
+
 def test_distserve_kv_cache_of_a_512_token_opt_66b_request():
   # DistServe §3.3: "the KV cache size of a single 512-token request on OPT-66B is approximately 1.13GB" (GiB: 2^30 bytes)
   assert abs(err(512 * MODELS["opt-66b"].kv_bytes_per_token / 2**30, 1.13)) < 0.01
