@@ -19,8 +19,8 @@ def err(predicted: float, published: float) -> float: return predicted / publish
 # is 2.1x higher than existing systems" (quoted from the paper's text). The figure says "a 13B LLM"; OPT-13B is the 13B
 # model the paper evaluates (§6). The SLOs are drawn in the figure, not written in the text: P90 TTFT <= 0.4 s and P90
 # TPOT <= 0.04 s, as a write-up of the paper reads them off it ("Goodput under latency SLOs ... Example SLOs: P90 TTFT
-# <= 0.4 s, P90 TPOT <= 0.04 s", a study note on DistServe in the public code corpus); a second write-up quotes 0.04 as
-# the TPOT line. Calibration, from the two single-phase figures only: the A100's bandwidth efficiency is the one at which
+# <= 0.4 s, P90 TPOT <= 0.04 s", a study note on DistServe in the public code corpus); a second write-up gives 0.04 for
+# the SLO line without telling the two panels apart. Calibration, from the two single-phase figures only: the A100's bandwidth efficiency is the one at which
 # a decode-only GPU meets the TPOT SLO at exactly 10 rps (decode is bound by bandwidth), its compute efficiency the one
 # at which a prefill-only GPU meets the TTFT SLO at exactly 5.6 rps (a 512-token prefill "can fully engage an A100
 # GPU", §3.1). Predicted: a colocated GPU's goodput, the plan for three GPUs (2:1), its goodput per GPU and the gain.
