@@ -8,6 +8,8 @@ what it models:
 
   - requests: `prompt_len` prompt tokens, `output_len` output tokens; Poisson arrivals at `rate` (open loop, seeded: the
     same seed gives the same run) or `concurrency` clients each sending its next request when the last one ends (closed).
+  - a prompt goes to the least-loaded unit that prefills (_State.pending_s: the work queued ahead of a prefill unit; for
+    colocated replicas, the requests in flight for their speed);
   - a prefill unit takes waiting prompts first come first served, as many as fit a token budget, in one pass
     (roofline: FLOPs add up, weights are read once); the first token is out when the pass ends.
   - the KV cache then goes to the decode unit with the least load for its speed: streamed layer by layer, only what the
@@ -22,7 +24,8 @@ what it models:
     decode-only unit is as lightly loaded.
   - runs of decode steps between events are taken in one jump (the step time is fixed while the batch is), so a run
     costs a few events per request, not one per token.
-Measured: requests issued from 20% to 90% of the run (the start fills the pipeline, the end drains it). Every function
+Measured: requests issued from 20% to 90% of the run (the start fills the pipeline, the end drains it); throughput over
+the span of their first tokens. Every function
 here is arithmetic over roofline costs, no device is touched.
 """
 from __future__ import annotations
