@@ -1,12 +1,12 @@
 """The planner against published results. Each check calibrates only from the single-node figures its source gives and
 predicts figures that are not inputs. Where the prediction misses the 20% target, the test asserts what the planner
 achieves (and the README's error table gives the error and its cause); no bound here is set to pass by construction."""
-import dataclasses, pathlib
+import dataclasses, math, pathlib
 import pytest
 from tinyhet.catalog import MODELS
 from tinyhet.cluster_file import load_cluster, parse_cluster
 from tinyhet.roofline import decode_context, decode_step_time, prefill_time
-from tinyhet.servesim import SLO, Unit, simulate
+from tinyhet.servesim import SLO, Unit, max_goodput, simulate
 from tinyhet.serving import _requests, plan_serving
 
 def err(predicted: float, published: float) -> float: return predicted / published - 1
@@ -17,46 +17,70 @@ def err(predicted: float, published: float) -> float: return predicted / publish
 # only the prefill phase reaches 5.6 rps, one serving only decoding 10 rps; "by allocating 2 GPUs for prefill and 1 GPU
 # for decoding, we can effectively serve the model with an overall goodput of 10 rps, or equally 3.3 rps per GPU, which
 # is 2.1x higher than existing systems" (quoted from the paper's text). The figure says "a 13B LLM"; OPT-13B is the 13B
-# model the paper evaluates (§6). The SLO values are drawn in the figure, not given in the text, so they are inferred
-# here from the two single-phase figures (the calibration inputs): the TTFT SLO is the p90 TTFT the model predicts for a
-# prefill-only A100 at 5.6 rps, the TPOT SLO the p90 TPOT of a decode-only A100 at 10 rps. A100 costs are spec-sheet
-# (the text gives no single-phase latency). Predicted: the 2:1 assignment, the disaggregated and the colocated goodput
-# per GPU, and their ratio.
+# model the paper evaluates (§6). The SLOs are drawn in the figure, not written in the text: P90 TTFT <= 0.4 s and P90
+# TPOT <= 0.04 s, as a write-up of the paper reads them off it ("Goodput under latency SLOs ... Example SLOs: P90 TTFT
+# <= 0.4 s, P90 TPOT <= 0.04 s", a study note on DistServe in the public code corpus); a second write-up gives 0.04 for
+# the SLO line without telling the two panels apart. Calibration, from the two single-phase figures only: the A100's bandwidth efficiency is the one at which
+# a decode-only GPU meets the TPOT SLO at exactly 10 rps (decode is bound by bandwidth), its compute efficiency the one
+# at which a prefill-only GPU meets the TTFT SLO at exactly 5.6 rps (a 512-token prefill "can fully engage an A100
+# GPU", §3.1). Predicted: a colocated GPU's goodput, the plan for three GPUs (2:1), its goodput per GPU and the gain.
 
 A100S = {"nodes": {"a100": {"device": "a100", "replicas": 3}},
          "links": [{"nodes": ["a100", "a100"], "bandwidth_gb_s": 300, "latency_us": 2}]}  # NVLink 3 inside one server
+DISTSERVE_SLO = SLO(ttft_s=0.4, tpot_s=0.04)
+
+def _fit(node, resource, p90, target, lo=1e-3, hi=1.0):
+  """The node with `resource`'s efficiency at which the p90 latency `p90(node)` equals `target` (bisection in log space;
+  the latency falls as the efficiency rises)."""
+  for _ in range(30):
+    mid = math.sqrt(lo * hi)
+    lo, hi = (lo, mid) if p90(dataclasses.replace(node, **{resource: mid})) < target else (mid, hi)
+  return dataclasses.replace(node, **{resource: math.sqrt(lo * hi)})
 
 @pytest.fixture(scope="module")
 def distserve():
   cluster = parse_cluster(A100S, "distserve")
-  node, model = cluster.node("a100"), MODELS["opt-13b"]
-  unit = lambda role, i: Unit(f"{role}{i}", node, role)
+  node, model, link = cluster.node("a100"), MODELS["opt-13b"], cluster.link
   n = _requests(cluster, model, 512, 64, None)  # as many requests as the plan's runs
-  prefill_only = simulate([unit("prefill", 0), *(unit("decode", i) for i in range(3))], model, 512, 64, cluster.link, rate=5.6, requests=n)
-  decode_only = simulate([*(unit("prefill", i) for i in range(3)), unit("decode", 0)], model, 512, 64, cluster.link, rate=10, requests=n)
-  slo = SLO(prefill_only.ttft_p90_s, decode_only.tpot_p90_s)
-  return plan_serving(cluster, model, 512, 64, slo=slo)
+  # one GPU in the phase measured, enough GPUs in the other that it is the bottleneck
+  prefill_only = lambda a: simulate([Unit("p", a, "prefill"), *(Unit(f"d{i}", a, "decode") for i in range(3))], model, 512, 64, link,
+                                    rate=5.6, requests=n).ttft_p90_s
+  decode_only = lambda a: simulate([*(Unit(f"p{i}", a, "prefill") for i in range(3)), Unit("d", a, "decode")], model, 512, 64, link,
+                                   rate=10, requests=n).tpot_p90_s
+  for _ in range(2):  # decode first (bandwidth), then prefill (compute); once more as calibrated() does
+    node = _fit(node, "bandwidth_eff", decode_only, DISTSERVE_SLO.tpot_s)
+    node = _fit(node, "compute_eff", prefill_only, DISTSERVE_SLO.ttft_s)
+  cluster = dataclasses.replace(cluster, nodes=(node,))
+  one_gpu, _ = max_goodput([Unit("a100", node, "both")], model, 512, 64, link, DISTSERVE_SLO, requests=n)
+  return cluster, plan_serving(cluster, model, 512, 64, slo=DISTSERVE_SLO), one_gpu
+
+def test_distserve_calibration_is_physical(distserve):
+  node = distserve[0].node("a100")
+  assert 0.3 < node.compute_eff < 0.5 and 0.4 < node.bandwidth_eff < 0.6  # achieved 41% and 48% of the A100's spec sheet
 
 def test_distserve_plan_is_two_prefill_gpus_for_one_decode_gpu(distserve):
-  c = distserve.chosen
+  c = distserve[1].chosen
   assert (len(c.prefill), len(c.decode), len(c.both)) == (2, 1, 0) and c.ratio == "2:1"
 
 def test_distserve_disaggregated_goodput_per_gpu_within_20_percent(distserve):
-  per_gpu = distserve.chosen.goodput_rps / 3
-  assert abs(err(per_gpu, 3.3)) < 0.2  # achieved: 3.32 (+0.7%); it rests on the decode GPU's 10 rps, an input, so it checks the ratio
+  assert abs(err(distserve[1].chosen.goodput_rps / 3, 3.3)) < 0.2  # achieved 3.35 (+2%)
 
-def test_distserve_colocated_goodput_per_gpu_as_achieved(distserve):
-  colocated = next(c for c in distserve.configurations if c.kind == "alone")
-  per_gpu = colocated.goodput_rps / 3
-  # achieved 1.20 against 1.6 (-25%): a miss. With spec-sheet costs the inferred TPOT SLO (15.7 ms) sits only 22% above
-  # a lone decode step (12.8 ms), so a 42.5 ms prefill pass that stalls a colocated decode soon breaks it; vLLM's real
-  # step costs and the paper's real SLOs leave more room. The direction (colocation loses) holds.
-  assert 1.05 < per_gpu < 1.35 and abs(err(per_gpu, 1.6)) > 0.15
+def test_distserve_colocated_goodput_within_20_percent(distserve):
+  assert abs(err(distserve[2], 1.6)) < 0.2  # one colocated A100, as in the figure: achieved 1.47 (-8%)
 
-def test_distserve_disaggregation_gain_as_achieved(distserve):
-  colocated = next(c for c in distserve.configurations if c.kind == "alone")
-  gain = distserve.chosen.goodput_rps / colocated.goodput_rps
-  assert 2.4 < gain < 3.1  # achieved 2.8x against 2.1x (+32%): the colocated miss above, carried into the ratio
+def test_distserve_disaggregation_gain_within_20_percent(distserve):
+  assert abs(err(distserve[1].chosen.goodput_rps / 3 / distserve[2], 2.1)) < 0.2  # achieved 2.28x (+8%)
+
+def test_distserve_colocated_ttft_bound_goodput_as_achieved(distserve):
+  # The same write-up reads ~3 rps as where the colocated GPU's p90 TTFT crosses 0.4 s (the TPOT line, 1.6 rps, is what
+  # binds). Achieved 5.4 rps (+80%), a miss: here a colocated GPU puts waiting prompts before its decode steps, so its
+  # TTFT is nearly that of a prefill-only GPU (5.6 rps); the figure's vLLM loses TTFT to decoding too. What it does
+  # (batching prefills with running decodes, as §2.2 describes "existing systems", or not putting prompts strictly first)
+  # is not in the text; the figure read off a chart is itself approximate. The TPOT-bound goodput above is within 20%.
+  cluster = distserve[0]
+  node, model = cluster.node("a100"), MODELS["opt-13b"]
+  g, _ = max_goodput([Unit("a100", node, "both")], model, 512, 64, cluster.link, SLO(ttft_s=0.4), requests=_requests(cluster, model, 512, 64, None))
+  assert 4.5 < g < 6 and err(g, 3.0) > 0.5
 
 def test_distserve_kv_cache_of_a_512_token_opt_66b_request():
   # DistServe §3.3: "the KV cache size of a single 512-token request on OPT-66B is approximately 1.13GB" (GiB: 2^30 bytes)

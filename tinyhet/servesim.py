@@ -8,6 +8,8 @@ what it models:
 
   - requests: `prompt_len` prompt tokens, `output_len` output tokens; Poisson arrivals at `rate` (open loop, seeded: the
     same seed gives the same run) or `concurrency` clients each sending its next request when the last one ends (closed).
+  - a prompt goes to the least-loaded unit that prefills (_State.pending_s: the work queued ahead of a prefill unit; for
+    colocated replicas, the requests in flight for their speed);
   - a prefill unit takes waiting prompts first come first served, as many as fit a token budget, in one pass
     (roofline: FLOPs add up, weights are read once); the first token is out when the pass ends.
   - the KV cache then goes to the decode unit with the least load for its speed: streamed layer by layer, only what the
@@ -22,7 +24,8 @@ what it models:
     decode-only unit is as lightly loaded.
   - runs of decode steps between events are taken in one jump (the step time is fixed while the batch is), so a run
     costs a few events per request, not one per token.
-Measured: requests issued from 20% to 90% of the run (the start fills the pipeline, the end drains it). Every function
+Measured: requests issued from 20% to 90% of the run (the start fills the pipeline, the end drains it); throughput over
+the span of their first tokens. Every function
 here is arithmetic over roofline costs, no device is touched.
 """
 from __future__ import annotations
@@ -89,7 +92,25 @@ class _State:
   work: tuple = ()            # what runs until busy_until: ("prefill", requests) or ("decode", steps, start, step seconds)
   version: int = 0            # of the pending "free" event; a cut run pushes a new one and the old is ignored
 
-  def decode_load(self) -> float: return (len(self.active) + len(self.waiting) + 1) * self.step(max(1, len(self.active))) / max(1, len(self.active))
+  def pending_s(self, now: float, output_len: int) -> float:
+    """How loaded a unit is for a new prompt, in seconds, for least-loaded routing. A prefill-only unit: the prompts
+    ahead of it and the pass under way (FCFS passes). A colocated unit: its requests in flight (queued, waiting, running)
+    times the seconds one takes there (a prefill pass plus its tokens at the present batch's step), i.e. least
+    outstanding requests weighted by how long one takes there alone, as a load balancer in front of vLLM replicas does
+    (the weight is fixed per unit: one that fell with the batch would make the busier unit look lighter). Its decode run is cut at the
+    next step for a prompt, so the run's planned end is no measure: routing by it (or by prefill queues alone) piles
+    prompts, and the stalls they bring, onto a few replicas while others idle."""
+    if self.unit.role != "both":
+      return (len(self.queue) + 1) * self.prefill_s + max(0.0, self.busy_until - now)
+    passing = len(self.work[1]) if self.work and self.work[0] == "prefill" else 0  # in the pass under way
+    return (len(self.queue) + passing + len(self.waiting) + len(self.active) + 1) * (self.prefill_s + (output_len - 1) * self.step(1))
+
+  def decode_load(self) -> float:
+    """How loaded a decoding unit is for one more sequence: its sequences once that one joins, times the step they
+    would then take (so a unit twice as fast takes about twice as many). Not the step shared per sequence, which falls
+    with the batch and would make the busier unit look lighter and pile sequences onto it."""
+    n = len(self.active) + len(self.waiting) + 1
+    return n * self.step(n)
 
 def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, link: Callable[[str, str], Link],
              rate: float | None = None, concurrency: int | None = None, requests: int = 400, slo: SLO = SLO(), seed: int = 0,
@@ -194,7 +215,7 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
         s = prefillers[rr % len(prefillers)]
         rr += 1
       else:
-        s = min(prefillers, key=lambda p: ((len(p.queue) + 1) * p.prefill_s + max(0.0, p.busy_until - now)))
+        s = min(prefillers, key=lambda p: p.pending_s(now, output_len))
       s.queue.append(what)
       cut(s, now)
       start(s, now)
@@ -236,13 +257,17 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
   return _measure(arrive, first, finish, made, requests, output_len, rate, slo, states, now)
 
 def _measure(arrive, first, finish, made, requests, output_len, rate, slo, states, end) -> Outcome:
-  """Latencies of the requests issued from 20% to 90% of the run; throughput: output tokens made while they arrived
-  (the load is steady then; counting tokens rather than finished requests keeps bursts of completions out of it)."""
+  """Latencies of the requests issued from 20% to 90% of the run; throughput: output tokens made between their first
+  tokens (the load is steady then; counting tokens rather than finished requests keeps bursts of completions out of it)."""
   lo, hi = int(0.2 * requests), max(int(0.9 * requests), int(0.2 * requests) + 1)
   measured = [r for r in range(lo, min(hi, requests)) if r in finish]
   ttft = [first[r] - arrive[r] for r in measured]
   tpot = [(finish[r] - first[r]) / (output_len - 1) if output_len > 1 else 0.0 for r in measured]
-  a, b = arrive[lo], arrive[min(hi, requests - 1)]
+  # the window: from the first token of the first measured request to that of the last. Under a load it keeps up with
+  # this is the arrival window shifted by a TTFT; overloaded, the arrival window would close while the work it admitted
+  # is barely started (a colocated unit is still filling its batch with prompts), measuring the ramp, not the saturated
+  # rate, whereas the queue still holds the requests after the last measured one when its first token is out
+  a, b = first[lo], first[min(hi, requests - 1)]
   if b <= a: a, b = 0.0, end  # a closed loop's clients all sent at once: the whole run
   rps = sum(n for t, n in made if a < t <= b) / (b - a) / output_len
   met = sum(1 for x, y in zip(ttft, tpot) if slo.met(x, y)) / max(1, len(ttft))
