@@ -20,10 +20,11 @@ def err(predicted: float, published: float) -> float: return predicted / publish
 # model the paper evaluates (§6). The SLOs are drawn in the figure, not written in the text: P90 TTFT <= 0.4 s and P90
 # TPOT <= 0.04 s, as a write-up of the paper reads them off it ("Goodput under latency SLOs ... Example SLOs: P90 TTFT
 # <= 0.4 s, P90 TPOT <= 0.04 s", a study note on DistServe in the public code corpus); a second write-up gives 0.04 for
-# the SLO line without telling the two panels apart. Calibration, from the two single-phase figures only: the A100's bandwidth efficiency is the one at which
-# a decode-only GPU meets the TPOT SLO at exactly 10 rps (decode is bound by bandwidth), its compute efficiency the one
-# at which a prefill-only GPU meets the TTFT SLO at exactly 5.6 rps (a 512-token prefill "can fully engage an A100
-# GPU", §3.1). Predicted: a colocated GPU's goodput, the plan for three GPUs (2:1), its goodput per GPU and the gain.
+# the SLO line without telling the two panels apart. Calibration, from the two single-phase figures only: the A100's
+# bandwidth efficiency is the one at which a decode-only GPU meets the TPOT SLO at exactly 10 rps (decode is bound by
+# bandwidth), its compute efficiency the one at which a prefill-only GPU meets the TTFT SLO at exactly 5.6 rps (a
+# 512-token prefill "can fully engage an A100 GPU", §3.1). Predicted: a colocated GPU's goodput, the plan for three GPUs
+# (2:1), its goodput per GPU and the gain.
 
 A100S = {"nodes": {"a100": {"device": "a100", "replicas": 3}},
          "links": [{"nodes": ["a100", "a100"], "bandwidth_gb_s": 300, "latency_us": 2}]}  # NVLink 3 inside one server

@@ -44,7 +44,7 @@ class DecodeNode:
     cfg = model.cfg
     if cfg.n_layers >= 1 << LAYER_BITS: raise ValueError(f"{cfg.n_layers} layers do not fit the {LAYER_BITS}-bit layer field of a notice")
     self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
-    self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_blocks, block_size, kv_dtype, device="MESH",
+    self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_blocks + 1, block_size, kv_dtype, device="MESH",   # +1: PAD_SEQ's
                               max_seq_len=cfg.max_context)
     self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs)
     self.pools = [node.expose(*region_of(self.cache.pool_buffer(l))).narrow(0, self.cache.pool_buffer(l).nbytes) for l in range(cfg.n_layers)]
@@ -65,7 +65,7 @@ class DecodeNode:
     c, bm = self.model.cfg, self.cache.block_manager
     return {"model": self.model_id, "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
             "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
-            "kv_blocks": bm.num_blocks, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit()}
+            "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit()}
 
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0) -> dict:
     if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
