@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 APT := DEBIAN_FRONTEND=noninteractive apt-get -qq -o=Dpkg::Use-Pty=0
 
-.PHONY: run test setup system lint bench
+.PHONY: run test setup system lint bench bench-setup
 run: setup
 	$(VENV)/bin/tinyhet run
 
@@ -51,3 +51,10 @@ $(VENV)/.installed: setup.py pyproject.toml | system
 
 bench: setup
 	$(VENV)/bin/tinyhet bench transfer --quick
+
+# The baselines of `tinyhet bench decode`: PyTorch's CPU wheel and llama-cpp-python, which compiles llama.cpp (~10 minutes).
+# llama.cpp is built for AVX2/AVX-512 with GGML_NATIVE off: built natively on a CPU with AMX it crashed in its first decode.
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
+bench-setup: setup
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install -q -e '.[bench]'
+

@@ -26,8 +26,9 @@ setup(
     # rdma-core 59 and fails to import against older system libraries (Debian 12 ships 44); there, `make setup` links
     # Debian's python3-pyverbs into the virtual environment instead.
     "rdma": ["pyverbs"],
-    # the PyTorch float32 baseline of `tinyhet bench decode` (the CPU wheel; an unpinned torch pulls a multi-GB CUDA build)
-    "bench": ["torch==2.13.0"],
+    # the baselines of `tinyhet bench decode`: PyTorch float32 (the CPU wheel; an unpinned torch pulls a multi-GB CUDA build) and
+    # llama.cpp through llama-cpp-python, which compiles llama.cpp on install (`make bench-setup` passes the build flags)
+    "bench": ["torch==2.13.0", "llama-cpp-python==0.3.36"],
     "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf"],  # gguf: tests write GGUF files as llama.cpp does
   },
   entry_points={"console_scripts": ["tinyhet=tinyhet.cli:main"]},

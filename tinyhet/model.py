@@ -295,7 +295,7 @@ class Llama:
     return step
 
   def prefill(self, tokens: Tensor, on_layer: Callable[[int, Tensor, Tensor], None] | None = None, cache: KVCache | None = None,
-              kv_dtype: DType | None = None, n_valid: int | None = None) -> Tensor:
+              kv_dtype: DType | None = None, n_valid: int | None = None, progress: Callable[[int], None] | None = None) -> Tensor:
     """Runs one prompt, tokens (1, T) int32 at positions 0..T-1, realizing one layer at a time. As soon as layer l's K and V
     are realized, on_layer(l, k, v) gets them as (T, n_kv_heads, head_dim) tensors in kv_dtype (post-RoPE), before the rest of
     layer l and before any of layer l+1 is computed, so the caller can start sending them. Attention inside the prompt reads
@@ -303,13 +303,14 @@ class Llama:
     are also stored there (and kv_dtype is the cache's). Returns logits (1, vocab) float32, realized.
     n_valid: only the first n_valid tokens are the prompt; the rest pad it to a length whose kernels are compiled already
     (tinygrad compiles per shape; causal attention keeps pads out of the prompt's numbers). The logits are position
-    n_valid-1's, and on_layer gets all T rows: the caller sends the ones it needs."""
+    n_valid-1's, and on_layer gets all T rows: the caller sends the ones it needs. progress(layers done) is called as each layer
+    finishes (a long prefill shows where it is)."""
     if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"prefill takes one prompt, tokens of shape (1, T); got {tokens.shape}")
     if n_valid is not None and not (0 < n_valid <= tokens.shape[1] and cache is None):
       raise ValueError(f"n_valid={n_valid} must be in 1..{tokens.shape[1]}, and without a cache (it would store the pads)")
-    with kernel_threads(self.device): return self._prefill(tokens, on_layer, cache, kv_dtype, n_valid)
+    with kernel_threads(self.device): return self._prefill(tokens, on_layer, cache, kv_dtype, n_valid, progress)
 
-  def _prefill(self, tokens: Tensor, on_layer, cache: KVCache | None, kv_dtype: DType | None, n_valid: int | None = None) -> Tensor:
+  def _prefill(self, tokens: Tensor, on_layer, cache: KVCache | None, kv_dtype: DType | None, n_valid: int | None = None, progress=None) -> Tensor:
     kv_dtype = cache.kv_dtype if cache is not None else (kv_dtype or dtypes.float16)
     T = tokens.shape[1]
     positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device).realize()
@@ -323,6 +324,7 @@ class Llama:
       if on_layer is not None: on_layer(l, k[0], v[0])
       att = cache.update_and_attend(l, q, k.float(), v.float(), positions)
       x = self._finish_layer(l, x, att).realize()
+      if progress is not None: progress(l + 1)
     if n_valid is not None and n_valid != T:     # the last prompt row, picked by a tensor index: no kernel specialized to n_valid
       x = x[:, Tensor([n_valid - 1], dtype=dtypes.int32, device=self.device)]
     return self._logits(x).realize()
