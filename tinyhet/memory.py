@@ -74,12 +74,14 @@ class LocalNode:
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0: raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
     region = self.arena("MESH").alloc(nbytes, align=4096)
     desc = self.expose(region)
-    conn.on_close(lambda: self._release(desc.region_id, region))
-    conn.__dict__.setdefault("regions", {})[desc.region_id] = region
+    if (regions := conn.state.get("regions")) is None:      # one cleanup per connection: a long-lived peer's bookkeeping stays flat
+      regions = conn.state["regions"] = {}
+      conn.on_close(lambda: [self._release(rid, r) for rid, r in list(regions.items())])
+    regions[desc.region_id] = region
     return {"desc": desc.to_hex()}
 
   def _serve_free(self, conn, region_id: int) -> dict:
-    region = conn.__dict__.get("regions", {}).pop(region_id, None)
+    region = conn.state.get("regions", {}).pop(region_id, None)
     if region is None: raise ValueError(f"region {region_id} was not allocated by {conn.peer} on this connection")
     self._release(region_id, region)
     return {}
