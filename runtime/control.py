@@ -25,6 +25,9 @@ class ControlError(RuntimeError):
     super().__init__(message)
     self.peer, self.op, self.kind = peer, op, kind
 
+class ChannelBroken(ConnectionError):
+  """The control connection itself failed (the node went away, or answered out of protocol); it cannot be used again."""
+
 def send_message(sock: socket.socket, obj: dict):
   _send(sock, obj)
 
@@ -105,7 +108,7 @@ class ControlClient:
     self.next_id, self.broken = 1, None
 
   def _request(self, op: str, args: dict, reply_timeout: float | None) -> int:
-    if self.broken: raise ConnectionError(f"the control connection to {self.peer} is unusable: {self.broken}")
+    if self.broken: raise ChannelBroken(f"the control connection to {self.peer} is unusable: {self.broken}")
     rid, self.next_id = self.next_id, self.next_id + 1
     self.sock.settimeout(reply_timeout)
     try: send_message(self.sock, {"op": op, "args": args, "id": rid})
@@ -123,7 +126,7 @@ class ControlClient:
   def _break(self, why: str):
     self.broken = why
     self.close()
-    raise ConnectionError(f"the control connection to {self.peer} broke: {why}")
+    raise ChannelBroken(f"the connection to {self.peer} broke: {why}")
 
   def _check(self, op: str, item: dict) -> dict:
     if "error" in item: raise ControlError(str(item["error"]), self.peer, op, str(item.get("kind", "")))

@@ -1,5 +1,5 @@
 """`tinyhet` command line: each subcommand lives in its own module and parses its own arguments."""
-import importlib, os, sys
+import argparse, importlib, os, sys
 
 # name -> (module with main(argv), one-line help). Modules are imported only when their command runs: tinygrad is slow to import.
 COMMANDS = {
@@ -9,6 +9,11 @@ COMMANDS = {
   "bench": ("tinyhet.bench", "benchmarks against a baseline from the same run: transfer, kv, e2e"),
   "info": ("tinyhet.info", "show the configuration, devices and transports available on this machine"),
 }
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse, with a bad option said in one line (argparse prints the whole usage block before it)."""
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 def usage() -> str:
   return "usage: tinyhet COMMAND [ARGS]\n\ncommands:\n" + "".join(f"  {n:<7}{h}\n" for n, (_, h) in COMMANDS.items()) + \
