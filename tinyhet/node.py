@@ -6,7 +6,7 @@ Peers prove the shared token (TINYHET_TOKEN or the config file). Stop it with Ct
 from __future__ import annotations
 import json, os, signal, sys, threading
 
-from tinyhet.cli import ArgumentParser
+from tinyhet.cli import ArgumentParser, exit_now
 
 def parse_args(argv):
   ap = ArgumentParser(prog="tinyhet node", description=__doc__.splitlines()[0])
@@ -49,14 +49,8 @@ def main(argv=None) -> int:
     # stdin closing stops the node like SIGTERM does, whatever the main thread is doing (loading the model, say)
     threading.Thread(target=lambda: (sys.stdin.read(), os.kill(os.getpid(), signal.SIGTERM)), daemon=True, name="tinyhet-stdin-stop").start()
   try: return serve(args, stop)
-  except (Stopped, KeyboardInterrupt): return 0
-  finally: _stop_compile_workers()
-
-def _stop_compile_workers():
-  # tinygrad compiles in a pool of spawned processes (PARALLEL): end them now rather than leave them to the interpreter's exit
-  try: from tinygrad.engine.worker import terminate_worker_pool
-  except ImportError: return
-  terminate_worker_pool()
+  except (Stopped, KeyboardInterrupt): pass     # serve's own cleanup has run
+  exit_now(0)
 
 def serve(args, stop: threading.Event) -> int:
   if args.role == "prefill":

@@ -5,7 +5,7 @@ process; auto picks the shm transport for it). Prints the text as it is generate
 from __future__ import annotations
 import json, os, secrets, signal, subprocess, sys, threading, time
 
-from tinyhet.cli import ArgumentParser
+from tinyhet.cli import ArgumentParser, exit_now
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one short sentence."
 
@@ -112,9 +112,10 @@ def main(argv=None) -> int:
     child = LocalDecodeNode(args) if not (args.decode_node or args.no_disagg) else None
     return generate(args, child)
   except KeyboardInterrupt: return 130
-  except Terminated: return 143
+  except Terminated: pass
   finally:
     if child is not None: child.close()
+  exit_now(143)
 
 def generate(args, child) -> int:
   import tinyhet  # noqa: F401  (HET and MESH)
