@@ -176,6 +176,7 @@ class Endpoint:
     self.landing_done = threading.Condition(threading.Lock())
     self.one_sided: Counter = Counter()                # peer -> its open shm / verbs connections (writes the receiver cannot see)
     self.unauthenticated = 0
+    self.handshake_timeout, self.max_unauthenticated = HANDSHAKE_TIMEOUT, MAX_UNAUTHENTICATED
     self.notices: queue.SimpleQueue[Notice] = queue.SimpleQueue()
     self.lock = threading.Lock()
     self.closed = False
@@ -358,7 +359,7 @@ class Endpoint:
         backoff = min(max(2 * backoff, ACCEPT_BACKOFF[0]), ACCEPT_BACKOFF[1])   # EMFILE, ENFILE, ENOBUFS, ENOMEM, ECONNABORTED...
         continue
       with self.lock:
-        if self.unauthenticated >= MAX_UNAUTHENTICATED:
+        if self.unauthenticated >= self.max_unauthenticated:
           sock.close()
           continue
         self.unauthenticated += 1
@@ -384,8 +385,8 @@ class Endpoint:
     unix = sock.family == socket.AF_UNIX
     peer, counted = "?", [True]
     try:
-      deadline = time.monotonic() + HANDSHAKE_TIMEOUT
-      sock.settimeout(HANDSHAKE_TIMEOUT)
+      deadline = time.monotonic() + self.handshake_timeout
+      sock.settimeout(self.handshake_timeout)
       nonce = wire.new_nonce()
       wire.send_json(sock, {"tinyhet": wire.PROTOCOL, "node": self.name, "host": self.host, "nonce": nonce,
                             "transports": self.transports, "unix": self.unix_name})
