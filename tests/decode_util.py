@@ -22,7 +22,9 @@ node.endpoint.handle("test.digest", _digest)
 class DecodeNodeProcess:
   def __init__(self, blocks: int = 64, bs: int = 4):
     env = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_NODE": "guarded-decode", "TINYHET_ARENA_BYTES": "256M"}
-    script = DECODE_NODE.format(small=SMALL, blocks=blocks, bs=bs).replace("decode.run(stop)", DIGEST + "decode.run(stop)")
+    # warmed up before it says it is ready, so that an idle node holds no block (warm-up borrows scratch blocks)
+    script = DECODE_NODE.format(small=SMALL, blocks=blocks, bs=bs).replace("decode.run(stop)", DIGEST + "decode.run(stop, warm_up=False)")
+    script = script.replace("print(json.dumps(", "decode.warm_up()\nprint(json.dumps(")
     self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     line = self.proc.stdout.readline()
     if not line: raise RuntimeError(f"decode node did not start (exit {self.proc.wait()})")

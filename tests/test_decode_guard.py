@@ -6,14 +6,11 @@ import pytest
 from tinyhet.decode_node import notice_value
 from tinyhet.runtime.control import ControlError
 from tinyhet.runtime.transport import TransportError
-from decode_util import DecodeNodeProcess, Writer, clean_request, generate, kv_bytes
+from decode_util import Writer, clean_request, generate, kv_bytes
 from test_e2e import SMALL
 
-@pytest.fixture(scope="module")
-def node():
-  n = DecodeNodeProcess()
-  yield n
-  n.close()
+@pytest.fixture
+def node(guarded_node): return guarded_node
 
 @pytest.fixture
 def alice(node):
@@ -67,7 +64,7 @@ def test_notices_count_only_real_layers_from_the_reserving_peer(node, alice):
 def test_shm_blocks_come_back_only_when_the_writer_is_done(node):
   w = Writer("shm-writer", node.address, "shm")
   try:
-    total = w.ctl.call("decode.info")["free_blocks"]        # all free when idle
+    total = w.ctl.call("decode.info")["kv_blocks"]
     w.fill(kv_bytes(4096))
     r = w.reserve()
     w.write_layers(r, [0])                   # a writer that the node cannot fence might still be copying layer 1
@@ -101,7 +98,7 @@ def test_non_finite_logits_fail_that_sequence_not_the_node(node, alice):
   assert clean_request(alice) == want
 
 def test_cancelling_a_stream_frees_it_and_keeps_the_connection_in_step(node, alice):
-  total = alice.ctl.call("decode.info")["free_blocks"]
+  total = alice.ctl.call("decode.info")["kv_blocks"]
   alice.fill(kv_bytes(4096))
   r = alice.reserve(new=100)
   alice.write_layers(r, range(SMALL["n_layers"]))
