@@ -56,7 +56,8 @@ class LocalDecodeNode:
            "--stdin-stop"] + (["--model", args.model] if args.model else []) + (["--quiet"] if args.quiet else []) + \
           (["--float-weights"] if args.float_weights else [])
     # its own process group: a Ctrl-C at the terminal reaches this process only, which then stops the node (once, cleanly);
-    # the node dies with this process anyway (its stdin closes, and PR_SET_PDEATHSIG: tinyhet.node.die_with_parent)
+    # the node dies with this process anyway (its stdin closes, and PR_SET_PDEATHSIG: tinyhet.node.die_with_parent, which
+    # fires when the thread that started it ends: start it from the thread that outlives it, the main one)
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0,
                                  env={**os.environ, "TINYHET_NODE": "decode-local", "TINYHET_PARENT_PID": str(os.getpid())})
     self.ready, self.info, self.errors = threading.Event(), None, []
