@@ -26,6 +26,8 @@ def main(argv=None):
   ap.add_argument("--handshake-timeout", type=float, default=None, help="seconds a peer has for its whole handshake")
   ap.add_argument("--max-unauthenticated", type=int, default=None, help="connections allowed in their handshake at once")
   ap.add_argument("--max-fds", type=int, default=None, help="lower this process's open-file limit (RLIMIT_NOFILE) once started")
+  ap.add_argument("--spare-address-space", type=int, default=None,
+                  help="cap this process's address space (RLIMIT_AS) at what it maps once started plus this many bytes")
   args = ap.parse_args(argv)
   ep = Endpoint(args.name, token=args.token, config=load_config(env={}))
   if args.handshake_timeout is not None: ep.handshake_timeout = args.handshake_timeout
@@ -35,9 +37,11 @@ def main(argv=None):
   address = ep.listen(host, int(port))
   regions = []
   out = sys.stdout
-  if args.max_fds is not None:
-    import resource
-    resource.setrlimit(resource.RLIMIT_NOFILE, (args.max_fds, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+  import resource
+  if args.max_fds is not None: resource.setrlimit(resource.RLIMIT_NOFILE, (args.max_fds, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+  if args.spare_address_space is not None:      # new threads' stacks stop fitting: "can't start new thread"
+    mapped = next(int(x.split()[1]) << 10 for x in open("/proc/self/status") if x.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + args.spare_address_space, resource.getrlimit(resource.RLIMIT_AS)[1]))
   out.write(json.dumps({"address": address, "node": ep.name, "pid": __import__("os").getpid()}) + "\n")
   out.flush()
   for line in sys.stdin:

@@ -47,6 +47,23 @@ def test_running_out_of_fds_is_a_pause_not_the_end():
     for s in hogs: s.close()
     node.close()
 
+def test_no_thread_to_serve_a_peer_is_a_pause_not_the_end():
+  node = MemoryNode(extra=("--spare-address-space", str(48 << 20)))     # room for a few 8 MiB thread stacks, no more
+  hogs, refused = [], 0
+  try:
+    for _ in range(60):                      # connections until the node cannot start a thread for the next one
+      try: hogs.append(raw_ctl(node.address, timeout=2.0))
+      except (TimeoutError, OSError, wire.ProtocolError):
+        refused += 1
+        if refused == 3: break
+    else: pytest.fail("the node served 60 connections in 48 MiB of spare address space")
+    assert node.proc.poll() is None
+    for s in hogs: s.close()
+    assert served(node.address, 10), "after running out of threads the node never accepted again"
+  finally:
+    for s in hogs: s.close()
+    node.close()
+
 def test_a_trickled_handshake_is_dropped_at_one_deadline():
   node = MemoryNode(extra=("--handshake-timeout", "2"))
   try:
