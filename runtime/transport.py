@@ -15,19 +15,19 @@ registered region after checking its bounds). Neighbouring spans coalesce; spans
 tcp otherwise.
 """
 from __future__ import annotations
-import bisect, errno, importlib, itertools, os, queue, secrets, socket, threading, time
+import errno, importlib, itertools, os, queue, secrets, socket, threading, time
 from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 from tinyhet.config import Config, load_config, TRANSPORTS
 from tinyhet.runtime.arena import Arena, Region
 from tinyhet.runtime.descriptor import RegionDescriptor
+from tinyhet.runtime.exposure import Exposure, Landings
 from tinyhet.runtime import wire
 
 HANDSHAKE_TIMEOUT = 10.0      # one deadline for a whole server-side handshake (a client trickling bytes is dropped at it)
 MAX_UNAUTHENTICATED = 64      # connections still in their handshake; more are closed at once so that they cannot use up the fds
 ACCEPT_BACKOFF = (0.01, 1.0)  # seconds the accept loop sleeps after EMFILE / no thread (doubling up to the maximum), then retries
-DRAIN_TIMEOUT = 2.0           # seconds withdraw() waits for writes landing in a region before it drops the writers' connections
 
 class TransportError(RuntimeError):
   """A transfer or connection failed; the message names the peer and what was outstanding."""
@@ -126,24 +126,6 @@ class Notice(NamedTuple):
   nbytes: int
   time: float
 
-class Exposure:
-  """An exposed region as the receive path sees it: its bytes, which peer may use it (None: any authenticated peer) and
-  which parts of it (sorted, non-overlapping (start, end) byte ranges; None: all of it)."""
-  __slots__ = ("view", "owner", "starts", "ends")
-  def __init__(self, view: memoryview, owner: str | None, allowed: list[tuple[int, int]] | None):
-    self.view, self.owner = view, owner
-    runs: list[list[int]] = []
-    for off, n in sorted(allowed or []):
-      if off < 0 or n <= 0 or off + n > len(view): raise ValueError(f"allowed part [{off}, {off + n}) is outside the {len(view)}-byte region")
-      if runs and off <= runs[-1][1]: runs[-1][1] = max(runs[-1][1], off + n)     # touching parts merge: one write may cross them
-      else: runs.append([off, off + n])
-    self.starts, self.ends = ([r[0] for r in runs], [r[1] for r in runs]) if allowed is not None else (None, None)
-
-  def allows(self, offset: int, nbytes: int) -> bool:
-    if self.starts is None: return True
-    i = bisect.bisect_right(self.starts, offset) - 1
-    return i >= 0 and offset + nbytes <= self.ends[i]
-
 @dataclass
 class Peer:
   """A connection from this endpoint to another node, over one transport."""
@@ -172,8 +154,7 @@ class Endpoint:
     self.arenas: dict[int, Arena] = {}
     self.exposed: dict[int, Region] = {}
     self.exposed_views: dict[int, Exposure] = {}       # region id -> its bytes and who may write where, for the receive path
-    self.landing: Counter = Counter()                  # (region id, socket) -> frames being received into that region now
-    self.landing_done = threading.Condition(threading.Lock())
+    self.landings = Landings()                         # frames being received into exposed regions now (tcp)
     self.one_sided: Counter = Counter()                # peer -> its open shm / verbs connections (writes the receiver cannot see)
     self.unauthenticated = 0
     self.handshake_timeout, self.max_unauthenticated = HANDSHAKE_TIMEOUT, MAX_UNAUTHENTICATED
@@ -219,20 +200,11 @@ class Endpoint:
 
   def withdraw(self, desc: RegionDescriptor):
     """Stop serving a region (before freeing it): later writes to it are refused, and writes already landing in it (tcp)
-    have finished when this returns; a writer that stalls mid-frame for DRAIN_TIMEOUT loses its connection."""
-    with self.landing_done, self.lock:      # atomic with land(): a frame either landed before this or is refused
+    have finished when this returns; a writer that stalls mid-frame loses its connection (Landings.drain)."""
+    with self.landings.lock, self.lock:     # atomic with land(): a frame either started landing before this or is refused
       self.exposed.pop(desc.region_id, None)
       self.exposed_views.pop(desc.region_id, None)
-    deadline = time.monotonic() + DRAIN_TIMEOUT
-    with self.landing_done:
-      while socks := [s for (r, s), n in self.landing.items() if r == desc.region_id and n > 0]:
-        if (left := deadline - time.monotonic()) <= 0:
-          for s in socks:
-            try: s.shutdown(socket.SHUT_RDWR)       # its receive fails, the frame ends, the peer's session is dropped
-            except OSError: pass
-          deadline = time.monotonic() + DRAIN_TIMEOUT
-          left = DRAIN_TIMEOUT
-        self.landing_done.wait(left)
+    self.landings.drain(desc.region_id)
 
   def lookup(self, region_id: int, offset: int, nbytes: int, peer: str | None = None) -> memoryview:
     """The bytes a peer addresses, after checking them against the exposed region's bounds, owner and allowed parts
@@ -248,18 +220,9 @@ class Endpoint:
   def land(self, sock: socket.socket, pieces, peer: str) -> tuple[list[memoryview], set[int]]:
     """Check a frame's (region, offset, nbytes) pieces (lookup) and mark them landing until end_landing(sock, regions):
     withdraw() waits for that, so no byte lands in a region after it was withdrawn."""
-    with self.landing_done:
-      views = [self.lookup(r, o, n, peer) for r, o, n in pieces]
-      regions = {r for r, _, _ in pieces}
-      for r in regions: self.landing[(r, sock)] += 1
-    return views, regions
+    return self.landings.begin(sock, pieces, lambda r, o, n: self.lookup(r, o, n, peer))
 
-  def end_landing(self, sock: socket.socket, region_ids):
-    with self.landing_done:
-      for r in region_ids:
-        if (n := self.landing[(r, sock)] - 1) > 0: self.landing[(r, sock)] = n
-        else: del self.landing[(r, sock)]
-      self.landing_done.notify_all()
+  def end_landing(self, sock: socket.socket, region_ids): self.landings.end(sock, region_ids)
 
   # ---- connections
   def listen(self, host: str = "127.0.0.1", port: int = 0) -> str:
