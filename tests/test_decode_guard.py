@@ -86,7 +86,8 @@ def test_bad_sampling_is_refused_at_the_request(node, alice, temperature, top_p)
   alice.fill(kv_bytes(4096))
   r = alice.reserve()
   alice.write_layers(r, range(SMALL["n_layers"]))
-  with pytest.raises(ControlError, match="temperature|top_p"): generate(alice, r, temperature=temperature, top_p=top_p, timeout=5)
+  with pytest.raises(ControlError, match="temperature|top_p") as e: generate(alice, r, temperature=temperature, top_p=top_p, timeout=5)
+  assert str(e.value).startswith(("temperature", "top_p")), f"not in the user's words: {e.value}"   # no node name, request or type
   assert len(clean_request(alice)) == 6    # the node still decodes (max_new_tokens 6, the first one included)
 
 def test_non_finite_logits_fail_that_sequence_not_the_node(node, alice):
