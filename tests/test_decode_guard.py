@@ -50,6 +50,7 @@ def test_notices_count_only_real_layers_from_the_reserving_peer(node, alice):
   mallory = Writer("mallory", node.address)
   try:
     alice.fill(kv_bytes(4096))
+    rejected = alice.ctl.call("decode.info")["rejected_notices"]
     r = alice.reserve()
     alice.write_layers(r, [0])
     alice.write(r["pools"][0], r["blocks"][:1], r["block_bytes"], notice_value(r["seq_id"], 200)).wait(10)   # no layer 200
@@ -59,6 +60,7 @@ def test_notices_count_only_real_layers_from_the_reserving_peer(node, alice):
     rm = mallory.reserve()                                                # mallory's notice names alice's sequence
     mallory.write(rm["pools"][1], rm["blocks"], rm["block_bytes"], notice_value(r["seq_id"], 1)).wait(10)
     with pytest.raises(ControlError, match="1 of 2 layers"): generate(alice, r, timeout=1)
+    assert alice.ctl.call("decode.info")["rejected_notices"] == rejected + 2
   finally: mallory.close()
 
 def test_shm_blocks_come_back_only_when_the_writer_is_done(node):

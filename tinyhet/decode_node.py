@@ -74,6 +74,7 @@ class DecodeNode:
             "kv_blocks": bm.num_blocks, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(),
             # what a long-lived or misbehaving peer could make grow: the soak and fuzz tests watch these stay flat
             "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
+            "rejected_notices": self.rejected_notices,
             "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0) -> dict:
