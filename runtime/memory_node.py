@@ -23,13 +23,25 @@ def main(argv=None):
   ap.add_argument("--token", required=True)
   ap.add_argument("--listen", default="127.0.0.1:0")
   ap.add_argument("--arena-bytes", type=int, default=64 << 20)
+  ap.add_argument("--handshake-timeout", type=float, default=None, help="seconds a peer has for its whole handshake")
+  ap.add_argument("--max-unauthenticated", type=int, default=None, help="connections allowed in their handshake at once")
+  ap.add_argument("--max-fds", type=int, default=None, help="lower this process's open-file limit (RLIMIT_NOFILE) once started")
+  ap.add_argument("--spare-address-space", type=int, default=None,
+                  help="cap this process's address space (RLIMIT_AS) at what it maps once started plus this many bytes")
   args = ap.parse_args(argv)
   ep = Endpoint(args.name, token=args.token, config=load_config(env={}))
+  if args.handshake_timeout is not None: ep.handshake_timeout = args.handshake_timeout
+  if args.max_unauthenticated is not None: ep.max_unauthenticated = args.max_unauthenticated
   arena = Arena(args.arena_bytes, args.name, hugepages=False)
   host, _, port = args.listen.rpartition(":")
   address = ep.listen(host, int(port))
   regions = []
   out = sys.stdout
+  import resource
+  if args.max_fds is not None: resource.setrlimit(resource.RLIMIT_NOFILE, (args.max_fds, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+  if args.spare_address_space is not None:      # new threads' stacks stop fitting: "can't start new thread"
+    mapped = next(int(x.split()[1]) << 10 for x in open("/proc/self/status") if x.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + args.spare_address_space, resource.getrlimit(resource.RLIMIT_AS)[1]))
   out.write(json.dumps({"address": address, "node": ep.name, "pid": __import__("os").getpid()}) + "\n")
   out.flush()
   for line in sys.stdin:
@@ -56,9 +68,9 @@ def main(argv=None):
 class MemoryNodeProcess:
   """This module in a child process (optionally in a network namespace, or pinned to one CPU), driven over its stdin."""
   def __init__(self, token: str, name: str = "memnode", listen: str = "127.0.0.1:0", arena_bytes: int = 64 << 20,
-               netns: str | None = None, preexec_fn=None):
+               netns: str | None = None, preexec_fn=None, extra: tuple[str, ...] = ()):
     cmd = [sys.executable, "-m", "tinyhet.runtime.memory_node", "--name", name, "--token", token, "--listen", listen,
-           "--arena-bytes", str(arena_bytes)]
+           "--arena-bytes", str(arena_bytes), *extra]
     if netns: cmd = ["ip", "netns", "exec", netns, *cmd]
     self.token = token
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, preexec_fn=preexec_fn)

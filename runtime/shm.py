@@ -3,7 +3,10 @@ one memcpy into the destination. The unix socket carries only control: ARENA fra
 receiver, COMMIT frames (notifications, sent after the copy is done) from the writer.
 
 The writer checks every span against the descriptor it was given and the arena it maps; the receiver cannot check a
-one-sided copy, which is why only peers that proved the shared token get the memfds.
+one-sided copy, which is why only peers that proved the shared token get the memfds. Such a peer can write anywhere in
+the arenas it maps: a reservation's narrowed descriptor is advice to a correct writer, not a fence against a hostile one.
+The receiver counts its open shm connections per peer (Endpoint.one_sided) so that it knows when a peer's copies can
+no longer land (its connections are closed).
 """
 from __future__ import annotations
 import ctypes, itertools, queue, socket, threading, time
@@ -144,6 +147,7 @@ def serve(ep, sock: socket.socket, auth: dict):
   ep.server_ok(sock, auth)
   with ep.lock:
     ep.shm_listeners.append(server)
+    ep.one_sided[server.peer] += 1
     arenas = list(ep.arenas.values())
   try:
     for arena in arenas: server.announce(arena)
@@ -153,4 +157,7 @@ def serve(ep, sock: socket.socket, auth: dict):
       elif f.op == CLOSE: return
       else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[f.op]} frame")
   finally:
-    with ep.lock: ep.shm_listeners.remove(server)
+    with ep.lock:
+      ep.shm_listeners.remove(server)
+      if (n := ep.one_sided[server.peer] - 1) > 0: ep.one_sided[server.peer] = n
+      else: del ep.one_sided[server.peer]

@@ -1,5 +1,6 @@
 """tcp transport: for nodes without RDMA. Several parallel streams per peer; the receiver lands every WRITE straight into
-the exposed region (recv_into a memoryview of registered memory) after checking the region's bounds.
+the exposed region (recv_into a memoryview of registered memory) after checking the region's bounds, its owner and the
+parts of it open to writes (a decode node exposes each reservation's blocks, to the peer that reserved them, and nothing else).
 
 A batch's pieces are spread over the streams in vectored WRITE frames (one header, the piece list, the payloads: one
 sendmsg on the writer, one scatter recvmsg_into on the receiver); the batch's last frame carries its total bytes. The
@@ -235,19 +236,23 @@ def serve(ep, sock: socket.socket, auth: dict):
     while True:
       op, flags, value, batch, tag, region, offset, nbytes = wire.recv_header(sock, header)
       if op == WRITE and flags & SINGLE:
-        wire.recv_into_exact(sock, ep.lookup(region, offset, nbytes))
+        (view,), regions = ep.land(sock, ((region, offset, nbytes),), session.peer)
+        try: wire.recv_into_exact(sock, view)
+        finally: ep.end_landing(sock, regions)
         with send_lock: sock.sendall(HEADER.pack(MAGIC, ACK, 0, 0, batch, 0, 0, 0, nbytes))
         if flags & NOTIFY: ep.deliver(session.peer, value, batch, nbytes)
       elif op == WRITE:
         if tag > MAX_FRAME_PIECES: raise wire.ProtocolError(f"a WRITE frame of {tag} pieces exceeds {MAX_FRAME_PIECES}")
         records = wire.recv_exact(sock, tag * PIECE.size) if tag else b""
-        views = [ep.lookup(r, o, n) for r, o, n in PIECE.iter_unpack(records)]     # every piece checked before any lands
-        if (got := sum(len(v) for v in views)) != nbytes: raise wire.ProtocolError(f"frame claims {nbytes} bytes, its pieces hold {got}")
-        wire.recv_into_views(sock, views)
+        views, regions = ep.land(sock, list(PIECE.iter_unpack(records)), session.peer)     # every piece checked before any lands
+        try:
+          if (got := sum(len(v) for v in views)) != nbytes: raise wire.ProtocolError(f"frame claims {nbytes} bytes, its pieces hold {got}")
+          wire.recv_into_views(sock, views)
+        finally: ep.end_landing(sock, regions)
         last = bool(flags & LAST)
         session.landed(batch, nbytes, offset if last else None, value if flags & NOTIFY else None, (sock, send_lock) if last else None)
       elif op == READ:
-        view = ep.lookup(region, offset, nbytes)
+        view = ep.lookup(region, offset, nbytes, session.peer)
         with send_lock: wire.send_all(sock, [Frame(DATA, batch=batch, tag=tag, nbytes=nbytes).pack(), view])
       elif op == CLOSE: return
       else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[op]} frame")

@@ -15,15 +15,19 @@ registered region after checking its bounds). Neighbouring spans coalesce; spans
 tcp otherwise.
 """
 from __future__ import annotations
-import importlib, itertools, os, queue, secrets, socket, threading, time
+import errno, importlib, itertools, os, queue, secrets, socket, threading, time
+from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 from tinyhet.config import Config, load_config, TRANSPORTS
 from tinyhet.runtime.arena import Arena, Region
 from tinyhet.runtime.descriptor import RegionDescriptor
+from tinyhet.runtime.exposure import Exposure, Landings
 from tinyhet.runtime import wire
 
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0      # one deadline for a whole server-side handshake (a client trickling bytes is dropped at it)
+MAX_UNAUTHENTICATED = 64      # connections still in their handshake; more are closed at once so that they cannot use up the fds
+ACCEPT_BACKOFF = (0.01, 1.0)  # seconds the accept loop sleeps after EMFILE / no thread (doubling up to the maximum), then retries
 
 class TransportError(RuntimeError):
   """A transfer or connection failed; the message names the peer and what was outstanding."""
@@ -149,7 +153,11 @@ class Endpoint:
     self.host = wire.host_id()
     self.arenas: dict[int, Arena] = {}
     self.exposed: dict[int, Region] = {}
-    self.exposed_views: dict[int, memoryview] = {}     # region id -> its bytes, for lookup on the receive path
+    self.exposed_views: dict[int, Exposure] = {}       # region id -> its bytes and who may write where, for the receive path
+    self.landings = Landings()                         # frames being received into exposed regions now (tcp)
+    self.one_sided: Counter = Counter()                # peer -> its open shm / verbs connections (writes the receiver cannot see)
+    self.unauthenticated = 0
+    self.handshake_timeout, self.max_unauthenticated = HANDSHAKE_TIMEOUT, MAX_UNAUTHENTICATED
     self.notices: queue.SimpleQueue[Notice] = queue.SimpleQueue()
     self.lock = threading.Lock()
     self.closed = False
@@ -177,29 +185,44 @@ class Endpoint:
       listeners = list(self.shm_listeners)
     for serve in listeners: serve.announce(arena)
 
-  def expose(self, region: Region) -> RegionDescriptor:
-    """Make a region writable/readable by authenticated peers; returns its descriptor."""
+  def expose(self, region: Region, owner: str | None = None, allowed: list[tuple[int, int]] | None = None) -> RegionDescriptor:
+    """Make a region writable/readable by authenticated peers; returns its descriptor. owner: only that peer (its
+    authenticated node name) may use it; allowed: only these (offset, nbytes) parts of it. tcp enforces both on every
+    frame; shm and verbs cannot (a mapped memfd and an rkey reach the whole arena; see the README's isolation notes)."""
     self.register(region.arena)
+    exposure = Exposure(region.view(), owner, allowed)
     with self.lock:
       region_id = next(self._region_ids)
       self.exposed[region_id] = region
-      self.exposed_views[region_id] = region.view()
+      self.exposed_views[region_id] = exposure
     rkey = self.verbs.rkey(region.arena) if self.verbs is not None else 0
     return RegionDescriptor(self.name, region_id, region.addr, rkey, 0, region.nbytes, frozenset(self.transports))
 
   def withdraw(self, desc: RegionDescriptor):
-    """Stop serving a region (before freeing it): later writes to it are refused."""
-    with self.lock:
+    """Stop serving a region (before freeing it): later writes to it are refused, and writes already landing in it (tcp)
+    have finished when this returns; a writer that stalls mid-frame loses its connection (Landings.drain)."""
+    with self.landings.lock, self.lock:     # atomic with land(): a frame either started landing before this or is refused
       self.exposed.pop(desc.region_id, None)
       self.exposed_views.pop(desc.region_id, None)
+    self.landings.drain(desc.region_id)
 
-  def lookup(self, region_id: int, offset: int, nbytes: int) -> memoryview:
-    """The bytes a peer addresses, after checking them against the exposed region's bounds (raises ProtocolError)."""
-    view = self.exposed_views.get(region_id)
-    if view is None: raise wire.ProtocolError(f"region {region_id} is not exposed by {self.name}")
-    if nbytes <= 0 or offset < 0 or offset + nbytes > len(view):
-      raise wire.ProtocolError(f"span [{offset}, {offset + nbytes}) is outside region {region_id} ({len(view)} bytes)")
-    return view[offset:offset + nbytes]
+  def lookup(self, region_id: int, offset: int, nbytes: int, peer: str | None = None) -> memoryview:
+    """The bytes a peer addresses, after checking them against the exposed region's bounds, owner and allowed parts
+    (raises ProtocolError)."""
+    e = self.exposed_views.get(region_id)
+    if e is None: raise wire.ProtocolError(f"region {region_id} is not exposed by {self.name}")
+    if nbytes <= 0 or offset < 0 or offset + nbytes > len(e.view):
+      raise wire.ProtocolError(f"span [{offset}, {offset + nbytes}) is outside region {region_id} ({len(e.view)} bytes)")
+    if e.owner is not None and peer != e.owner: raise wire.ProtocolError(f"region {region_id} is not exposed to {peer}")
+    if not e.allows(offset, nbytes): raise wire.ProtocolError(f"span [{offset}, {offset + nbytes}) of region {region_id} is not open to writes")
+    return e.view[offset:offset + nbytes]
+
+  def land(self, sock: socket.socket, pieces, peer: str) -> tuple[list[memoryview], set[int]]:
+    """Check a frame's (region, offset, nbytes) pieces (lookup) and mark them landing until end_landing(sock, regions):
+    withdraw() waits for that, so no byte lands in a region after it was withdrawn."""
+    return self.landings.begin(sock, pieces, lambda r, o, n: self.lookup(r, o, n, peer))
+
+  def end_landing(self, sock: socket.socket, region_ids): self.landings.end(sock, region_ids)
 
   # ---- connections
   def listen(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -288,28 +311,55 @@ class Endpoint:
     wire.send_json(sock, {"proof": wire.proof(self.token, auth["nonce"], "server", self.name), **extra})
 
   def _accept_loop(self, srv: socket.socket):
+    """Accept until the endpoint closes. Running out of fds or threads is a pause, not the end: the loop backs off and
+    retries, so a peer that opens connections until the limit cannot leave a node that accepts nobody."""
+    backoff = 0.0
     while not self.closed:
+      if backoff: time.sleep(backoff)
       try: sock, _ = srv.accept()
-      except OSError: return
-      if srv.family == socket.AF_INET or srv.family == socket.AF_INET6: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-      with self.lock: self._sockets.add(sock)
-      self._spawn("tinyhet-serve", self._serve_connection, sock)
+      except OSError as e:
+        if self.closed or e.errno in (errno.EBADF, errno.EINVAL): return      # the listener was closed
+        backoff = min(max(2 * backoff, ACCEPT_BACKOFF[0]), ACCEPT_BACKOFF[1])   # EMFILE, ENFILE, ENOBUFS, ENOMEM, ECONNABORTED...
+        continue
+      with self.lock:
+        if self.unauthenticated >= self.max_unauthenticated:
+          sock.close()
+          continue
+        self.unauthenticated += 1
+        self._sockets.add(sock)
+      try:
+        if srv.family == socket.AF_INET or srv.family == socket.AF_INET6: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._spawn("tinyhet-serve", self._serve_connection, sock)
+        backoff = 0.0
+      except (RuntimeError, OSError):           # no thread could be started: drop this peer, retry later
+        with self.lock:
+          self.unauthenticated -= 1
+          self._sockets.discard(sock)
+        sock.close()
+        backoff = min(max(2 * backoff, ACCEPT_BACKOFF[0]), ACCEPT_BACKOFF[1])
+
+  def _authenticated(self, counted: list):
+    if counted:
+      counted.clear()
+      with self.lock: self.unauthenticated -= 1
 
   def _serve_connection(self, sock: socket.socket):
     """Handshake, then hand the connection to the transport the client asked for. A bad client only loses its connection."""
     unix = sock.family == socket.AF_UNIX
-    peer = "?"
+    peer, counted = "?", [True]
     try:
-      sock.settimeout(HANDSHAKE_TIMEOUT)
+      deadline = time.monotonic() + self.handshake_timeout
+      sock.settimeout(self.handshake_timeout)
       nonce = wire.new_nonce()
       wire.send_json(sock, {"tinyhet": wire.PROTOCOL, "node": self.name, "host": self.host, "nonce": nonce,
                             "transports": self.transports, "unix": self.unix_name})
-      auth = wire.recv_json(sock)
+      auth = wire.recv_json(sock, deadline)
       peer, transport = auth.get("node"), auth.get("transport")
       proven = isinstance(peer, str) and isinstance(auth.get("nonce"), str) and wire.check_proof(self.token, nonce, "client", peer, auth.get("proof"))
       if not proven:
         wire.send_json(sock, {"error": "authentication failed: the peer did not prove the shared token (TINYHET_TOKEN)"})
         return
+      self._authenticated(counted)
       if transport == "ctl":
         threading.current_thread().name = f"tinyhet-ctl-serve-{peer}"
         sock.settimeout(None)
@@ -323,15 +373,16 @@ class Endpoint:
     except (OSError, wire.ProtocolError, ValueError) as e:
       if not self.closed and os.environ.get("TINYHET_DEBUG"): print(f"tinyhet: {self.name}: dropped peer {peer}: {e}")
     finally:
+      self._authenticated(counted)
       with self.lock: self._sockets.discard(sock)
       sock.close()
 
   def _spawn(self, name: str, target, *args) -> threading.Thread:
     t = threading.Thread(target=target, args=args, name=name, daemon=True)
+    t.start()
     with self.lock:
       self._threads = [x for x in self._threads if x.is_alive()]
       self._threads.append(t)
-    t.start()
     return t
 
   def handle(self, op: str, fn):

@@ -18,7 +18,10 @@ thread sleeps on the completion channel's fd; older pyverbs offers no fd and its
 there the thread polls with a backoff (spin, then sleeps growing to MAX_BACKOFF while work is outstanding).
 
 Trust: verbs writes are one-sided and unchecked by the receiver's CPU; only peers that proved the shared token get a
-queue pair connected to this node, and an rkey is useless without one.
+queue pair connected to this node, and an rkey is useless without one. Each arena has one memory registration, so a
+connected peer holding a descriptor's rkey can write anywhere in that arena: narrowing a reservation to its own blocks
+would need a memory window or an MR per reservation, which this transport does not make (yet). The receiver counts open
+verbs connections per peer (Endpoint.one_sided): once they are closed, their queue pairs are destroyed and no write lands.
 """
 from __future__ import annotations
 import ctypes, dataclasses, functools, itertools, mmap, os, re, secrets, select, socket, threading
@@ -675,7 +678,12 @@ def serve(ep, sock: socket.socket, auth: dict):
       for i in range(qp.recv_depth): qp.post_recv(i)
     except (TransportError, ep.verbs.pv.PyverbsError) as e: raise refuse(f"{ep.name} could not connect a queue pair to {peer}: {e}") from None
     ep.server_ok(sock, auth, verbs=ep.verbs.info(qp).encode())
-    _receive(ep, peer, sock, qp)
+    with ep.lock: ep.one_sided[peer] += 1
+    try: _receive(ep, peer, sock, qp)
+    finally:
+      with ep.lock:
+        if (n := ep.one_sided[peer] - 1) > 0: ep.one_sided[peer] = n
+        else: del ep.one_sided[peer]
   finally: qp.close()
 
 def _receive(ep, peer: str, sock: socket.socket, qp: QueuePair):

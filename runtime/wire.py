@@ -7,7 +7,7 @@ is `offset`; with the SINGLE flag it is a whole one-piece batch at (region, offs
 frame is followed by nbytes of payload. Anything else a peer sends is a protocol error and drops that peer.
 """
 from __future__ import annotations
-import hashlib, hmac, json, os, socket, struct
+import hashlib, hmac, json, os, socket, struct, time
 from dataclasses import dataclass
 
 PROTOCOL = 1
@@ -67,9 +67,17 @@ def recv_into_views(sock: socket.socket, views: list[memoryview]):
       views.pop(0)
     if views and k: views[0] = views[0][k:]
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
   buf = bytearray(n)
-  recv_into_exact(sock, memoryview(buf))
+  if deadline is None:
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+  got, view = 0, memoryview(buf)
+  while got < n:      # the socket's timeout would restart with every byte: a deadline bounds the whole message
+    if (left := deadline - time.monotonic()) <= 0: raise TimeoutError(f"the peer sent {got} of {n} bytes before the handshake deadline")
+    sock.settimeout(left)
+    if (k := sock.recv_into(view[got:], n - got)) == 0: raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+    got += k
   return bytes(buf)
 
 def recv_frame(sock: socket.socket) -> Frame: return Frame.unpack(recv_exact(sock, HEADER.size))
@@ -100,10 +108,11 @@ def send_json(sock: socket.socket, obj: dict):
   if len(data) > JSON_LIMIT: raise ValueError(f"handshake message of {len(data)} bytes exceeds {JSON_LIMIT}")
   sock.sendall(struct.pack("<I", len(data)) + data)
 
-def recv_json(sock: socket.socket) -> dict:
-  (n,) = struct.unpack("<I", recv_exact(sock, 4))
+def recv_json(sock: socket.socket, deadline: float | None = None) -> dict:
+  """One handshake message; with a deadline (time.monotonic()), the whole message must arrive by then, however it trickles."""
+  (n,) = struct.unpack("<I", recv_exact(sock, 4, deadline))
   if n > JSON_LIMIT: raise ProtocolError(f"handshake message of {n} bytes exceeds {JSON_LIMIT}")
-  try: obj = json.loads(recv_exact(sock, n))
+  try: obj = json.loads(recv_exact(sock, n, deadline))
   except (UnicodeDecodeError, json.JSONDecodeError) as e: raise ProtocolError(f"handshake message is not JSON: {e}") from None
   if not isinstance(obj, dict): raise ProtocolError("handshake message is not a JSON object")
   return obj

@@ -1,3 +1,13 @@
 import os
 # Tests must not pick up a developer's tinyhet.toml or environment.
 for var in [v for v in os.environ if v.startswith("TINYHET_") or v == "HET_BACKEND"]: del os.environ[var]
+
+import pytest  # noqa: E402
+
+@pytest.fixture(scope="session")
+def guarded_node():
+  """One small random-weight decode node process (tests/decode_util.py) for the guard, fuzz and soak tests."""
+  from decode_util import DecodeNodeProcess
+  n = DecodeNodeProcess()
+  yield n
+  n.close()

@@ -26,11 +26,21 @@ def test_info_json():
   (["node", "--role", "prefill"], {}, "not built yet"),
   (["node", "--role", "decode", "--listen", "nonsense"], {}, "is not host:port"),
   (["run", "--max-tokens", "0"], {}, "--max-tokens must be at least 1"),
+  (["run", "--model", "/nonexistent.gguf"], {}, "model file /nonexistent.gguf does not exist"),      # with the decode node it starts
+  (["node", "--role", "decode", "--model", "/nonexistent.gguf"], {}, "model file /nonexistent.gguf does not exist"),
+  (["run", "--temperature", "nan"], {}, "--temperature must be 0 (greedy) or a finite number"),
+  (["run", "--temperature", "inf"], {}, "--temperature must be 0 (greedy) or a finite number"),
+  (["run", "--temperature", "-1"], {}, "--temperature must be 0 (greedy) or a finite number"),
+  (["run", "--temperature", "1e-320"], {}, "--temperature must be 0 (greedy) or a finite number"),     # denormal
+  (["run", "--top-p", "1.5"], {}, "--top-p must be a number in (0, 1]"),
+  (["run", "--top-p", "nan"], {}, "--top-p must be a number in (0, 1]"),
+  (["run", "--kv-memory", "lots"], {}, "--kv-memory: 'lots' is not a size"),
 ])
 def test_errors_are_one_line_without_traceback(args, env, message):
   out = tinyhet(*args, env={"TINYHET_TOKEN": "x", **env})
   assert out.returncode != 0 and message in out.stderr, out.stderr
   assert "Traceback" not in out.stderr
+  assert len([line for line in out.stderr.splitlines() if line.strip()]) == 1, out.stderr     # one error, said once
 
 def test_bench_transfer_quick_json():
   """The transfer benchmark end to end (it checks the bytes it moved itself), in the JSON shape the README documents."""

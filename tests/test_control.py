@@ -72,3 +72,24 @@ def test_a_peer_that_leaves_gives_its_memory_back(node, ep):
 def test_wrong_token_gets_no_control(node):
   with Endpoint("intruder", token="wrong", config=load_config(env={})) as e:
     with pytest.raises(TransportError, match="authentication failed"): ControlClient(e, node)
+
+def test_an_allocation_is_writable_only_by_the_peer_that_made_it(node, ep):
+  from tinyhet.runtime.arena import Arena
+  from tinyhet.runtime.descriptor import RegionDescriptor
+  from tinyhet.runtime.transport import Span
+  c = ControlClient(ep, node)
+  desc = RegionDescriptor.from_hex(c.call("mem.alloc", nbytes=4096)["desc"])
+  arena = Arena(1 << 20, "other", hugepages=False)
+  src = arena.alloc(4096)
+  try:
+    with Endpoint("other-peer", token=TOKEN, config=load_config(env={})) as other:
+      other.register(arena)
+      peer = other.connect(node, "tcp")
+      with pytest.raises(TransportError): other.write(peer, [Span(src, 0, desc, 0, 4096)]).wait(10)
+    peer = ep.connect(node, "tcp")                      # the allocating peer itself may
+    ep.register(arena)
+    ep.write(peer, [Span(src, 0, desc, 0, 4096)]).wait(10)
+  finally:
+    c.close()
+    src.free()
+    arena.close()

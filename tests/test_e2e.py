@@ -101,7 +101,8 @@ def test_bad_requests_get_clear_errors(small):
     with pytest.raises(ControlError, match="TypeError"): ctl.call("decode.reserve", nonsense=1)
     r = ctl.call("decode.reserve", prompt_ids=[1, 2, 3], max_new_tokens=2)
     with pytest.raises(ControlError, match="1 of 2 layers|0 of 2 layers"): ctl.call("decode.generate", seq_id=r["seq_id"], first_token=5, timeout=0.5)
-    ctl.call("decode.release", seq_id=r["seq_id"])
+    with pytest.raises(ControlError, match="not reserved"): ctl.call("decode.release", seq_id=r["seq_id"])   # a failed generate ends it
+    assert ctl.call("decode.info")["connection_sequences"] == 0
   finally: ctl.close()
 
 def test_full_pool_waits_then_admits():

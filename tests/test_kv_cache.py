@@ -105,3 +105,16 @@ def test_pools_on_mesh_give_the_same_attention_as_on_cpu():
     q, k, v = (Tensor(rng.standard_normal((2, 1, n, D)).astype(np.float32), device=device) for n in (H, N_KV, N_KV))
     outs.append(cache.update_and_attend(1, q, k, v, Tensor(pos, device=device)).numpy())
   np.testing.assert_array_equal(outs[0], outs[1])
+
+def test_block_tables_kept_per_batch_size_not_per_recompute_length():
+  """Preemption recomputes a sequence at its own length: those tables must not be cached per length (they grew without bound)."""
+  cache = PagedKVCache(N_LAYERS, N_KV, D, num_blocks=64, block_size=8, max_seq_len=256)
+  for n in range(1, 40):                      # a recompute of a sequence of n tokens, as after n preemptions of different lengths
+    cache.block_manager.allocate(1000 + n, n)
+    assert cache.begin_step([1000 + n], n_tokens=n).tolist() == [list(range(n))]
+    cache.block_manager.deallocate(1000 + n)
+  for B in (1, 2, 3, 2, 1):                    # decode steps: one kept table per batch size, reused (TinyJit needs fixed buffers)
+    for i in range(B): cache.block_manager.allocate(i, 5)
+    cache.begin_step(list(range(B)), 1)
+    for i in range(B): cache.block_manager.deallocate(i)
+  assert sorted(cache._tables) == [1, 2, 3]

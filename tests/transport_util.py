@@ -7,8 +7,8 @@ TOKEN = "test-token"
 
 class MemoryNode(MemoryNodeProcess):
   """A memory node with the tests' token."""
-  def __init__(self, name="memnode", listen="127.0.0.1:0", netns=None, arena_bytes=64 << 20, token=TOKEN):
-    super().__init__(token, name, listen, arena_bytes, netns)
+  def __init__(self, name="memnode", listen="127.0.0.1:0", netns=None, arena_bytes=64 << 20, token=TOKEN, extra=()):
+    super().__init__(token, name, listen, arena_bytes, netns, extra=tuple(extra))
 
 def sha(data) -> str: return hashlib.sha256(data).hexdigest()
 

@@ -1,5 +1,5 @@
 """`tinyhet` command line: each subcommand lives in its own module and parses its own arguments."""
-import importlib, os, sys
+import argparse, importlib, os, sys
 
 # name -> (module with main(argv), one-line help). Modules are imported only when their command runs: tinygrad is slow to import.
 COMMANDS = {
@@ -9,6 +9,24 @@ COMMANDS = {
   "bench": ("tinyhet.bench", "benchmarks against a baseline from the same run: transfer, kv, e2e"),
   "info": ("tinyhet.info", "show the configuration, devices and transports available on this machine"),
 }
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse, with a bad option said in one line (argparse prints the whole usage block before it)."""
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+def exit_now(code: int):
+  """End a process that was told to stop (SIGTERM, its parent gone) once its own cleanup is done: tinygrad's compile
+  workers are ended, and the interpreter's teardown is skipped, because the signal may have cut a device's opening short
+  and tinygrad's exit hook would then trip over the half-opened device (a traceback at exit)."""
+  try:
+    from tinygrad.engine.worker import terminate_worker_pool
+    terminate_worker_pool()
+  except ImportError: pass
+  for f in (sys.stdout, sys.stderr):
+    try: f.flush()
+    except (OSError, ValueError): pass
+  os._exit(code)
 
 def usage() -> str:
   return "usage: tinyhet COMMAND [ARGS]\n\ncommands:\n" + "".join(f"  {n:<7}{h}\n" for n, (_, h) in COMMANDS.items()) + \

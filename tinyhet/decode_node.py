@@ -2,12 +2,16 @@
 requests a prefill node uses to hand it a sequence.
 
 A sequence arrives in three steps, each a control request (tinyhet.runtime.control):
-  decode.reserve   prompt ids, max_new_tokens -> a sequence id, its block table and the per-layer pool descriptors. The
-                   blocks are held (admission waits while the pool is full); the prefill node writes each layer's packed
-                   K, V straight into them with one transport write per layer, notification (seq_id << 8) | layer.
+  decode.reserve   prompt ids, max_new_tokens -> a sequence id, its block table and per-layer pool descriptors of its own
+                   (tcp lets only the reserving peer write, and only into these blocks). The blocks are held (admission
+                   waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
+                   one transport write per layer, notification (seq_id << 8) | layer (counted only from the reserving peer).
   decode.generate  the first token (sampled by the prefill node) and sampling options -> once every layer's notice has
-                   arrived the sequence joins the running batch; its tokens stream back as they are decoded.
-  decode.release   give the sequence up (also done when the prefill node's connection closes).
+                   arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
+                   (or the client leaving) stops it; however it ends, the sequence and its descriptors are gone after.
+  decode.release   give the sequence up (also done when the prefill node's connection closes). Blocks are reused only once
+                   no write into them can still land: at once over tcp (descriptors withdrawn, landing frames drained),
+                   over shm/verbs when every layer landed, the writer says its writes are done, or its connections close.
 A full pool never crashes the node: reservations wait, and a decode step that needs a block preempts the newest sequence,
 which is recomputed here later (its prompt and generated tokens prefilled again on this node).
 """
@@ -19,6 +23,7 @@ from tinygrad import Tensor, TinyJit, dtypes
 from tinyhet.devices import region_of
 from tinyhet.kv_cache import PagedKVCache
 from tinyhet.memory import LocalNode
+from tinyhet.runtime.arena import Region
 from tinyhet.cpu_threads import kernel_threads
 from tinyhet.model import Llama
 from tinyhet.sampling import Sampler
@@ -35,8 +40,16 @@ def batch_bucket(n: int) -> int:
   reads the weights once for every row."""
   return next((b for b in BATCH_BUCKETS if b >= n), -(-n // 64) * 64)
 
+TICK = 0.5                # seconds: how often a waiting stream lets the control channel look for a cancel or a departed client
+
 def notice_value(seq_id: int, layer: int) -> int: return (seq_id << LAYER_BITS) | layer
 def split_notice(value: int) -> tuple[int, int]: return value >> LAYER_BITS, value & ((1 << LAYER_BITS) - 1)
+
+def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
+
+def _check_timeout(timeout):
+  if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:
+    raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
 
 class DecodeNode:
   def __init__(self, model: Llama, node: LocalNode, kv_blocks: int, block_size: int = 16, kv_dtype: str = "float16",
@@ -47,7 +60,7 @@ class DecodeNode:
     self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_blocks + 1, block_size, kv_dtype, device="MESH",   # +1: PAD_SEQ's
                               max_seq_len=cfg.max_context)
     self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs)
-    self.pools = [node.expose(*region_of(self.cache.pool_buffer(l))).narrow(0, self.cache.pool_buffer(l).nbytes) for l in range(cfg.n_layers)]
+    self.pool_regions = [_pool_region(self.cache.pool_buffer(layer)) for layer in range(cfg.n_layers)]   # exposed per reservation
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
     self.seq_ids = itertools.count(1)
     self.landed: dict[int, set[int]] = {}   # seq_id -> layers whose notice arrived
@@ -55,6 +68,8 @@ class DecodeNode:
     self.cache.block_manager.allocate(PAD_SEQ, 1)
     self.stopped = False
     self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
+    self.limbo: dict[int, Sequence] = {}    # released before all layers landed while its writer may still copy (shm, verbs)
+    self.rejected_notices = 0
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
     self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
@@ -63,19 +78,25 @@ class DecodeNode:
   # ---- control requests
   def _serve_info(self, conn) -> dict:
     c, bm = self.model.cfg, self.cache.block_manager
+    with self.cond: open_seqs = len(self.scheduler.incoming) + len(self.scheduler.running) + len(self.scheduler.waiting)
     return {"model": self.model_id, "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
             "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
-            "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit()}
+            "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(),
+            # what a long-lived or misbehaving peer could make grow: the soak and fuzz tests watch these stay flat
+            "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
+            "rejected_notices": self.rejected_notices,
+            "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0) -> dict:
-    if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
+    if not isinstance(prompt_ids, list) or not prompt_ids or not all(_is_int(t) and 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
       raise ValueError(f"prompt_ids must be a non-empty list of token ids below {self.model.cfg.vocab_size}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if len(prompt_ids) + max_new_tokens > self.model.cfg.max_context:
       raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's context ({self.model.cfg.max_context})")
+    _check_timeout(timeout)
     seq = Sequence(next(self.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
-    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event())
+    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer)
     deadline = time.monotonic() + timeout
     with self.cond:
       self.scheduler.check_fits(seq)
@@ -86,54 +107,95 @@ class DecodeNode:
         self.cond.wait(left)
       self.landed[seq.seq_id] = set()
       blocks = self.cache.block_manager.block_table(seq.seq_id)
-    conn.on_close(lambda: self._drop(seq))
-    conn.__dict__.setdefault("seqs", {})[seq.seq_id] = seq
-    return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in self.pools], "block_bytes": self.cache.block_nbytes,
-            "block_size": self.cache.block_size}
+    # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
+    # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves
+    bb = self.cache.block_nbytes
+    seq.extra["descs"] = descs = [self.node.endpoint.expose(r, owner=conn.peer, allowed=[(b * bb, bb) for b in blocks]) for r in self.pool_regions]
+    self._attach(conn, seq)
+    return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, rng_state: dict | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False):
-    seq = conn.__dict__.get("seqs", {}).get(seq_id)
+    seq = conn.state.get("seqs", {}).get(seq_id) if _is_int(seq_id) else None
     if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
-    if not isinstance(first_token, int) or not 0 <= first_token < self.model.cfg.vocab_size: raise ValueError(f"bad first_token {first_token!r}")
-    sampler = Sampler(temperature, top_p, 0)
-    if rng_state is not None: sampler.rng.bit_generator.state = rng_state      # continue the prefill node's random stream
-    seq.extra.update(sampler=sampler, stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids), want_logits=bool(return_logits))
-    if not seq.extra["layers"].wait(timeout):
-      n = len(self.landed.get(seq_id, ()))
-      raise TimeoutError(f"sequence {seq_id}: KV of {n} of {self.model.cfg.n_layers} layers arrived within {timeout} s")
-    t_ready = time.perf_counter()
-    with self.cond:
-      del self.landed[seq_id]
-      done = self.scheduler.commit_incoming(seq, first_token) or first_token in seq.extra["stop_ids"]
-      if done and seq.status is SequenceStatus.RUNNING: self.scheduler.finish(seq)
-      self.cond.notify_all()
-    return self._stream(seq, t_ready, done)
+    if "sampler" in seq.extra: raise ValueError(f"sequence {seq_id} is already generating")
+    if not _is_int(first_token) or not 0 <= first_token < self.model.cfg.vocab_size: raise ValueError(f"bad first_token {first_token!r}")
+    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids)):
+      raise ValueError(f"stop_ids must be a list of token ids, got {stop_ids!r}")
+    _check_timeout(timeout)
+    sampler = Sampler(temperature, top_p, 0)       # raises on NaN, inf, negative or tiny temperatures and top_p outside (0, 1]
+    if rng_state is not None:                      # continue the prefill node's random stream
+      try: sampler.rng.bit_generator.state = rng_state
+      except (TypeError, ValueError, KeyError, OverflowError): raise ValueError("rng_state is not a numpy PCG64 state") from None
+    seq.extra.update(sampler=sampler, first_token=first_token, want_logits=bool(return_logits),
+                     stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids))
+    return self._stream(conn, seq, timeout)
 
-  def _stream(self, seq: Sequence, t_ready: float, done: bool):
-    marks: list[float] = []
-    while not done:
-      tok = seq.extra["queue"].get()
-      if isinstance(tok, Exception): raise tok
-      if tok is None: break
-      marks.append(time.perf_counter())
-      yield {"token": tok}
-    last = seq.extra.get("last_logits")
-    # tokens/s between the first and the last decoded token: the rate of the running batch, not the wait for a free step
-    rate = (len(marks) - 1) / (marks[-1] - marks[0]) if len(marks) > 1 and marks[-1] > marks[0] else 0.0
-    yield {"done": True, "decode_tokens": len(marks), "decode_s": time.perf_counter() - t_ready, "decode_tok_s": rate,
-           "first_token_wait_s": marks[0] - t_ready if marks else 0.0, "preemptions": seq.num_preemptions,
-           **({"logits": last.tolist()} if last is not None else {})}
+  def _stream(self, conn, seq: Sequence, timeout: float):
+    """The generate stream. It yields None while it waits (the control channel then checks for a cancel or a departed
+    client); however it ends, the sequence leaves the node and its connection."""
+    try:
+      deadline = time.monotonic() + timeout
+      while not seq.extra["layers"].wait(min(TICK, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+          n = len(self.landed.get(seq.seq_id, ()))
+          raise TimeoutError(f"sequence {seq.seq_id}: KV of {n} of {self.model.cfg.n_layers} layers arrived within {timeout} s")
+        yield None
+      t_ready = time.perf_counter()
+      with self.cond:
+        del self.landed[seq.seq_id]
+        first = seq.extra["first_token"]
+        done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"]
+        if done and seq.status is SequenceStatus.RUNNING: self.scheduler.finish(seq)
+        self.cond.notify_all()
+      marks: list[float] = []
+      while not done:
+        try: tok = seq.extra["queue"].get(timeout=TICK)
+        except queue.Empty:
+          yield None
+          continue
+        if isinstance(tok, Exception): raise tok
+        if tok is None: break
+        marks.append(time.perf_counter())
+        yield {"token": tok}
+      last = seq.extra.get("last_logits")
+      # tokens/s between the first and the last decoded token: the rate of the running batch, not the wait for a free step
+      rate = (len(marks) - 1) / (marks[-1] - marks[0]) if len(marks) > 1 and marks[-1] > marks[0] else 0.0
+      yield {"done": True, "decode_tokens": len(marks), "decode_s": time.perf_counter() - t_ready, "decode_tok_s": rate,
+             "first_token_wait_s": marks[0] - t_ready if marks else 0.0, "preemptions": seq.num_preemptions,
+             **({"logits": last.tolist()} if last is not None else {})}
+    finally:
+      self._detach(conn.state.get("seqs", {}), seq)
 
-  def _serve_release(self, conn, seq_id: int) -> dict:
-    seq = conn.__dict__.get("seqs", {}).pop(seq_id, None)
+  def _serve_release(self, conn, seq_id: int, writes_done: bool = False) -> dict:
+    """Give a reserved sequence up. writes_done: the caller waited for every write it posted, so the blocks can be reused
+    at once; otherwise blocks whose layers did not all land stay held while the caller's shm/verbs connections are open."""
+    seq = conn.state.get("seqs", {}).get(seq_id) if _is_int(seq_id) else None
     if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
-    self._drop(seq)
+    if writes_done is True: seq.extra["writes_done"] = True
+    self._detach(conn.state["seqs"], seq)
     return {}
 
+  def _attach(self, conn, seq: Sequence):
+    if (seqs := conn.state.get("seqs")) is None:   # one cleanup per connection, not one per request: bookkeeping stays flat
+      seqs = conn.state["seqs"] = {}
+      conn.on_close(lambda: [self._detach(seqs, s) for s in list(seqs.values())])
+    seqs[seq.seq_id] = seq
+
+  def _detach(self, seqs: dict, seq: Sequence):
+    if seqs.pop(seq.seq_id, None) is not None: self._drop(seq)
+
   def _drop(self, seq: Sequence):
+    """The sequence leaves the node. Its descriptors go first (tcp: no byte lands after that); its blocks go back to the
+    pool unless a writer that the node cannot fence (shm, verbs) may still be copying into them."""
+    for d in seq.extra.pop("descs", ()): self.node.endpoint.withdraw(d)
     with self.cond:
-      if seq.status is SequenceStatus.INCOMING: self.scheduler.abort_incoming(seq)
+      if seq.status is SequenceStatus.INCOMING:
+        landed = len(self.landed.get(seq.seq_id, ()))
+        if landed < self.model.cfg.n_layers and not seq.extra.get("writes_done") and self.node.endpoint.one_sided.get(seq.extra["owner"]):
+          self.limbo[seq.seq_id] = seq       # freed when its last layers land or its writer's connections close (_notices)
+          return
+        self.scheduler.abort_incoming(seq)
       elif seq in self.in_step:               # its blocks are being written by this step: the loop frees them after it
         seq.extra["cancelled"] = True
         return
@@ -145,16 +207,39 @@ class DecodeNode:
 
   # ---- threads
   def _notices(self):
-    """Count each sequence's landed layers; the last one lets its generate request proceed."""
+    """Count each sequence's landed layers; the last one lets its generate request proceed. A notice counts only for a
+    layer the model has, from the peer that reserved the sequence."""
     while not self.stopped:
-      try: n = self.node.endpoint.wait_notice(timeout=0.5)
-      except TimeoutError: continue
-      seq_id, layer = split_notice(n.value)
-      with self.cond:
-        if (layers := self.landed.get(seq_id)) is None: continue        # released, or a stale notice
-        layers.add(layer)
-        seq = self.scheduler.incoming.get(seq_id)
-      if seq is not None and len(layers) == self.model.cfg.n_layers: seq.extra["layers"].set()
+      try: self._notice(self.node.endpoint.wait_notice(timeout=TICK))
+      except TimeoutError: pass
+      if self.limbo: self._settle_limbo()
+
+  def _notice(self, n):
+    seq_id, layer = split_notice(n.value)
+    with self.cond:
+      seq, layers = self.scheduler.incoming.get(seq_id), self.landed.get(seq_id)
+      if seq is None or layers is None or layer >= self.model.cfg.n_layers or n.peer != seq.extra["owner"]:
+        self.rejected_notices += 1             # released, stale, or not this peer's to give
+        return
+      layers.add(layer)
+      if len(layers) < self.model.cfg.n_layers: return
+      if self.limbo.pop(seq_id, None) is None:
+        seq.extra["layers"].set()
+        return
+      self._free_limbo(seq)                  # a released sequence's writer finished: its blocks are free to reuse
+
+  def _settle_limbo(self):
+    with self.cond:
+      for seq in list(self.limbo.values()):
+        if not self.node.endpoint.one_sided.get(seq.extra["owner"]):   # its writer's connections closed: nothing more can land
+          del self.limbo[seq.seq_id]
+          self._free_limbo(seq)
+
+  def _free_limbo(self, seq: Sequence):
+    self.scheduler.abort_incoming(seq)
+    seq.status = SequenceStatus.FINISHED
+    self.landed.pop(seq.seq_id, None)
+    self.cond.notify_all()
 
   def warm_up(self, batch_sizes=(1,)):
     """Capture the jitted decode step for these batch buckets now (every row a padding row), so the first request does not
@@ -187,11 +272,16 @@ class DecodeNode:
           live = [s for s in batch if not s.extra.get("cancelled")]
           if logits is None: finished = list(live)
           else:
-            new = {s.seq_id: s.extra["sampler"](logits[i]) for i, s in enumerate(batch)}
-            for i, s in enumerate(batch):
-              if s.extra.get("want_logits"): s.extra["last_logits"] = logits[i].copy()     # the logits behind the newest token
-            finished = self.scheduler.postprocess(live, [new[s.seq_id] for s in live])
-            for s in live:
+            new, failed = {}, []
+            for i, s in enumerate(live):
+              try: new[s.seq_id] = s.extra["sampler"](logits[batch.index(s)])
+              except ValueError as e:              # non-finite logits: that sequence fails, with the reason; the node goes on
+                s.extra["queue"].put(ValueError(f"sequence {s.seq_id} stopped: {e}"))
+                failed.append(s)
+              if s.extra.get("want_logits"): s.extra["last_logits"] = logits[batch.index(s)].copy()   # the logits behind the newest token
+            ok = [s for s in live if s.seq_id in new]
+            finished = self.scheduler.postprocess(ok, [new[s.seq_id] for s in ok]) + failed
+            for s in ok:
               s.extra["queue"].put(new[s.seq_id])
               if new[s.seq_id] in s.extra["stop_ids"] and s not in finished: finished.append(s)
           for s in batch:
@@ -214,6 +304,10 @@ class DecodeNode:
     self.stopped = True
     with self.cond: self.cond.notify_all()
     self.notice_thread.join(timeout=5)
+
+def _pool_region(buf) -> Region:
+  region, offset = region_of(buf)
+  return Region(region.arena, region.offset + offset, buf.nbytes)
 
 def kv_blocks_for(cfg, block_size: int, kv_dtype: str, kv_bytes: int) -> int:
   """How many blocks a KV budget of kv_bytes holds (all layers, K and V)."""

@@ -56,7 +56,7 @@ class PagedKVCache:
     self.block_manager = BlockManager(num_blocks, block_size)
     self.pools = [create_pool(num_blocks, n_kv_heads, head_dim, block_size, self.kv_dtype, device) for _ in range(n_layers)]
     self.block_nbytes = 2 * n_kv_heads * block_size * head_dim * self.kv_dtype.itemsize
-    self._tables: dict[int, Tensor] = {}     # rows -> (rows, cap) int32, rewritten in place each step (fixed buffers for TinyJit)
+    self._tables: dict[int, Tensor] = {}     # decode batch size -> (B, cap) int32, rewritten in place each step (fixed buffers for TinyJit)
     self._max_blocks = max_blocks_var(self.cap)
     self._step: tuple[int, int, Tensor, UOp] | None = None   # (batch, tokens per sequence, tables, bound block count)
 
@@ -82,8 +82,12 @@ class PagedKVCache:
     rows = np.zeros((len(tables), self.cap), dtype=np.int32)   # padding entries point at block 0: read, then masked
     for i, t in enumerate(tables): rows[i, :len(t)] = t
     rows = np.repeat(rows, n_tokens, axis=0)
-    if (buf := self._tables.get(len(rows))) is None:
-      buf = self._tables[len(rows)] = Tensor.zeros(len(rows), self.cap, dtype=dtypes.int32, device=self.pools[0].device).contiguous().realize()
+    buf = self._tables.get(len(rows)) if n_tokens == 1 else None
+    if buf is None:
+      buf = Tensor.zeros(len(rows), self.cap, dtype=dtypes.int32, device=self.pools[0].device).contiguous().realize()
+      # kept only for decode steps (one row per sequence: as many sizes as batch sizes), which TinyJit replays from fixed
+      # buffers; a recompute's rows are its length, which preemptions make unbounded, and it is not jitted
+      if n_tokens == 1: self._tables[len(rows)] = buf
     _write(buf.uop.buffer, 0, rows.tobytes())
     self._step = (len(tables), n_tokens, buf, self._max_blocks.bind(longest))
     return ends[:, None] - n_tokens + np.arange(n_tokens, dtype=np.int32)[None]

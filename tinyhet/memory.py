@@ -44,8 +44,9 @@ class LocalNode:
     return self.endpoint.address or self.endpoint.listen(host, port)
 
   # ---- exposing local memory
-  def expose(self, region: Region, offset: int = 0, nbytes: int | None = None) -> RegionDescriptor:
-    desc = self.endpoint.expose(region)
+  def expose(self, region: Region, offset: int = 0, nbytes: int | None = None, owner: str | None = None) -> RegionDescriptor:
+    """A descriptor of region[offset:offset+nbytes] for peers (owner: that peer only; tcp enforces it, see README)."""
+    desc = self.endpoint.expose(region, owner=owner)
     with self.lock: self.exposed.setdefault((region.arena.id, region.offset), []).append(desc)
     return desc.narrow(offset, region.nbytes - offset if nbytes is None else nbytes)
 
@@ -73,13 +74,15 @@ class LocalNode:
     """A peer's allocation in this node's MESH memory (device MESH:<this node> on the peer); freed when the peer leaves."""
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0: raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
     region = self.arena("MESH").alloc(nbytes, align=4096)
-    desc = self.expose(region)
-    conn.on_close(lambda: self._release(desc.region_id, region))
-    conn.__dict__.setdefault("regions", {})[desc.region_id] = region
+    desc = self.expose(region, owner=conn.peer)
+    if (regions := conn.state.get("regions")) is None:      # one cleanup per connection: a long-lived peer's bookkeeping stays flat
+      regions = conn.state["regions"] = {}
+      conn.on_close(lambda: [self._release(rid, r) for rid, r in list(regions.items())])
+    regions[desc.region_id] = region
     return {"desc": desc.to_hex()}
 
   def _serve_free(self, conn, region_id: int) -> dict:
-    region = conn.__dict__.get("regions", {}).pop(region_id, None)
+    region = conn.state.get("regions", {}).pop(region_id, None)
     if region is None: raise ValueError(f"region {region_id} was not allocated by {conn.peer} on this connection")
     self._release(region_id, region)
     return {}

@@ -1,12 +1,15 @@
 """`tinyhet node --role decode`: a decode node process. It loads the model onto MESH, allocates the paged KV pool in
 registered memory, listens, and prints one JSON line {"address", "node", "kv_blocks", ...} on stdout once it is ready.
-Peers prove the shared token (TINYHET_TOKEN or the config file). Stop it with Ctrl-C or by closing its stdin (--stdin-stop).
+Peers prove the shared token (TINYHET_TOKEN or the config file). Stop it with Ctrl-C, SIGTERM, or by closing its stdin
+(--stdin-stop: a node owned by a parent process, which also dies with that parent).
 """
 from __future__ import annotations
-import argparse, json, signal, sys, threading
+import json, os, signal, sys, threading
+
+from tinyhet.cli import ArgumentParser, exit_now
 
 def parse_args(argv):
-  ap = argparse.ArgumentParser(prog="tinyhet node", description=__doc__.splitlines()[0])
+  ap = ArgumentParser(prog="tinyhet node", description=__doc__.splitlines()[0])
   ap.add_argument("--role", choices=["decode", "prefill"], required=True)
   ap.add_argument("--listen", default="127.0.0.1:7470", help="host:port to accept prefill nodes on (port 0: any free port)")
   ap.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -19,8 +22,37 @@ def parse_args(argv):
   ap.add_argument("--quiet", action="store_true")
   return ap.parse_args(argv)
 
+def die_with_parent():
+  """A node started by another tinyhet process (tinyhet run) must not outlive it: the kernel sends SIGTERM when the parent
+  dies (PR_SET_PDEATHSIG), and a parent that died before this call is noticed here."""
+  import ctypes
+  try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)     # PR_SET_PDEATHSIG = 1 (Linux)
+  except (OSError, AttributeError): pass
+  if (want := os.environ.get("TINYHET_PARENT_PID")) and os.getppid() != int(want): os._exit(1)
+
+class Stopped(Exception):
+  """SIGTERM: leave whatever the main thread is doing (loading, warming up, decoding) and shut down cleanly."""
+
+def _on_sigterm(stop: threading.Event):
+  def handler(*_):
+    if stop.is_set(): return                # the shutdown is under way; a second signal does not interrupt its cleanup
+    stop.set()
+    raise Stopped()
+  return handler
+
 def main(argv=None) -> int:
   args = parse_args(argv)
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, _on_sigterm(stop))
+  if args.stdin_stop:
+    die_with_parent()
+    # stdin closing stops the node like SIGTERM does, whatever the main thread is doing (loading the model, say)
+    threading.Thread(target=lambda: (sys.stdin.read(), os.kill(os.getpid(), signal.SIGTERM)), daemon=True, name="tinyhet-stdin-stop").start()
+  try: return serve(args, stop)
+  except (Stopped, KeyboardInterrupt): pass     # serve's own cleanup has run
+  exit_now(0)
+
+def serve(args, stop: threading.Event) -> int:
   if args.role == "prefill":
     print("tinyhet node: --role prefill is not built yet: standalone prefill nodes come with the cluster service (router, heartbeats, "
           "recovery; DESIGN.md point 6). `tinyhet run` prefills on HET in its own process.", file=sys.stderr)
@@ -38,16 +70,15 @@ def main(argv=None) -> int:
   cfg = load_config()
   blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids)
-  address = node.serve(host, int(port))
-  print(json.dumps({"address": address, "node": node.name, "model": model_id, "kv_blocks": blocks, "block_size": cfg.kv_block_size,
-                    "transports": node.endpoint.transports}), flush=True)
-  stop = threading.Event()
-  signal.signal(signal.SIGTERM, lambda *_: stop.set())
-  if args.stdin_stop: threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-  try: decode.run(stop)
-  except KeyboardInterrupt: pass
-  decode.close()
-  node.endpoint.close()
+  try:
+    address = node.serve(host, int(port))
+    print(json.dumps({"address": address, "node": node.name, "model": model_id, "kv_blocks": blocks, "block_size": cfg.kv_block_size,
+                      "transports": node.endpoint.transports}), flush=True)
+    decode.run(stop)
+  finally:
+    stop.set()
+    decode.close()
+    node.endpoint.close()
   return 0
 
 def start(model_path, kv_bytes: int, max_context: int | None, quiet: bool, packed: bool = True):

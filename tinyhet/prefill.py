@@ -110,7 +110,7 @@ class DecodeClient:
       for t in transfers:          # the packed layers in `keep` must outlive the writes reading them
         try: t.wait(30)
         except Exception: pass
-      try: self.ctl.call("decode.release", seq_id=seq_id, reply_timeout=10)
+      try: self.ctl.call("decode.release", seq_id=seq_id, writes_done=True, reply_timeout=10)   # every posted write was waited for
       except Exception: pass
       raise
     for t in transfers: t.wait(60)

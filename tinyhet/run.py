@@ -3,12 +3,14 @@ layer by layer between them while prefill runs. With no --decode-node, a decode 
 process; auto picks the shm transport for it). Prints the text as it is generated, then the figures that matter.
 """
 from __future__ import annotations
-import argparse, json, os, secrets, subprocess, sys, threading, time
+import json, os, secrets, signal, subprocess, sys, threading, time
+
+from tinyhet.cli import ArgumentParser, exit_now
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one short sentence."
 
 def parse_args(argv):
-  ap = argparse.ArgumentParser(prog="tinyhet run", description=__doc__.splitlines()[0])
+  ap = ArgumentParser(prog="tinyhet run", description=__doc__.splitlines()[0])
   ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"the prompt (default: {DEFAULT_PROMPT!r})")
   ap.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
   ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
@@ -26,9 +28,23 @@ def parse_args(argv):
   ap.add_argument("--quiet", action="store_true", help="no progress on stderr")
   args = ap.parse_args(argv)
   if args.max_tokens < 1: ap.error("--max-tokens must be at least 1")
-  if args.temperature < 0: ap.error("--temperature must be >= 0")
-  if not 0 < args.top_p <= 1: ap.error("--top-p must be in (0, 1]")
+  from tinyhet.config import ConfigError, parse_bytes
+  try: parse_bytes(args.kv_memory, "--kv-memory")
+  except ConfigError as e: ap.error(str(e))
+  from tinyhet.sampling import check_sampling
+  try: check_sampling(args.temperature, args.top_p)
+  except ValueError as e: ap.error(str(e).replace("temperature", "--temperature").replace("top_p", "--top-p"))
   return args
+
+class RunError(RuntimeError):
+  """A run that cannot go on, said in the user's words (the CLI prints it as one line)."""
+
+class Terminated(Exception):
+  """SIGTERM: unwind like Ctrl-C, so that the decode node this run started is stopped with it."""
+
+def _on_sigterm(*_):
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)     # once: the cleanup that follows is not interrupted again
+  raise Terminated()
 
 def say(args, msg: str):
   if not args.quiet: print(msg, file=sys.stderr, flush=True)
@@ -39,11 +55,15 @@ class LocalDecodeNode:
     cmd = [sys.executable, "-m", "tinyhet", "node", "--role", "decode", "--listen", "127.0.0.1:0", "--kv-memory", args.kv_memory,
            "--stdin-stop"] + (["--model", args.model] if args.model else []) + (["--quiet"] if args.quiet else []) + \
           (["--float-weights"] if args.float_weights else [])
-    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env={**os.environ, "TINYHET_NODE": "decode-local"})
+    # its own process group: a Ctrl-C at the terminal reaches this process only, which then stops the node (once, cleanly);
+    # the node dies with this process anyway (its stdin closes, and PR_SET_PDEATHSIG: tinyhet.node.die_with_parent, which
+    # fires when the thread that started it ends: start it from the thread that outlives it, the main one)
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0,
+                                 env={**os.environ, "TINYHET_NODE": "decode-local", "TINYHET_PARENT_PID": str(os.getpid())})
     self.ready, self.info, self.errors = threading.Event(), None, []
     threading.Thread(target=self._stdout, daemon=True, name="tinyhet-decode-stdout").start()
-    threading.Thread(target=self._stderr, args=(args.quiet,), daemon=True, name="tinyhet-decode-stderr").start()
+    self.stderr_reader = threading.Thread(target=self._stderr, args=(args.quiet,), daemon=True, name="tinyhet-decode-stderr")
+    self.stderr_reader.start()
 
   def _stdout(self):
     line = self.proc.stdout.readline()
@@ -51,31 +71,52 @@ class LocalDecodeNode:
     self.ready.set()
 
   def _stderr(self, quiet: bool):
+    debug, traceback = bool(os.environ.get("TINYHET_DEBUG")), False
     for line in self.proc.stderr:
       self.errors.append(line)
-      if not quiet: print(f"[decode node] {line}", end="", file=sys.stderr, flush=True)
+      traceback = traceback or line.startswith("Traceback (most recent call last)")
+      # the node's own error (its "tinyhet node: ..." line, or a traceback) becomes this run's one error line (address()),
+      # so it is not echoed here: one error, said once
+      if debug or not (quiet or traceback or line.startswith("tinyhet node:")):
+        print(f"[decode node] {line}", end="", file=sys.stderr, flush=True)
 
   def address(self, timeout: float = 600) -> str:
     if not self.ready.wait(timeout) or self.info is None:
-      raise RuntimeError("the local decode node did not start:\n" + "".join(self.errors[-20:]))
+      self.stderr_reader.join(5)
+      last = next((x.strip() for x in reversed(self.errors) if x.strip()), "")
+      why = last.removeprefix("tinyhet node: ") if last else f"it exited with status {self.proc.poll()}"
+      raise RunError(f"the decode node started for this run failed: {why}" +
+                     (" (TINYHET_DEBUG=1 shows its traceback)" if any(x.startswith("Traceback") for x in self.errors) else ""))
     return self.info["address"]
 
   def close(self):
     if self.proc.poll() is None:
-      self.proc.stdin.close()
-      try: self.proc.wait(30)
-      except subprocess.TimeoutExpired: self.proc.kill()
+      try: self.proc.stdin.close()          # the node stops when its stdin closes
+      except OSError: pass
+      for stop in (lambda: None, self.proc.terminate, self.proc.kill):
+        stop()
+        try:
+          self.proc.wait(10)
+          break
+        except subprocess.TimeoutExpired: pass
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  signal.signal(signal.SIGTERM, _on_sigterm)
   sys.setswitchinterval(1e-3)      # transport threads get the GIL sooner from the busy prefill thread
   # a fresh shared token for the decode node started here (a remote one needs TINYHET_TOKEN set on both nodes)
   if not args.decode_node and not args.no_disagg: os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))
-  child = LocalDecodeNode(args) if not (args.decode_node or args.no_disagg) else None
-  try: return generate(args, child)
+  child = None
+  try:
+    from tinyhet.weights import model_nbytes
+    model_nbytes(args.model, packed=not args.float_weights)   # a bad --model fails here, once, before a node is started for it
+    child = LocalDecodeNode(args) if not (args.decode_node or args.no_disagg) else None
+    return generate(args, child)
   except KeyboardInterrupt: return 130
+  except Terminated: pass
   finally:
     if child is not None: child.close()
+  exit_now(143)
 
 def generate(args, child) -> int:
   import tinyhet  # noqa: F401  (HET and MESH)
@@ -87,6 +128,9 @@ def generate(args, child) -> int:
   say(args, f"loading {model_name(args.model)} onto HET ({backend})")
   model, tok = load_model(args.model, device="HET", quiet=args.quiet, packed=not args.float_weights)
   prompt_ids = tok.encode_prompt(args.prompt, raw=args.raw)
+  if len(prompt_ids) + args.max_tokens > model.cfg.max_context:
+    raise RunError(f"the prompt ({len(prompt_ids)} tokens) and --max-tokens {args.max_tokens} exceed the model's context of "
+                   f"{model.cfg.max_context} tokens: lower --max-tokens or shorten the prompt")
   stream = tok.stream_decoder()
   def on_token(t: int):
     if not args.json: print(stream.push(t), end="", flush=True)

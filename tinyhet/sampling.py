@@ -1,6 +1,17 @@
 """Choosing the next token from logits, on the host with numpy: greedy, temperature, top-p; deterministic for a seed."""
 from __future__ import annotations
+import math
 import numpy as np
+
+MIN_TEMPERATURE = 1e-6     # below this, logits / temperature overflows float64 for ordinary logits; such a temperature is greedy anyway
+
+def check_sampling(temperature, top_p) -> tuple[float, float]:
+  """Validate sampling settings where a request arrives (CLI, control request), so a bad value never reaches the sampler."""
+  def number(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+  if not number(temperature) or temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+    raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {temperature!r}")
+  if not number(top_p) or not 0 < top_p <= 1: raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+  return float(temperature), float(top_p)
 
 class Sampler:
   """sampler(logits (vocab,)) -> token id. temperature == 0 is greedy (argmax, lowest id on ties); otherwise softmax of
@@ -8,13 +19,12 @@ class Sampler:
   numpy Generator seeded once, so the same seed and the same logits give the same tokens."""
 
   def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0):
-    if temperature < 0: raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1: raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    self.temperature, self.top_p, self.rng = temperature, top_p, np.random.default_rng(seed)
+    self.temperature, self.top_p = check_sampling(temperature, top_p)
+    self.rng = np.random.default_rng(seed)
 
   def probabilities(self, logits: np.ndarray) -> np.ndarray:
     """The distribution sampled from (float64, sums to 1); one-hot at the argmax when greedy."""
-    logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+    logits = _finite(logits)
     if self.temperature == 0:
       p = np.zeros_like(logits)
       p[int(np.argmax(logits))] = 1.0
@@ -31,6 +41,11 @@ class Sampler:
     return p
 
   def __call__(self, logits: np.ndarray) -> int:
-    if self.temperature == 0: return int(np.argmax(np.asarray(logits).reshape(-1)))
+    if self.temperature == 0: return int(np.argmax(_finite(logits)))
     p = self.probabilities(logits)
     return int(self.rng.choice(p.shape[0], p=p))
+
+def _finite(logits) -> np.ndarray:
+  logits = np.asarray(logits, dtype=np.float64).reshape(-1)
+  if not np.isfinite(logits).all(): raise ValueError(f"the model produced non-finite logits ({int((~np.isfinite(logits)).sum())} of {logits.size})")
+  return logits

@@ -269,4 +269,5 @@ def model_nbytes(path, packed: bool = False) -> int:
   """Bytes the model's weights take once loaded, from the file's header alone: float32, or the file's own size when packed."""
   path = embedded_model_path() if path is None else pathlib.Path(path)
   if path.is_dir(): return hf_config(path).n_params() * 4
-  return path.stat().st_size if packed else gguf_config(read_gguf(path)).n_params() * 4
+  g = read_gguf(path)          # a missing or corrupt file raises WeightsError here, before any memory is sized for it
+  return path.stat().st_size if packed else gguf_config(g).n_params() * 4

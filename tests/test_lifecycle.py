@@ -1,0 +1,61 @@
+"""Process lifecycle with real processes: SIGTERM stops `tinyhet run` and the decode node it started, and a node started by
+a parent that is killed outright exits on its own (PR_SET_PDEATHSIG, its stdin closing)."""
+import os, pathlib, signal, subprocess, sys, time
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+def children() -> dict[int, int]:
+  """pid -> parent pid of every live (not zombie) process."""
+  out = {}
+  for d in pathlib.Path("/proc").iterdir():
+    if not d.name.isdigit(): continue
+    try: stat = (d / "stat").read_text()
+    except OSError: continue
+    state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+    if state != "Z": out[int(d.name)] = int(ppid)
+  return out
+
+def descendants(pid: int) -> set[int]:
+  tree, found, todo = children(), set(), [pid]
+  while todo:
+    p = todo.pop()
+    for c, pp in tree.items():
+      if pp == p and c not in found:
+        found.add(c)
+        todo.append(c)
+  return found
+
+def alive(pids: set[int]) -> set[int]: return pids & set(children())
+
+def wait_for(cond, timeout: float, what: str):
+  deadline = time.monotonic() + timeout
+  while not (got := cond()):
+    if time.monotonic() > deadline: pytest.fail(f"{what} within {timeout} s")
+    time.sleep(0.1)
+  return got
+
+def start_run(tmp_path, *flags):
+  """`tinyhet run` with its stderr in a file; returns it once the decode node it starts has been running for a moment."""
+  err = open(tmp_path / "stderr", "w")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TINYHET_")}
+  run = subprocess.Popen([sys.executable, "-m", "tinyhet", "run", "hi", "--max-tokens", "2", *flags], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env)
+  node = wait_for(lambda: descendants(run.pid), 60, "tinyhet run started no decode node")
+  time.sleep(3)                 # the node is importing / loading its model: a time when it used to ignore the parent going away
+  return run, node | descendants(run.pid)
+
+def test_sigterm_to_run_stops_it_and_its_decode_node(tmp_path):
+  run, tree = start_run(tmp_path)
+  run.send_signal(signal.SIGTERM)
+  try: assert run.wait(15) == 143, (tmp_path / "stderr").read_text()[-3000:]
+  except subprocess.TimeoutExpired: pytest.fail("tinyhet run ignored SIGTERM for 15 s")
+  finally: run.kill()
+  wait_for(lambda: not alive(tree), 10, f"processes {alive(tree)} of the run were still alive")
+  assert "Traceback" not in (tmp_path / "stderr").read_text()
+
+def test_node_dies_with_a_parent_killed_outright(tmp_path):
+  run, tree = start_run(tmp_path, "--quiet")    # quiet: the node writes nothing, so no broken pipe ends it by accident
+  run.kill()                    # SIGKILL: the parent runs no cleanup at all
+  run.wait(10)
+  wait_for(lambda: not alive(tree), 5, f"processes {alive(tree)} outlived their killed parent")
