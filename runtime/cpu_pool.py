@@ -69,9 +69,13 @@ static inline void relax(void) {
 #endif
 }
 
+/* A worker starts at the generation current when it was created: one created after kernels ran must not take the last,
+   finished command for a new one. */
+static struct { int id; uint32_t gen; } start_args[1024];
+
 static void *worker(void *arg) {
-  int id = (int)(intptr_t)arg;
-  uint32_t seen = 0;
+  int id = ((typeof(start_args[0]) *)arg)->id;
+  uint32_t seen = ((typeof(start_args[0]) *)arg)->gen;
   char name[16];
   snprintf(name, sizeof name, "tinyhet-cpu-%%d", id);
   pthread_setname_np(pthread_self(), name);
@@ -99,7 +103,11 @@ int pool_start(int n, long spin) {
   pthread_mutex_lock(&P.busy);              /* no kernel is running while the thread count changes */
   if (P.n < 1) P.n = 1;
   P.spin = spin;
-  while (P.n < n && pthread_create(&P.tid[P.n], NULL, worker, (void *)(intptr_t)P.n) == 0) P.n++;
+  for (; P.n < n; P.n++) {
+    start_args[P.n].id = P.n;
+    start_args[P.n].gen = atomic_load(&P.gen);      /* cannot move: bumped only under `busy`, which this holds */
+    if (pthread_create(&P.tid[P.n], NULL, worker, &start_args[P.n]) != 0) break;
+  }
   pthread_mutex_unlock(&P.busy);
   return P.n;
 }
@@ -121,7 +129,7 @@ int pool_run(const cmd_t *cmds, int n) {
     if (serial || c->parts <= 1 || c->core_slot < 0) { for (int t = 0; t < (c->parts > 0 ? c->parts : 1); t++) run_part(c, t); }
     else run_split(c);
   }
-  if (!(P.n <= 1) && !serial) pthread_mutex_unlock(&P.busy);
+  if (!serial) pthread_mutex_unlock(&P.busy);
   return serial;
 }
 

@@ -27,7 +27,6 @@ def split_programs() -> list:
   return [rt for rt in runtime_cache.values() if isinstance(rt, cpu_threads.PoolProgram) and "core_id" in rt.runtimevars]
 
 def test_mesh_and_het_run_on_the_pool():
-  if cpu_threads.configured_threads() < 2: pytest.skip("one CPU available: MESH keeps tinygrad's single-threaded runtime")
   for dev in ("MESH", "HET"):
     if dev == "HET" and type(Device[dev]).__name__ != "HetCPUDevice": continue
     assert Device[dev].runtime_t is cpu_threads.PoolProgram and Device[dev].graph is cpu_threads.PoolGraph
@@ -123,10 +122,8 @@ def test_configured_thread_count_runs(n):
   assert r.returncode == 0, r.stderr
   import json
   got = json.loads(r.stdout.strip().splitlines()[-1])
-  if n == 1: assert got == {"runtime": "CPUProgram", "configured": 1, "pool": got["pool"], "busy_workers": 0, "workers": 0}
-  else:
-    assert (got["runtime"], got["configured"], got["pool"], got["workers"]) == ("PoolProgram", n, n, n - 1)
-    assert got["busy_workers"] == n - 1, f"only {got['busy_workers']} of {n - 1} worker threads ran kernel parts"
+  assert (got["runtime"], got["configured"], got["pool"], got["workers"]) == ("PoolProgram", n, n, n - 1)
+  assert got["busy_workers"] == n - 1, f"{got['busy_workers']} of {n - 1} worker threads ran kernel parts"
 
 PART = r"""
 #include <stdint.h>
@@ -137,6 +134,7 @@ void part(uint64_t out, uint64_t spin, uint64_t core_id) {
   volatile double x = 0; for (uint64_t i = 0; i < spin; i++) x += i;
   ((int64_t *)out)[core_id] = syscall(SYS_gettid);
 }
+void count(uint64_t out, uint64_t spin, uint64_t core_id) { ((int64_t *)out)[core_id] += 1; }
 """
 
 @pytest.fixture(scope="module")
@@ -146,7 +144,7 @@ def part_fn(tmp_path_factory):
   (d / "part.c").write_text(PART)
   subprocess.run(["clang", "-O1", "-shared", "-fPIC", "-o", str(d / "part.so"), str(d / "part.c")], check=True)
   lib = ctypes.CDLL(str(d / "part.so"))
-  return lib, ctypes.cast(lib.part, ctypes.c_void_p).value
+  return lib, ctypes.cast(lib.part, ctypes.c_void_p).value, ctypes.cast(lib.count, ctypes.c_void_p).value
 
 def launch(fn: int, out: np.ndarray, parts: int, spin: int = 20000):
   from tinyhet.runtime.cpu_pool import Command
@@ -163,6 +161,21 @@ def test_pool_runs_every_part_once_on_every_thread(part_fn, parts):
   assert not pool.run(launch(part_fn[1], out, parts))
   assert (out > 0).all(), "a part did not run"
   assert len(set(out.tolist())) == min(parts, pool.threads), "parts did not spread over the pool's threads"
+
+def test_threads_started_later_do_not_rerun_the_last_kernel(part_fn):
+  """A pool grown after it ran kernels: its new threads wait for the next kernel instead of taking the last one again."""
+  import time
+  from tinyhet.runtime.cpu_pool import cpu_pool
+  pool = cpu_pool(2)
+  first, cmds = np.zeros(16, np.int64), None
+  cmds = launch(part_fn[2], first, 16)
+  pool.run(cmds)
+  cpu_pool(pool.threads + 2)
+  time.sleep(0.2)
+  assert (first == 1).all(), f"parts ran {first.tolist()} times"
+  second = np.zeros(16, np.int64)
+  pool.run(launch(part_fn[2], second, 16))
+  assert (second == 1).all() and (first == 1).all()
 
 def test_busy_pool_runs_a_second_callers_parts_itself(part_fn):
   """Two Python threads launching at once: one has the pool, the other runs its parts on its own thread; both complete."""

@@ -9,7 +9,8 @@ tinygrad has for them (a device's runtime class and its graph class; tinygrad it
   PoolGraph     a TinyJit capture: the whole list of kernels goes to the pool in one native call, barriers between them
 
 The thread count is TINYHET_CPU_THREADS (config cpu_threads); 0, the default, means the CPUs this process may run on
-(os.sched_getaffinity). 1 keeps tinygrad's behaviour: kernels unsplit, run on the calling thread.
+(os.sched_getaffinity). 1 keeps kernels unsplit, run on the calling thread, as tinygrad does (a TinyJit capture still
+goes to C in one call).
 """
 from __future__ import annotations
 import functools, os, time
@@ -91,6 +92,5 @@ class PoolGraph(GraphRunner):
     return time.perf_counter() - st if wait else None
 
 def use_pool(device) -> None:
-  """Give a tinygrad CPU device (HET on a CPU, MESH) the pool's runtime and graph. With one thread it keeps tinygrad's own."""
-  if configured_threads() <= 1: return
+  """Give a tinygrad CPU device (HET on a CPU, MESH) the pool's runtime and graph."""
   device.runtime_t, device.graph = PoolProgram, PoolGraph

@@ -59,7 +59,7 @@ class DecodeNode:
     self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
     self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_blocks + 1, block_size, kv_dtype, device="MESH",   # +1: PAD_SEQ's
                               max_seq_len=cfg.max_context)
-    self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs)
+    self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs, capacity=kv_blocks)
     self.pool_regions = [_pool_region(self.cache.pool_buffer(layer)) for layer in range(cfg.n_layers)]   # exposed per reservation
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
     self.seq_ids = itertools.count(1)

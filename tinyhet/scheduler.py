@@ -45,8 +45,10 @@ class Sequence:
   def max_tokens(self) -> int: return self.num_prompt_tokens + self.max_new_tokens
 
 class Scheduler:
-  def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, eos: int | None = None):
+  def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, eos: int | None = None,
+               capacity: int | None = None):
     self.bm, self.max_num_seqs, self.max_num_batched_tokens, self.eos = block_manager, max_num_seqs, max_num_batched_tokens, eos
+    self.capacity = block_manager.num_blocks if capacity is None else capacity   # blocks sequences can have (the engine may keep some)
     self.waiting: deque[Sequence] = deque()
     self.running: deque[Sequence] = deque()
     self.incoming: dict[int, Sequence] = {}
@@ -57,10 +59,10 @@ class Scheduler:
   def check_fits(self, seq: Sequence) -> None:
     """Raise RequestTooLarge if seq at its longest (prompt + max_new_tokens) needs more blocks than the whole pool."""
     need = self.bm.blocks_needed(seq.max_tokens)
-    if need > self.bm.num_blocks:
+    if need > self.capacity:
       raise RequestTooLarge(f"request {seq.seq_id}: {seq.max_tokens} tokens ({seq.num_prompt_tokens} prompt + {seq.max_new_tokens} new) "
-                            f"need {need} KV blocks of {self.bm.block_size} tokens, but the pool has {self.bm.num_blocks} blocks "
-                            f"({self.bm.num_blocks * self.bm.block_size} tokens): shorten the request or give the decode node a bigger KV pool")
+                            f"need {need} KV blocks of {self.bm.block_size} tokens, but the pool has {self.capacity} blocks "
+                            f"({self.capacity * self.bm.block_size} tokens): shorten the request or give the decode node a bigger KV pool")
 
   def add(self, seq: Sequence) -> None:
     """Queue a request for prefill on this node."""
