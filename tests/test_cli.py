@@ -23,7 +23,7 @@ def test_info_json():
   (["run", "--decode-node", "127.0.0.1:1", "--quiet"], {}, "cannot connect to 127.0.0.1:1"),
   (["info"], {"TINYHET_TRANSPORT": "bogus"}, "environment variable TINYHET_TRANSPORT: transport = 'bogus' is not one of"),
   (["run", "--model", "/nonexistent.gguf", "--no-disagg", "--quiet"], {}, "does not exist"),
-  (["node", "--role", "prefill"], {}, "not built yet"),
+  (["node", "--role", "prefill", "--listen", "nonsense"], {}, "is not host:port"),
   (["node", "--role", "decode", "--listen", "nonsense"], {}, "is not host:port"),
   (["run", "--max-tokens", "0"], {}, "--max-tokens must be at least 1"),
 ])
