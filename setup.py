@@ -18,6 +18,9 @@ setup(
   install_requires=[
     "tinygrad==0.14.0",  # pinned exactly: its internal device API (allocators, HCQ) changes between releases
     "numpy",
+    "starlette",          # the router's HTTP API (tinyhet serve), on uvicorn
+    "uvicorn",
+    "prometheus-client",  # the router's /metrics
     "tokenizers",
     "jinja2",
   ],
@@ -28,7 +31,8 @@ setup(
     "rdma": ["pyverbs"],
     # the PyTorch float32 baseline of `tinyhet bench decode` (the CPU wheel; an unpinned torch pulls a multi-GB CUDA build)
     "bench": ["torch==2.13.0"],
-    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf"],  # gguf: tests write GGUF files as llama.cpp does
+    # gguf: tests write GGUF files as llama.cpp does; openai: the router is tested with the OpenAI client, unchanged
+    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf", "openai"],
   },
   entry_points={"console_scripts": ["tinyhet=tinyhet.cli:main"]},
 )
