@@ -47,13 +47,16 @@ class Node:
   reserved_blocks: int = 0                    # KV blocks this router's requests hold here (at their longest)
   inflight_tokens: int = 0                    # prompt tokens this router sent here to prefill, not yet answered
   assigned: int = 0                           # this router's requests decoding here (heartbeats lag; this does not)
+  recent: list = field(default_factory=list)  # (monotonic time, blocks) of admissions the last heartbeat may not show yet
   clients: set = field(default_factory=set)   # requests' control connections to this node
   @property
   def can_decode(self) -> bool: return self.role in ("decode", "both")
   @property
   def can_prefill(self) -> bool: return self.role in ("prefill", "both")
   def blocks_for(self, tokens: int) -> int: return -(-tokens // self.status.get("block_size", 16))
-  def free_blocks(self) -> int: return min(self.status.get("free_blocks", 0), self.status.get("kv_blocks", 0) - self.reserved_blocks)
+  def free_blocks(self) -> int:
+    s = self.status
+    return min(s.get("free_blocks", 0) - sum(b for _, b in self.recent), s.get("kv_blocks", 0) - self.reserved_blocks)
   def decode_load(self) -> float:
     s = self.status
     return max(s.get("running", 0) + s.get("waiting", 0) + s.get("incoming", 0), self.assigned) / max(1, s.get("max_seqs", 1))
@@ -91,7 +94,7 @@ class Cluster:
                planner=None, hb_interval: float = heartbeat.INTERVAL_S, hb_timeout: float = heartbeat.TIMEOUT_S):
     """nodes: address -> role. planner: (Cluster from a cluster file, catalog model name) for tinyhet.planner.route, or None."""
     self.endpoint, self.model_id, self.metrics, self.planner = endpoint, model_id, metrics, planner
-    self.max_queue, self.queue_timeout = max_queue, queue_timeout
+    self.max_queue, self.queue_timeout, self.hb_interval = max_queue, queue_timeout, hb_interval
     self.nodes = {a: Node(a, r) for a, r in nodes.items()}
     self.cond = threading.Condition()
     self.waiting = 0
@@ -107,6 +110,8 @@ class Cluster:
         node.up, node.reason = False, f"serves {beat.get('model')!r}, this router {self.model_id!r}: start every node with the same --model"
       else: node.up, node.reason = True, ""
       node.status = beat
+      shown = time.monotonic() - 2 * self.hb_interval      # a beat arriving now was made after these reservations landed
+      node.recent = [(t, b) for t, b in node.recent if t > shown]
       self.cond.notify_all()
     if self.metrics is not None:
       self.metrics.node_up.labels(node.address, node.role).set(1 if node.up else 0)
@@ -131,31 +136,35 @@ class Cluster:
 
   # ---- choosing nodes
   def _admit(self, tokens: int) -> tuple[Node, int]:
-    """A decode-capable node with room for `tokens`, and the blocks now held there for the request (release them after)."""
+    """A decode-capable node with room for `tokens`, and the blocks now held there for the request (release them after).
+    Without room anywhere the request waits in the queue, unless max_queue requests wait already."""
     with self.cond:
-      if self.waiting >= self.max_queue: raise Overloaded(f"{self.waiting} requests are already waiting for KV room")
-      self.waiting += 1
-      self._gauge_waiting()
+      deadline, queued = time.monotonic() + self.queue_timeout, False
       try:
-        deadline = time.monotonic() + self.queue_timeout
         while True:
           up = [n for n in self.nodes.values() if n.up and n.can_decode]
           fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens)]
           if fits:
             node = min(fits, key=lambda n: (n.decode_load(), -n.free_blocks()))
             node.reserved_blocks += (need := node.blocks_for(tokens))
+            node.recent.append((time.monotonic(), need))
             node.assigned += 1
             return node, need
           if up and all(n.blocks_for(tokens) > n.status.get("kv_blocks", 0) for n in up):
             raise BadRequest(f"{tokens} tokens (prompt + max_tokens) need more KV blocks than any decode node has: lower max_tokens or "
                              "shorten the prompt")
+          if not queued:
+            if self.waiting >= self.max_queue: raise Overloaded(f"every KV pool is full and {self.waiting} requests wait already")
+            queued, self.waiting = True, self.waiting + 1
+            self._gauge_waiting()
           if (left := deadline - time.monotonic()) <= 0:
             if not up: raise Unavailable("no decode node is up: " + "; ".join(f"{n.address}: {n.reason}" for n in self.nodes.values()))
             raise Overloaded(f"every KV pool stayed full for {self.queue_timeout:g} s")
           self.cond.wait(min(left, 0.5))
       finally:
-        self.waiting -= 1
-        self._gauge_waiting()
+        if queued:
+          self.waiting -= 1
+          self._gauge_waiting()
 
   def _release(self, node: Node, blocks: int):
     with self.cond:
