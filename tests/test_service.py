@@ -226,6 +226,43 @@ def test_tiny_kv_pool_completes_or_503_and_both_role(model):
     finally: router.stop()
   finally: both.stop()
 
+def node_state(router, proc) -> dict:
+  return next(n for n in router.request("GET", "/ready")[2]["nodes"] if n["address"] == proc.address)
+
+def test_client_disconnect_frees_the_sequence(cluster, model):
+  router = cluster["router"]
+  host, port = router.address.rsplit(":", 1)
+  tokens_before, done_before = router.metric("tinyhet:generation_tokens_total"), router.metric("tinyhet:request_success_total")
+  c = http.client.HTTPConnection(host, int(port), timeout=60)
+  c.request("POST", "/v1/completions", body=json.dumps({"model": model[1], "prompt": prompt(3), "max_tokens": 240, "temperature": 0,
+                                                         "stream": True}), headers={"Content-Type": "application/json"})
+  r = c.getresponse()
+  assert r.status == 200 and r.readline().startswith(b"data: ")
+  c.sock.shutdown(socket.SHUT_RDWR)            # the client goes away mid-stream
+  c.close()
+  deadline = time.monotonic() + 20
+  while time.monotonic() < deadline:
+    states = [node_state(router, cluster[d]) for d in ("d1", "d2")]
+    if all(s["free_blocks"] == s["kv_blocks"] and s["running"] == 0 for s in states): break
+    time.sleep(0.2)
+  assert all(s["free_blocks"] == s["kv_blocks"] and s["running"] == 0 for s in states), states
+  assert router.metric("tinyhet:num_requests_running") == 0 and router.metric("tinyhet:request_success_total") == done_before
+  assert router.metric("tinyhet:generation_tokens_total") - tokens_before < 240, "the request ran to its end: it was not cancelled"
+
+def test_silent_node_is_noticed_within_seconds_and_rejoins(cluster, model):
+  """SIGSTOP: the node's connections stay open but its heartbeats stop; requests go to the other decode node meanwhile."""
+  router, d2 = cluster["router"], cluster["d2"]
+  d2.p.send_signal(signal.SIGSTOP)
+  try:
+    t0 = time.monotonic()
+    while node_state(router, d2)["up"] and time.monotonic() - t0 < 30: time.sleep(0.1)
+    noticed = time.monotonic() - t0
+    assert not node_state(router, d2)["up"] and noticed < 10, f"a silent node noticed after {noticed:.1f} s"
+    ids = prompt(9)
+    assert router.stream({"model": model[1], "prompt": ids, "max_tokens": 6, "temperature": 0}) == reference(model, ids, 6)
+  finally: d2.p.send_signal(signal.SIGCONT)
+  router.wait_ready(nodes_up=3, timeout=30)
+
 def _kill_when_streaming(router, model, victim: Proc, n_new: int, after_tokens: int, reason: str, n: int = 8):
   prompts = [prompt(100 + i, 8 + i % 4) for i in range(n)]
   wants = [reference(model, p, n_new) for p in prompts]

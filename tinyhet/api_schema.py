@@ -16,7 +16,7 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
   if model != model_id:
     raise ApiError(f"the model {model[:100]!r} does not exist here; this server serves {model_id!r}", "model", 404, "model_not_found")
   if max_context is None: raise ApiError("no decode node is up yet: retry in a few seconds (GET /ready says when)", None, 503, "not_ready")
-  n_vocab = tok.vocab_size()
+  n_vocab = tok.vocab_size
   if not prompt_ids: raise ApiError("the prompt is empty: give at least one token", "messages" if chat else "prompt")
   if any(not 0 <= t < n_vocab for t in prompt_ids):
     raise ApiError(f"prompt token ids must be in 0..{n_vocab - 1}", "prompt")

@@ -25,7 +25,7 @@ class ByteTokenizer:
   """Token id = one UTF-8 byte: text round-trips for any vocabulary of at least 256 ids. No special tokens, no stop ids."""
   stop_ids: tuple[int, ...] = ()
   chat_template = None
-  def vocab_size(self) -> int: return 256
+  vocab_size = 256
   def encode(self, text: str, add_special: bool = True) -> list[int]: return list(text.encode())
   def decode(self, ids: list[int], skip_special: bool = True) -> str: return bytes(i for i in ids if i < 256).decode(errors="replace")
   def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
