@@ -200,14 +200,14 @@ def test_32_concurrent_streams_match_single_process(cluster, model):
   assert all(router.metric("tinyhet:node_requests_total", node=cluster[d].address) > 0 for d in ("d1", "d2")), "one decode node got nothing"
   assert router.metric("tinyhet:kv_transfer_bytes_total") > 0 and router.metric("tinyhet:time_to_first_token_seconds_count") >= 32
 
-def test_tiny_kv_pool_completes_or_503_and_both_role(model):
-  """A `both` node with 12 KV blocks (192 tokens) serving 12 requests of 50 tokens each: each completes with the reference
-  tokens, prefilled on the node itself, or gets 503 with Retry-After; the node survives."""
+def test_tiny_kv_pool_completes_or_503_and_both_role(cluster, model):
+  """A `both` node with 12 KV blocks (192 tokens) serving 12 requests of 50 tokens each, prefilled on itself or on the
+  prefill node: each completes with the reference tokens or gets 503 with Retry-After; the node survives."""
   both = node("both", "--kv-memory", "48K", "--max-seqs", "4")
   try:
-    router = Router("--both", both.address, "--max-queue", "3", "--queue-timeout", "3")
+    router = Router("--both", both.address, "--prefill", cluster["prefill"].address, "--max-queue", "3", "--queue-timeout", "3")
     try:
-      router.wait_ready()
+      router.wait_ready(nodes_up=2)
       ids = prompt(5, 10)
       want = reference(model, ids, 40)
       results = []
@@ -222,7 +222,8 @@ def test_tiny_kv_pool_completes_or_503_and_both_role(model):
       assert done and all(r[2]["choices"][0]["token_ids"] == want for r in done)
       assert all(r[0] == 503 and r[1].get("retry-after") for r in results if r[0] != 200), [r for r in results if r[0] != 200]
       assert both.p.poll() is None and router.request("GET", "/ready")[0] == 200
-      assert router.metric("tinyhet:node_requests_total", role="prefill+decode") == len(done)
+      local, remote = (router.metric("tinyhet:node_requests_total", node=both.address, role=r) for r in ("prefill+decode", "decode"))
+      assert local + remote == len(done), (local, remote, len(done))
     finally: router.stop()
   finally: both.stop()
 
@@ -263,10 +264,12 @@ def test_silent_node_is_noticed_within_seconds_and_rejoins(cluster, model):
   finally: d2.p.send_signal(signal.SIGCONT)
   router.wait_ready(nodes_up=3, timeout=30)
 
-def _kill_when_streaming(router, model, victim: Proc, n_new: int, after_tokens: int, reason: str, n: int = 8):
-  prompts = [prompt(100 + i, 8 + i % 4) for i in range(n)]
+def _kill_when_streaming(router, model, pick_victim, n_new: int, after_tokens: int, reasons: tuple[str, ...], n: int = 8) -> Proc:
+  """n streaming requests; once the first has after_tokens tokens, SIGKILL pick_victim(); every request must still end
+  with the single-process tokens, and at least one must have been moved off the victim."""
+  prompts = [prompt(100 + i) for i in range(n)]
   wants = [reference(model, p, n_new) for p in prompts]
-  got, started, killed = {}, threading.Semaphore(0), threading.Event()
+  got, started = {}, threading.Semaphore(0)
   def one(i):
     seen = [False]
     def on_chunk(ids):
@@ -274,25 +277,28 @@ def _kill_when_streaming(router, model, victim: Proc, n_new: int, after_tokens: 
         seen[0] = True
         started.release()
     got[i] = router.stream({"model": model[1], "prompt": prompts[i], "max_tokens": n_new, "temperature": 0}, on_chunk)
-  before = router.metric("tinyhet:request_retries_total", reason=reason)
+  before = sum(router.metric("tinyhet:request_retries_total", reason=r) for r in reasons)
   threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
   for t in threads: t.start()
   assert started.acquire(timeout=120)
-  victim.kill9()
-  killed.set()
+  (victim := pick_victim()).kill9()
   for t in threads: t.join(120)
   assert {i: got.get(i) for i in range(n)} == {i: wants[i] for i in range(n)}
-  assert router.metric("tinyhet:request_retries_total", reason=reason) > before, "no request was in flight on the killed node"
+  assert sum(router.metric("tinyhet:request_retries_total", reason=r) for r in reasons) > before, "no request was in flight on the killed node"
+  return victim
 
 def test_kill9_decode_node_while_decoding(cluster, model):
   router = cluster["router"]
-  _kill_when_streaming(router, model, cluster["d1"], n_new=160, after_tokens=3, reason="decode node lost")
-  assert router.metric("tinyhet:node_up", node=cluster["d1"].address) == 0
+  def busiest():        # the decode node with the most sequences, as its last heartbeat said
+    return max((cluster[d] for d in ("d1", "d2")), key=lambda p: (s := node_state(router, p))["running"] + s["incoming"])
+  # a request decoding there loses its stream (decode node lost); one still being prefilled loses its KV's destination (prefill failed)
+  victim = _kill_when_streaming(router, model, busiest, n_new=48, after_tokens=3, reasons=("decode node lost", "prefill failed"))
+  assert router.metric("tinyhet:node_up", node=victim.address) == 0
 
 def test_kill9_prefill_node_during_prefill_then_it_rejoins(cluster, model):
   router, old = cluster["router"], cluster["prefill"]
-  # 16 requests queue on the one prefill node; it dies when the first has its first token, with the rest queued or in flight
-  _kill_when_streaming(router, model, old, n_new=20, after_tokens=1, reason="prefill node lost", n=16)
+  # 8 requests queue on the one prefill node; it dies when the first has its first token, with the rest queued or in flight
+  _kill_when_streaming(router, model, lambda: old, n_new=12, after_tokens=1, reasons=("prefill node lost",))
   cluster["prefill"] = new = node("prefill", listen=old.address)       # the same address: the router's heartbeat finds it again
   assert new.address == old.address
   router.wait_ready(nodes_up=2)

@@ -232,12 +232,13 @@ class Cluster:
     ctl.close()
 
   def _failed(self, req: Request, node: Node, e: Exception, reason: str) -> Exception:
-    """What a failed call means for the request: the exception to raise."""
+    """What a failed call means for the request: the exception to raise. reason: '<role> node lost', the metric's label."""
     if req.cancelled.is_set(): return Cancelled()
     if isinstance(e, ControlError):
       msg = str(e)
       if "RequestTooLarge" in msg or "ValueError" in msg: return BadRequest(msg.split(": ", 3)[-1])
-      return _NodeLost(reason, msg)        # e.g. the KV did not arrive because the other node was lost: start over
+      # the node answered, but the step failed (the KV did not arrive, the prefill could not reach the decode node): start over
+      return _NodeLost(reason.replace("node lost", "failed"), msg)
     self._lost(node, f"{type(e).__name__}: {e}", close_clients=False)
     return _NodeLost(reason, f"{node.address} ({node.role}) lost: {type(e).__name__}: {e}")
 
