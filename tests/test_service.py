@@ -200,32 +200,53 @@ def test_32_concurrent_streams_match_single_process(cluster, model):
   assert all(router.metric("tinyhet:node_requests_total", node=cluster[d].address) > 0 for d in ("d1", "d2")), "one decode node got nothing"
   assert router.metric("tinyhet:kv_transfer_bytes_total") > 0 and router.metric("tinyhet:time_to_first_token_seconds_count") >= 32
 
-def test_tiny_kv_pool_completes_or_503_and_both_role(cluster, model):
-  """A `both` node with 12 KV blocks (192 tokens) serving 12 requests of 50 tokens each, prefilled on itself or on the
-  prefill node: each completes with the reference tokens or gets 503 with Retry-After; the node survives."""
+@pytest.fixture(scope="module")
+def tiny_both():
+  """A `--role both` node with a KV pool of 12 blocks (192 tokens)."""
   both = node("both", "--kv-memory", "48K", "--max-seqs", "4")
+  yield both
+  both.stop()
+
+def test_tiny_kv_pool_completes_or_503_and_both_role(cluster, model, tiny_both):
+  """The tiny `both` node serving 12 requests of 50 tokens each, prefilled on itself or on the prefill node: each completes
+  with the reference tokens or gets 503 with Retry-After; the node survives."""
+  both = tiny_both
+  router = Router("--both", both.address, "--prefill", cluster["prefill"].address, "--max-queue", "3", "--queue-timeout", "3")
   try:
-    router = Router("--both", both.address, "--prefill", cluster["prefill"].address, "--max-queue", "3", "--queue-timeout", "3")
-    try:
-      router.wait_ready(nodes_up=2)
-      ids = prompt(5, 10)
-      want = reference(model, ids, 40)
-      results = []
-      def one():
-        results.append(router.request("POST", "/v1/completions", {"model": model[1], "prompt": ids, "max_tokens": 40, "temperature": 0,
-                                                                    "return_token_ids": True}))
-      threads = [threading.Thread(target=one) for _ in range(12)]
-      for t in threads: t.start()
-      for t in threads: t.join(120)
-      assert len(results) == 12
-      done = [r for r in results if r[0] == 200]
-      assert done and all(r[2]["choices"][0]["token_ids"] == want for r in done)
-      assert all(r[0] == 503 and r[1].get("retry-after") for r in results if r[0] != 200), [r for r in results if r[0] != 200]
-      assert both.p.poll() is None and router.request("GET", "/ready")[0] == 200
-      local, remote = (router.metric("tinyhet:node_requests_total", node=both.address, role=r) for r in ("prefill+decode", "decode"))
-      assert local + remote == len(done), (local, remote, len(done))
-    finally: router.stop()
-  finally: both.stop()
+    router.wait_ready(nodes_up=2)
+    ids = prompt(5, 10)
+    want = reference(model, ids, 40)
+    results = []
+    def one():
+      results.append(router.request("POST", "/v1/completions", {"model": model[1], "prompt": ids, "max_tokens": 40, "temperature": 0,
+                                                                  "return_token_ids": True}))
+    threads = [threading.Thread(target=one) for _ in range(12)]
+    for t in threads: t.start()
+    for t in threads: t.join(120)
+    assert len(results) == 12
+    done = [r for r in results if r[0] == 200]
+    assert done and all(r[2]["choices"][0]["token_ids"] == want for r in done)
+    assert all(r[0] == 503 and r[1].get("retry-after") for r in results if r[0] != 200), [r for r in results if r[0] != 200]
+    assert both.p.poll() is None and router.request("GET", "/ready")[0] == 200
+    local, remote = (router.metric("tinyhet:node_requests_total", node=both.address, role=r) for r in ("prefill+decode", "decode"))
+    assert local + remote == len(done), (local, remote, len(done))
+  finally: router.stop()
+
+def test_both_node_prefills_for_a_decode_node(cluster, model, tiny_both):
+  """Dynamic P:D: with a decode node and a `both` node, the both node decodes some requests (prefilling them itself) and
+  prefills the decode node's."""
+  router = Router("--decode", cluster["d2"].address, "--both", tiny_both.address)
+  try:
+    router.wait_ready(nodes_up=2)
+    prompts, got = [prompt(60 + i) for i in range(4)], {}
+    def one(i): got[i] = router.stream({"model": model[1], "prompt": prompts[i], "max_tokens": 10, "temperature": 0})
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads: t.start()
+    for t in threads: t.join(120)
+    assert [got.get(i) for i in range(4)] == [reference(model, p, 10) for p in prompts]
+    assert router.metric("tinyhet:node_requests_total", node=tiny_both.address, role="prefill") > 0
+    assert router.metric("tinyhet:node_requests_total", node=cluster["d2"].address, role="decode") > 0
+  finally: router.stop()
 
 def node_state(router, proc) -> dict:
   return next(n for n in router.request("GET", "/ready")[2]["nodes"] if n["address"] == proc.address)

@@ -45,9 +45,9 @@ class Job:
     except (OSError, ValueError): return True
 
 class PrefillNode:
-  def __init__(self, model, node, model_id: str = "", transport: str | None = None, lock: threading.Lock | None = None):
-    self.model, self.node, self.model_id, self.transport = model, node, model_id, transport
-    self.lock = lock or threading.Lock()        # held while the model computes (a `both` node shares it with decoding)
+  def __init__(self, model, node, model_id: str = "", transport: str | None = None, on_job=None):
+    """on_job(): called when a job is queued (a `both` node wakes its batching loop, whose thread runs the jobs)."""
+    self.model, self.node, self.model_id, self.transport, self.on_job = model, node, model_id, transport, on_job
     self.jobs: queue.Queue[Job] = queue.Queue()
     self.queued_tokens = 0                       # prompt tokens waiting or being prefilled: the router's measure of load
     self.count_lock = threading.Lock()
@@ -72,6 +72,7 @@ class PrefillNode:
     job = Job(list(prompt_ids), decode, reservation, dict(temperature=float(temperature), top_p=float(top_p), seed=seed), conn.sock)
     with self.count_lock: self.queued_tokens += len(prompt_ids)
     self.jobs.put(job)
+    if self.on_job is not None: self.on_job()
     if not job.done.wait(timeout): raise TimeoutError(f"prefill of {len(prompt_ids)} tokens did not finish within {timeout} s")
     if job.error is not None: raise job.error
     return job.result
@@ -79,16 +80,19 @@ class PrefillNode:
   # ---- the model's thread
   def run(self, stop: threading.Event):
     """Prefill jobs in arrival order until stop is set. Call it from the thread that loaded the model."""
-    while not stop.is_set():
-      try: job = self.jobs.get(timeout=0.5)
-      except queue.Empty: continue
-      try: job.result = self._prefill(job)
-      except BaseException as e: job.error = e
-      finally:
-        with self.count_lock:
-          self.queued_tokens -= len(job.prompt_ids)
-          self.served += 1
-        job.done.set()
+    while not stop.is_set(): self.run_one(timeout=0.5)
+
+  def run_one(self, timeout: float = 0.0):
+    """Run the oldest queued job, if one arrives within timeout."""
+    try: job = self.jobs.get(timeout=timeout) if timeout > 0 else self.jobs.get_nowait()
+    except queue.Empty: return
+    try: job.result = self._prefill(job)
+    except BaseException as e: job.error = e
+    finally:
+      with self.count_lock:
+        self.queued_tokens -= len(job.prompt_ids)
+        self.served += 1
+      job.done.set()
 
   def _decoder(self, address: str, fresh: bool = False):
     if fresh and (old := self.decoders.pop(address, None)): old[0].close()
@@ -127,9 +131,8 @@ class PrefillNode:
 
     ids = job.prompt_ids
     padded = ids + [0] * (prefill_bucket(len(ids)) - len(ids))
-    with self.lock:
-      logits = self.model.prefill(Tensor([padded], dtype=dtypes.int32, device=self.model.device), on_layer=send_layer, kv_dtype=kv_dtype,
-                                  n_valid=len(ids)).numpy()[0]
+    logits = self.model.prefill(Tensor([padded], dtype=dtypes.int32, device=self.model.device), on_layer=send_layer, kv_dtype=kv_dtype,
+                                n_valid=len(ids)).numpy()[0]
     t_prefill = time.perf_counter()
     sampler = Sampler(job.sampling["temperature"], job.sampling["top_p"], job.sampling["seed"])
     first = sampler(logits)

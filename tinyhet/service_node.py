@@ -6,9 +6,9 @@
                  prompt short enough to prefill where it is decoded, for a `both` node's own requests, and when no prefill
                  node is left.
   --role prefill the model on HET and a PrefillNode (tinyhet.prefill_node) answering prefill.run.
-  --role both    a decode node and a PrefillNode over one copy of the model on MESH: the batching loop and prefill jobs
-                 take turns on the model (one lock around each forward), and the router gives the node prefill or decode
-                 work from the queue lengths and free KV blocks its heartbeats report.
+  --role both    a decode node and a PrefillNode over one copy of the model on MESH: prefill jobs run on the batching
+                 loop's thread between its steps, and the router gives the node prefill or decode work from the queue
+                 lengths and free KV blocks its heartbeats report.
 """
 from __future__ import annotations
 import json, queue, signal, sys, threading, time
@@ -41,32 +41,42 @@ def install_submit(decode) -> None:
   decode.node.endpoint.handle("decode.submit", serve_submit)
 
 def decode_status(decode) -> dict:
-  bm = decode.cache.block_manager
-  with decode.cond:
-    s = decode.scheduler
-    return {"model": decode.model_id, "kv_blocks": bm.num_blocks, "free_blocks": bm.num_free, "block_size": decode.cache.block_size,
-            "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
-            "max_context": decode.model.cfg.max_context}
+  # read without decode.cond: a `both` node's batching loop can hold it while it waits for the model (a long prefill), and a
+  # heartbeat must not wait that long; a count a moment stale is what a heartbeat is anyway
+  bm, s = decode.cache.block_manager, decode.scheduler
+  return {"model": decode.model_id, "kv_blocks": bm.num_blocks, "free_blocks": bm.num_free, "block_size": decode.cache.block_size,
+          "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
+          "max_context": decode.model.cfg.max_context}
 
 class ServiceExtras:
   """Heartbeats and decode.submit on a decode node; with role `both`, a PrefillNode sharing its model, on its own thread."""
   def __init__(self, decode, role: str):
     from tinyhet.prefill_node import PrefillNode
     install_submit(decode)
-    self.stop, self.prefill, self.thread = threading.Event(), None, None
+    self.prefill = None
     if role == "both":
-      lock, forward = threading.Lock(), decode._forward
-      def locked_forward(*a, **kw):
-        with lock: return forward(*a, **kw)
-      decode._forward = locked_forward      # the batching loop and prefill jobs take turns on the one model
-      self.prefill = PrefillNode(decode.model, decode.node, decode.model_id, lock=lock)
-      self.thread = threading.Thread(target=self.prefill.run, args=(self.stop,), name="tinyhet-prefill", daemon=True)
-      self.thread.start()
+      # tinygrad may be used from one thread only (its compile cache is a sqlite connection bound to the thread that opened
+      # it, and its scheduler flips process-wide flags while it works), so prefill jobs run on the batching loop's thread:
+      # each time the loop asks its scheduler for the next batch, queued prefills run first, with the loop's lock released
+      # so that this node's own control requests go on meanwhile.
+      self.prefill = PrefillNode(decode.model, decode.node, decode.model_id, on_job=lambda: self._wake(decode))
+      schedule = decode.scheduler.schedule
+      def prefill_then_schedule():
+        if self.prefill.jobs.qsize():
+          decode.cond.release()               # held once by the loop around this call
+          try:
+            self.prefill.run_one()
+            while self.prefill.jobs.qsize() and not (decode.scheduler.running or decode.scheduler.waiting): self.prefill.run_one()
+          finally: decode.cond.acquire()
+        return schedule()
+      decode.scheduler.schedule = prefill_then_schedule
     heartbeat.install(decode.node.endpoint, role, lambda: {**decode_status(decode), **(self.prefill.status() if self.prefill else {})})
 
+  @staticmethod
+  def _wake(decode):
+    with decode.cond: decode.cond.notify_all()
+
   def close(self):
-    self.stop.set()
-    if self.thread is not None: self.thread.join(timeout=30)
     if self.prefill is not None: self.prefill.close()
 
 def main_prefill(args) -> int:
