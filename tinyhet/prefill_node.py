@@ -117,9 +117,13 @@ class PrefillNode:
     transfers = []
 
     def write(layer: int, packed: Tensor):
+      nonlocal peer
       region, offset = region_of(packed.uop.buffer)
       spans = [Span(region, offset + i * r["block_bytes"], pools[layer], b * r["block_bytes"], r["block_bytes"]) for i, b in enumerate(r["blocks"])]
-      transfers.append(self.node.endpoint.write(peer, spans, notify=notice_value(r["seq_id"], layer)))
+      try: transfers.append(self.node.endpoint.write(peer, spans, notify=notice_value(r["seq_id"], layer)))
+      except (TransportError, OSError):       # a link that broke since the last job (the decode node restarted): a new one
+        peer, _ = self._decoder(job.decode, fresh=True)
+        transfers.append(self.node.endpoint.write(peer, spans, notify=notice_value(r["seq_id"], layer)))
 
     def send_layer(layer: int, k: Tensor, v: Tensor):
       if job.caller_gone(): raise CallerGone("the router gave the reservation up during prefill")
