@@ -25,6 +25,8 @@ def test_info_json():
   (["run", "--model", "/nonexistent.gguf", "--no-disagg", "--quiet"], {}, "does not exist"),
   (["node", "--role", "prefill", "--listen", "nonsense"], {}, "is not host:port"),
   (["node", "--role", "decode", "--listen", "nonsense"], {}, "is not host:port"),
+  (["node", "--role", "prefill", "--listen", "127.0.0.1:0", "--model", "random:layers=2"], {}, "'layers=2' is not one of n_layers=N"),
+  (["serve", "--prefill", "127.0.0.1:1"], {}, "give at least one decode-capable node"),
   (["run", "--max-tokens", "0"], {}, "--max-tokens must be at least 1"),
 ])
 def test_errors_are_one_line_without_traceback(args, env, message):

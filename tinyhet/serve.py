@@ -235,7 +235,10 @@ def main(argv=None) -> int:
   ep = Endpoint(f"router-{socket.gethostname()}-{os.getpid()}")
   cluster = Cluster(ep, nodes, model_id, metrics, args.max_queue, args.queue_timeout, planner)
   host, _, port = args.listen.rpartition(":")
-  sock = socket.create_server((host, int(port)), backlog=1024)
+  try: sock = socket.create_server((host, int(port)), backlog=1024)
+  except OSError as e:
+    print(f"tinyhet serve: cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port", file=sys.stderr)
+    return 2
   server = uvicorn.Server(uvicorn.Config(Service(cluster, tok, model_id, metrics).app(), log_level="warning", timeout_graceful_shutdown=2))
   print(json.dumps({"address": f"{host}:{sock.getsockname()[1]}", "model": model_id, "nodes": nodes}), flush=True)
   if args.stdin_stop:

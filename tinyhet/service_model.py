@@ -7,6 +7,9 @@ tested and benchmarked in seconds, with every node holding the same weights.
 """
 from __future__ import annotations
 
+class ModelSpecError(ValueError):
+  """A `random:` model spec that does not parse; the message names the fields allowed."""
+
 RANDOM_DEFAULTS = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=256, max_context=128, seed=7)
 
 def random_spec(spec) -> dict | None:
@@ -16,9 +19,9 @@ def random_spec(spec) -> dict | None:
   for part in filter(None, str(spec)[len("random:"):].split(",")):
     key, _, value = part.partition("=")
     if key not in fields or not value.isdigit() or int(value) < 1:
-      raise ValueError(f"model spec {spec!r}: {part!r} is not one of {', '.join(f'{k}=N' for k in fields)} with N a positive integer")
+      raise ModelSpecError(f"model spec {spec!r}: {part!r} is not one of {', '.join(f'{k}=N' for k in fields)} with N a positive integer")
     fields[key] = int(value)
-  if fields["vocab_size"] < 256: raise ValueError(f"model spec {spec!r}: the byte tokenizer needs vocab_size >= 256")
+  if fields["vocab_size"] < 256: raise ModelSpecError(f"model spec {spec!r}: the byte tokenizer needs vocab_size >= 256")
   return fields
 
 class ByteTokenizer:

@@ -93,7 +93,10 @@ def main_prefill(args) -> int:
   model, _, model_id = service_model.load(args.model, "HET", args.max_context, args.quiet, packed=not args.float_weights)
   prefill = PrefillNode(model, node, model_id)
   heartbeat.install(node.endpoint, "prefill", lambda: {**prefill.status(), "max_context": model.cfg.max_context})
-  address = node.serve(host, int(port))
+  try: address = node.serve(host, int(port))
+  except OSError as e:
+    print(f"tinyhet node: cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port", file=sys.stderr)
+    return 2
   print(json.dumps({"address": address, "node": node.name, "model": model_id, "role": "prefill", "transports": node.endpoint.transports}), flush=True)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
