@@ -268,8 +268,8 @@ class Cluster:
     finally: self._close(req, decode, ctl)
 
   def _prefill(self, req: Request, node: Node, decode: Node, ids: list[int], reservation: dict, sampling: dict) -> dict:
-    with self.cond: node.inflight_tokens += len(ids)
     ctl = self._open(req, node, "prefill node lost")
+    with self.cond: node.inflight_tokens += len(ids)
     try:
       p = ctl.call("prefill.run", prompt_ids=ids, decode=decode.address, reservation=reservation, seed=req.seed, **sampling)
     except Exception as e: raise self._failed(req, node, e, "prefill node lost") from None

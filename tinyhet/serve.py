@@ -59,7 +59,6 @@ class Service:
 
   async def _generate(self, request, chat: bool):
     from starlette.responses import JSONResponse, StreamingResponse
-    from tinyhet.router import BadRequest, Overloaded, Unavailable
     try:
       try: body = json.loads(await request.body())
       except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ApiError(f"the body is not JSON: {e}") from None
@@ -69,23 +68,26 @@ class Service:
       return error_response(e.status, str(e), param=e.param, code=e.code)
     run = Running(self, p)
     first = await run.next_event()
-    if first[0] == "error":
-      e = first[1]
-      retry = {"Retry-After": str(self.retry_after_s)}
-      status, kind, headers = {BadRequest: (400, "invalid_request_error", None), Overloaded: (503, "server_overloaded", retry),
-                               Unavailable: (503, "service_unavailable", retry)}.get(type(e), (500, "server_error", None))
-      self.metrics.rejected.labels(str(status)).inc()
-      return error_response(status, str(e), kind, headers=headers)
+    if first[0] == "error": return self._failure(first[1])
     run.pending.append(first)
     if p["stream"]: return StreamingResponse(run.sse(chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try: text, ids, reason = await run.collect(request)
-    except Exception as e: return error_response(500, f"the request failed after it started: {e}", "server_error")
+    except Exception as e: return self._failure(e)
     if reason == "cancelled": return error_response(499, "the client went away", "cancelled")
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason} if chat else
               {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
     if p["return_token_ids"]: choice["token_ids"] = ids
     return JSONResponse({"id": run.id, "object": "chat.completion" if chat else "text_completion", "created": run.created,
                          "model": self.model_id, "choices": [choice], "usage": run.usage()})
+
+  def _failure(self, e: Exception):
+    """The HTTP answer for a request the cluster could not serve (before any byte of the reply was sent)."""
+    from tinyhet.router import BadRequest, Overloaded, Unavailable
+    retry = {"Retry-After": str(self.retry_after_s)}
+    status, kind, headers = {BadRequest: (400, "invalid_request_error", None), Overloaded: (503, "server_overloaded", retry),
+                             Unavailable: (503, "service_unavailable", retry)}.get(type(e), (500, "server_error", None))
+    self.metrics.rejected.labels(str(status)).inc()
+    return error_response(status, str(e), kind, headers=headers)
 
 class Running:
   """One request in flight: its thread in the Cluster, the events it sends to the event loop, its text and metrics."""
@@ -96,7 +98,7 @@ class Running:
     self.loop, self.events = asyncio.get_running_loop(), asyncio.Queue()
     self.pending: list = []
     self.t0, self.t_last, self.n_tokens = time.perf_counter(), None, 0
-    self.decoder, self.text, self.sent = svc.tok.stream_decoder(), "", 0
+    self.decoder, self.text, self.sent, self.stopped = svc.tok.stream_decoder(), "", 0, False
     self.req = Request(p["prompt_ids"], p["max_tokens"], self._emit, p["temperature"], p["top_p"], p["seed"], list(svc.tok.stop_ids))
     self.m.prompt_tokens.inc(len(p["prompt_ids"]))
     self.m.running.inc()
@@ -116,6 +118,7 @@ class Running:
 
   def _token(self, token: int, t: float) -> str:
     """Account for one token; the text it adds that may be sent now (held back while it could begin a stop string)."""
+    if self.stopped: return ""              # tokens already on their way when a stop string ended the answer
     self.m.generation_tokens.inc()
     if self.t_last is None: self.m.ttft.observe(t - self.t0)
     else: self.m.itl.observe(t - self.t_last)
@@ -125,17 +128,17 @@ class Running:
 
   def _release(self, final: bool = False) -> str:
     stops = self.p["stop"]
-    for s in stops:
-      if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0:       # a stop string: the answer ends before it
-        self.text, self.stopped = self.text[:i], True
-        self.req.cancel()
-    hold = 0 if final or getattr(self, "stopped", False) else max((len(s) - 1 for s in stops), default=0)
+    hits = [i for s in stops if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0] if not self.stopped else []
+    if hits:                                # a stop string: the answer ends before the first one
+      self.text, self.stopped = self.text[:min(hits)], True
+      self.req.cancel()
+    hold = 0 if final or self.stopped else max((len(s) - 1 for s in stops), default=0)
     out = self.text[self.sent:max(self.sent, len(self.text) - hold)]
     self.sent += len(out)
     return out
 
   def _finish(self, reason: str) -> str:
-    if getattr(self, "stopped", False): reason = "stop"
+    if self.stopped: reason = "stop"
     if reason != "cancelled":
       self.m.e2e.observe(time.perf_counter() - self.t0)
       self.m.finished.labels(reason).inc()
@@ -154,7 +157,7 @@ class Running:
       if ev[0] == "token": self._token(ev[1], ev[2])
       elif ev[0] == "error": raise ev[1]
       else:
-        self.text += self.decoder.flush()
+        if not self.stopped: self.text += self.decoder.flush()
         self._release(final=True)
         return self.text, self.req.generated[:self.n_tokens], self._finish(ev[1])
 
@@ -181,7 +184,7 @@ class Running:
           yield f"data: {json.dumps(err)}\n\n"
           break
         else:
-          self.text += self.decoder.flush()
+          if not self.stopped: self.text += self.decoder.flush()
           rest = self._release(final=True)
           yield self._chunk(chat, rest if rest else (None if chat else ""), self._finish(ev[1]), [])
           if self.p["include_usage"]:
