@@ -84,3 +84,15 @@ def test_admission_never_overcommits(nodes, requests):
     assert n.up and n.can_decode and n.reserved_blocks <= n.status["free_blocks"]
   for n, b in held: c._release(n, b)
   assert all(s.reserved_blocks == 0 and s.assigned == 0 for s in states) and c.waiting == 0
+
+def test_heartbeats_bring_nodes_up_and_another_model_keeps_them_out():
+  from tinyhet.service_metrics import Metrics
+  d, other = state("decode", up=False), state("decode", up=False)
+  c = cluster(d, other, metrics=Metrics())
+  c._beat(d, {**d.status, "model": "m"})
+  c._beat(other, {**other.status, "model": "another"})
+  assert d.up and not other.up and "same --model" in other.reason and c.ready()
+  c._lost(d, "EOF")
+  assert not d.up and d.reason == "EOF" and not c.ready()
+  page = c.metrics.exposition().decode()
+  assert f'tinyhet:node_up{{node="{d.address}",role="decode"}} 0.0' in page and "tinyhet:kv_cache_usage_perc" in page
