@@ -18,6 +18,9 @@ setup(
   install_requires=[
     "tinygrad==0.14.0",  # pinned exactly: its internal device API (allocators, HCQ) changes between releases
     "numpy",
+    "starlette",          # the router's HTTP API (tinyhet serve), on uvicorn
+    "uvicorn",
+    "prometheus-client",  # the router's /metrics
     "tokenizers",
     "jinja2",
   ],
@@ -29,7 +32,8 @@ setup(
     # the baselines of `tinyhet bench decode`: PyTorch float32 (the CPU wheel; an unpinned torch pulls a multi-GB CUDA build) and
     # llama.cpp through llama-cpp-python, which compiles llama.cpp on install (`make bench-setup` passes the build flags)
     "bench": ["torch==2.13.0", "llama-cpp-python==0.3.36"],
-    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf"],  # gguf: tests write GGUF files as llama.cpp does
+    # gguf: tests write GGUF files as llama.cpp does; openai: the router is tested with the OpenAI client, unchanged
+    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf", "openai"],
   },
   entry_points={"console_scripts": ["tinyhet=tinyhet.cli:main"]},
 )

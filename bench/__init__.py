@@ -7,6 +7,7 @@ BENCHMARKS = {
   "kv": ("tinyhet.bench.kv", "paged KV: memory utilization and paged attention against contiguous/dense"),
   "decode": ("tinyhet.bench.decode", "the decode node's engine against llama.cpp and PyTorch: decode at batches 1-64, prefill, read-bandwidth share"),
   "het": ("tinyhet.bench.het_check", "the HET device on its backend (HET_BACKEND=CUDA on a GPU): checks and matmul speed"),
+  "serve": ("tinyhet.bench.serve", "the service: 1 prefill + 1 decode node against one --role both node, requests/s, TTFT, TPOT"),
   "e2e": ("tinyhet.bench.e2e", "end to end: disaggregated against --no-disagg, decode against the memory-bandwidth bound"),
 }
 

@@ -23,8 +23,10 @@ def test_info_json():
   (["run", "--decode-node", "127.0.0.1:1", "--quiet"], {}, "cannot connect to 127.0.0.1:1"),
   (["info"], {"TINYHET_TRANSPORT": "bogus"}, "environment variable TINYHET_TRANSPORT: transport = 'bogus' is not one of"),
   (["run", "--model", "/nonexistent.gguf", "--no-disagg", "--quiet"], {}, "does not exist"),
-  (["node", "--role", "prefill"], {}, "not built yet"),
+  (["node", "--role", "prefill", "--listen", "nonsense"], {}, "is not host:port"),
   (["node", "--role", "decode", "--listen", "nonsense"], {}, "is not host:port"),
+  (["node", "--role", "prefill", "--listen", "127.0.0.1:0", "--model", "random:layers=2"], {}, "'layers=2' is not one of n_layers=N"),
+  (["serve", "--prefill", "127.0.0.1:1"], {}, "give at least one decode-capable node"),
   (["run", "--max-tokens", "0"], {}, "--max-tokens must be at least 1"),
   (["run", "--model", "/nonexistent.gguf"], {}, "model file /nonexistent.gguf does not exist"),      # with the decode node it starts
   (["node", "--role", "decode", "--model", "/nonexistent.gguf"], {}, "model file /nonexistent.gguf does not exist"),

@@ -4,9 +4,10 @@ import argparse, importlib, os, sys
 # name -> (module with main(argv), one-line help). Modules are imported only when their command runs: tinygrad is slow to import.
 COMMANDS = {
   "run": ("tinyhet.run", "generate text: prefill on HET, stream KV layer by layer to a decode node (MESH), decode there"),
-  "node": ("tinyhet.node", "run a node process (--role decode: paged KV cache and decoding for remote prefill nodes)"),
+  "node": ("tinyhet.node", "run a node process: --role decode (paged KV, batching), prefill (HET) or both"),
+  "serve": ("tinyhet.serve", "the router: an OpenAI-compatible HTTP API over prefill and decode nodes, with recovery"),
   "plan": ("tinyhet.planner", "predict TTFT / time per token / throughput and choose where prefill and decode run"),
-  "bench": ("tinyhet.bench", "benchmarks against a baseline from the same run: transfer, kv, e2e"),
+  "bench": ("tinyhet.bench", "benchmarks against a baseline from the same run: transfer, kv, e2e, serve, ..."),
   "info": ("tinyhet.info", "show the configuration, devices and transports available on this machine"),
 }
 

@@ -87,7 +87,7 @@ class DecodeNode:
             "rejected_notices": self.rejected_notices,
             "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
-  def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0) -> dict:
+  def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, writer: str | None = None) -> dict:
     if not isinstance(prompt_ids, list) or not prompt_ids or not all(_is_int(t) and 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
       raise ValueError(f"prompt_ids must be a non-empty list of token ids below {self.model.cfg.vocab_size}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -95,8 +95,11 @@ class DecodeNode:
     if len(prompt_ids) + max_new_tokens > self.model.cfg.max_context:
       raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's context ({self.model.cfg.max_context})")
     _check_timeout(timeout)
+    if writer is not None and (not isinstance(writer, str) or not 0 < len(writer.encode()) <= 200):
+      raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
     seq = Sequence(next(self.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
-    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer)
+    # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
+    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer if writer is None else writer)
     deadline = time.monotonic() + timeout
     with self.cond:
       self.scheduler.check_fits(seq)
@@ -110,7 +113,8 @@ class DecodeNode:
     # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
     # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves
     bb = self.cache.block_nbytes
-    seq.extra["descs"] = descs = [self.node.endpoint.expose(r, owner=conn.peer, allowed=[(b * bb, bb) for b in blocks]) for r in self.pool_regions]
+    seq.extra["descs"] = descs = [self.node.endpoint.expose(r, owner=seq.extra["owner"], allowed=[(b * bb, bb) for b in blocks])
+                                  for r in self.pool_regions]
     self._attach(conn, seq)
     return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size}
 

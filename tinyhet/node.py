@@ -1,7 +1,8 @@
-"""`tinyhet node --role decode`: a decode node process. It loads the model onto MESH, allocates the paged KV pool in
-registered memory, listens, and prints one JSON line {"address", "node", "kv_blocks", ...} on stdout once it is ready.
-Peers prove the shared token (TINYHET_TOKEN or the config file). Stop it with Ctrl-C, SIGTERM, or by closing its stdin
-(--stdin-stop: a node owned by a parent process, which also dies with that parent).
+"""`tinyhet node --role decode|prefill|both`: a node process (prefill and both: see tinyhet.service_node). A decode node
+loads the model onto MESH, allocates the paged KV pool in registered memory, listens, and prints one JSON line
+{"address", "node", "kv_blocks", ...} on stdout once it is ready. Peers prove the shared token (TINYHET_TOKEN or the
+config file). Stop it with Ctrl-C, SIGTERM, or by closing its stdin (--stdin-stop: a node owned by a parent process, which
+also dies with that parent).
 """
 from __future__ import annotations
 import json, os, signal, sys, threading
@@ -10,7 +11,7 @@ from tinyhet.cli import ArgumentParser, exit_now
 
 def parse_args(argv):
   ap = ArgumentParser(prog="tinyhet node", description=__doc__.splitlines()[0])
-  ap.add_argument("--role", choices=["decode", "prefill"], required=True)
+  ap.add_argument("--role", choices=["decode", "prefill", "both"], required=True)
   ap.add_argument("--listen", default="127.0.0.1:7470", help="host:port to accept prefill nodes on (port 0: any free port)")
   ap.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
   ap.add_argument("--kv-memory", default="1G", help="KV pool size (all layers, K and V), e.g. 512M, 64G")
@@ -54,9 +55,8 @@ def main(argv=None) -> int:
 
 def serve(args, stop: threading.Event) -> int:
   if args.role == "prefill":
-    print("tinyhet node: --role prefill is not built yet: standalone prefill nodes come with the cluster service (router, heartbeats, "
-          "recovery; DESIGN.md point 6). `tinyhet run` prefills on HET in its own process.", file=sys.stderr)
-    return 2
+    from tinyhet.service_node import main_prefill
+    return main_prefill(args)
   from tinyhet.config import load_config, parse_bytes, ConfigError
   try:
     kv_bytes = parse_bytes(args.kv_memory, "--kv-memory")
@@ -70,13 +70,16 @@ def serve(args, stop: threading.Event) -> int:
   cfg = load_config()
   blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids)
+  from tinyhet.service_node import ServiceExtras
+  extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
   try:
     address = node.serve(host, int(port))
     print(json.dumps({"address": address, "node": node.name, "model": model_id, "kv_blocks": blocks, "block_size": cfg.kv_block_size,
-                      "transports": node.endpoint.transports}), flush=True)
+                      "transports": node.endpoint.transports, "role": args.role}), flush=True)
     decode.run(stop)
   finally:
     stop.set()
+    extras.close()
     decode.close()
     node.endpoint.close()
   return 0
@@ -87,11 +90,11 @@ def start(model_path, kv_bytes: int, max_context: int | None, quiet: bool, packe
   from tinyhet.config import load_config
   from tinyhet.memory import LocalNode
   import tinyhet.memory as memory
-  from tinyhet.weights import load_model, model_nbytes, model_name
-  need = model_nbytes(model_path, packed) + kv_bytes + (1 << 30)
+  from tinyhet import service_model
+  need = service_model.weights_nbytes(model_path, packed) + kv_bytes + (1 << 30)
   cfg = load_config()
   memory._node = node = LocalNode(load_config(arena_bytes=max(cfg.arena_bytes, need)))
-  model, tok = load_model(model_path, device="MESH", max_context=max_context, quiet=quiet, packed=packed)
-  return node, model, tok, model_name(model_path)
+  model, tok, model_id = service_model.load(model_path, "MESH", max_context, quiet, packed)   # a file, or random: for tests
+  return node, model, tok, model_id
 
 if __name__ == "__main__": sys.exit(main(sys.argv[1:]))

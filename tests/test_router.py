@@ -1,0 +1,98 @@
+"""The router's choices, on node states as heartbeats report them (plain Python, no processes): where a request is decoded
+and prefilled, the bounded queue, and planner.route's say over disaggregation. The processes themselves: test_service.py."""
+import itertools, pathlib, threading, time
+import pytest
+from hypothesis import given, settings, strategies as st
+from tinyhet.router import BadRequest, Cluster, Node, Overloaded, Unavailable
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+NAMES = itertools.count()
+def state(role: str, up=True, **status) -> Node:
+  n = Node(f"{role}-{next(NAMES)}", role, up=up)
+  n.status = {"model": "m", "block_size": 16, "kv_blocks": 100, "free_blocks": 100, "running": 0, "waiting": 0, "incoming": 0, "max_seqs": 8,
+              "queued_tokens": 0, **status}
+  return n
+
+def cluster(*nodes: Node, **kw) -> Cluster:
+  c = Cluster(None, {}, "m", **kw)          # no addresses: no heartbeat watches; the states are set here
+  c.nodes = {n.address: n for n in nodes}
+  return c
+
+def test_decode_goes_where_there_is_room_and_least_load():
+  full, busy, idle = state("decode", free_blocks=1), state("decode", running=6), state("decode", running=1)
+  c = cluster(full, busy, idle, state("decode", up=False), state("prefill"))
+  node, blocks = c._admit(100)                    # 7 blocks
+  assert node is idle and blocks == 7 and idle.reserved_blocks == 7 and idle.assigned == 1
+  c._release(node, blocks)
+  assert idle.reserved_blocks == 0 and idle.assigned == 0
+
+def test_router_counts_its_own_reservations_before_heartbeats_do():
+  a = state("decode", kv_blocks=10, free_blocks=10)
+  c = cluster(a, queue_timeout=0.2)
+  c._admit(100)                                   # 7 of 10 blocks, not yet in any heartbeat
+  with pytest.raises(Overloaded, match="stayed full"): c._admit(100)
+
+def test_bounded_queue_then_503():
+  a = state("decode", free_blocks=0)
+  c = cluster(a, max_queue=2, queue_timeout=5)
+  admitted = []
+  waiters = [threading.Thread(target=lambda: admitted.append(c._admit(16))) for _ in range(2)]
+  for t in waiters: t.start()
+  deadline = time.monotonic() + 5
+  while c.waiting < 2 and time.monotonic() < deadline: time.sleep(0.01)
+  with pytest.raises(Overloaded, match="2 requests wait already"): c._admit(16)
+  with c.cond:                                    # room appears: the waiters are admitted
+    a.status["free_blocks"] = 100
+    c.cond.notify_all()
+  for t in waiters: t.join(5)
+  assert c.waiting == 0 and a.assigned == 2 and [n for n, _ in admitted] == [a, a]
+
+def test_too_large_for_every_pool_is_a_bad_request_and_no_node_is_unavailable():
+  with pytest.raises(BadRequest, match="more KV blocks than any decode node"): cluster(state("decode", kv_blocks=4))._admit(100)
+  with pytest.raises(Unavailable, match="no decode node is up"): cluster(state("decode", up=False), queue_timeout=0.1)._admit(16)
+
+def test_prefill_on_the_least_queued_node_or_locally():
+  d, p1, p2 = state("decode"), state("prefill", queued_tokens=500), state("prefill", queued_tokens=20)
+  assert cluster(d, p1, p2)._choose_prefill(d, 100, 10) is p2
+  assert cluster(d, state("prefill", up=False))._choose_prefill(d, 100, 10) is None      # no prefill node: the decode node prefills
+  both = state("both", queued_tokens=0)
+  assert cluster(both, p1)._choose_prefill(both, 100, 10) is None     # a both node with the shorter queue prefills for itself
+  busy_both = state("both", queued_tokens=900)
+  assert cluster(busy_both, p2)._choose_prefill(busy_both, 100, 10) is p2
+  other_both = state("both", queued_tokens=0)
+  assert cluster(d, other_both, p1)._choose_prefill(d, 100, 10) is other_both          # dynamic P:D: a both node takes prefill work
+
+def test_planner_route_keeps_short_prompts_local():
+  from tinyhet.cluster_file import load_cluster
+  d, p = state("decode"), state("prefill")
+  c = cluster(d, p, planner=(load_cluster(ROOT / "examples/clusters/spark_m3ultra.toml"), "llama-3.1-8b"))
+  assert c._choose_prefill(d, 60, 32) is None and c._choose_prefill(d, 8192, 32) is p
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["prefill", "decode", "both"]), st.booleans(), st.integers(0, 100), st.integers(0, 20)), min_size=1,
+                max_size=6),
+       st.lists(st.integers(1, 400), min_size=1, max_size=12))
+def test_admission_never_overcommits(nodes, requests):
+  states = [state(r, up=u, free_blocks=f, running=k) for r, u, f, k in nodes]
+  c = cluster(*states, queue_timeout=0.001, max_queue=100)
+  held = []
+  for tokens in requests:
+    try: held.append(c._admit(tokens))
+    except (Overloaded, BadRequest, Unavailable): continue
+    n = held[-1][0]
+    assert n.up and n.can_decode and n.reserved_blocks <= n.status["free_blocks"]
+  for n, b in held: c._release(n, b)
+  assert all(s.reserved_blocks == 0 and s.assigned == 0 for s in states) and c.waiting == 0
+
+def test_heartbeats_bring_nodes_up_and_another_model_keeps_them_out():
+  from tinyhet.service_metrics import Metrics
+  d, other = state("decode", up=False), state("decode", up=False)
+  c = cluster(d, other, metrics=Metrics())
+  c._beat(d, {**d.status, "model": "m"})
+  c._beat(other, {**other.status, "model": "another"})
+  assert d.up and not other.up and "same --model" in other.reason and c.ready()
+  c._lost(d, "EOF")
+  assert not d.up and d.reason == "EOF" and not c.ready()
+  page = c.metrics.exposition().decode()
+  assert f'tinyhet:node_up{{node="{d.address}",role="decode"}} 0.0' in page and "tinyhet:kv_cache_usage_perc" in page

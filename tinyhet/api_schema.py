@@ -1,0 +1,94 @@
+"""Checking OpenAI request bodies: each field's type and range, the model's name and the context's length. A bad body
+raises ApiError (HTTP 4xx) whose message says which field to change and how; nothing else is raised for any JSON value."""
+from __future__ import annotations
+
+class ApiError(ValueError):
+  def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+    super().__init__(message)
+    self.param, self.status, self.code = param, status, code
+
+def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
+def _is_num(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[int], chat: bool) -> dict:
+  model = body.get("model")
+  if not isinstance(model, str): raise ApiError(f"'model' must be a string: {model_id!r} (GET /v1/models lists it)", "model")
+  if model != model_id:
+    raise ApiError(f"the model {model[:100]!r} does not exist here; this server serves {model_id!r}", "model", 404, "model_not_found")
+  if max_context is None: raise ApiError("no decode node is up yet: retry in a few seconds (GET /ready says when)", None, 503, "not_ready")
+  n_vocab = tok.vocab_size
+  if not prompt_ids: raise ApiError("the prompt is empty: give at least one token", "messages" if chat else "prompt")
+  if any(not 0 <= t < n_vocab for t in prompt_ids):
+    raise ApiError(f"prompt token ids must be in 0..{n_vocab - 1}", "prompt")
+  room = max_context - len(prompt_ids)
+  if room < 1:
+    raise ApiError(f"the prompt has {len(prompt_ids)} tokens; the context holds {max_context}: shorten the prompt", "messages" if chat else "prompt",
+                   code="context_length_exceeded")
+  key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+  max_tokens = body.get(key)
+  if max_tokens is None: max_tokens = room if chat else min(16, room)
+  if not _is_int(max_tokens) or max_tokens < 1: raise ApiError(f"'{key}' must be a positive integer, got {str(max_tokens)[:50]!r}", key)
+  if max_tokens > room:
+    raise ApiError(f"the prompt ({len(prompt_ids)} tokens) + {key} ({max_tokens}) exceeds the context ({max_context}): set {key} to at most "
+                   f"{room}", key, code="context_length_exceeded")
+  temperature = body.get("temperature")
+  temperature = 1.0 if temperature is None else temperature        # OpenAI's default
+  if not _is_num(temperature) or not 0 <= temperature <= 2: raise ApiError("'temperature' must be a number in 0..2 (0: greedy)", "temperature")
+  top_p = body.get("top_p")
+  top_p = 1.0 if top_p is None else top_p
+  if not _is_num(top_p) or not 0 < top_p <= 1: raise ApiError("'top_p' must be a number in (0, 1]", "top_p")
+  seed = body.get("seed")
+  if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63): raise ApiError("'seed' must be a non-negative integer", "seed")
+  n = body.get("n")
+  if n is not None and n != 1: raise ApiError("'n' must be 1 (one answer per request)", "n")
+  stream = body.get("stream")
+  if stream is not None and not isinstance(stream, bool): raise ApiError("'stream' must be true or false", "stream")
+  opts = body.get("stream_options")
+  if opts is not None and (not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool)):
+    raise ApiError("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
+  stop = body.get("stop")
+  stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+  if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+    raise ApiError("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
+  unsupported = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1), "tools": (None, []),
+                 "suffix": (None, "")}
+  for name, fine in unsupported.items():
+    if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
+      raise ApiError(f"'{name}' is not supported by this server: leave it out", name)
+  rti = body.get("return_token_ids", False)
+  if not isinstance(rti, bool): raise ApiError("'return_token_ids' must be true or false", "return_token_ids")
+  return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p), "seed": seed,
+          "stream": bool(stream), "include_usage": bool(opts and opts.get("include_usage")), "stop": stop, "chat": chat,
+          "return_token_ids": rti}
+
+def _encode(fn, what, param: str) -> list[int]:
+  try: return fn(what)
+  except Exception as e:       # text the tokenizer cannot take (lone surrogates), a chat template that raises
+    raise ApiError(f"'{param}' could not be tokenized: {str(e)[:200]}: send valid UTF-8 text", param) from None
+
+def parse_completion(body, tok, model_id: str, max_context: int | None) -> dict:
+  """POST /v1/completions: prompt is a string, a list of token ids, or a list holding one of those."""
+  if not isinstance(body, dict): raise ApiError("the body must be a JSON object")
+  prompt = body.get("prompt")
+  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)): prompt = prompt[0]
+  if isinstance(prompt, str): ids = _encode(tok.encode, prompt, "prompt")
+  elif isinstance(prompt, list) and all(_is_int(t) for t in prompt): ids = list(prompt)
+  else: raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+  return _common(body, tok, model_id, max_context, ids, chat=False)
+
+def parse_chat(body, tok, model_id: str, max_context: int | None) -> dict:
+  """POST /v1/chat/completions: messages [{role, content}], content a string or a list of {"type": "text", "text"} parts."""
+  if not isinstance(body, dict): raise ApiError("the body must be a JSON object")
+  msgs = body.get("messages")
+  if not isinstance(msgs, list) or not msgs: raise ApiError("'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
+  clean = []
+  for i, m in enumerate(msgs):
+    if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+      raise ApiError(f"messages[{i}] must be an object whose 'role' is system, developer, user or assistant", "messages")
+    content = m.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+      content = "".join(p["text"] for p in content)
+    if not isinstance(content, str): raise ApiError(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+  ids = _encode(tok.encode_chat, clean, "messages")
+  return _common(body, tok, model_id, max_context, ids, chat=True)

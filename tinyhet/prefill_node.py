@@ -1,0 +1,158 @@
+"""The prefill node: the model on HET, prefilling prompts for decode nodes it is told about, one at a time, in arrival order.
+
+One control request (tinyhet.runtime.control) does the whole job:
+  prefill.run   prompt ids, the decode node's address and the reservation it gave the router (decode.reserve's reply:
+                seq_id, blocks, pools, block_bytes, block_size), sampling options -> the prompt is prefilled one layer at a
+                time, each layer's packed K, V written into the reserved blocks as soon as it exists (notification
+                (seq_id << 8) | layer), every write confirmed; the reply is the first token (sampled here), the sampler's
+                random state (the decode node continues it) and the figures.
+The router then sends decode.generate to the decode node on the connection that reserved. A transport error on a write
+reconnects to the decode node and resends every layer once. A job whose caller has gone away (the router gave the
+reservation up) is skipped before its next write, so no bytes land in blocks that may belong to another sequence by then.
+"""
+from __future__ import annotations
+import queue, select, socket, threading, time
+from dataclasses import dataclass, field
+from tinygrad import Tensor, dtypes
+from tinyhet.decode_node import notice_value
+from tinyhet.devices import NotRegistered, region_of
+from tinyhet.kernels.kv_pack import pack_kv
+from tinyhet.prefill import IncompatibleDecodeNode, busy_time, prefill_bucket
+from tinyhet.runtime.control import ControlClient
+from tinyhet.runtime.descriptor import RegionDescriptor
+from tinyhet.runtime.transport import Span, TransportError
+from tinyhet.sampling import Sampler
+
+class CallerGone(RuntimeError):
+  """The router closed the request's connection: the reservation is no longer ours to write."""
+
+@dataclass(eq=False)
+class Job:
+  prompt_ids: list[int]
+  decode: str
+  reservation: dict
+  sampling: dict
+  sock: socket.socket | None = None          # the caller's control connection, watched for a hang-up
+  done: threading.Event = field(default_factory=threading.Event)
+  result: dict | None = None
+  error: BaseException | None = None
+
+  def caller_gone(self) -> bool:
+    if self.sock is None: return False
+    try:
+      readable, _, _ = select.select([self.sock], [], [], 0)
+      return bool(readable) and self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError): return True
+
+class PrefillNode:
+  def __init__(self, model, node, model_id: str = "", transport: str | None = None, on_job=None):
+    """on_job(): called when a job is queued (a `both` node wakes its batching loop, whose thread runs the jobs)."""
+    self.model, self.node, self.model_id, self.transport, self.on_job = model, node, model_id, transport, on_job
+    self.jobs: queue.Queue[Job] = queue.Queue()
+    self.queued_tokens = 0                       # prompt tokens waiting or being prefilled: the router's measure of load
+    self.count_lock = threading.Lock()
+    self.served = 0
+    self.decoders: dict[str, tuple] = {}         # decode address -> (Peer, kv dtype)
+    node.endpoint.handle("prefill.run", self._serve_run)
+
+  def status(self) -> dict:
+    return {"queued": self.jobs.qsize(), "queued_tokens": self.queued_tokens, "prefills": self.served, "model": self.model_id}
+
+  def _serve_run(self, conn, prompt_ids: list[int], decode: str, reservation: dict, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, timeout: float = 600.0) -> dict:
+    cfg = self.model.cfg
+    if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) and 0 <= t < cfg.vocab_size for t in prompt_ids):
+      raise ValueError(f"prompt_ids must be a non-empty list of token ids below {cfg.vocab_size}")
+    if len(prompt_ids) >= cfg.max_context: raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit the context ({cfg.max_context})")
+    need = ("seq_id", "blocks", "pools", "block_bytes", "block_size")
+    if not isinstance(reservation, dict) or any(k not in reservation for k in need):
+      raise ValueError(f"reservation must be decode.reserve's reply ({', '.join(need)})")
+    if len(reservation["pools"]) != cfg.n_layers:
+      raise IncompatibleDecodeNode(f"the reservation has {len(reservation['pools'])} layers, this model {cfg.n_layers}: same --model everywhere")
+    job = Job(list(prompt_ids), decode, reservation, dict(temperature=float(temperature), top_p=float(top_p), seed=seed), conn.sock)
+    with self.count_lock: self.queued_tokens += len(prompt_ids)
+    self.jobs.put(job)
+    if self.on_job is not None: self.on_job()
+    if not job.done.wait(timeout): raise TimeoutError(f"prefill of {len(prompt_ids)} tokens did not finish within {timeout} s")
+    if job.error is not None: raise job.error
+    return job.result
+
+  # ---- the model's thread
+  def run(self, stop: threading.Event):
+    """Prefill jobs in arrival order until stop is set. Call it from the thread that loaded the model."""
+    while not stop.is_set(): self.run_one(timeout=0.5)
+
+  def run_one(self, timeout: float = 0.0):
+    """Run the oldest queued job, if one arrives within timeout."""
+    try: job = self.jobs.get(timeout=timeout) if timeout > 0 else self.jobs.get_nowait()
+    except queue.Empty: return
+    try: job.result = self._prefill(job)
+    except BaseException as e: job.error = e
+    finally:
+      with self.count_lock:
+        self.queued_tokens -= len(job.prompt_ids)
+        self.served += 1
+      job.done.set()
+
+  def _decoder(self, address: str, fresh: bool = False):
+    if fresh and (old := self.decoders.pop(address, None)): old[0].close()
+    if address not in self.decoders:
+      ctl = ControlClient(self.node.endpoint, address)
+      try: info = ctl.call("decode.info", reply_timeout=10)
+      finally: ctl.close()
+      mine = {k: getattr(self.model.cfg, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "dim")}
+      theirs = {k: info["config"].get(k) for k in mine}
+      if mine != theirs or (self.model_id and info["model"] and self.model_id != info["model"]):
+        raise IncompatibleDecodeNode(f"decode node at {address} serves {info['model']} {theirs}, this prefill node {self.model_id} {mine}: "
+                                     "start every node with the same --model")
+      self.decoders[address] = (self.node.endpoint.connect(address, self.transport), getattr(dtypes, info["kv_dtype"]))
+    return self.decoders[address]
+
+  def _prefill(self, job: Job) -> dict:
+    if job.caller_gone(): raise CallerGone("the router went away before this prefill started")
+    r, t0 = job.reservation, time.perf_counter()
+    peer, kv_dtype = self._decoder(job.decode)
+    pools = [RegionDescriptor.from_hex(h) for h in r["pools"]]
+    layers: list[tuple[int, Tensor]] = []     # packed layers stay alive until their writes have landed (and for a resend)
+    transfers = []
+
+    def write(layer: int, packed: Tensor):
+      nonlocal peer
+      region, offset = region_of(packed.uop.buffer)
+      spans = [Span(region, offset + i * r["block_bytes"], pools[layer], b * r["block_bytes"], r["block_bytes"]) for i, b in enumerate(r["blocks"])]
+      try: transfers.append(self.node.endpoint.write(peer, spans, notify=notice_value(r["seq_id"], layer)))
+      except (TransportError, OSError):       # a link that broke since the last job (the decode node restarted): a new one
+        peer, _ = self._decoder(job.decode, fresh=True)
+        transfers.append(self.node.endpoint.write(peer, spans, notify=notice_value(r["seq_id"], layer)))
+
+    def send_layer(layer: int, k: Tensor, v: Tensor):
+      if job.caller_gone(): raise CallerGone("the router gave the reservation up during prefill")
+      packed = pack_kv(k, v, r["block_size"], kv_dtype).contiguous().realize()    # (blocks, 2, KVH, block_size*D): the pool's bytes
+      try: region_of(packed.uop.buffer)
+      except NotRegistered: packed = packed.to("MESH").realize()    # HET on a GPU: one copy into registered host memory
+      layers.append((layer, packed))
+      write(layer, packed)
+
+    ids = job.prompt_ids
+    padded = ids + [0] * (prefill_bucket(len(ids)) - len(ids))
+    logits = self.model.prefill(Tensor([padded], dtype=dtypes.int32, device=self.model.device), on_layer=send_layer, kv_dtype=kv_dtype,
+                                n_valid=len(ids)).numpy()[0]
+    t_prefill = time.perf_counter()
+    sampler = Sampler(job.sampling["temperature"], job.sampling["top_p"], job.sampling["seed"])
+    first = sampler(logits)
+    try:
+      for t in transfers: t.wait(60)
+    except (TransportError, TimeoutError):       # the link broke: a new one, and every layer again (the blocks are still ours)
+      if job.caller_gone(): raise CallerGone("the router gave the reservation up during the transfer") from None
+      peer, _ = self._decoder(job.decode, fresh=True)
+      transfers.clear()
+      for layer, packed in layers: write(layer, packed)
+      for t in transfers: t.wait(60)
+    kv_bytes, transfer_s = sum(t.nbytes for t in transfers), busy_time([(t.started, t.finished) for t in transfers])
+    last = max(t.finished for t in transfers)
+    return {"first_token": int(first), "rng_state": sampler.rng.bit_generator.state, "prefill_s": t_prefill - t0,
+            "kv_bytes": kv_bytes, "transfer_s": transfer_s, "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0,
+            "node": self.node.name}
+
+  def close(self):
+    for peer, _ in self.decoders.values(): peer.close()

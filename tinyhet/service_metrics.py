@@ -1,0 +1,30 @@
+"""The router's Prometheus metrics (prometheus-client), named like vLLM's where vLLM has one, in a registry of their own so
+that several routers can live in one process (tests)."""
+from __future__ import annotations
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()     # no *_created series: they double the page and no dashboard reads them
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+class Metrics:
+  def __init__(self):
+    r = self.registry = CollectorRegistry()
+    self.ttft = Histogram("tinyhet:time_to_first_token_seconds", "Request arrival to first token", registry=r, buckets=LATENCY_BUCKETS)
+    self.itl = Histogram("tinyhet:inter_token_latency_seconds", "Time between two tokens of a request", registry=r, buckets=LATENCY_BUCKETS)
+    self.e2e = Histogram("tinyhet:e2e_request_latency_seconds", "Request arrival to its last token", registry=r, buckets=LATENCY_BUCKETS)
+    self.running = Gauge("tinyhet:num_requests_running", "Requests being prefilled or decoded", registry=r)
+    self.waiting = Gauge("tinyhet:num_requests_waiting", "Requests queued in the router for KV room", registry=r)
+    self.kv_usage = Gauge("tinyhet:kv_cache_usage_perc", "Used share of a decode node's KV blocks (0..1)", ["node"], registry=r)
+    self.prompt_tokens = Counter("tinyhet:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+    self.generation_tokens = Counter("tinyhet:generation_tokens", "Tokens sent to clients", registry=r)
+    self.kv_bytes = Counter("tinyhet:kv_transfer_bytes", "KV bytes prefill nodes wrote into decode nodes", registry=r)
+    self.kv_seconds = Histogram("tinyhet:kv_transfer_seconds", "Time a prefill's KV writes were in flight", registry=r, buckets=LATENCY_BUCKETS)
+    self.node_up = Gauge("tinyhet:node_up", "1 while the node's heartbeats arrive", ["node", "role"], registry=r)
+    self.node_work = Counter("tinyhet:node_requests", "Work each node served, by the role it served in (prefill, decode, "
+                             "prefill+decode)", ["node", "role"], registry=r)
+    self.retries = Counter("tinyhet:request_retries", "Requests moved to another node after one was lost", ["reason"], registry=r)
+    self.finished = Counter("tinyhet:request_success", "Finished requests by reason", ["finished_reason"], registry=r)
+    self.rejected = Counter("tinyhet:request_rejected", "Requests answered with an error, by HTTP status", ["status"], registry=r)
+
+  def exposition(self) -> bytes: return generate_latest(self.registry)
