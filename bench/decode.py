@@ -92,6 +92,8 @@ class LlamaCppEngine:
   def __init__(self, path, threads: int, max_batch: int, max_context: int):
     import llama_cpp as L
     self.L = L
+    self._quiet = L.llama_log_callback(lambda level, text, user: None)    # llama.cpp logs every graph node: keep stderr for the figures
+    L.llama_log_set(self._quiet, None)
     L.llama_backend_init()
     self.model = L.llama_load_model_from_file(str(path).encode(), L.llama_model_default_params())
     if not self.model: raise RuntimeError(f"llama.cpp could not load {path}")

@@ -3,9 +3,10 @@ requests a prefill node uses to hand it a sequence.
 
 A sequence arrives in three steps, each a control request (tinyhet.runtime.control):
   decode.reserve   prompt ids, max_new_tokens -> a sequence id, its block table and per-layer pool descriptors of its own
-                   (tcp lets only the reserving peer write, and only into these blocks). The blocks are held (admission
+                   (tcp lets only the writer write, and only into these blocks; the writer is the reserving peer, or the node
+                   named by `writer`, as a router names its prefill node). The blocks are held (admission
                    waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
-                   one transport write per layer, notification (seq_id << 8) | layer (counted only from the reserving peer).
+                   one transport write per layer, notification (seq_id << 8) | layer (counted only from the writer).
   decode.generate  the first token (sampled by the prefill node) and sampling options -> once every layer's notice has
                    arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
                    (or the client leaving) stops it; however it ends, the sequence and its descriptors are gone after.

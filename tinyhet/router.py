@@ -236,7 +236,7 @@ class Cluster:
     if req.cancelled.is_set(): return Cancelled()
     if isinstance(e, ControlError):
       msg = str(e)
-      if "RequestTooLarge" in msg or "ValueError" in msg: return BadRequest(msg.split(": ", 3)[-1])
+      if e.kind in ("RequestTooLarge", "ValueError"): return BadRequest(msg)      # the node's own words: the request is at fault
       # the node answered, but the step failed (the KV did not arrive, the prefill could not reach the decode node): start over
       return _NodeLost(reason.replace("node lost", "failed"), msg)
     self._lost(node, f"{type(e).__name__}: {e}", close_clients=False)

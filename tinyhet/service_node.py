@@ -11,7 +11,7 @@
                  lengths and free KV blocks its heartbeats report.
 """
 from __future__ import annotations
-import json, queue, signal, sys, threading, time
+import json, queue, signal, sys, threading
 from tinyhet import heartbeat
 
 def install_submit(decode) -> None:
@@ -34,17 +34,32 @@ def install_submit(decode) -> None:
     with decode.cond:
       decode.scheduler.add(seq)            # the batching loop prefills it when its blocks fit (first come, first served)
       decode.cond.notify_all()
-    conn.on_close(lambda: decode._drop(seq))
-    conn.__dict__.setdefault("seqs", {})[seq.seq_id] = seq
-    return decode._stream(seq, time.perf_counter(), False)
+    decode._attach(conn, seq)              # the connection closing drops it
+    return stream_submitted(decode, conn, seq)
 
   decode.node.endpoint.handle("decode.submit", serve_submit)
+
+def stream_submitted(decode, conn, seq):
+  """Every token of a submitted sequence, as the batching loop samples it. It yields None while it waits (the control
+  channel then checks for a cancel or a departed client); however it ends, the sequence leaves the node."""
+  from tinyhet.decode_node import TICK
+  try:
+    while True:
+      try: tok = seq.extra["queue"].get(timeout=TICK)
+      except queue.Empty:
+        yield None
+        continue
+      if isinstance(tok, Exception): raise tok
+      if tok is None: break
+      yield {"token": tok}
+    yield {"done": True, "preemptions": seq.num_preemptions}
+  finally: decode._detach(conn.state.get("seqs", {}), seq)
 
 def decode_status(decode) -> dict:
   # read without decode.cond: a `both` node's batching loop can hold it while it waits for the model (a long prefill), and a
   # heartbeat must not wait that long; a count a moment stale is what a heartbeat is anyway
   bm, s = decode.cache.block_manager, decode.scheduler
-  return {"model": decode.model_id, "kv_blocks": bm.num_blocks, "free_blocks": bm.num_free, "block_size": decode.cache.block_size,
+  return {"model": decode.model_id, "kv_blocks": s.capacity, "free_blocks": bm.num_free, "block_size": decode.cache.block_size,
           "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
           "max_context": decode.model.cfg.max_context}
 
