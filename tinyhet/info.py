@@ -1,8 +1,9 @@
 """`tinyhet info`: the configuration, the HET backend, the transports this machine can use (and why not), and arenas."""
-import argparse, json, sys
+import json, sys
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="tinyhet info", description=__doc__)
+  from tinyhet.cli import ArgumentParser
+  ap = ArgumentParser(prog="tinyhet info", description=__doc__)
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   from tinyhet.config import describe

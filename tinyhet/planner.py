@@ -16,7 +16,7 @@ configuration with the lowest end-to-end time (TTFT + output_len x TPOT) among t
 (How each configuration is predicted, queueing included: tinyhet/configurations.py; the costs: tinyhet/roofline.py.)
 """
 from __future__ import annotations
-import argparse, json, sys
+import json, sys
 from dataclasses import dataclass
 from tinyhet.catalog import DEVICES, MODELS, Model, PlanError
 from tinyhet.cluster_file import Cluster, load_cluster
@@ -270,7 +270,8 @@ def catalog_text() -> str:
   return "\n".join(lines) + "\n"
 
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="tinyhet plan", description="Predict TTFT, time per output token and throughput of each way to run a model "
+  from tinyhet.cli import ArgumentParser
+  ap = ArgumentParser(prog="tinyhet plan", description="Predict TTFT, time per output token and throughput of each way to run a model "
                                "on a cluster, and choose where prefill and decode run. With --rate, --concurrency or --max-throughput: "
                                "simulate each configuration under that load and report goodput, TTFT and TPOT p50/p90.")
   ap.add_argument("--cluster", help="cluster file (TOML); examples in examples/clusters/")

@@ -9,7 +9,7 @@ Requests are checked here (4xx in OpenAI's error shape, saying what to change), 
 thread each; a client that goes away cancels its request and the nodes free what it held.
 """
 from __future__ import annotations
-import argparse, asyncio, json, sys, threading, time, uuid
+import asyncio, json, sys, threading, time, uuid
 from tinyhet.api_schema import ApiError, parse_chat, parse_completion
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None,
@@ -198,7 +198,8 @@ class Running:
 # ---- command line
 
 def parse_args(argv):
-  ap = argparse.ArgumentParser(prog="tinyhet serve", description=__doc__.splitlines()[0])
+  from tinyhet.cli import ArgumentParser
+  ap = ArgumentParser(prog="tinyhet serve", description=__doc__.splitlines()[0])
   ap.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP API (port 0: any free port)")
   ap.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a `tinyhet node --role prefill` (repeatable)")
   ap.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a `tinyhet node --role decode` (repeatable)")
