@@ -20,6 +20,7 @@ from tinyhet.devices import region_of
 from tinyhet.kv_cache import PagedKVCache
 from tinyhet.memory import LocalNode
 from tinyhet.model import Llama, one_worker
+from tinyhet.runtime.wire import host_id
 from tinyhet.sampling import Sampler
 from tinyhet.scheduler import Scheduler, Sequence, SequenceStatus
 
@@ -55,7 +56,7 @@ class DecodeNode:
     c, bm = self.model.cfg, self.cache.block_manager
     return {"model": self.model_id, "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
             "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
-            "kv_blocks": bm.num_blocks, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit()}
+            "kv_blocks": bm.num_blocks, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(), "host": host_id()}
 
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0) -> dict:
     if not isinstance(prompt_ids, list) or not prompt_ids or not all(isinstance(t, int) and 0 <= t < self.model.cfg.vocab_size for t in prompt_ids):
@@ -113,6 +114,7 @@ class DecodeNode:
     rate = (len(marks) - 1) / (marks[-1] - marks[0]) if len(marks) > 1 and marks[-1] > marks[0] else 0.0
     yield {"done": True, "decode_tokens": len(marks), "decode_s": time.perf_counter() - t_ready, "decode_tok_s": rate,
            "first_token_wait_s": marks[0] - t_ready if marks else 0.0, "preemptions": seq.num_preemptions,
+           "landed_at": seq.extra.get("landed_at", {}),
            **({"logits": last.tolist()} if last is not None else {})}
 
   def _serve_release(self, conn, seq_id: int) -> dict:
@@ -144,6 +146,7 @@ class DecodeNode:
         if (layers := self.landed.get(seq_id)) is None: continue        # released, or a stale notice
         layers.add(layer)
         seq = self.scheduler.incoming.get(seq_id)
+        if seq is not None: seq.extra.setdefault("landed_at", {})[str(layer)] = n.time     # for the prefill node's transfer figures
       if seq is not None and len(layers) == self.model.cfg.n_layers: seq.extra["layers"].set()
 
   def warm_up(self, batch_sizes=(1,)):
