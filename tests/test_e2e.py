@@ -194,6 +194,25 @@ def test_full_pool_waits_then_admits():
     proc.stdin.close()
     proc.wait(30)
 
+def test_bench_e2e_reports_the_overhead_of_disaggregation(small):
+  """bench e2e's figures for one prompt length, on the small model: per transport the overhead is TTFT with transfer minus
+  TTFT of the same prefill with no transfer (best of the rounds of each), with a consistent per-layer timeline."""
+  from tinyhet.bench.e2e import measure_length
+  model, address = small
+  clients = {t: DecodeClient(local_node(), address, model, "small-random", t) for t in ("shm", "tcp")}
+  try: rows, decode = measure_length(model, clients, LocalEngine(model, 64, block_size=4), list(range(1, 21)), 6, 2)
+  finally:
+    for c in clients.values(): c.close()
+  assert [r["transport"] for r in rows] == ["shm", "tcp"]
+  for r in rows:
+    assert r.keys() >= {"prompt_tokens", "ttft_s", "ttft_no_transfer_s", "overhead_s", "kv_bytes", "transport", "timeline"}
+    assert r["prompt_tokens"] == 20 and r["kv_bytes"] > 0 and r["ttft_s"] > 0 and r["ttft_no_transfer_s"] > 0
+    assert r["overhead_s"] == pytest.approx(r["ttft_s"] - r["ttft_no_transfer_s"], abs=1e-9)
+    assert r["ttft_s"] == min(r["rounds"]["ttft_s"]) and r["ttft_no_transfer_s"] == min(r["rounds"]["ttft_no_transfer_s"])
+    assert len(r["rounds"]["ttft_s"]) == 2 and len(r["timeline"]) == model.cfg.n_layers
+    assert all(x["computed_s"] <= x["posted_s"] <= x["landed_s"] <= r["ttft_s"] + 1e-6 for x in r["timeline"])
+  assert decode["prompt_tokens"] == 20 and decode["decode_tok_s"]["disagg"] > 0 and decode["decode_tok_s"]["single_device"] > 0
+
 # ---------------------------------------------------------------- the embedded model through the CLI
 
 SMOLLM2_PROMPT = "What is the capital of France? Answer in one short sentence."
