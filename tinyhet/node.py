@@ -39,12 +39,14 @@ def main(argv=None) -> int:
   blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids)
   address = node.serve(host, int(port))
+  # capture the decode step before saying ready: a client's first request (and its TTFT) must not share the CPU with it
+  decode.warm_up()
   print(json.dumps({"address": address, "node": node.name, "model": model_id, "kv_blocks": blocks, "block_size": cfg.kv_block_size,
                     "transports": node.endpoint.transports}), flush=True)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   if args.stdin_stop: threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-  try: decode.run(stop)
+  try: decode.run(stop, warm_up=False)
   except KeyboardInterrupt: pass
   decode.close()
   node.endpoint.close()
