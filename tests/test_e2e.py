@@ -224,13 +224,15 @@ def tinyhet_cli(*args, timeout=900):
 
 @pytest.mark.slow
 def test_smollm2_run_disaggregated_and_single_device():
-  disagg = tinyhet_cli("run", SMOLLM2_PROMPT, "--max-tokens", "12", "--json", "--quiet")
+  disagg = tinyhet_cli("run", SMOLLM2_PROMPT, "--max-tokens", "12", "--json", "--quiet", "--overhead")
   alone = tinyhet_cli("run", SMOLLM2_PROMPT, "--max-tokens", "12", "--json", "--quiet", "--no-disagg")
   assert disagg["generated_ids"] == alone["generated_ids"]
   assert "Paris" in disagg["text"], disagg["text"]
   assert disagg["transport"] == "shm" and disagg["kv_bytes"] > 0 and disagg["transfer_s"] > 0
   assert set(disagg) >= {"prompt_ids", "generated_ids", "text", "ttft_s", "kv_bytes", "transfer_gbps", "kv_tail_s", "decode_tok_s", "transport"}
   assert alone["transport"] == "none" and alone["decode_tok_s"] > 0
+  assert disagg["overhead_s"] == pytest.approx(disagg["ttft_s"] - disagg["ttft_no_transfer_s"]) and disagg["ttft_no_transfer_s"] > 0
+  assert len(disagg["timeline"]) == 30 and disagg["transfer_gbps"] == pytest.approx(disagg["kv_bytes"] / disagg["transfer_s"] / 1e9)
 
 @pytest.mark.slow
 def test_run_against_a_separately_started_decode_node_over_tcp():
