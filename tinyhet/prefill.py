@@ -7,12 +7,14 @@ import queue, threading, time
 from dataclasses import dataclass, field
 import numpy as np
 from tinygrad import Tensor, dtypes
+from tinygrad.uop.ops import Ops
 from tinyhet.decode_node import notice_value
 from tinyhet.devices import NotRegistered, region_of
-from tinyhet.kernels.kv_pack import pack_kv
+from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
 from tinyhet.memory import LocalNode
 from tinyhet.model import Llama
 from tinyhet.runtime.control import ControlClient
+from tinyhet.runtime.arena import Region
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Span, Transfer
 from tinyhet.runtime.wire import host_id
@@ -76,10 +78,20 @@ def ttft_no_transfer(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float1
   prefill_first_token(model, prompt_ids, Sampler(), kv_dtype)
   return time.perf_counter() - t0
 
+def host_array(t: Tensor) -> np.ndarray | None:
+  """A realized tensor's bytes in registered host memory as a numpy array (no copy), or None where they are elsewhere (a GPU)
+  or numpy has no such dtype."""
+  base = t.uop.base
+  if base.op is not Ops.BUFFER or t.dtype.fmt is None: return None
+  try: region, offset = region_of(base.buffer)
+  except NotRegistered: return None
+  if base.buffer.nbytes != t.nbytes(): return None
+  return np.frombuffer(region.view(offset, t.nbytes()), dtype=np.dtype(t.dtype.fmt)).reshape(t.shape)
+
 class LayerWriter:
-  """Posts a request's layer writes from its own thread, so that prefill computes layer l+1 while layer l is handed to the
-  transport (a shm write is a memcpy by the posting thread; a small tcp write is sent by it): the prefill thread only packs
-  and queues."""
+  """Packs and posts a request's layer writes from its own thread, so that prefill computes layer l+1 while layer l is
+  packed (numpy, which releases the GIL) and handed to the transport (a shm write is a memcpy by the posting thread; a small
+  tcp write is sent by it): the prefill thread only queues."""
   def __init__(self, endpoint, peer):
     self.endpoint, self.peer = endpoint, peer
     self.queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -89,16 +101,19 @@ class LayerWriter:
     self.thread = threading.Thread(target=self._loop, name="tinyhet-kv-writer", daemon=True)
     self.thread.start()
 
-  def post(self, layer: int, spans: list[Span], notify: int):
+  def post(self, layer: int, spans: list[Span], notify: int, pack: tuple | None = None):
+    """Write spans with notify once pack (k, v, out: pack_kv_host's arguments), if given, has filled their bytes."""
     if self.error is not None: raise self.error
-    self.queue.put((layer, spans, notify))
+    self.queue.put((layer, spans, notify, pack))
 
   def _loop(self):
     while (item := self.queue.get()) is not None:
-      layer, spans, notify = item
+      layer, spans, notify, pack = item
       if self.error is not None: continue          # a write failed: post nothing more, finish() raises it
-      self.posted[layer] = time.perf_counter()
-      try: self.transfers[layer] = self.endpoint.write(self.peer, spans, notify=notify)
+      try:
+        if pack is not None: pack_kv_host(*pack)
+        self.posted[layer] = time.perf_counter()
+        self.transfers[layer] = self.endpoint.write(self.peer, spans, notify=notify)
       except BaseException as e: self.error = e
 
   def finish(self, timeout: float = 60.0, check: bool = True) -> dict[int, Transfer]:
@@ -144,6 +159,13 @@ class DecodeClient:
                                    f"this node has {model_id or 'a model'} {mine}: start both with the same --model")
     self.peer = node.endpoint.connect(address, transport)
     self.kv_dtype = getattr(dtypes, self.info["kv_dtype"])
+    self.staging: Region | None = None       # registered host memory the writer thread packs layers into, reused by requests
+
+  def _staging_for(self, nbytes: int) -> Region:
+    if self.staging is None or self.staging.nbytes < nbytes:
+      if self.staging is not None: self.staging.free()
+      self.staging = self.node.arena("MESH").alloc(nbytes, align=4096)
+    return self.staging
 
   def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
                stop_ids: tuple[int, ...] = (), on_token=None, return_logits: bool = False) -> tuple[list[int], GenerationStats]:
@@ -155,12 +177,21 @@ class DecodeClient:
     pools = [RegionDescriptor.from_hex(h) for h in r["pools"]]
     writer = LayerWriter(self.node.endpoint, self.peer)
     computed: dict[int, float] = {}
-    keep: list[Tensor] = []                  # packed layers stay alive until their writes have landed
+    keep: list[Tensor] = []                  # K, V (or packed layers) stay alive until their writes have landed
+    cfg, nb = self.model.cfg, len(blocks)
+    layer_bytes = nb * block_bytes
+    staging = self._staging_for(cfg.n_layers * layer_bytes) if self.kv_dtype.fmt is not None else None
+    stage = staging.numpy(np.dtype(self.kv_dtype.fmt), (cfg.n_layers, nb, 2, cfg.n_kv_heads, block_size * cfg.head_dim)) if staging else None
 
     def send_layer(layer: int, k: Tensor, v: Tensor):
       computed[layer] = time.perf_counter()
       # (blocks, 2, KVH, block_size*D): the pool's bytes. Rows past the prompt (pads) only reach the slack of the last block,
       # which the decode node masks until its own tokens overwrite it.
+      if stage is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
+        keep.extend((k, v))                  # K, V in host memory: the writer thread packs them into the staging region
+        writer.post(layer, [Span(staging, layer * layer_bytes + i * block_bytes, pools[layer], b * block_bytes, block_bytes)
+                            for i, b in enumerate(blocks)], notice_value(seq_id, layer), (ka, va, stage[layer]))
+        return
       packed = pack_kv(k, v, block_size, self.kv_dtype).contiguous().realize()
       try: region, offset = region_of(packed.uop.buffer)
       except NotRegistered:      # HET on a GPU: one copy into registered host memory (GPUDirect writes from GPU memory: not built yet)
@@ -190,6 +221,7 @@ class DecodeClient:
           stats.last_logits = item.get("logits", logits.tolist() if return_logits and len(out) == 1 else None)
     except BaseException:
       writer.finish(30, check=False)           # the packed layers in `keep` must outlive the writes reading them
+      if not all(t.done() for t in writer.transfers.values()): self.staging = None    # a write may still read it: never reuse it
       try: self.ctl.call("decode.release", seq_id=seq_id, reply_timeout=10)
       except Exception: pass
       raise
@@ -203,3 +235,5 @@ class DecodeClient:
   def close(self):
     self.ctl.close()
     self.peer.close()
+    if self.staging is not None: self.staging.free()
+    self.staging = None
