@@ -1,13 +1,17 @@
-"""`tinyhet bench e2e`: end to end on the embedded model (or --model), in one run:
+"""`tinyhet bench e2e`: end to end on the embedded model (or --model), in one process and one run:
 
-- disaggregated (prefill on HET, layer-wise KV to a decode node in another process) against --no-disagg (HET alone):
-  TTFT, decode tokens/s, and the share of the KV transfer hidden behind prefill, per prompt length;
-- decode tokens/s against the memory-bandwidth bound: bytes read per token (weights as stored + the KV of the
-  context) over memcpy GB/s measured in the same run.
-Each configuration runs once to compile its kernels (tinygrad compiles per shape) and is then measured warm.
+- the TTFT overhead of disaggregation, per prompt length and transport: TTFT with layer-wise KV streaming to a decode node
+  in another process (until every layer has landed) minus TTFT of the same padded prompt prefilled on the same HET with
+  no transfer. The runs with and without transfer alternate, in a rotating order, for --rounds rounds; each figure is the
+  best of its rounds, so that machine noise does not decide the sign. With it: the KV moved, the rate over the time bytes
+  were moving, and a per-layer timeline (computed, posted, landed) of the best run;
+- decode tokens/s, disaggregated against the single-device engine (the same paged engine on HET, no transfer: what
+  `tinyhet run --no-disagg` runs) and against the read-bandwidth bound: bytes read per token (weights as stored + the KV
+  of the context) over the memory read rate measured in the same run (bench/membw.py).
+Each prompt length runs once untimed on every path to compile its kernels (tinygrad compiles per shape).
 """
 from __future__ import annotations
-import argparse, json, secrets, os, sys, time
+import argparse, json, os, secrets, statistics, sys, time
 import numpy as np
 
 FILLER = ("The history of the sea is the history of the people who crossed it: traders and fishermen, explorers and "
@@ -18,83 +22,118 @@ def prompt_of(tok, n_tokens: int) -> list[int]:
   while len(ids) < n_tokens: ids += tok.encode(FILLER, add_special=False)
   return ids[:n_tokens]
 
-def memcpy_gbps(nbytes: int = 256 << 20) -> float:
-  src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-  dst[:] = src
-  best = 0.0
-  for _ in range(3):
-    st = time.perf_counter()
-    dst[:] = src
-    best = max(best, nbytes / (time.perf_counter() - st) / 1e9)
-  return best
-
 def steady_tok_s(marks: list[float]) -> float:
   """Decode tokens/s from token arrival times, past the first few (a TinyJit step is captured on its first two calls)."""
   gaps = np.diff(marks[3:])
   return float(1 / np.median(gaps)) if len(gaps) else 0.0
 
+def say(msg: str):
+  print(msg, file=sys.stderr, flush=True)
+
+def measure_length(model, clients: dict, engine, ids: list[int], new: int, rounds: int) -> tuple[list[dict], dict]:
+  """One prompt length: (one row per transport with the overhead figures, the decode figures of this length).
+  clients: transport -> DecodeClient; engine: a LocalEngine on the model's device."""
+  from tinyhet.prefill import prefill_bucket, ttft_no_transfer
+  kv_dtype = next(iter(clients.values())).kv_dtype
+  n = len(ids)
+  say(f"{n}-token prompt: compiling (disaggregated over {', '.join(clients)}, no transfer, single device)")
+  marks_d: list[float] = []
+  for i, c in enumerate(clients.values()):       # the first also decodes `new` tokens: its rate is the disaggregated one
+    c.generate(ids, new if i == 0 else 1, on_token=lambda _: marks_d.append(time.perf_counter()) if i == 0 else None)
+  ttft_no_transfer(model, ids, kv_dtype)
+  marks_a: list[float] = []
+  _, alone = engine.generate(ids, new, on_token=lambda _: marks_a.append(time.perf_counter()))
+  paths = ["none", *clients]
+  runs: dict[str, list] = {p: [] for p in paths}
+  for r in range(rounds):
+    order = paths[r % len(paths):] + paths[:r % len(paths)]      # rotate: no path always runs first, or right after another
+    say(f"{n}-token prompt: round {r + 1}/{rounds} ({', '.join(order)})")
+    for p in order:
+      if p == "none": runs[p].append(ttft_no_transfer(model, ids, kv_dtype))
+      else: runs[p].append(clients[p].generate(ids, 1)[1])
+  base = round(min(runs["none"]), 5)
+  rows = []
+  for t in clients:
+    st = min(runs[t], key=lambda s: s.ttft_s)
+    ttft = round(st.ttft_s, 5)
+    per_layer = [x.landed_s - x.posted_s for x in st.timeline]
+    rows.append({"prompt_tokens": n, "padded_tokens": prefill_bucket(n), "transport": t, "ttft_s": ttft,
+                 "ttft_no_transfer_s": base, "overhead_s": round(ttft - base, 5),
+                 "overhead_share": round((st.ttft_s - base) / st.ttft_s, 4), "kv_bytes": st.kv_bytes, "transfer_s": round(st.transfer_s, 6),
+                 "transfer_gbps": round(st.transfer_gbps, 3), "kv_tail_s": round(st.kv_tail_s, 6),
+                 "layer_transfer_s": round(statistics.median(per_layer), 6), "landed_clock": st.landed_clock,
+                 "rounds": {"ttft_s": [round(s.ttft_s, 5) for s in runs[t]], "ttft_no_transfer_s": [round(x, 5) for x in runs["none"]]},
+                 "timeline": [{"layer": x.layer, "computed_s": round(x.computed_s, 6), "posted_s": round(x.posted_s, 6),
+                               "landed_s": round(x.landed_s, 6)} for x in st.timeline]})
+  return rows, {"prompt_tokens": n, "new_tokens": new, "ttft_single_device_s": round(alone["ttft_s"], 5),
+                "decode_tok_s": {"disagg": round(steady_tok_s(marks_d), 2), "single_device": round(steady_tok_s(marks_a), 2)}}
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="tinyhet bench e2e", description=__doc__.splitlines()[0])
   ap.add_argument("--json", action="store_true")
-  ap.add_argument("--quick", action="store_true", help="prompts of 100 and 1000 tokens, 32 new tokens")
+  ap.add_argument("--quick", action="store_true", help="prompts of 100 and 1000 tokens, 32 new tokens, 2 rounds")
   ap.add_argument("--model", default=None)
   ap.add_argument("--prompt-lens", default=None, help="comma list (default 100,1000,2000)")
   ap.add_argument("--new-tokens", type=int, default=None)
-  ap.add_argument("--transport", default=None)
+  ap.add_argument("--rounds", type=int, default=None, help="timed rounds per prompt length, best of them kept (default 3, --quick 2)")
+  ap.add_argument("--transports", default="shm,tcp", help="comma list (default shm,tcp)")
   args = ap.parse_args(argv)
   lens = [int(x) for x in (args.prompt_lens or ("100,1000" if args.quick else "100,1000,2000")).split(",")]
   new = args.new_tokens or (32 if args.quick else 64)
+  rounds = args.rounds or (2 if args.quick else 3)
+  if rounds < 1 or new < 1 or min(lens) < 1: ap.error("--rounds, --new-tokens and every prompt length must be at least 1")
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))
   sys.setswitchinterval(1e-3)      # transport threads get the GIL sooner from the busy prefill thread
   from tinyhet.run import LocalDecodeNode
   child = LocalDecodeNode(argparse.Namespace(kv_memory="1G", model=args.model, quiet=True, float_weights=False))
-  try: rows, extra = measure(args, lens, new, child)
+  try: out = measure(args, lens, new, rounds, child)
   finally: child.close()
-  out = {"rows": rows, **extra}
   if args.json: print(json.dumps(out))
   else: print(table(out))
   return 0
 
-def measure(args, lens, new, child):
+def measure(args, lens, new, rounds, child) -> dict:
   import tinyhet  # noqa: F401
+  from tinyhet.bench.membw import read_gbps
+  from tinyhet.local_engine import LocalEngine
   from tinyhet.memory import local_node
   from tinyhet.prefill import DecodeClient
   from tinyhet.weights import load_model, model_name
-  say = lambda m: print(m, file=sys.stderr, flush=True)
   model, tok = load_model(args.model, device="HET", quiet=True, packed=True)
-  client = DecodeClient(local_node(), child.address(), model, model_name(args.model), args.transport)
-  bw = memcpy_gbps()
+  address = child.address()
+  clients = {t: DecodeClient(local_node(), address, model, model_name(args.model), t) for t in args.transports.split(",")}
+  engine = LocalEngine(model, max(lens) + new)
+  say("memory read bandwidth (bench/membw.py)")
+  bw = read_gbps()
   w_bytes = model.w.nbytes()        # what one decode step reads: the weights as stored (packed blocks, or floats)
   kv_per_token = model.cfg.kv_bytes_per_token()
-  rows = []
-  for n in lens:
-    ids = prompt_of(tok, n)
-    for label in ("compile", "warm"):
-      say(f"{n}-token prompt, {new} new tokens: disaggregated and single-device ({label})")
-      marks_d: list[float] = []
-      _, st = client.generate(ids, new, stop_ids=(), on_token=lambda _: marks_d.append(time.perf_counter()))
-      stats: dict = {}
-      marks_a: list[float] = []
-      model.reference_generate(ids, new, stats=stats, on_token=lambda _: marks_a.append(time.perf_counter()))
-    alone_tok_s = steady_tok_s(marks_a)
-    bound = bw * 1e9 / (w_bytes + kv_per_token * (n + new // 2))
-    rows.append({"prompt_tokens": n, "new_tokens": new, "ttft_s": {"disagg": round(st.ttft_s, 4), "alone": round(stats["prefill_s"], 4)},
-                 "decode_tok_s": {"disagg": round(steady_tok_s(marks_d), 2), "alone": round(alone_tok_s, 2), "bandwidth_bound": round(bound, 2)},
-                 "hidden_share": round(st.hidden_share, 4), "kv_bytes": st.kv_bytes, "transfer_gbps": round(st.transfer_gbps, 3),
-                 "transport": st.transport})
-  client.close()
-  return rows, {"memcpy_gbps": round(bw, 2), "weights_bytes": w_bytes, "kv_bytes_per_token": kv_per_token}
+  rows, decode = [], []
+  try:
+    for n in lens:
+      r, d = measure_length(model, clients, engine, prompt_of(tok, n), new, rounds)
+      d["decode_tok_s"]["bandwidth_bound"] = round(bw * 1e9 / (w_bytes + kv_per_token * (n + new // 2)), 2)
+      rows += r
+      decode.append(d)
+  finally:
+    for c in clients.values(): c.close()
+  return {"rows": rows, "decode": decode, "rounds": rounds, "read_gbps": round(bw, 2), "weights_bytes": w_bytes, "kv_bytes_per_token": kv_per_token}
 
 def table(out: dict) -> str:
-  head = (f"{'prompt':>7} {'TTFT disagg':>12} {'TTFT alone':>11} {'hidden':>7} {'KV MiB':>7} {'GB/s':>6} {'tok/s disagg':>13} "
-          f"{'tok/s alone':>12} {'bw bound':>9}")
-  lines = [head]
+  lines = [f"TTFT overhead of disaggregation (best of {out['rounds']} alternating rounds; TTFT until every layer landed):",
+           f"{'prompt':>7} {'transport':>9} {'TTFT':>9} {'no transfer':>12} {'overhead':>18} {'KV MiB':>7} {'moving GB/s':>12} "
+           f"{'tail ms':>8} {'layer ms':>9}"]
   for r in out["rows"]:
-    lines.append(f"{r['prompt_tokens']:>7} {r['ttft_s']['disagg']:>11.3f}s {r['ttft_s']['alone']:>10.3f}s {100 * r['hidden_share']:>6.1f}% "
-                 f"{r['kv_bytes'] / 2**20:>7.2f} {r['transfer_gbps']:>6.2f} {r['decode_tok_s']['disagg']:>13.1f} {r['decode_tok_s']['alone']:>12.1f} "
-                 f"{r['decode_tok_s']['bandwidth_bound']:>9.1f}")
-  lines.append(f"memcpy {out['memcpy_gbps']} GB/s; weights read per token {out['weights_bytes'] / 2**20:.0f} MiB; "
-               f"KV {out['kv_bytes_per_token']} B/token; transport {out['rows'][0]['transport'] if out['rows'] else '-'}")
+    over = f"{r['overhead_s']:+.3f}s {100 * r['overhead_share']:+.1f}%"
+    lines.append(f"{r['prompt_tokens']:>7} {r['transport']:>9} {r['ttft_s']:>8.3f}s {r['ttft_no_transfer_s']:>11.3f}s {over:>18} "
+                 f"{r['kv_bytes'] / 2**20:>7.2f} {r['transfer_gbps']:>12.2f} {1e3 * r['kv_tail_s']:>8.2f} {1e3 * r['layer_transfer_s']:>9.2f}")
+  lines += ["decode (single device: the same paged engine on HET, no transfer):",
+            f"{'prompt':>7} {'TTFT single':>12} {'tok/s disagg':>13} {'tok/s single':>13} {'read-bw bound':>14}"]
+  for d in out["decode"]:
+    t = d["decode_tok_s"]
+    lines.append(f"{d['prompt_tokens']:>7} {d['ttft_single_device_s']:>11.3f}s {t['disagg']:>13.1f} {t['single_device']:>13.1f} "
+                 f"{t['bandwidth_bound']:>14.1f}")
+  lines.append(f"memory read {out['read_gbps']} GB/s; weights read per token {out['weights_bytes'] / 2**20:.0f} MiB; "
+               f"KV {out['kv_bytes_per_token']} B/token; layer ms: median per-layer time from post to landed")
   return "\n".join(lines)
 
 if __name__ == "__main__": sys.exit(main())

@@ -5,7 +5,9 @@ KV memory: paged (block_size-token blocks) and contiguous (every sequence reserv
 i.e. blocks of that size). Utilization is tokens stored / token slots allocated, averaged over the steps.
 Attention: one decode step (every layer) of a batch whose lengths come from the same workload, in the same run: the paged
 kernel over scattered blocks (the figure), the same kernel over contiguous blocks (what paging itself costs), and dense
-attention with tinygrad tensor ops over a contiguous (batch, max_len) cache holding the same K, V (the baseline).
+attention with tinygrad tensor ops over a contiguous (batch, max_len) cache holding the same K, V (the baseline: the fastest
+of several forms timed in the same run, DENSE_VARIANTS: K row-major or transposed, float16 cast inside the kernels or into
+realized float32 copies, or kept in float32; softmax fed into @ V or realized first).
 """
 from __future__ import annotations
 import argparse, json, math, statistics, sys, time
@@ -13,6 +15,10 @@ import argparse, json, math, statistics, sys, time
 # (layers, heads, kv heads, head_dim): the model shapes the KV is sized for
 MODELS = {"smollm2-135m": (30, 9, 3, 64), "llama3-8b": (32, 32, 8, 128)}
 PROMPTS, OUTPUTS = (20, 4000), (10, 500)
+# dense attention baselines timed in the same run (bench/kv.py's dense_attention): (cache form, cast, softmax); the
+# fastest is the baseline. The first is the plain form (fp16 row-major K, cast inside the matmul, softmax fused into @ V)
+DENSE_VARIANTS = [("rowmajor", "fused", "fused"), ("rowmajor", "copy", "realized"), ("kt16", "fused", "realized"),
+                  ("kt16", "copy", "realized"), ("kt32", "-", "realized"), ("kt32", "-", "fused")]
 
 def progress(msg: str, quiet: bool):
   if not quiet: print(msg, file=sys.stderr, flush=True)
@@ -71,43 +77,60 @@ def attention_bench(lengths: list[int], shape: tuple[int, int, int, int], block_
   pools = [Tensor.randn(total, 2, KV, BS * D, dtype=dtypes.float16).contiguous().realize() for _ in range(n_layers)]
   t_scattered, t_contig = Tensor(scattered).realize(), Tensor(contiguous).realize()
   lens = Tensor(np.array(lengths, np.int32)).realize()
-  def dense_layer(pool: Tensor) -> tuple[Tensor, Tensor]:
-    # the same K, V gathered into a contiguous (B, L, KV, D) cache, L = the longest sequence's blocks (padding masked)
+  def dense_layer(pool: Tensor) -> dict[str, Tensor]:
+    # the same K, V gathered into a contiguous cache of L = cap * BS slots per sequence (padding masked), in the forms a
+    # dense cache can keep: fp16 row-major (B, L, KV, D); fp16 with K transposed per head (B, KV, D, L) and V (B, KV, L, D);
+    # the same transposed forms in float32 (cast once, when stored: twice the bytes, no cast in the step)
     kv = pool[t_scattered]                                                        # (B, cap, 2, KV, BS * D)
     k = kv[:, :, 0].reshape(B, cap, KV, D, BS).permute(0, 1, 4, 2, 3).reshape(B, cap * BS, KV, D)
     v = kv[:, :, 1].reshape(B, cap, KV, BS, D).permute(0, 1, 3, 2, 4).reshape(B, cap * BS, KV, D)
-    return k.contiguous().realize(), v.contiguous().realize()
+    kt, vh = k.permute(0, 2, 3, 1), v.permute(0, 2, 1, 3)                         # (B, KV, D, L), (B, KV, L, D)
+    return {"k": k.contiguous().realize(), "v": v.contiguous().realize(), "kt16": kt.contiguous().realize(), "vh16": vh.contiguous().realize(),
+            "kt32": kt.float().contiguous().realize(), "vh32": vh.float().contiguous().realize()}
   dense = [dense_layer(p) for p in pools]
   q = Tensor(rng.standard_normal((B, H, D)).astype(np.float32)).realize()
   k_new, v_new = (Tensor(rng.standard_normal((B, KV, D)).astype(np.float32)).realize() for _ in range(2))
   positions = Tensor(np.array([n - 1 for n in lengths], np.int32)).realize()
   mb = max_blocks_var(cap).bind(cap)
   slots = Tensor(np.arange(cap * BS, dtype=np.int32)).realize()
+  g, L = H // KV, cap * BS
 
-  def dense_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    # tinygrad tensor ops, as a dense cache would run them: (B, KV, g, 1, L) scores, masked, softmax, @ V
-    g, L = H // KV, k.shape[1]
-    s = (q.reshape(B, KV, g, 1, D) @ k.float().permute(0, 2, 3, 1).reshape(B, KV, 1, D, L)) * (1.0 / math.sqrt(D))
-    s = (slots.reshape(1, 1, 1, 1, L) < lens.reshape(B, 1, 1, 1, 1)).where(s, -math.inf)
-    return (s.softmax(-1) @ v.float().permute(0, 2, 1, 3).reshape(B, KV, 1, L, D)).reshape(B, H, D)
+  def dense_attention(c: dict[str, Tensor], form: str, cast: str, softmax: str) -> Tensor:
+    """Dense attention with tinygrad tensor ops: (B, KV, g, 1, L) scores, masked, softmax, @ V. form: "rowmajor" (fp16
+    (B, L, KV, D)), "kt16" (fp16, K transposed), "kt32" (float32, K transposed); cast: "fused" (the float16->float32 cast
+    inside the matmul kernels) or "copy" (cast once per step into realized float32 copies); softmax: "fused" (fed straight
+    into @ V) or "realized" (its probabilities realized first)."""
+    if form == "rowmajor": kt, vh = c["k"].permute(0, 2, 3, 1), c["v"].permute(0, 2, 1, 3)    # (B, KV, D, L), (B, KV, L, D) views
+    else: kt, vh = c[form], c["vh" + form[2:]]
+    if kt.dtype != dtypes.float32:
+      kt, vh = kt.float(), vh.float()
+      if cast == "copy": kt, vh = kt.contiguous(), vh.contiguous()
+    s = (q.reshape(B, KV, g, 1, D) @ kt.reshape(B, KV, 1, D, L)) * (1.0 / math.sqrt(D))
+    s = (slots.reshape(1, 1, 1, 1, L) < lens.reshape(B, 1, 1, 1, 1)).where(s, -math.inf).softmax(-1)
+    if softmax == "realized": s = s.contiguous()
+    return (s @ vh.reshape(B, KV, 1, L, D)).reshape(B, H, D)
 
   # each variant realizes its layers' outputs as a list: a Tensor.stack would let the scheduler fuse all layers into one kernel
   def realized(ts: list[Tensor]) -> list[Tensor]:
     Tensor.realize(*ts)
     return ts
+  def dense_run(*variant: str): return TinyJit(lambda: realized([dense_attention(c, *variant) for c in dense]))
   runs = {
     "paged": TinyJit(lambda mb: realized([paged_attention(q, p, t_scattered, lens, mb) for p in pools])),
     "paged_contiguous_blocks": TinyJit(lambda mb: realized([paged_attention(q, p, t_contig, lens, mb) for p in pools])),
-    "dense": TinyJit(lambda: realized([dense_attention(q, k, v) for k, v in dense])),
     "scatter": TinyJit(lambda: realized([kv_scatter(p, k_new, v_new, t_scattered, positions) for p in pools])),
+    **{f"dense:{'/'.join(v)}": dense_run(*v) for v in DENSE_VARIANTS},
   }
   ms, outs = {}, {}
   for name, fn in runs.items():
     progress(f"  timing {name} ({reps} steps after 2 to capture)", quiet)
-    args = () if name in ("dense", "scatter") else (mb,)
+    args = (mb,) if name.startswith("paged") else ()
     ms[name] = time_step(fn, args, reps)
     if name != "scatter": outs[name] = np.stack([t.numpy() for t in fn(*args)])
-  ms["paged_vs_dense_max_abs_diff"] = float(np.abs(outs["paged"] - outs["dense"]).max())
+  variants = {n[len("dense:"):]: t for n, t in ms.items() if n.startswith("dense:")}
+  best = min(variants, key=variants.get)
+  ms |= {"dense": variants[best], "dense_variant": best, "dense_variants": variants}
+  ms["paged_vs_dense_max_abs_diff"] = max(float(np.abs(outs["paged"] - o).max()) for n, o in outs.items() if n.startswith("dense:"))
   return ms
 
 def compare_jit(shape: tuple[int, int, int, int], block_size: int, rows: int, max_len: int, quiet: bool) -> dict:
@@ -187,7 +210,10 @@ def main(argv=None) -> int:
 
   if args.json:
     print(json.dumps({"utilization": {"paged": round(paged["utilization"], 4), "contiguous": round(contiguous["utilization"], 4)},
-                      "attention_step_ms": {"paged": round(att["paged"], 3), "dense": round(att["dense"], 3)}}))
+                      "attention_step_ms": {"paged": round(att["paged"], 3), "dense": round(att["dense"], 3),
+                                            "paged_contiguous_blocks": round(att["paged_contiguous_blocks"], 3)},
+                      "paged_vs_dense": round(att["paged"] / att["dense"], 3), "dense_variant": att["dense_variant"],
+                      "dense_variants_ms": {k: round(v, 3) for k, v in att["dense_variants"].items()}}))
     return 0
   L, H_, _, _ = shape
   print(f"\ntinyhet bench kv: {args.model} ({L} layers, {KV} kv heads x {D}, fp16: {token_bytes / 1024:.1f} KiB/token), "
@@ -196,10 +222,12 @@ def main(argv=None) -> int:
   for name, r in ((f"paged ({BS}-token blocks)", paged), (f"contiguous ({max_len} tokens each)", contiguous)):
     print(f"  {name:<34}{r['utilization']:>12.3f}{r['running']:>14.1f}{r['steps']:>8}{r['preemptions']:>11}")
   print(f"decode step attention, all {L} layers, {batch} sequences of {min(lengths)}..{max(lengths)} tokens (median of timed steps):")
-  rows = (("paged kernel, scattered blocks", att["paged"]), ("paged kernel, contiguous blocks", att["paged_contiguous_blocks"]),
-          ("dense, tinygrad tensor ops (baseline)", att["dense"]))
-  for name, ms in rows: print(f"  {name:<40}{ms:>10.2f} ms  {ms / att['dense']:>6.2f}x dense")
-  print(f"  {'storing the new K, V (kv_scatter)':<40}{att['scatter']:>10.2f} ms")
+  rows = [("paged kernel, scattered blocks", att["paged"]), ("paged kernel, contiguous blocks", att["paged_contiguous_blocks"])]
+  rows += [(f"dense {v}" + (" (baseline: fastest)" if v == att["dense_variant"] else ""), t) for v, t in att["dense_variants"].items()]
+  for name, ms in rows: print(f"  {name:<44}{ms:>10.2f} ms  {ms / att['dense']:>6.2f}x dense")
+  print("  (dense forms: cache/cast/softmax: rowmajor = fp16 (B, L, KV, D), kt16/kt32 = K transposed (B, KV, D, L) in fp16/fp32; "
+        "cast fused into the matmul or copied into realized fp32; softmax fused into @ V or realized)")
+  print(f"  {'storing the new K, V (kv_scatter)':<44}{att['scatter']:>10.2f} ms")
   print(f"  paged vs dense: max |difference| {att['paged_vs_dense_max_abs_diff']:.1e}")
   if jit:
     print("TinyJit over a growing decode (16 rows, one layer):")

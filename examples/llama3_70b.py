@@ -93,7 +93,7 @@ def run_disaggregated(model, prompt_ids: list[int], n_decode: int, address: str,
   tokens, st = client.generate(prompt_ids, n_decode + 1, on_token=lambda _: marks.append(time.perf_counter()))
   client.close()
   return {"tokens": tokens, "prefill_s": st.prefill_s, "ttft_s": st.ttft_s, "decode_step_s": [b - a for a, b in zip(marks, marks[1:])],
-          "kv_bytes_moved": st.kv_bytes, "transfer_gbps": st.transfer_gbps, "hidden_share": st.hidden_share, "transport": st.transport}
+          "kv_bytes_moved": st.kv_bytes, "transfer_gbps": st.transfer_gbps, "kv_tail_s": st.kv_tail_s, "transport": st.transport}
 
 def kv_pool_bytes(cfg, args, kv_dtype) -> int:
   return cfg.kv_bytes_per_token(kv_dtype) * args.context * args.batch
@@ -174,8 +174,8 @@ def run(args, address: str | None) -> int:
   steps = res["decode_step_s"]
   report |= {"prompt_tokens": len(prompt), **res}
   print(f"prefill of {len(prompt)} tokens: {res['prefill_s']:.2f} s ({len(prompt) / res['prefill_s']:.1f} tok/s)")
-  if "hidden_share" in res: print(f"KV moved: {res['kv_bytes_moved'] / 2**20:.1f} MiB over {res['transport']}, {res['transfer_gbps']:.2f} GB/s, "
-                                 f"{100 * res['hidden_share']:.0f}% hidden behind prefill; TTFT {res['ttft_s']:.2f} s")
+  if "kv_tail_s" in res: print(f"KV moved: {res['kv_bytes_moved'] / 2**20:.1f} MiB over {res['transport']}, {res['transfer_gbps']:.2f} GB/s "
+                              f"while moving, last layer landed {res['kv_tail_s']:.3f} s after prefill; TTFT {res['ttft_s']:.2f} s")
   if steps: print(f"decode steps: {' '.join(f'{s:.2f}' for s in steps)} s; last {steps[-1]:.3f} s = {1 / steps[-1]:.2f} tok/s "
                   f"for {cfg.n_layers} layers")
   if tok: print(f"text: {tok.decode(res['tokens'])!r}")

@@ -25,3 +25,24 @@ def unpack_kv(blocks: Tensor, n_tokens: int, head_dim: int) -> tuple[Tensor, Ten
   k = blocks[:, 0].reshape(nb, KV, head_dim, bs).permute(0, 3, 1, 2).reshape(nb * bs, KV, head_dim)[:n_tokens]
   v = blocks[:, 1].reshape(nb, KV, bs, head_dim).permute(0, 2, 1, 3).reshape(nb * bs, KV, head_dim)[:n_tokens]
   return k, v
+
+def pack_kv_host(k, v, out) -> None:
+  """pack_kv on the host with numpy: k, v (T, n_kv, head_dim) arrays -> out (nb, 2, n_kv, block_size * head_dim), any view
+  whose last axis is contiguous; the bytes pack_kv gives for tokens 0..min(T, nb * block_size) - 1, zeros past them. numpy
+  releases the GIL while it copies, so a writer thread packs a layer while the prefill thread computes the next one
+  (tinygrad's pack_kv costs a schedule and a kernel launch on the prefill thread: ~3-20 ms a layer here)."""
+  import numpy as np
+  nb, two, KV, X = out.shape
+  T, KV2, D = k.shape
+  if two != 2 or KV2 != KV or X % D or v.shape != k.shape: raise ValueError(f"pack_kv_host: k {k.shape}, v {v.shape} do not fit out {out.shape}")
+  BS = X // D
+  rows = min(T, nb * BS)
+  full = rows // BS
+  # K tiles are (d, t), V tiles (t, d): reshape(copy=False) raises rather than write into a copy
+  np.reshape(out[:full, 0], (full, KV, D, BS), copy=False)[...] = k[:full * BS].reshape(full, BS, KV, D).transpose(0, 2, 3, 1)
+  np.reshape(out[:full, 1], (full, KV, BS, D), copy=False)[...] = v[:full * BS].reshape(full, BS, KV, D).transpose(0, 2, 1, 3)
+  if full < nb:
+    out[full:] = 0
+    if (r := rows - full * BS):
+      np.reshape(out[full, 0], (KV, D, BS), copy=False)[:, :, :r] = k[full * BS:rows].transpose(1, 2, 0)
+      np.reshape(out[full, 1], (KV, BS, D), copy=False)[:, :r] = v[full * BS:rows].transpose(1, 0, 2)

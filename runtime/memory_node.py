@@ -6,6 +6,7 @@ transport tests and of `tinyhet bench transfer`. It speaks JSON lines on stdin/s
   {"cmd": "fill", "region": I, "seed": S}                 -> {}            (deterministic random bytes)
   {"cmd": "sha", "region": I, "offset": O, "nbytes": N}   -> {"sha": HEX}
   {"cmd": "notices", "count": K, "timeout": T}            -> {"notices": [[peer, value, nbytes], ...]} or {"error": ...}
+                              with "times": true, also {"times": [perf_counter when each notice was delivered, ...]}
   {"cmd": "quit"}
 """
 import argparse, hashlib, json, subprocess, sys
@@ -57,7 +58,7 @@ def main(argv=None):
         reply = {"sha": hashlib.sha256(regions[req["region"]].view(req.get("offset", 0), req.get("nbytes"))).hexdigest()}
       elif req["cmd"] == "notices":
         got = [ep.wait_notice(req.get("timeout", 10)) for _ in range(req["count"])]
-        reply = {"notices": [[n.peer, n.value, n.nbytes] for n in got]}
+        reply = {"notices": [[n.peer, n.value, n.nbytes] for n in got], **({"times": [n.time for n in got]} if req.get("times") else {})}
       elif req["cmd"] == "quit": break
       else: reply = {"error": f"unknown command {req['cmd']!r}"}
     except Exception as e: reply = {"error": f"{type(e).__name__}: {e}"}

@@ -53,4 +53,6 @@ def test_bench_transfer_quick_json():
   got = {(x["transport"], x["block_bytes"]) for x in r["results"]}
   assert {("shm", 1 << 20), ("tcp", 1 << 20), ("tcp", 64 << 10)} <= got
   assert all(x["gbps"] > 0 and x["ratio_to_baseline"] > 0 and x["write_latency_us"] > 0 for x in r["results"])
+  # both latencies are one way, to the receiver's notice: the ratio is of like to like
+  assert r["baselines"]["socket_4k_us"] > 0 and all(x["latency_ratio_to_socket"] > 0 for x in r["results"])
   assert "verbs" in r["unavailable"] or any(x["transport"] == "verbs" for x in r["results"])

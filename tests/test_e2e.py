@@ -1,12 +1,14 @@
 """End to end: prefill on HET, layer-wise KV transfer, paged decode on MESH in another process, against a plain
 single-device reference (dense cache, no paging, no transfer)."""
-import hashlib, json, os, pathlib, subprocess, sys
+import hashlib, json, os, pathlib, subprocess, sys, threading, time
 import numpy as np, pytest
+from hypothesis import given, settings, strategies as hst
 import tinyhet  # noqa: F401
 from tinygrad import Tensor, dtypes
 from tinyhet.memory import local_node
 from tinyhet.model import Llama, DenseKVCache, small_config, random_weights
-from tinyhet.prefill import DecodeClient
+from tinyhet.local_engine import LocalEngine
+from tinyhet.prefill import DecodeClient, GenerationStats, busy_time, transfer_figures
 
 ROOT = pathlib.Path(__file__).parent.parent
 TOKEN = "e2e-token"
@@ -71,7 +73,78 @@ def test_disaggregated_equals_single_device(small, transport, prompt_len, new):
   ref = reference_last_logits(model, prompt + got[:-1])
   err = np.abs(np.array(stats.last_logits) - ref).max() / np.abs(ref).max()
   assert err < 1e-4, f"last-position logits differ by {err:.2e} (relative)"
-  assert stats.kv_bytes > 0 and 0 <= stats.hidden_share <= 1 and stats.decode_tokens == len(got) - 1
+  assert stats.kv_bytes > 0 and stats.decode_tokens == len(got) - 1
+  # the figures: one timeline row per layer in order computed <= posted <= landed; the rate over the moving time
+  tl = stats.timeline
+  assert [t.layer for t in tl] == list(range(model.cfg.n_layers)) and all(0 < t.computed_s <= t.posted_s <= t.landed_s for t in tl)
+  assert stats.landed_clock == "receiver"           # the decode node shares this host's clock
+  assert stats.transfer_s == pytest.approx(busy_time([(t.posted_s, t.landed_s) for t in tl]))
+  assert stats.transfer_gbps == pytest.approx(stats.kv_bytes / stats.transfer_s / 1e9)
+  assert stats.ttft_s == pytest.approx(max(stats.prefill_s, max(t.landed_s for t in tl))) and stats.ttft_s >= stats.prefill_s
+
+def test_prefill_goes_on_while_a_layer_write_is_slow(small):
+  """A write that takes long (a real shm write, held back by its link's lock for HOLD seconds, as a big copy on a busy host
+  would be) does not stop prefill: layer 1 is computed before layer 0 has landed, and TTFT shows the wait for the write."""
+  model, address = small
+  prompt = list(range(1, 30))
+  client = DecodeClient(local_node(), address, model, "small-random", "shm")
+  try:
+    want, _ = client.generate(prompt, 3)                  # compiles this prompt's kernels
+    HOLD, link = 2.0, client.peer.link
+    held = threading.Event()
+    def hold():
+      with link.lock:
+        held.set()
+        time.sleep(HOLD)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    got, st = client.generate(prompt, 3)
+    holder.join()
+  finally: client.close()
+  assert got == want
+  tl = st.timeline
+  assert tl[1].computed_s < tl[0].landed_s, f"layer 1 was computed only after layer 0 landed: {tl}"
+  assert st.prefill_s < HOLD <= st.ttft_s + 0.05 and st.kv_tail_s > 0
+
+@given(hst.lists(hst.tuples(hst.floats(0, 5), hst.floats(0, 1), hst.floats(0, 3), hst.floats(0, 3)), min_size=1, max_size=12),
+       hst.booleans())
+@settings(max_examples=200, deadline=None)
+def test_transfer_rate_is_over_moving_time(layers, with_receiver):
+  """Each layer: posted at p, confirmed by the writer at p + c, noticed by the receiver at p + r. The rate divides by the
+  union of [posted, landed], landed being the earlier of the two: a confirmation that waits for a busy process does not count."""
+  t0, t_first = 0.0, 2.0
+  posted = {l: 1 + p for l, (p, _, _, _) in enumerate(layers)}
+  confirmed = {l: posted[l] + c for l, (_, c, _, _) in enumerate(layers)}
+  receiver = {l: posted[l] + r for l, (_, _, r, _) in enumerate(layers)} if with_receiver else None
+  computed = {l: posted[l] - x for l, (_, _, _, x) in enumerate(layers)}
+  stats = GenerationStats()
+  transfer_figures(stats, t0, t_first, computed, posted, confirmed, 1000, receiver)
+  landed = {l: min(confirmed[l], receiver[l]) if receiver else confirmed[l] for l in posted}
+  assert stats.transfer_s == pytest.approx(busy_time([(posted[l], landed[l]) for l in posted]))
+  assert stats.transfer_s <= busy_time([(posted[l], confirmed[l]) for l in posted]) + 1e-12
+  assert stats.ttft_s == max(t_first, max(landed.values())) and stats.kv_tail_s == max(0.0, max(landed.values()) - t_first)
+  assert stats.transfer_gbps == (1000 / stats.transfer_s / 1e9 if stats.transfer_s > 0 else 0.0)
+  assert stats.landed_clock == ("receiver" if receiver else "writer") and [t.landed_s for t in stats.timeline] == [landed[l] for l in sorted(landed)]
+
+def test_single_device_engine_equals_reference(small):
+  """`tinyhet run --no-disagg`'s engine (paged cache and jitted step on HET, no transfer) gives reference_generate's tokens,
+  greedy and sampled, over several requests through one engine (one decode capture, blocks reused)."""
+  model, _ = small
+  engine = LocalEngine(model, 64, block_size=4)
+  for n, new in ((5, 6), (23, 9), (40, 20)):
+    prompt = [int(t) for t in np.random.default_rng(n).integers(0, SMALL["vocab_size"], n)]
+    got, st = engine.generate(prompt, new)
+    assert got == model.reference_generate(prompt, new) and st["decode_tokens"] == new - 1 and st["ttft_s"] > 0
+  prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+  sampled = dict(temperature=0.9, top_p=0.95, seed=11)
+  assert engine.generate(prompt, 12, **sampled)[0] == model.reference_generate(prompt, 12, **sampled)
+  stop = model.reference_generate(prompt, 4)[1]
+  assert engine.generate(prompt, 10, stop_ids=(stop,))[0] == model.reference_generate(prompt, 4)[:2]
+  assert engine.cache.block_manager.num_free == engine.cache.block_manager.num_blocks
+  with pytest.raises(ValueError, match="does not fit this engine's KV pool"): engine.generate([1] * 60, 10)
+  with pytest.raises(ValueError, match="exceeds the model's context"): engine.generate([1] * 100, 100)
+  with pytest.raises(ValueError, match="at least one token"): engine.generate([], 3)
 
 def test_sampling_continues_the_same_random_stream(small):
   model, address = small
@@ -122,6 +195,25 @@ def test_full_pool_waits_then_admits():
     proc.stdin.close()
     proc.wait(30)
 
+def test_bench_e2e_reports_the_overhead_of_disaggregation(small):
+  """bench e2e's figures for one prompt length, on the small model: per transport the overhead is TTFT with transfer minus
+  TTFT of the same prefill with no transfer (best of the rounds of each), with a consistent per-layer timeline."""
+  from tinyhet.bench.e2e import measure_length
+  model, address = small
+  clients = {t: DecodeClient(local_node(), address, model, "small-random", t) for t in ("shm", "tcp")}
+  try: rows, decode = measure_length(model, clients, LocalEngine(model, 64, block_size=4), list(range(1, 21)), 6, 2)
+  finally:
+    for c in clients.values(): c.close()
+  assert [r["transport"] for r in rows] == ["shm", "tcp"]
+  for r in rows:
+    assert r.keys() >= {"prompt_tokens", "ttft_s", "ttft_no_transfer_s", "overhead_s", "kv_bytes", "transport", "timeline"}
+    assert r["prompt_tokens"] == 20 and r["kv_bytes"] > 0 and r["ttft_s"] > 0 and r["ttft_no_transfer_s"] > 0
+    assert r["overhead_s"] == pytest.approx(r["ttft_s"] - r["ttft_no_transfer_s"], abs=1e-9)
+    assert r["ttft_s"] == min(r["rounds"]["ttft_s"]) and r["ttft_no_transfer_s"] == min(r["rounds"]["ttft_no_transfer_s"])
+    assert len(r["rounds"]["ttft_s"]) == 2 and len(r["timeline"]) == model.cfg.n_layers
+    assert all(x["computed_s"] <= x["posted_s"] <= x["landed_s"] <= r["ttft_s"] + 1e-6 for x in r["timeline"])
+  assert decode["prompt_tokens"] == 20 and decode["decode_tok_s"]["disagg"] > 0 and decode["decode_tok_s"]["single_device"] > 0
+
 # ---------------------------------------------------------------- the embedded model through the CLI
 
 SMOLLM2_PROMPT = "What is the capital of France? Answer in one short sentence."
@@ -133,12 +225,15 @@ def tinyhet_cli(*args, timeout=900):
 
 @pytest.mark.slow
 def test_smollm2_run_disaggregated_and_single_device():
-  disagg = tinyhet_cli("run", SMOLLM2_PROMPT, "--max-tokens", "12", "--json", "--quiet")
+  disagg = tinyhet_cli("run", SMOLLM2_PROMPT, "--max-tokens", "12", "--json", "--quiet", "--overhead")
   alone = tinyhet_cli("run", SMOLLM2_PROMPT, "--max-tokens", "12", "--json", "--quiet", "--no-disagg")
   assert disagg["generated_ids"] == alone["generated_ids"]
   assert "Paris" in disagg["text"], disagg["text"]
-  assert disagg["transport"] == "shm" and disagg["kv_bytes"] > 0 and 0 <= disagg["hidden_share"] <= 1
-  assert set(disagg) >= {"prompt_ids", "generated_ids", "text", "ttft_s", "kv_bytes", "transfer_gbps", "hidden_share", "decode_tok_s", "transport"}
+  assert disagg["transport"] == "shm" and disagg["kv_bytes"] > 0 and disagg["transfer_s"] > 0
+  assert set(disagg) >= {"prompt_ids", "generated_ids", "text", "ttft_s", "kv_bytes", "transfer_gbps", "kv_tail_s", "decode_tok_s", "transport"}
+  assert alone["transport"] == "none" and alone["decode_tok_s"] > 0
+  assert disagg["overhead_s"] == pytest.approx(disagg["ttft_s"] - disagg["ttft_no_transfer_s"]) and disagg["ttft_no_transfer_s"] > 0
+  assert len(disagg["timeline"]) == 30 and disagg["transfer_gbps"] == pytest.approx(disagg["kv_bytes"] / disagg["transfer_s"] / 1e9)
 
 @pytest.mark.slow
 def test_run_against_a_separately_started_decode_node_over_tcp():

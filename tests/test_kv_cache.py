@@ -1,9 +1,10 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from tinygrad import Tensor, TinyJit
 from tinygrad.engine import realize
 from tinyhet import kv_cache
-from tinyhet.kernels.kv_pack import pack_kv
+from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
 from tinyhet.kv_cache import PagedKVCache
 from test_paged_attention import dense_reference
 
@@ -118,3 +119,16 @@ def test_block_tables_kept_per_batch_size_not_per_recompute_length():
     cache.begin_step(list(range(B)), 1)
     for i in range(B): cache.block_manager.deallocate(i)
   assert sorted(cache._tables) == [1, 2, 3]
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 3), st.sampled_from([2, 4, 8]), st.sampled_from([1, 4, 16]), st.integers(1, 4))
+def test_host_pack_gives_pack_kv_bytes(T, KV, D, BS, nb):
+  """The writer thread's numpy pack (pack_kv_host) writes exactly the bytes of the pack kernel, zeros past the tokens, and
+  nothing outside its blocks."""
+  rng = np.random.default_rng(T * 1000 + KV * 100 + D * 10 + BS)
+  k, v = (rng.standard_normal((T, KV, D)).astype(np.float16) for _ in range(2))
+  want = pack_kv(Tensor(k), Tensor(v), BS).numpy()                       # ceil(T / BS) blocks
+  pool = np.full((nb + 2, 2, KV, BS * D), 7, np.float16)
+  pack_kv_host(k, v, pool[1:nb + 1])
+  m = min(nb, want.shape[0])
+  assert np.array_equal(pool[1:m + 1], want[:m]) and (pool[m + 1:nb + 1] == 0).all() and (pool[0] == 7).all() and (pool[nb + 1] == 7).all()

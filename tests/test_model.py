@@ -252,4 +252,4 @@ def test_70b_runner_disaggregated_matches_single_device():
           for extra in ([], ["--single-device"])]
   for r in runs: assert r.returncode == 0, r.stderr[-2000:]
   disagg, alone = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
-  assert disagg["tokens"] == alone["tokens"] and disagg["decode_device"].startswith("MESH") and disagg["hidden_share"] > 0
+  assert disagg["tokens"] == alone["tokens"] and disagg["decode_device"].startswith("MESH") and disagg["kv_bytes_moved"] > 0

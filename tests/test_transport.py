@@ -86,6 +86,26 @@ def disjoint_spans(draw, n_spans, remote_bytes, local_bytes, max_len):
   return spans
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_notice_times_are_on_the_writers_clock(node, writer, transport):
+  """bench transfer's latency and the prefill node's transfer figures time a write to the receiver's notice, read in another
+  process: on one host the clocks agree (perf_counter is CLOCK_MONOTONIC), so each notice falls after its post. (Over tcp
+  notices of writes sent on different streams may be delivered out of order: match them by value.)"""
+  desc, _ = node.expose(4096)
+  peer = writer.connect(node.address, transport)
+  posted = []
+  try:
+    for i in range(5):
+      posted.append(time.perf_counter())
+      writer.write(peer, [Span(writer.local, 0, desc, 0, 4096)], notify=i).wait(10)
+    got = node.ask(cmd="notices", count=5, timeout=10, times=True)
+  finally: peer.close()
+  now = time.perf_counter()
+  noticed = {n[1]: t for n, t in zip(got["notices"], got["times"])}
+  assert sorted(noticed) == list(range(5))
+  assert all(posted[i] < noticed[i] < now for i in range(5)), (posted, noticed)
+  assert "times" not in node.ask(cmd="notices", count=0)
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_two_process_writes_and_reads_are_byte_exact(node, writer, transport, data):

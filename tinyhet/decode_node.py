@@ -27,6 +27,7 @@ from tinyhet.memory import LocalNode
 from tinyhet.runtime.arena import Region
 from tinyhet.cpu_threads import kernel_threads
 from tinyhet.model import Llama
+from tinyhet.runtime.wire import host_id
 from tinyhet.sampling import Sampler
 from tinyhet.scheduler import Scheduler, Sequence, SequenceStatus
 
@@ -82,7 +83,7 @@ class DecodeNode:
     with self.cond: open_seqs = len(self.scheduler.incoming) + len(self.scheduler.running) + len(self.scheduler.waiting)
     return {"model": self.model_id, "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
             "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
-            "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(),
+            "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(), "host": host_id(),
             # what a long-lived or misbehaving peer could make grow: the soak and fuzz tests watch these stay flat
             "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
             "rejected_notices": self.rejected_notices,
@@ -168,6 +169,7 @@ class DecodeNode:
       rate = (len(marks) - 1) / (marks[-1] - marks[0]) if len(marks) > 1 and marks[-1] > marks[0] else 0.0
       yield {"done": True, "decode_tokens": len(marks), "decode_s": time.perf_counter() - t_ready, "decode_tok_s": rate,
              "first_token_wait_s": marks[0] - t_ready if marks else 0.0, "preemptions": seq.num_preemptions,
+             "landed_at": seq.extra.get("landed_at", {}),
              **({"logits": last.tolist()} if last is not None else {})}
     finally:
       self._detach(conn.state.get("seqs", {}), seq)
@@ -227,6 +229,7 @@ class DecodeNode:
         self.rejected_notices += 1             # released, stale, or not this peer's to give
         return
       layers.add(layer)
+      seq.extra.setdefault("landed_at", {})[str(layer)] = n.time     # for the prefill node's transfer figures
       if len(layers) < self.model.cfg.n_layers: return
       if self.limbo.pop(seq_id, None) is None:
         seq.extra["layers"].set()

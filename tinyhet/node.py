@@ -74,9 +74,11 @@ def serve(args, stop: threading.Event) -> int:
   extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
   try:
     address = node.serve(host, int(port))
+    # capture the decode step before saying ready: a client's first request (and its TTFT) must not share the CPU with it
+    decode.warm_up()
     print(json.dumps({"address": address, "node": node.name, "model": model_id, "kv_blocks": blocks, "block_size": cfg.kv_block_size,
                       "transports": node.endpoint.transports, "role": args.role}), flush=True)
-    decode.run(stop)
+    decode.run(stop, warm_up=False)
   finally:
     stop.set()
     extras.close()

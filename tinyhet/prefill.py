@@ -3,36 +3,49 @@ into the decode node's reserved blocks as soon as that layer exists, while the n
 tokens the decode node generates.
 """
 from __future__ import annotations
-import time
+import queue, threading, time
 from dataclasses import dataclass, field
+import numpy as np
 from tinygrad import Tensor, dtypes
+from tinygrad.uop.ops import Ops
 from tinyhet.decode_node import notice_value
 from tinyhet.devices import NotRegistered, region_of
-from tinyhet.kernels.kv_pack import pack_kv
+from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
 from tinyhet.memory import LocalNode
 from tinyhet.model import Llama
 from tinyhet.runtime.control import ControlClient
+from tinyhet.runtime.arena import Region
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Span, Transfer
+from tinyhet.runtime.wire import host_id
 from tinyhet.sampling import Sampler
 
 class IncompatibleDecodeNode(RuntimeError):
   """The decode node serves another model (or another KV layout) than this prefill node."""
 
 @dataclass
+class LayerTimes:
+  """When one layer's KV went where, in seconds from the request's start."""
+  layer: int
+  computed_s: float       # its K, V realized on HET
+  posted_s: float         # packed and handed to the transport (by the writer thread)
+  landed_s: float         # every byte in the decode node's blocks: the receiver's notice or the writer's completion, whichever came first
+
+@dataclass
 class GenerationStats:
   prompt_tokens: int = 0
-  ttft_s: float = 0.0               # request start -> first token sampled (prefill on HET, the transfer overlapping it)
-  prefill_s: float = 0.0
+  ttft_s: float = 0.0               # request start -> first token sampled AND every layer landed (the decode node can go on)
+  prefill_s: float = 0.0            # request start -> first token sampled on HET
   kv_bytes: int = 0                 # bytes written to the decode node (whole blocks, all layers)
-  transfer_s: float = 0.0           # time some layer's write was in flight (the union of the writes' intervals)
+  transfer_s: float = 0.0           # time bytes were moving: the union over layers of [posted, landed]
   transfer_gbps: float = 0.0        # kv_bytes / transfer_s
-  hidden_share: float = 0.0         # 1 - (prefill end -> last layer landed) / transfer_s
+  kv_tail_s: float = 0.0            # first token sampled -> last layer landed (0 when every layer landed before)
+  landed_clock: str = "writer"      # "receiver" when the decode node shares this host's clock and its notice times were used
   decode_tokens: int = 0
   decode_tok_s: float = 0.0
   transport: str = ""
   preemptions: int = 0
-  layer_landed_s: list[float] = field(default_factory=list)
+  timeline: list[LayerTimes] = field(default_factory=list)
   last_logits: list[float] | None = None   # with return_logits: the logits the last token was sampled from
 
 def prefill_bucket(n: int) -> int:
@@ -50,6 +63,89 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     end = b
   return total
 
+def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, kv_dtype=dtypes.float16, on_layer=None) -> tuple[int, np.ndarray]:
+  """Prefill the prompt padded to its bucket on the model's device and sample the first token: (token, logits). The
+  disaggregated path passes on_layer to send each layer; without it this is the same prefill with no transfer."""
+  padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
+  logits = model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
+                         n_valid=len(prompt_ids)).numpy()[0]
+  return sampler(logits), logits
+
+def ttft_no_transfer(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16) -> float:
+  """Seconds to the first token of the same padded prefill on the same device with no transfer: the baseline of the TTFT
+  overhead of disaggregation."""
+  t0 = time.perf_counter()
+  prefill_first_token(model, prompt_ids, Sampler(), kv_dtype)
+  return time.perf_counter() - t0
+
+def host_array(t: Tensor) -> np.ndarray | None:
+  """A realized tensor's bytes in registered host memory as a numpy array (no copy), or None where they are elsewhere (a GPU)
+  or numpy has no such dtype."""
+  base = t.uop.base
+  if base.op is not Ops.BUFFER or t.dtype.fmt is None: return None
+  try: region, offset = region_of(base.buffer)
+  except NotRegistered: return None
+  if base.buffer.nbytes != t.nbytes(): return None
+  return np.frombuffer(region.view(offset, t.nbytes()), dtype=np.dtype(t.dtype.fmt)).reshape(t.shape)
+
+class LayerWriter:
+  """Packs and posts a request's layer writes from its own thread, so that prefill computes layer l+1 while layer l is
+  packed (numpy, which releases the GIL) and handed to the transport (a shm write is a memcpy by the posting thread; a small
+  tcp write is sent by it): the prefill thread only queues."""
+  def __init__(self, endpoint, peer):
+    self.endpoint, self.peer = endpoint, peer
+    self.queue: queue.SimpleQueue = queue.SimpleQueue()
+    self.transfers: dict[int, Transfer] = {}
+    self.posted: dict[int, float] = {}
+    self.error: BaseException | None = None
+    self.thread = threading.Thread(target=self._loop, name="tinyhet-kv-writer", daemon=True)
+    self.thread.start()
+
+  def post(self, layer: int, spans: list[Span], notify: int, pack: tuple | None = None):
+    """Write spans with notify once pack (k, v, out: pack_kv_host's arguments), if given, has filled their bytes."""
+    if self.error is not None: raise self.error
+    self.queue.put((layer, spans, notify, pack))
+
+  def _loop(self):
+    while (item := self.queue.get()) is not None:
+      layer, spans, notify, pack = item
+      if self.error is not None: continue          # a write failed: post nothing more, finish() raises it
+      try:
+        if pack is not None: pack_kv_host(*pack)
+        self.posted[layer] = time.perf_counter()
+        self.transfers[layer] = self.endpoint.write(self.peer, spans, notify=notify)
+      except BaseException as e: self.error = e
+
+  def finish(self, timeout: float = 60.0, check: bool = True) -> dict[int, Transfer]:
+    """Stop the thread once every queued write is posted, then wait for each write to land. Raises the first failure."""
+    self.queue.put(None)
+    self.thread.join(timeout)
+    for t in self.transfers.values():
+      try: t.wait(timeout)
+      except Exception as e:
+        if self.error is None: self.error = e
+    if check and self.error is not None: raise self.error
+    return self.transfers
+
+def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed: dict[int, float], posted: dict[int, float],
+                     confirmed: dict[int, float], kv_bytes: int, receiver: dict[int, float] | None = None):
+  """Fill stats' TTFT, moving time, rate and per-layer timeline from perf_counter times per layer: computed (K, V realized),
+  posted (handed to the transport), confirmed (the writer learned the write finished) and, when the receiver shares this
+  clock, its notice times. A layer has landed at the earlier of confirmed and the receiver's notice: a shm copy ends before
+  the receiver reads its notice; a tcp write lands when the receiver says so, not when its ACK gets this busy process's
+  attention. The rate is over the time bytes were moving (the union of [posted, landed]), not over the time spent waiting."""
+  landed = dict(confirmed)
+  if receiver is not None and receiver.keys() == landed.keys():
+    landed = {l: min(landed[l], receiver[l]) for l in landed}
+    stats.landed_clock = "receiver"
+  last = max(landed.values())
+  stats.kv_bytes = kv_bytes
+  stats.ttft_s = max(t_first, last) - t0
+  stats.kv_tail_s = max(0.0, last - t_first)
+  stats.transfer_s = busy_time([(posted[l], landed[l]) for l in landed])
+  stats.transfer_gbps = kv_bytes / stats.transfer_s / 1e9 if stats.transfer_s > 0 else 0.0
+  stats.timeline = [LayerTimes(l, computed[l] - t0, posted[l] - t0, landed[l] - t0) for l in sorted(landed)]
+
 class DecodeClient:
   """A prefill node's handle on one decode node: checks the model matches, then runs requests against it."""
   def __init__(self, node: LocalNode, address: str, model: Llama, model_id: str = "", transport: str | None = None):
@@ -63,6 +159,13 @@ class DecodeClient:
                                    f"this node has {model_id or 'a model'} {mine}: start both with the same --model")
     self.peer = node.endpoint.connect(address, transport)
     self.kv_dtype = getattr(dtypes, self.info["kv_dtype"])
+    self.staging: Region | None = None       # registered host memory the writer thread packs layers into, reused by requests
+
+  def _staging_for(self, nbytes: int) -> Region:
+    if self.staging is None or self.staging.nbytes < nbytes:
+      if self.staging is not None: self.staging.free()
+      self.staging = self.node.arena("MESH").alloc(nbytes, align=4096)
+    return self.staging
 
   def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
                stop_ids: tuple[int, ...] = (), on_token=None, return_logits: bool = False) -> tuple[list[int], GenerationStats]:
@@ -72,29 +175,38 @@ class DecodeClient:
     r = self.ctl.call("decode.reserve", prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
     seq_id, blocks, block_bytes, block_size = r["seq_id"], r["blocks"], r["block_bytes"], r["block_size"]
     pools = [RegionDescriptor.from_hex(h) for h in r["pools"]]
-    transfers: list[Transfer] = []
-    keep: list[Tensor] = []                  # packed layers stay alive until their writes have landed
+    writer = LayerWriter(self.node.endpoint, self.peer)
+    computed: dict[int, float] = {}
+    keep: list[Tensor] = []                  # K, V (or packed layers) stay alive until their writes have landed
+    cfg, nb = self.model.cfg, len(blocks)
+    layer_bytes = nb * block_bytes
+    staging = self._staging_for(cfg.n_layers * layer_bytes) if self.kv_dtype.fmt is not None else None
+    stage = staging.numpy(np.dtype(self.kv_dtype.fmt), (cfg.n_layers, nb, 2, cfg.n_kv_heads, block_size * cfg.head_dim)) if staging else None
 
     def send_layer(layer: int, k: Tensor, v: Tensor):
+      computed[layer] = time.perf_counter()
       # (blocks, 2, KVH, block_size*D): the pool's bytes. Rows past the prompt (pads) only reach the slack of the last block,
       # which the decode node masks until its own tokens overwrite it.
+      if stage is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
+        keep.extend((k, v))                  # K, V in host memory: the writer thread packs them into the staging region
+        writer.post(layer, [Span(staging, layer * layer_bytes + i * block_bytes, pools[layer], b * block_bytes, block_bytes)
+                            for i, b in enumerate(blocks)], notice_value(seq_id, layer), (ka, va, stage[layer]))
+        return
       packed = pack_kv(k, v, block_size, self.kv_dtype).contiguous().realize()
       try: region, offset = region_of(packed.uop.buffer)
       except NotRegistered:      # HET on a GPU: one copy into registered host memory (GPUDirect writes from GPU memory: not built yet)
         packed = packed.to("MESH").realize()
         region, offset = region_of(packed.uop.buffer)
-      spans = [Span(region, offset + i * block_bytes, pools[layer], b * block_bytes, block_bytes) for i, b in enumerate(blocks)]
-      transfers.append(self.node.endpoint.write(self.peer, spans, notify=notice_value(seq_id, layer)))
       keep.append(packed)
+      writer.post(layer, [Span(region, offset + i * block_bytes, pools[layer], b * block_bytes, block_bytes) for i, b in enumerate(blocks)],
+                  notice_value(seq_id, layer))
 
-    padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
+    done: dict = {}
     try:
-      logits = self.model.prefill(Tensor([padded], dtype=dtypes.int32, device=self.model.device), on_layer=send_layer, kv_dtype=self.kv_dtype,
-                                  n_valid=len(prompt_ids))
-      t_prefill = time.perf_counter()
       sampler = Sampler(temperature, top_p, seed)
-      first = sampler(logits.numpy()[0])
-      stats.ttft_s, stats.prefill_s = time.perf_counter() - t0, t_prefill - t0
+      first, logits = prefill_first_token(self.model, prompt_ids, sampler, self.kv_dtype, send_layer)
+      t_first = time.perf_counter()
+      stats.prefill_s = t_first - t0
       if on_token is not None: on_token(first)
       out = [first]
       # the decode node continues this sampler's random stream: the same seed gives the tokens one device would give
@@ -104,24 +216,25 @@ class DecodeClient:
           out.append(item["token"])
           if on_token is not None: on_token(item["token"])
         elif item.get("done"):
+          done = item
           stats.decode_tokens, stats.decode_tok_s, stats.preemptions = item["decode_tokens"], item["decode_tok_s"], item["preemptions"]
-          stats.last_logits = item.get("logits", logits.numpy()[0].tolist() if return_logits and len(out) == 1 else None)
+          stats.last_logits = item.get("logits", logits.tolist() if return_logits and len(out) == 1 else None)
     except BaseException:
-      for t in transfers:          # the packed layers in `keep` must outlive the writes reading them
-        try: t.wait(30)
-        except Exception: pass
-      try: self.ctl.call("decode.release", seq_id=seq_id, writes_done=True, reply_timeout=10)   # every posted write was waited for
+      writer.finish(30, check=False)           # the packed layers in `keep` must outlive the writes reading them
+      if not all(t.done() for t in writer.transfers.values()): self.staging = None    # a write may still read it: never reuse it
+      # writes_done only when every posted write finished: otherwise a shm/verbs write may still land, and the node holds the blocks
+      try: self.ctl.call("decode.release", seq_id=seq_id, writes_done=all(t.done() for t in writer.transfers.values()), reply_timeout=10)
       except Exception: pass
       raise
-    for t in transfers: t.wait(60)
-    last_landed = max(t.finished for t in transfers)
-    stats.kv_bytes = sum(t.nbytes for t in transfers)
-    stats.transfer_s = busy_time([(t.started, t.finished) for t in transfers])
-    stats.transfer_gbps = stats.kv_bytes / stats.transfer_s / 1e9 if stats.transfer_s > 0 else 0.0
-    stats.hidden_share = 1 - max(0.0, last_landed - t_prefill) / stats.transfer_s if stats.transfer_s > 0 else 1.0
-    stats.layer_landed_s = [t.finished - t0 for t in transfers]
+    transfers = writer.finish(60)
+    # the decode node's notice times are on this clock only on this host (perf_counter is CLOCK_MONOTONIC there)
+    theirs = done.get("landed_at") if self.info.get("host") == host_id() else None
+    transfer_figures(stats, t0, t_first, computed, writer.posted, {l: t.finished for l, t in transfers.items()},
+                     sum(t.nbytes for t in transfers.values()), {int(l): x for l, x in theirs.items()} if theirs else None)
     return out, stats
 
   def close(self):
     self.ctl.close()
     self.peer.close()
+    if self.staging is not None: self.staging.free()
+    self.staging = None

@@ -19,7 +19,10 @@ def parse_args(argv):
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--transport", choices=["auto", "verbs", "tcp", "shm"], default=None, help="default: the configured one (auto)")
   ap.add_argument("--decode-node", metavar="HOST:PORT", default=None, help="use a running decode node (tinyhet node --role decode)")
-  ap.add_argument("--no-disagg", action="store_true", help="one device (HET) does prefill and decode, for comparison")
+  ap.add_argument("--no-disagg", action="store_true", help="one device (HET) does prefill and decode (the same paged engine, no "
+                  "transfer), for comparison")
+  ap.add_argument("--overhead", action="store_true", help="also time the same padded prefill on HET with no transfer (after one "
+                  "untimed run that compiles it) and report the TTFT overhead of disaggregation")
   ap.add_argument("--kv-memory", default="512M", help="KV pool of the decode node started here (default 512M)")
   ap.add_argument("--float-weights", action="store_true", help="dequantize a GGUF's weights to float32 on both nodes (default: "
                   "keep the quantized blocks, dequantized inside the matmul kernels)")
@@ -136,23 +139,30 @@ def generate(args, child) -> int:
     if not args.json: print(stream.push(t), end="", flush=True)
   sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
   if args.no_disagg:
-    stats: dict = {}
+    from tinyhet.local_engine import LocalEngine
+    engine = LocalEngine(model, len(prompt_ids) + args.max_tokens)
     t0 = time.perf_counter()
-    ids = model.reference_generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, stats=stats, **sampling)
-    result = {"ttft_s": stats["prefill_s"], "kv_bytes": 0, "transfer_gbps": 0.0, "hidden_share": 0.0,
-              "decode_tok_s": stats["decode_tokens"] / stats["decode_s"] if stats["decode_tokens"] else 0.0, "transport": "none",
+    ids, st = engine.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, **sampling)
+    result = {"ttft_s": st["ttft_s"], "kv_bytes": 0, "transfer_gbps": 0.0, "decode_tok_s": st["decode_tok_s"], "transport": "none",
               "prefill_device": f"HET ({backend})", "decode_device": f"HET ({backend})", "total_s": time.perf_counter() - t0}
   else:
-    from tinyhet.prefill import DecodeClient
+    from tinyhet.prefill import DecodeClient, ttft_no_transfer
     address = args.decode_node or child.address()
     say(args, f"decode node at {address}; prefilling {len(prompt_ids)} tokens on HET, streaming KV layer by layer")
     client = DecodeClient(node, address, model, model_name(args.model), args.transport)
+    if args.overhead:
+      say(args, "compiling the prefill without transfer (--overhead)")
+      ttft_no_transfer(model, prompt_ids, client.kv_dtype)
     t0 = time.perf_counter()
     ids, st = client.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, **sampling)
     result = {"ttft_s": st.ttft_s, "prefill_s": st.prefill_s, "kv_bytes": st.kv_bytes, "transfer_s": st.transfer_s,
-              "transfer_gbps": st.transfer_gbps, "hidden_share": st.hidden_share, "decode_tok_s": st.decode_tok_s,
-              "transport": st.transport, "preemptions": st.preemptions, "prefill_device": f"HET ({backend})",
-              "decode_device": f"MESH on {client.ctl.peer}", "total_s": time.perf_counter() - t0}
+              "transfer_gbps": st.transfer_gbps, "kv_tail_s": st.kv_tail_s, "landed_clock": st.landed_clock,
+              "decode_tok_s": st.decode_tok_s, "transport": st.transport, "preemptions": st.preemptions, "prefill_device": f"HET ({backend})",
+              "decode_device": f"MESH on {client.ctl.peer}", "total_s": time.perf_counter() - t0,
+              "timeline": [vars(t) for t in st.timeline]}
+    if args.overhead:
+      result["ttft_no_transfer_s"] = ttft_no_transfer(model, prompt_ids, client.kv_dtype)
+      result["overhead_s"] = result["ttft_s"] - result["ttft_no_transfer_s"]
     client.close()
   text = tok.decode(ids)
   out = {"prompt_ids": prompt_ids, "generated_ids": ids, "text": text, **result}
@@ -164,10 +174,13 @@ def generate(args, child) -> int:
 
 def table(r: dict) -> str:
   rows = [("prompt tokens", f"{len(r['prompt_ids'])}"), ("generated tokens", f"{len(r['generated_ids'])}"),
-          ("TTFT", f"{r['ttft_s']:.3f} s (prefill on {r['prefill_device']})")]
+          ("TTFT", f"{r['ttft_s']:.3f} s (prefill on {r['prefill_device']}" + (", until every layer landed)" if r["transport"] != "none" else ")"))]
   if r["transport"] != "none":
-    rows += [("KV moved", f"{r['kv_bytes'] / 2**20:.2f} MiB over {r['transport']}"),
-             ("transfer", f"{r['transfer_gbps']:.3f} GB/s, {100 * r['hidden_share']:.0f}% hidden behind prefill")]
+    rows += [("KV moved", f"{r['kv_bytes'] / 2**20:.2f} MiB over {r['transport']}, {r['transfer_gbps']:.3f} GB/s over the "
+                          f"{1e3 * r['transfer_s']:.1f} ms it was moving; last layer landed {1e3 * r['kv_tail_s']:.1f} ms after the first token")]
+    if "overhead_s" in r:
+      rows.append(("overhead", f"{r['overhead_s']:+.3f} s of TTFT ({100 * r['overhead_s'] / r['ttft_no_transfer_s']:+.1f}%) over the same "
+                               f"prefill with no transfer ({r['ttft_no_transfer_s']:.3f} s)"))
   rows.append(("decode", f"{r['decode_tok_s']:.1f} tokens/s on {r['decode_device']}"))
   width = max(len(k) for k, _ in rows)
   return "\n".join(["-" * 60] + [f"{k:<{width}}  {v}" for k, v in rows])
