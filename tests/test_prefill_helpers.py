@@ -23,3 +23,17 @@ def test_busy_time_is_the_union_of_intervals(raw):
 def test_notice_values_round_trip(seq_id, layer):
   v = notice_value(seq_id, layer)
   assert 0 <= v < 1 << 32 and split_notice(v) == (seq_id, layer)
+
+def test_long_prefill_shows_progress_short_one_stays_quiet(capsys):
+  """prefill_progress: nothing while a prefill is young; past the threshold, a line per quarter of the layers with the rate."""
+  import time
+  from tinyhet.prefill import prefill_progress
+  quiet = prefill_progress(100, 8, after_s=10.0)
+  for layer in range(1, 9): quiet(layer)
+  assert capsys.readouterr().err == ""
+  loud = prefill_progress(100, 8, after_s=0.0)
+  time.sleep(0.01)
+  for layer in range(1, 9): loud(layer)
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert [ln.split(":")[2].split()[0] for ln in lines] == ["2/8", "4/8", "6/8", "8/8"], lines
+  assert all("of 100 tokens" in ln and ln.endswith("tokens/s") for ln in lines)

@@ -30,7 +30,7 @@ class LocalEngine:
     self.seq_id = 0
 
   def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
-               stop_ids: tuple[int, ...] = (), on_token=None) -> tuple[list[int], dict]:
+               stop_ids: tuple[int, ...] = (), on_token=None, progress=None) -> tuple[list[int], dict]:
     """Generated ids (a stop id included) and {"ttft_s", "decode_s", "decode_tokens", "decode_tok_s"}; on_token(id) sees
     each token as it is sampled. Greedy tokens equal Llama.reference_generate's."""
     cfg, cache, bm = self.model.cfg, self.cache, self.cache.block_manager
@@ -60,7 +60,7 @@ class LocalEngine:
           tmp = np.empty((len(blocks), *pool.shape[1:]), pool.dtype)
           pack_kv_host(ka, va, tmp)
           pool[blocks] = tmp
-      token, _ = prefill_first_token(self.model, prompt_ids, sampler, cache.kv_dtype, store_layer)
+      token, _ = prefill_first_token(self.model, prompt_ids, sampler, cache.kv_dtype, store_layer, progress)
       t1 = time.perf_counter()
       out, marks = [], []
       while True:

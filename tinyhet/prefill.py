@@ -3,7 +3,7 @@ into the decode node's reserved blocks as soon as that layer exists, while the n
 tokens the decode node generates.
 """
 from __future__ import annotations
-import queue, threading, time
+import queue, sys, threading, time
 from dataclasses import dataclass, field
 import numpy as np
 from tinygrad import Tensor, dtypes
@@ -63,13 +63,28 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     end = b
   return total
 
-def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, kv_dtype=dtypes.float16, on_layer=None) -> tuple[int, np.ndarray]:
+def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, kv_dtype=dtypes.float16, on_layer=None,
+                        progress=None) -> tuple[int, np.ndarray]:
   """Prefill the prompt padded to its bucket on the model's device and sample the first token: (token, logits). The
-  disaggregated path passes on_layer to send each layer; without it this is the same prefill with no transfer."""
+  disaggregated path passes on_layer to send each layer; without it this is the same prefill with no transfer.
+  progress(layers done), if given, is called as each layer finishes (see prefill_progress)."""
   padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
   logits = model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
-                         n_valid=len(prompt_ids)).numpy()[0]
+                         n_valid=len(prompt_ids), progress=progress).numpy()[0]
   return sampler(logits), logits
+
+def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0):
+  """A progress callback for a long prefill: once it has run after_s seconds, a line on stderr at each quarter of the layers
+  (in place on a terminal, every layer): layers done and prompt tokens/s so far. Short prefills print nothing."""
+  t0, tty, shown = time.perf_counter(), sys.stderr.isatty(), [0]
+  def progress(done: int):
+    dt = time.perf_counter() - t0
+    if dt < after_s: return
+    if not tty and done < n_layers and done < shown[0] + max(1, n_layers // 4): return
+    shown[0] = done
+    line = f"tinyhet: prefill: {done}/{n_layers} layers of {n_tokens} tokens, {n_tokens * done / n_layers / dt:.0f} tokens/s"
+    print(f"\r{line}" if tty else line, end="\n" if not tty or done == n_layers else "", file=sys.stderr, flush=True)
+  return progress
 
 def ttft_no_transfer(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16) -> float:
   """Seconds to the first token of the same padded prefill on the same device with no transfer: the baseline of the TTFT
@@ -168,8 +183,9 @@ class DecodeClient:
     return self.staging
 
   def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
-               stop_ids: tuple[int, ...] = (), on_token=None, return_logits: bool = False) -> tuple[list[int], GenerationStats]:
-    """Prefill here, decode there. on_token(id) sees each token as it arrives (the first one as soon as prefill ends)."""
+               stop_ids: tuple[int, ...] = (), on_token=None, return_logits: bool = False, progress=None) -> tuple[list[int], GenerationStats]:
+    """Prefill here, decode there. on_token(id) sees each token as it arrives (the first one as soon as prefill ends);
+    progress(layers done) as each prefill layer finishes."""
     stats = GenerationStats(prompt_tokens=len(prompt_ids), transport=self.peer.transport)
     t0 = time.perf_counter()
     r = self.ctl.call("decode.reserve", prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
@@ -204,7 +220,7 @@ class DecodeClient:
     done: dict = {}
     try:
       sampler = Sampler(temperature, top_p, seed)
-      first, logits = prefill_first_token(self.model, prompt_ids, sampler, self.kv_dtype, send_layer)
+      first, logits = prefill_first_token(self.model, prompt_ids, sampler, self.kv_dtype, send_layer, progress)
       t_first = time.perf_counter()
       stats.prefill_s = t_first - t0
       if on_token is not None: on_token(first)

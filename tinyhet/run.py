@@ -138,11 +138,13 @@ def generate(args, child) -> int:
   def on_token(t: int):
     if not args.json: print(stream.push(t), end="", flush=True)
   sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+  from tinyhet.prefill import prefill_progress
+  progress = None if args.quiet else prefill_progress(len(prompt_ids), model.cfg.n_layers)   # a long prefill says where it is
   if args.no_disagg:
     from tinyhet.local_engine import LocalEngine
     engine = LocalEngine(model, len(prompt_ids) + args.max_tokens)
     t0 = time.perf_counter()
-    ids, st = engine.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, **sampling)
+    ids, st = engine.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, progress=progress, **sampling)
     result = {"ttft_s": st["ttft_s"], "kv_bytes": 0, "transfer_gbps": 0.0, "decode_tok_s": st["decode_tok_s"], "transport": "none",
               "prefill_device": f"HET ({backend})", "decode_device": f"HET ({backend})", "total_s": time.perf_counter() - t0}
   else:
@@ -154,7 +156,7 @@ def generate(args, child) -> int:
       say(args, "compiling the prefill without transfer (--overhead)")
       ttft_no_transfer(model, prompt_ids, client.kv_dtype)
     t0 = time.perf_counter()
-    ids, st = client.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, **sampling)
+    ids, st = client.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, progress=progress, **sampling)
     result = {"ttft_s": st.ttft_s, "prefill_s": st.prefill_s, "kv_bytes": st.kv_bytes, "transfer_s": st.transfer_s,
               "transfer_gbps": st.transfer_gbps, "kv_tail_s": st.kv_tail_s, "landed_clock": st.landed_clock,
               "decode_tok_s": st.decode_tok_s, "transport": st.transport, "preemptions": st.preemptions, "prefill_device": f"HET ({backend})",
