@@ -8,7 +8,8 @@ goes to C in one call, so a decode step of hundreds of kernels costs one ctypes 
 the caller alone while the workers wait.
 
 Workers spin briefly between kernels (the next split kernel usually comes within microseconds), then sleep on a futex, so
-an idle pool costs no CPU. The pool is process-wide; a thread that finds it busy (another thread is running kernels on it)
+an idle pool costs no CPU; the caller, waiting for the parts of a kernel, yields its CPU after a short spin, so a worker
+descheduled by another process gets to finish. The pool is process-wide; a thread that finds it busy (another thread is running kernels on it)
 runs its kernel's parts itself, one after another, instead of waiting.
 
 The C source is compiled once with the same compiler tinygrad uses (clang) and cached under ~/.cache/tinyhet.
@@ -37,6 +38,7 @@ SOURCE = r"""
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <sched.h>
 typedef uint64_t u64;
 typedef struct { u64 fn; int32_t nargs, core_slot, parts, pad; u64 args[%(max_args)d]; } cmd_t;
 typedef void (*k63)(%(types)s);
@@ -118,7 +120,10 @@ static void run_split(const cmd_t *c) {
   atomic_fetch_add(&P.gen, 1);                                  /* seq_cst: pairs with a worker's sleepers increment */
   if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, (uint32_t *)&P.gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
   for (int t = 0; t < c->parts; t += P.n) run_part(c, t);
-  while (atomic_load_explicit(&P.done, memory_order_acquire) < P.n - 1) relax();
+  /* a worker that lost its CPU to another process finishes only when it runs again: yield rather than spin it out */
+  for (long spins = 0; atomic_load_explicit(&P.done, memory_order_acquire) < P.n - 1; spins++) {
+    if (spins < 4096) relax(); else sched_yield();
+  }
 }
 
 /* Runs cmds[0..n) in order, each split kernel on every thread; returns 1 if it ran them serially (the pool was busy). */
@@ -160,7 +165,7 @@ def _compile() -> ctypes.CDLL:
 
 class CpuPool:
   """The process's worker pool: `threads` threads in all (the caller's included)."""
-  def __init__(self, threads: int, spin: int = 20000):
+  def __init__(self, threads: int, spin: int = 4000):
     self.lib, self.spin, self.threads = _compile(), spin, 0
     self.grow(threads)
 
