@@ -10,11 +10,12 @@ tokens, and the share of the machine's read bandwidth a decode step uses.
 
 Decode rows run every sequence at a context of --context tokens (the KV is present, its values do not matter to the speed).
 read share = bytes one decode step reads (the weights it streams, plus every row's KV) / step time / the machine's read
-bandwidth (bench/membw.py, a streaming read by the same number of threads, measured in this run). Engines take turns,
-round after round; each figure is the best round (another process can stall one round on a shared machine).
+bandwidth (bench/membw.py, a streaming read by the same number of threads, measured in this run). The engines run
+each in a process of its own, one after another; each figure is the best of --rounds rounds (another process can
+stall one round on a shared machine).
 """
 from __future__ import annotations
-import argparse, json, math, os, sys, time
+import argparse, json, math, os, subprocess, sys, time
 import numpy as np
 from tinyhet.bench.torch_llama import TorchLlama
 
@@ -169,6 +170,43 @@ def llama_cpp_build() -> str:
     return f"llama-cpp-python {llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}"
   except ImportError: return ""
 
+def make_engine(name: str, path, threads: int, max_batch: int, max_context: int):
+  """One engine and the tokenizer, in this process."""
+  from tinyhet.model import LlamaConfig  # noqa: F401
+  from tinyhet.tokenizer import Tokenizer
+  from tinyhet.weights import gguf_config, read_gguf
+  g = read_gguf(path)
+  tok, kv_token_bytes = Tokenizer.from_gguf_metadata(g.metadata), gguf_config(g).kv_bytes_per_token()
+  if name == "tinyhet": return TinyhetEngine(path, threads, max_batch, max_context), tok
+  if name == "llama.cpp":
+    e = LlamaCppEngine(path, threads, max_batch, max_context)
+    e.kv_token_bytes = kv_token_bytes
+    return e, tok
+  if name == "torch":
+    import tinyhet  # noqa: F401  (MESH)
+    from tinyhet.weights import load_model
+    model, _ = load_model(path, device="MESH", max_context=max_context, quiet=True, packed=True)
+    return TorchEngine(model, threads, max_batch, max_context), tok
+  raise SystemExit(f"tinyhet bench decode: unknown engine {name!r} (tinyhet, llama.cpp, torch)")
+
+def measure(e, tok, prompts: list[int], batches: list[int], context: int, steps: int, rounds: int, log) -> list[dict]:
+  rows = []
+  for n in prompts:
+    prompt = prompt_ids(tok, n)
+    e.prefill(prompt)                              # compiles, warms caches
+    rows.append({"engine": e.name, "batch": 1, "prompt_tokens": n, "prefill_tok_s": best_rate(lambda: e.prefill(prompt), n, rounds),
+                 "decode_tok_s": None, "step_bytes": None})
+    log(f"  prefill {n:>5} tokens  {e.name:<10} {rows[-1]['prefill_tok_s']:8.1f} tok/s")
+  for b in batches:
+    best, nbytes = math.inf, 0
+    for _ in range(rounds):
+      dt, nbytes = e.decode(b, context, steps)
+      best = min(best, dt)
+    rows.append({"engine": e.name, "batch": b, "prompt_tokens": context, "prefill_tok_s": None, "decode_tok_s": b * steps / best,
+                 "step_bytes": nbytes})
+    log(f"  decode batch {b:>3}  {e.name:<10} {rows[-1]['decode_tok_s']:8.1f} tok/s")
+  return rows
+
 def main(argv: list[str] | None = None) -> int:
   from tinyhet.cpu_threads import configured_threads
   ap = argparse.ArgumentParser(prog="tinyhet bench decode", description=__doc__.split("\n\n")[0])
@@ -180,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--steps", type=int, default=16, help="decode steps per round")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--engines", default="tinyhet,llama.cpp,torch")
+  ap.add_argument("--one-engine", action="store_true", help=argparse.SUPPRESS)   # a child process measuring one engine
   ap.add_argument("--quick", action="store_true", help="batches 1,4; prompt 100; 8 steps; 2 rounds")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
@@ -188,48 +227,46 @@ def main(argv: list[str] | None = None) -> int:
   os.environ["TINYHET_CPU_THREADS"] = str(threads)
   configured_threads.cache_clear()
   batches, prompts = [int(b) for b in args.batches.split(",")], [int(p) for p in args.prompts.split(",")]
-  from tinyhet.bench.membw import read_gbps
   from tinyhet.weights import embedded_model_path
   path = embedded_model_path() if args.model is None else args.model
   max_context = max(max(prompts), args.context + 3 + args.steps * args.rounds) + 16
-  log = (lambda m: None) if args.json else (lambda m: print(m, file=sys.stderr, flush=True))
-  log(f"loading engines ({threads} threads) ...")
-  engines, skipped = [], {}
-  tinyhet_engine = TinyhetEngine(path, threads, max(batches), max_context)
-  wanted = args.engines.split(",")
-  if "tinyhet" in wanted: engines.append(tinyhet_engine)
-  for name, make in (("llama.cpp", lambda: LlamaCppEngine(path, threads, max(batches), max_context)),
-                     ("torch", lambda: TorchEngine(tinyhet_engine.mesh, threads, max(batches), max_context))):
-    if name not in wanted: continue
-    try: engines.append(make())
-    except ImportError as e: skipped[name] = f"not installed ({e.name}): pip install -e '.[bench]'"
-  for e in engines:
-    if e.kv_token_bytes is None: e.kv_token_bytes = tinyhet_engine.kv_token_bytes
+  log = (lambda m: None) if args.json and not args.one_engine else (lambda m: print(m, file=sys.stderr, flush=True))
+  if args.one_engine:
+    e, tok = make_engine(args.engines, path, threads, max(batches), max_context)
+    print(json.dumps({"rows": measure(e, tok, prompts, batches, args.context, args.steps, args.rounds, log), "model": gguf_name(path)}))
+    return 0
+  # each engine in a process of its own: two thread pools in one process (llama.cpp's and PyTorch's OpenMP, tinyhet's) can
+  # leave one spinning while another works, which here slowed llama.cpp's batch-1 decode 100-fold
+  from tinyhet.bench.membw import read_gbps
   gbps = read_gbps(threads=threads)
   log(f"read bandwidth {gbps:.1f} GB/s ({threads} threads)")
-  rows = []
-  for n in prompts:
-    prompt = prompt_ids(tinyhet_engine.tok, n)
-    for e in engines: e.prefill(prompt)           # compiles, warms caches
-    for e in engines:
-      rows.append({"engine": e.name, "batch": 1, "prompt_tokens": n, "prefill_tok_s": best_rate(lambda: e.prefill(prompt), n, args.rounds),
-                   "decode_tok_s": None, "read_share": None})
-      log(f"  prefill {n:>5} tokens  {e.name:<10} {rows[-1]['prefill_tok_s']:8.1f} tok/s")
-  for b in batches:
-    for e in engines:
-      best, nbytes = math.inf, 0
-      for _ in range(args.rounds):
-        dt, nbytes = e.decode(b, args.context, args.steps)
-        best = min(best, dt)
-      step_s = best / args.steps
-      rows.append({"engine": e.name, "batch": b, "prompt_tokens": args.context, "prefill_tok_s": None, "decode_tok_s": b / step_s,
-                   "read_share": nbytes / step_s / (gbps * 1e9)})
-      log(f"  decode batch {b:>3}  {e.name:<10} {rows[-1]['decode_tok_s']:8.1f} tok/s  read share {rows[-1]['read_share']:.2f}")
-  out = {"threads": threads, "read_gbps": gbps, "model": tinyhet_engine.mesh.cfg.name, "context": args.context,
-         "llama_cpp": llama_cpp_build(), "skipped": skipped, "rows": rows}
+  rows, skipped, model = [], {}, ""
+  for name in args.engines.split(","):
+    log(f"{name} ({threads} threads) ...")
+    cmd = [sys.executable, "-m", "tinyhet.bench.decode", "--one-engine", "--engines", name, "--threads", str(threads), "--batches", args.batches,
+           "--prompts", args.prompts, "--context", str(args.context), "--steps", str(args.steps), "--rounds", str(args.rounds)]
+    r = subprocess.run(cmd + (["--model", str(args.model)] if args.model else []), capture_output=True, text=True)
+    if r.returncode != 0:
+      last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+      if "No module named" in last: skipped[name] = f"not installed ({last.split()[-1]}): make bench-setup"
+      else: raise SystemExit(f"tinyhet bench decode: the {name} engine failed: {last}")
+      continue
+    if not args.json: print(r.stderr.strip(), file=sys.stderr)
+    child = json.loads(r.stdout.strip().splitlines()[-1])
+    model = child["model"]
+    for row in child["rows"]:
+      step_bytes = row.pop("step_bytes")
+      row["read_share"] = step_bytes * row["decode_tok_s"] / row["batch"] / (gbps * 1e9) if step_bytes else None
+      rows.append(row)
+  out = {"threads": threads, "read_gbps": gbps, "model": model, "context": args.context, "llama_cpp": llama_cpp_build(),
+         "skipped": skipped, "rows": rows}
   if args.json: print(json.dumps(out))
   else: print(table(out))
   return 0
+
+def gguf_name(path) -> str:
+  from tinyhet.weights import gguf_config, read_gguf
+  return gguf_config(read_gguf(path)).name
 
 def table(out: dict) -> str:
   rows, engines = out["rows"], list(dict.fromkeys(r["engine"] for r in out["rows"]))
