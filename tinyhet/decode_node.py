@@ -44,6 +44,18 @@ def batch_bucket(n: int) -> int:
 
 TICK = 0.5                # seconds: how often a waiting stream lets the control channel look for a cancel or a departed client
 
+def queued_tokens(seq: Sequence):
+  """A sequence's tokens as the batching loop queues them, until it is done; None every TICK while none comes (a stream
+  then lets the control channel look for a cancel or a departed client). A failed step's error is raised."""
+  while True:
+    try: tok = seq.extra["queue"].get(timeout=TICK)
+    except queue.Empty:
+      yield None
+      continue
+    if isinstance(tok, Exception): raise tok
+    if tok is None: return
+    yield tok
+
 def notice_value(seq_id: int, layer: int) -> int: return (seq_id << LAYER_BITS) | layer
 def split_notice(value: int) -> tuple[int, int]: return value >> LAYER_BITS, value & ((1 << LAYER_BITS) - 1)
 
@@ -155,13 +167,10 @@ class DecodeNode:
         if done and seq.status is SequenceStatus.RUNNING: self.scheduler.finish(seq)
         self.cond.notify_all()
       marks: list[float] = []
-      while not done:
-        try: tok = seq.extra["queue"].get(timeout=TICK)
-        except queue.Empty:
+      for tok in (() if done else queued_tokens(seq)):
+        if tok is None:
           yield None
           continue
-        if isinstance(tok, Exception): raise tok
-        if tok is None: break
         marks.append(time.perf_counter())
         yield {"token": tok}
       last = seq.extra.get("last_logits")

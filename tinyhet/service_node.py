@@ -42,16 +42,9 @@ def install_submit(decode) -> None:
 def stream_submitted(decode, conn, seq):
   """Every token of a submitted sequence, as the batching loop samples it. It yields None while it waits (the control
   channel then checks for a cancel or a departed client); however it ends, the sequence leaves the node."""
-  from tinyhet.decode_node import TICK
+  from tinyhet.decode_node import queued_tokens
   try:
-    while True:
-      try: tok = seq.extra["queue"].get(timeout=TICK)
-      except queue.Empty:
-        yield None
-        continue
-      if isinstance(tok, Exception): raise tok
-      if tok is None: break
-      yield {"token": tok}
+    for tok in queued_tokens(seq): yield None if tok is None else {"token": tok}
     yield {"done": True, "preemptions": seq.num_preemptions}
   finally: decode._detach(conn.state.get("seqs", {}), seq)
 
