@@ -31,8 +31,12 @@ def test_long_prefill_shows_progress_short_one_stays_quiet(capsys):
   quiet = prefill_progress(100, 8, after_s=10.0)
   for layer in range(1, 9): quiet(layer)
   assert capsys.readouterr().err == ""
-  loud = prefill_progress(100, 8, after_s=0.0)
-  time.sleep(0.01)
+  loud = prefill_progress(100, 8, after_s=0.05)
+  time.sleep(0.1)
+  loud(0)                                        # the clock starts with the prefill, not when the callback was made
+  loud(1)
+  assert capsys.readouterr().err == ""
+  time.sleep(0.1)
   for layer in range(1, 9): loud(layer)
   lines = capsys.readouterr().err.strip().splitlines()
   assert [ln.split(":")[2].split()[0] for ln in lines] == ["2/8", "4/8", "6/8", "8/8"], lines

@@ -69,16 +69,21 @@ def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, k
   disaggregated path passes on_layer to send each layer; without it this is the same prefill with no transfer.
   progress(layers done), if given, is called as each layer finishes (see prefill_progress)."""
   padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
+  if progress is not None: progress(0)
   logits = model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
                          n_valid=len(prompt_ids), progress=progress).numpy()[0]
   return sampler(logits), logits
 
 def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0):
   """A progress callback for a long prefill: once it has run after_s seconds, a line on stderr at each quarter of the layers
-  (in place on a terminal, every layer): layers done and prompt tokens/s so far. Short prefills print nothing."""
-  t0, tty, shown = time.perf_counter(), sys.stderr.isatty(), [0]
+  (in place on a terminal, every layer): layers done and prompt tokens/s so far. Short prefills print nothing. progress(0)
+  marks the start of the prefill."""
+  t0, tty, shown = [time.perf_counter()], sys.stderr.isatty(), [0]
   def progress(done: int):
-    dt = time.perf_counter() - t0
+    if done == 0:                                   # the prefill starts now (prefill_first_token says so)
+      t0[0] = time.perf_counter()
+      return
+    dt = time.perf_counter() - t0[0]
     if dt < after_s: return
     if not tty and done < n_layers and done < shown[0] + max(1, n_layers // 4): return
     shown[0] = done
