@@ -172,7 +172,6 @@ def llama_cpp_build() -> str:
 
 def make_engine(name: str, path, threads: int, max_batch: int, max_context: int):
   """One engine and the tokenizer, in this process."""
-  from tinyhet.model import LlamaConfig  # noqa: F401
   from tinyhet.tokenizer import Tokenizer
   from tinyhet.weights import gguf_config, read_gguf
   g = read_gguf(path)

@@ -357,41 +357,32 @@ print(json.dumps({{"tokens": out, "kv_bytes": kv}}))
 def test_two_hosts_over_veth(model):
   """The prefill node on host A, the decode node and the router on host B (two network namespaces joined by a veth pair):
   the KV crosses the link over tcp, and the tokens are the single-process ones."""
-  from test_transport import netns_available
+  from test_transport import netns_available, veth_hosts
   if (why := netns_available()): pytest.skip(why)
-  tag = f"sv{os.getpid() % 100000}"
-  a, b = f"{tag}a", f"{tag}b"
-  cmds = [f"ip netns add {a}", f"ip netns add {b}", f"ip link add {tag}x netns {a} type veth peer name {tag}y netns {b}",
-          f"ip -n {a} addr add 10.204.0.1/24 dev {tag}x", f"ip -n {b} addr add 10.204.0.2/24 dev {tag}y",
-          f"ip -n {a} link set {tag}x up", f"ip -n {b} link set {tag}y up", f"ip -n {a} link set lo up", f"ip -n {b} link set lo up"]
   procs = []
-  try:
-    for c in cmds:
-      if (p := subprocess.run(c.split(), capture_output=True, text=True)).returncode != 0:
-        pytest.skip(f"cannot build the veth pair ({c}): {p.stderr.strip()}")
-    def start(ns, *args):
-      p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tinyhet", *args, "--stdin-stop"], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True, env=ENV)
-      procs.append(p)
-      return p
-    pf = start(a, "node", "--role", "prefill", "--listen", "10.204.0.1:7471", "--model", SPEC, "--quiet")
-    dc = start(b, "node", "--role", "decode", "--listen", "10.204.0.2:7470", "--model", SPEC, "--quiet", "--kv-memory", "8M")
-    for p in (pf, dc): json.loads(p.stdout.readline())
-    router = start(b, "serve", "--listen", "127.0.0.1:8123", "--model", SPEC, "--prefill", "10.204.0.1:7471", "--decode", "10.204.0.2:7470")
-    json.loads(router.stdout.readline())
-    prompts = [prompt(40 + i, 9) for i in range(3)]
-    code = CLIENT_IN_NETNS.format(prompts=prompts, host="127.0.0.1", port=8123, model=model[1])
-    ready = "import http.client, time\nfor _ in range(600):\n  c = http.client.HTTPConnection('127.0.0.1', 8123, timeout=5)\n" \
-            "  c.request('GET', '/ready')\n  r = c.getresponse(); r.read()\n  if r.status == 200: break\n  time.sleep(0.2)\n"
-    out = subprocess.run(["ip", "netns", "exec", b, sys.executable, "-c", ready + code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    r = json.loads(out.stdout)
-    assert r["tokens"] == [reference(model, p, 8) for p in prompts] and r["kv_bytes"] > 0
-  finally:
-    for p in procs[::-1]:
-      try:
-        p.stdin.close()
-        p.wait(15)
-      except (subprocess.TimeoutExpired, OSError): p.kill()
-    subprocess.run(["ip", "netns", "del", a], capture_output=True)
-    subprocess.run(["ip", "netns", "del", b], capture_output=True)
+  with veth_hosts(f"sv{os.getpid() % 100000}", "10.204.0") as (a, b):
+    try:
+      def start(ns, *args):
+        p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tinyhet", *args, "--stdin-stop"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=ENV)
+        procs.append(p)
+        return p
+      pf = start(a, "node", "--role", "prefill", "--listen", "10.204.0.1:7471", "--model", SPEC, "--quiet")
+      dc = start(b, "node", "--role", "decode", "--listen", "10.204.0.2:7470", "--model", SPEC, "--quiet", "--kv-memory", "8M")
+      for p in (pf, dc): json.loads(p.stdout.readline())
+      router = start(b, "serve", "--listen", "127.0.0.1:8123", "--model", SPEC, "--prefill", "10.204.0.1:7471", "--decode", "10.204.0.2:7470")
+      json.loads(router.stdout.readline())
+      prompts = [prompt(40 + i, 9) for i in range(3)]
+      code = CLIENT_IN_NETNS.format(prompts=prompts, host="127.0.0.1", port=8123, model=model[1])
+      ready = "import http.client, time\nfor _ in range(600):\n  c = http.client.HTTPConnection('127.0.0.1', 8123, timeout=5)\n" \
+              "  c.request('GET', '/ready')\n  r = c.getresponse(); r.read()\n  if r.status == 200: break\n  time.sleep(0.2)\n"
+      out = subprocess.run(["ip", "netns", "exec", b, sys.executable, "-c", ready + code], capture_output=True, text=True, timeout=300)
+      assert out.returncode == 0, out.stderr
+      r = json.loads(out.stdout)
+      assert r["tokens"] == [reference(model, p, 8) for p in prompts] and r["kv_bytes"] > 0
+    finally:
+      for p in procs[::-1]:
+        try:
+          p.stdin.close()
+          p.wait(15)
+        except (subprocess.TimeoutExpired, OSError): p.kill()

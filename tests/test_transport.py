@@ -1,4 +1,4 @@
-import json, os, pathlib, signal, socket, subprocess, sys, time
+import contextlib, json, os, pathlib, signal, socket, subprocess, sys, time
 import numpy as np, pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 from tinyhet.config import load_config
@@ -256,13 +256,13 @@ def netns_available() -> str | None:
   if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0: return "the ip command (iproute2) cannot manage network namespaces"
   return None
 
-@pytest.fixture
-def two_hosts():
-  if (why := netns_available()): pytest.skip(why)
-  tag = f"th{os.getpid() % 100000}"
+@contextlib.contextmanager
+def veth_hosts(tag: str, subnet: str):
+  """Two network namespaces {tag}a and {tag}b joined by a veth pair, addresses {subnet}.1 and {subnet}.2; removed after.
+  Skips the test (with the command that failed) where the pair cannot be built."""
   a, b = f"{tag}a", f"{tag}b"
   cmds = [f"ip netns add {a}", f"ip netns add {b}", f"ip link add {tag}x netns {a} type veth peer name {tag}y netns {b}",
-          f"ip -n {a} addr add 10.203.0.1/24 dev {tag}x", f"ip -n {b} addr add 10.203.0.2/24 dev {tag}y",
+          f"ip -n {a} addr add {subnet}.1/24 dev {tag}x", f"ip -n {b} addr add {subnet}.2/24 dev {tag}y",
           f"ip -n {a} link set {tag}x up", f"ip -n {b} link set {tag}y up", f"ip -n {a} link set lo up", f"ip -n {b} link set lo up"]
   try:
     for c in cmds:
@@ -272,6 +272,11 @@ def two_hosts():
   finally:
     subprocess.run(["ip", "netns", "del", a], capture_output=True)
     subprocess.run(["ip", "netns", "del", b], capture_output=True)
+
+@pytest.fixture
+def two_hosts():
+  if (why := netns_available()): pytest.skip(why)
+  with veth_hosts(f"th{os.getpid() % 100000}", "10.203.0") as hosts: yield hosts
 
 WRITER_IN_NETNS = """
 import json, sys
