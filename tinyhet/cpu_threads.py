@@ -35,14 +35,19 @@ def configured_threads() -> int:
 
 def pool() -> CpuPool: return cpu_pool(configured_threads())
 
+def pool_threads(device: str | None) -> int:
+  """The configured thread count if `device` runs its kernels on the worker pool (HET on a CPU, MESH), else 0."""
+  from tinygrad import Device
+  if device is not None and not isinstance(device, str): return 0     # a multi-device tensor
+  name = Device.canonicalize(device) if device is not None else Device.DEFAULT
+  runs_parallel = isinstance(getattr(Device[name], "runtime_t", None), type) and issubclass(Device[name].runtime_t, PoolProgram)
+  return configured_threads() if runs_parallel else 0
+
 def kernel_threads(device: str | None) -> Context:
   """The compile context for kernels on `device`: split over the configured threads on HET (CPU) and MESH, whose runtime
   runs the parts in parallel; unsplit elsewhere (tinygrad's own CPU device would run the parts one after another and only
   pay for the split; GPU backends ignore the setting)."""
-  from tinygrad import Device
-  name = Device.canonicalize(device) if device is not None else Device.DEFAULT
-  runs_parallel = isinstance(getattr(Device[name], "runtime_t", None), type) and issubclass(Device[name].runtime_t, PoolProgram)
-  return Context(NUM_CPU_THREADS=configured_threads() if runs_parallel else 1)
+  return Context(NUM_CPU_THREADS=pool_threads(device) or 1)
 
 def _fill(cmd: Command, fn: int, args: list[int], core_slot: int | None, parts: int):
   if len(args) > MAX_ARGS: raise RuntimeError(f"CPU programs take at most {MAX_ARGS} arguments, got {len(args)}")

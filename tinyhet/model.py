@@ -20,7 +20,8 @@ from typing import Protocol
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
-from tinyhet.cpu_threads import kernel_threads
+from tinyhet.cpu_threads import kernel_threads, pool_threads
+from tinyhet.kernels import quant_matmul as qmm
 from tinyhet.packed import PackedWeight
 
 @dataclass(frozen=True)
@@ -162,6 +163,8 @@ def linear(x: Tensor, w: Matrix) -> Tensor:
   CPU code then has that many independent accumulator chains instead of one serial chain of dependent adds (measured 2-5x
   faster on the matrix-vector products of decode)."""
   rows = math.prod(x.shape[:-1])
+  if isinstance(w, PackedWeight) and qmm.supported(w.ggml_type, w.shape[1]) and (threads := pool_threads(x.device)):
+    return qmm.quant_matmul(x, w.blocks, w.ggml_type, w.shape, threads)   # HET on a CPU, MESH: the hand-written kernel
   if isinstance(w, PackedWeight):
     # a few rows: dequantized inside the matmul kernel, reading only the blocks; many rows (prefill): dequantized once into a
     # temporary float32 copy, since inside the matmul every block would be dequantized again for each tile of rows
