@@ -1,6 +1,8 @@
 import os
 # Tests must not pick up a developer's tinyhet.toml or environment.
 for var in [v for v in os.environ if v.startswith("TINYHET_") or v == "HET_BACKEND"]: del os.environ[var]
+# `tinyhet run` in a test loads its model in its own process and leaves nothing resident (tests/test_resident.py tests that)
+os.environ["TINYHET_KEEP_ALIVE"] = "0"
 
 import pytest  # noqa: E402
 

@@ -74,11 +74,12 @@ def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, k
                          n_valid=len(prompt_ids), progress=progress).numpy()[0]
   return sampler(logits), logits
 
-def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0):
+def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0, out=None):
   """A progress callback for a long prefill: once it has run after_s seconds, a line on stderr at each quarter of the layers
   (in place on a terminal, every layer): layers done and prompt tokens/s so far. Short prefills print nothing. progress(0)
-  marks the start of the prefill."""
-  t0, tty, shown = [time.perf_counter()], sys.stderr.isatty(), [0]
+  marks the start of the prefill. out: where the lines go (default sys.stderr; any object with write, flush and isatty)."""
+  out = out or sys.stderr
+  t0, tty, shown = [time.perf_counter()], out.isatty(), [0]
   def progress(done: int):
     if done == 0:                                   # the prefill starts now (prefill_first_token says so)
       t0[0] = time.perf_counter()
@@ -88,7 +89,7 @@ def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0):
     if not tty and done < n_layers and done < shown[0] + max(1, n_layers // 4): return
     shown[0] = done
     line = f"tinyhet: prefill: {done}/{n_layers} layers of {n_tokens} tokens, {n_tokens * done / n_layers / dt:.0f} tokens/s"
-    print(f"\r{line}" if tty else line, end="\n" if not tty or done == n_layers else "", file=sys.stderr, flush=True)
+    print(f"\r{line}" if tty else line, end="\n" if not tty or done == n_layers else "", file=out, flush=True)
   return progress
 
 def ttft_no_transfer(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16) -> float:

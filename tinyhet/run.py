@@ -1,11 +1,13 @@
 """`tinyhet run [PROMPT]`: generate text with prefill on HET and decode on a MESH decode node, the KV cache streamed
 layer by layer between them while prefill runs. With no --decode-node, a decode node is started on this machine (another
 process; auto picks the shm transport for it). Prints the text as it is generated, then the figures that matter.
+The model and the decode node stay loaded in a resident process for the next runs (--keep-alive; see tinyhet.resident).
 """
 from __future__ import annotations
-import json, os, secrets, signal, subprocess, sys, threading, time
+import argparse, json, os, secrets, signal, subprocess, sys, threading, time
 
 from tinyhet.cli import ArgumentParser, exit_now
+from tinyhet.resident import KEEP_ALIVE_DEFAULT, parse_keep_alive
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one short sentence."
 
@@ -29,7 +31,14 @@ def parse_args(argv):
   ap.add_argument("--raw", action="store_true", help="no chat template: complete the prompt as plain text")
   ap.add_argument("--json", action="store_true", help="print one JSON object instead of the text and the table")
   ap.add_argument("--quiet", action="store_true", help="no progress on stderr")
+  ap.add_argument("--keep-alive", default=os.environ.get("TINYHET_KEEP_ALIVE", KEEP_ALIVE_DEFAULT), metavar="DURATION",
+                  help="keep the model loaded in a resident tinyhet this long after the run, for the next runs (default "
+                  f"{KEEP_ALIVE_DEFAULT}, or TINYHET_KEEP_ALIVE; 0: load in this process and keep nothing; see tinyhet.resident)")
+  ap.add_argument("--stop", action="store_true", help="stop every resident tinyhet of this user, and exit")
+  ap.add_argument("--resident-serve", action="store_true", help=argparse.SUPPRESS)   # the resident process itself
   args = ap.parse_args(argv)
+  try: parse_keep_alive(args.keep_alive)
+  except ValueError as e: ap.error(str(e))
   if args.max_tokens < 1: ap.error("--max-tokens must be at least 1")
   from tinyhet.config import ConfigError, parse_bytes
   try: parse_bytes(args.kv_memory, "--kv-memory")
@@ -104,7 +113,18 @@ class LocalDecodeNode:
         except subprocess.TimeoutExpired: pass
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
+  from tinyhet import resident
+  if args.stop:
+    resident.stop_all(lambda m: say(args, m))
+    return 0
+  if args.resident_serve: return resident.serve(args)
+  if parse_keep_alive(args.keep_alive) > 0 and not (args.decode_node or args.no_disagg or args.overhead):
+    from tinyhet.weights import model_nbytes
+    model_nbytes(args.model, packed=not args.float_weights)   # a bad --model fails here, not in a process started for it
+    report(args, resident.client_run(args, argv, lambda m: say(args, m)))   # the model stays loaded for the next run
+    return 0
   signal.signal(signal.SIGTERM, _on_sigterm)
   sys.setswitchinterval(1e-3)      # transport threads get the GIL sooner from the busy prefill thread
   # a fresh shared token for the decode node started here (a remote one needs TINYHET_TOKEN set on both nodes)
@@ -121,58 +141,79 @@ def main(argv=None) -> int:
     if child is not None: child.close()
   exit_now(143)
 
+class Session:
+  """What a run loads once: the model on HET, its tokenizer, and the decode node's client (or the one-device engine's
+  model). `tinyhet run` makes one per process; a resident tinyhet (tinyhet.resident) keeps one for every later run."""
+  def __init__(self, args, child):
+    import tinyhet  # noqa: F401  (HET and MESH)
+    from tinyhet.memory import local_node
+    from tinyhet.devices import resolve_backend
+    from tinyhet.weights import load_model, model_name
+    self.node = local_node()
+    self.backend = resolve_backend(self.node.config.het_backend)
+    say(args, f"loading {model_name(args.model)} onto HET ({self.backend})")
+    self.model, self.tok = load_model(args.model, device="HET", quiet=args.quiet, packed=not args.float_weights)
+    self.client = None
+    if not args.no_disagg:
+      from tinyhet.prefill import DecodeClient
+      self.client = DecodeClient(self.node, args.decode_node or child.address(), self.model, model_name(args.model), args.transport)
+      say(args, f"decode node at {self.client.ctl.peer}")
+
+  def close(self):
+    if self.client is not None: self.client.close()
+
+  def answer(self, args, on_text, progress_out=None) -> dict:
+    """One prompt: the text goes to on_text as it is generated; returns the run's figures (the table's and --json's)."""
+    model, tok = self.model, self.tok
+    prompt_ids = tok.encode_prompt(args.prompt, raw=args.raw)
+    if len(prompt_ids) + args.max_tokens > model.cfg.max_context:
+      raise RunError(f"the prompt ({len(prompt_ids)} tokens) and --max-tokens {args.max_tokens} exceed the model's context of "
+                     f"{model.cfg.max_context} tokens: lower --max-tokens or shorten the prompt")
+    stream = tok.stream_decoder()
+    def on_token(t: int): on_text(stream.push(t))
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    from tinyhet.prefill import prefill_progress
+    progress = None if args.quiet else prefill_progress(len(prompt_ids), model.cfg.n_layers, out=progress_out)   # a long prefill says where it is
+    backend = self.backend
+    if args.no_disagg:
+      from tinyhet.local_engine import LocalEngine
+      engine = LocalEngine(model, len(prompt_ids) + args.max_tokens)
+      t0 = time.perf_counter()
+      ids, st = engine.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, progress=progress, **sampling)
+      result = {"ttft_s": st["ttft_s"], "kv_bytes": 0, "transfer_gbps": 0.0, "decode_tok_s": st["decode_tok_s"], "transport": "none",
+                "prefill_device": f"HET ({backend})", "decode_device": f"HET ({backend})", "total_s": time.perf_counter() - t0}
+    else:
+      from tinyhet.prefill import ttft_no_transfer
+      client = self.client
+      say(args, f"prefilling {len(prompt_ids)} tokens on HET, streaming KV layer by layer to the decode node")
+      if args.overhead:
+        say(args, "compiling the prefill without transfer (--overhead)")
+        ttft_no_transfer(model, prompt_ids, client.kv_dtype)
+      t0 = time.perf_counter()
+      ids, st = client.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, progress=progress, **sampling)
+      result = {"ttft_s": st.ttft_s, "prefill_s": st.prefill_s, "kv_bytes": st.kv_bytes, "transfer_s": st.transfer_s,
+                "transfer_gbps": st.transfer_gbps, "kv_tail_s": st.kv_tail_s, "landed_clock": st.landed_clock,
+                "decode_tok_s": st.decode_tok_s, "transport": st.transport, "preemptions": st.preemptions, "prefill_device": f"HET ({backend})",
+                "decode_device": f"MESH on {client.ctl.peer}", "total_s": time.perf_counter() - t0,
+                "timeline": [vars(t) for t in st.timeline]}
+      if args.overhead:
+        result["ttft_no_transfer_s"] = ttft_no_transfer(model, prompt_ids, client.kv_dtype)
+        result["overhead_s"] = result["ttft_s"] - result["ttft_no_transfer_s"]
+    on_text(stream.flush())
+    return {"prompt_ids": prompt_ids, "generated_ids": ids, "text": tok.decode(ids), **result}
+
 def generate(args, child) -> int:
-  import tinyhet  # noqa: F401  (HET and MESH)
-  from tinyhet.memory import local_node
-  from tinyhet.devices import resolve_backend
-  from tinyhet.weights import load_model, model_name
-  node = local_node()
-  backend = resolve_backend(node.config.het_backend)
-  say(args, f"loading {model_name(args.model)} onto HET ({backend})")
-  model, tok = load_model(args.model, device="HET", quiet=args.quiet, packed=not args.float_weights)
-  prompt_ids = tok.encode_prompt(args.prompt, raw=args.raw)
-  if len(prompt_ids) + args.max_tokens > model.cfg.max_context:
-    raise RunError(f"the prompt ({len(prompt_ids)} tokens) and --max-tokens {args.max_tokens} exceed the model's context of "
-                   f"{model.cfg.max_context} tokens: lower --max-tokens or shorten the prompt")
-  stream = tok.stream_decoder()
-  def on_token(t: int):
-    if not args.json: print(stream.push(t), end="", flush=True)
-  sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-  from tinyhet.prefill import prefill_progress
-  progress = None if args.quiet else prefill_progress(len(prompt_ids), model.cfg.n_layers)   # a long prefill says where it is
-  if args.no_disagg:
-    from tinyhet.local_engine import LocalEngine
-    engine = LocalEngine(model, len(prompt_ids) + args.max_tokens)
-    t0 = time.perf_counter()
-    ids, st = engine.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, progress=progress, **sampling)
-    result = {"ttft_s": st["ttft_s"], "kv_bytes": 0, "transfer_gbps": 0.0, "decode_tok_s": st["decode_tok_s"], "transport": "none",
-              "prefill_device": f"HET ({backend})", "decode_device": f"HET ({backend})", "total_s": time.perf_counter() - t0}
-  else:
-    from tinyhet.prefill import DecodeClient, ttft_no_transfer
-    address = args.decode_node or child.address()
-    say(args, f"decode node at {address}; prefilling {len(prompt_ids)} tokens on HET, streaming KV layer by layer")
-    client = DecodeClient(node, address, model, model_name(args.model), args.transport)
-    if args.overhead:
-      say(args, "compiling the prefill without transfer (--overhead)")
-      ttft_no_transfer(model, prompt_ids, client.kv_dtype)
-    t0 = time.perf_counter()
-    ids, st = client.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, progress=progress, **sampling)
-    result = {"ttft_s": st.ttft_s, "prefill_s": st.prefill_s, "kv_bytes": st.kv_bytes, "transfer_s": st.transfer_s,
-              "transfer_gbps": st.transfer_gbps, "kv_tail_s": st.kv_tail_s, "landed_clock": st.landed_clock,
-              "decode_tok_s": st.decode_tok_s, "transport": st.transport, "preemptions": st.preemptions, "prefill_device": f"HET ({backend})",
-              "decode_device": f"MESH on {client.ctl.peer}", "total_s": time.perf_counter() - t0,
-              "timeline": [vars(t) for t in st.timeline]}
-    if args.overhead:
-      result["ttft_no_transfer_s"] = ttft_no_transfer(model, prompt_ids, client.kv_dtype)
-      result["overhead_s"] = result["ttft_s"] - result["ttft_no_transfer_s"]
-    client.close()
-  text = tok.decode(ids)
-  out = {"prompt_ids": prompt_ids, "generated_ids": ids, "text": text, **result}
+  session = Session(args, child)
+  try: out = session.answer(args, (lambda piece: None) if args.json else (lambda piece: print(piece, end="", flush=True)))
+  finally: session.close()
+  report(args, out)
+  return 0
+
+def report(args, out: dict):
   if args.json: print(json.dumps(out))
   else:
-    print(stream.flush())
+    print()
     print(table(out))
-  return 0
 
 def table(r: dict) -> str:
   rows = [("prompt tokens", f"{len(r['prompt_ids'])}"), ("generated tokens", f"{len(r['generated_ids'])}"),

@@ -1,0 +1,72 @@
+"""The resident tinyhet behind `tinyhet run` (tinyhet.resident): later runs reuse the process the first one started (same
+pid, the same greedy tokens), bad requests on its socket get an error and leave it serving, `--stop` ends it and removes
+its socket; keep-alive durations and the options that pick a process."""
+import json, os, socket, subprocess, sys, time
+from types import SimpleNamespace
+import pytest
+from hypothesis import given, strategies as st
+from tinyhet import resident
+
+@given(n=st.integers(0, 10**6), unit=st.sampled_from(["", "s", "m", "h"]))
+def test_keep_alive_durations(n, unit):
+  scale = {"": 1, "s": 1, "m": 60, "h": 3600}[unit]
+  if n * scale < 366 * 86400: assert resident.parse_keep_alive(f"{n}{unit}") == n * scale
+  else:
+    with pytest.raises(ValueError, match="--keep-alive"): resident.parse_keep_alive(f"{n}{unit}")
+
+@pytest.mark.parametrize("bad", ["-1", "5x", "", "m", "nan", "inf", "1e9"])
+def test_bad_keep_alive_is_refused_in_one_line(bad):
+  with pytest.raises(ValueError, match="--keep-alive must be a duration"): resident.parse_keep_alive(bad)
+
+def test_options_that_change_what_is_loaded_pick_another_process(monkeypatch, tmp_path):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  base = dict(model=None, float_weights=False, kv_memory="512M", transport=None)
+  a = resident.identity(SimpleNamespace(**base))
+  assert a == resident.identity(SimpleNamespace(**base))
+  for change in (dict(model="other.gguf"), dict(float_weights=True), dict(kv_memory="1G"), dict(transport="tcp")):
+    assert resident.identity(SimpleNamespace(**{**base, **change})) != a
+  monkeypatch.setenv("TINYHET_CPU_THREADS", "1")
+  assert resident.identity(SimpleNamespace(**base)) != a
+  assert resident.socket_path(SimpleNamespace(**base)).parent == tmp_path / "tinyhet" / "run"
+  assert oct((tmp_path / "tinyhet" / "run").stat().st_mode & 0o777) == "0o700"
+
+def run(env, *args, timeout=600):
+  return subprocess.run([sys.executable, "-m", "tinyhet", "run", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+def test_second_run_reuses_the_resident_process(tmp_path):
+  env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "TINYHET_KEEP_ALIVE": "120"}
+  prompt = ["--json", "--quiet", "--max-tokens", "4", "The capital of France is"]
+  pid = None
+  try:
+    first = run(env, *prompt)
+    assert first.returncode == 0, first.stderr
+    a = json.loads(first.stdout)
+    pid = a["resident"]["pid"]
+    assert a["resident"]["runs"] == 1 and pid != os.getpid()
+    os.kill(pid, 0)                                   # still there after the run that started it ended
+    second = run(env, *prompt)
+    assert second.returncode == 0, second.stderr
+    b = json.loads(second.stdout)
+    assert b["resident"] == {"pid": pid, "runs": 2} and b["generated_ids"] == a["generated_ids"] and len(a["generated_ids"]) == 4
+    (sock_path,) = (tmp_path / "tinyhet" / "run").glob("*.sock")
+    for bad in (b"not json\n", b'{"argv": "a string"}\n', b"[1, 2]\n", b'{"argv": ["--max-tokens", "zero"]}\n'):
+      with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(str(sock_path))
+        s.sendall(bad)
+        reply = json.loads(s.makefile().readline())
+        assert "error" in reply, (bad, reply)
+    stop = run(env, "--stop")
+    assert stop.returncode == 0 and "stopped 1 resident tinyhet process" in stop.stderr
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+      try: os.kill(pid, 0)
+      except ProcessLookupError: break
+      time.sleep(0.1)
+    else: pytest.fail("the resident process did not stop")
+    assert not sock_path.exists()
+    pid = None
+  finally:
+    if pid is not None:
+      try: os.kill(pid, 9)
+      except ProcessLookupError: pass
