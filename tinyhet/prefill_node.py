@@ -139,7 +139,7 @@ class PrefillNode:
                                 n_valid=len(ids)).numpy()[0]
     t_prefill = time.perf_counter()
     sampler = Sampler(job.sampling["temperature"], job.sampling["top_p"], job.sampling["seed"])
-    first = sampler(logits)
+    first = sampler(logits, len(ids))
     try:
       for t in transfers: t.wait(60)
     except (TransportError, TimeoutError):       # the link broke: a new one, and every layer again (the blocks are still ours)
@@ -150,7 +150,7 @@ class PrefillNode:
       for t in transfers: t.wait(60)
     kv_bytes, transfer_s = sum(t.nbytes for t in transfers), busy_time([(t.started, t.finished) for t in transfers])
     last = max(t.finished for t in transfers)
-    return {"first_token": int(first), "rng_state": sampler.rng.bit_generator.state, "prefill_s": t_prefill - t0,
+    return {"first_token": int(first), "seed": sampler.seed, "prefill_s": t_prefill - t0,
             "kv_bytes": kv_bytes, "transfer_s": transfer_s, "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0,
             "node": self.node.name}
 

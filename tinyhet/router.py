@@ -13,11 +13,12 @@ A request, end to end:
   3. decode    decode.generate on the connection that reserved; tokens go to the client as they arrive.
 Recovery: a node is down when its heartbeat stream breaks or falls silent (tinyhet.heartbeat) or when a request's
 connection to it breaks; its in-flight requests then start over from step 1 with prompt + the tokens already sent as the
-new prompt, so the client sees one answer (greedy output is the same) and never a token twice. Closing a request's
+new prompt, so the client sees one answer (the same tokens as a clean run, sampled ones too: every attempt draws from the
+request's (seed, position) stream) and never a token twice. Closing a request's
 connections (client gone, node lost) frees its reservation and sequence on the decode node.
 """
 from __future__ import annotations
-import itertools, threading, time
+import itertools, secrets, threading, time
 from dataclasses import dataclass, field
 from tinyhet import heartbeat
 from tinyhet.runtime.control import ControlClient, ControlError
@@ -194,6 +195,9 @@ class Cluster:
   # ---- one request
   def run(self, req: Request) -> str:
     """Serve req to the end: 'stop' (a stop id), 'length' (max_tokens) or 'cancelled'. Raises Overloaded, BadRequest, Unavailable."""
+    # a sampled token's draw depends on (seed, position) only (tinyhet.sampling), so with one seed for every attempt a request
+    # that starts over on another node continues the stream it began; without a seed from the client, one of its own
+    if req.seed is None: req.seed = secrets.randbits(63)
     while True:
       if req.cancelled.is_set(): return "cancelled"
       if req.generated and req.generated[-1] in req.stop_ids: return "stop"
@@ -259,7 +263,7 @@ class Cluster:
         p = self._prefill(req, prefill, decode, ids, r, sampling)
         req.push(p["first_token"])
         self._count(decode, "decode")
-        try: stream = ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=p["first_token"], rng_state=p["rng_state"],
+        try: stream = ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=p["first_token"], seed=p["seed"],
                                  stop_ids=req.stop_ids, timeout=30.0, **sampling)
         except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       try:
