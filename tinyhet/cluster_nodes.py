@@ -8,9 +8,16 @@ started with. Two keys of a [nodes.NAME] table (tinyhet.cluster_file reads the r
 
 A node gives both keys or neither (a node without them is in the file for the planner only). Every problem raises
 ClusterFileError naming the file, the key and the fix.
+
+With the roles given, the router asks the planner's cost model one question per request (disaggregation_pays): for the
+prefill node and the decode node it picked, is the first token sooner prefilled on the prefill node and streamed, or
+prefilled on the decode node itself. (planner.route answers within the planner's own plan, which may give every role to
+one machine, a choice the file's roles have already made otherwise.)
 """
 from __future__ import annotations
-from tinyhet.cluster_file import ClusterFileError
+from tinyhet.catalog import Model
+from tinyhet.cluster_file import Cluster, ClusterFileError
+from tinyhet.roofline import cannot_hold, kv_transfer_exposed, prefill_time
 
 ROLES = ("prefill", "decode", "both")
 
@@ -45,3 +52,23 @@ def serving_nodes(data: dict, source: str = "<cluster>") -> dict[str, str]:
       if address in where: fail(f"{key}.address", f"{address} is also nodes.{where[address]}'s address", "give each node process its own address")
       nodes[address], where[address] = spec["role"], name
   return nodes
+
+def node_names(data: dict) -> dict[str, str]:
+  """address -> the [nodes.NAME] it belongs to, for a file serving_nodes accepted."""
+  out = {}
+  for name, spec in (data.get("nodes") or {}).items():
+    if isinstance(spec, dict) and "address" in spec:
+      for a in spec["address"] if isinstance(spec["address"], list) else [spec["address"]]: out[a] = name
+  return out
+
+def disaggregation_pays(cluster: Cluster, model: Model, prefill: str, decode: str, prompt_len: int, prefill_queue_s: float = 0.0,
+                        local_queue_s: float = 0.0) -> bool:
+  """True when a prompt of prompt_len tokens gets its first token sooner prefilled on node `prefill` (after its queue) with
+  the KV streamed layer by layer to `decode`, than prefilled on `decode` itself (after its own queue). The decode that
+  follows is the same either way."""
+  p, d = cluster.node(prefill), cluster.node(decode)
+  if cannot_hold(p, model, prompt_len): return False
+  if cannot_hold(d, model, prompt_len): return True
+  t_p = prefill_time(p, model, prompt_len)
+  remote = prefill_queue_s + t_p + kv_transfer_exposed(model, prompt_len, t_p, cluster.link(prefill, decode))
+  return remote < local_queue_s + prefill_time(d, model, prompt_len)

@@ -5,7 +5,8 @@ A request, end to end:
   1. admit     pick a decode-capable node (role decode or both) whose KV pool has room for the whole request (free blocks
                from its heartbeats, less what this router's requests hold there), the least loaded first. None has room:
                wait in a bounded queue (past the bound, or past the queue timeout: Overloaded, HTTP 503 + Retry-After).
-  2. prefill   disaggregate or not: with a cluster file, tinyhet.planner.route decides from the prompt's length; a `both`
+  2. prefill   disaggregate or not: with a cluster file, the planner's cost model decides from the prompt's length (for two
+               nodes the file names, tinyhet.cluster_nodes.disaggregation_pays; else tinyhet.planner.route); a `both`
                decode node prefills for itself when its own queue is no longer than the best prefill node's; with no
                prefill node up, the decode node prefills for itself (decode.submit). Disaggregated: decode.reserve on the
                decode node, then prefill.run on the prefill-capable node with the least queued prompt tokens, which writes
@@ -92,9 +93,10 @@ class Request:
 
 class Cluster:
   def __init__(self, endpoint, nodes: dict[str, str], model_id: str, metrics=None, max_queue: int = 64, queue_timeout: float = 60.0,
-               planner=None, hb_interval: float = heartbeat.INTERVAL_S, hb_timeout: float = heartbeat.TIMEOUT_S):
-    """nodes: address -> role. planner: (Cluster from a cluster file, catalog model name) for tinyhet.planner.route, or None."""
-    self.endpoint, self.model_id, self.metrics, self.planner = endpoint, model_id, metrics, planner
+               planner=None, hb_interval: float = heartbeat.INTERVAL_S, hb_timeout: float = heartbeat.TIMEOUT_S, names: dict | None = None):
+    """nodes: address -> role. planner: (Cluster from a cluster file, catalog model name) for tinyhet.planner.route, or None.
+    names: address -> the cluster file's node name, for the nodes the file gives an address."""
+    self.endpoint, self.model_id, self.metrics, self.planner, self.names = endpoint, model_id, metrics, planner, names or {}
     self.max_queue, self.queue_timeout, self.hb_interval = max_queue, queue_timeout, hb_interval
     self.nodes = {a: Node(a, r) for a, r in nodes.items()}
     self.cond = threading.Condition()
@@ -183,13 +185,17 @@ class Cluster:
       if not others: return None
       best = min(others, key=Node.prefill_load)
       if decode.role == "both" and decode.prefill_load() <= best.prefill_load(): return None
+      queue_s, local_queue_s = best.prefill_load() * self.prefill_s_per_token, decode.prefill_load() * self.prefill_s_per_token
     if self.planner is not None:
+      from tinyhet.cluster_nodes import disaggregation_pays
       from tinyhet.planner import route
       cluster, model = self.planner
+      p, d = self.names.get(best.address), self.names.get(decode.address)
       try:
-        decision = route(cluster, model, prompt_len, output_len, prefill_queue_s=best.prefill_load() * self.prefill_s_per_token)
-        if not decision.disaggregate: return None
-      except Exception as e: print(f"tinyhet serve: planner.route failed ({e}); disaggregating", flush=True)
+        if p and d:     # both in the file, with their roles: the cost model for this pair
+          if not disaggregation_pays(cluster, cluster.model(model), p, d, prompt_len, queue_s, local_queue_s): return None
+        elif not route(cluster, model, prompt_len, output_len, prefill_queue_s=queue_s).disaggregate: return None
+      except Exception as e: print(f"tinyhet serve: the planner failed ({e}); disaggregating", flush=True)
     return best
 
   # ---- one request

@@ -241,21 +241,21 @@ def main(argv=None) -> int:
   from tinyhet.router import Cluster
   from tinyhet.runtime.transport import Endpoint
   from tinyhet.service_metrics import Metrics
-  planner, nodes = None, {}
+  planner, nodes, names = None, {}, {}
   if args.cluster:
     from tinyhet.cluster_file import parse_cluster, read_toml
-    from tinyhet.cluster_nodes import serving_nodes
+    from tinyhet.cluster_nodes import node_names, serving_nodes
     data = read_toml(args.cluster)
     cluster_desc = parse_cluster(data, args.cluster)
     cluster_desc.model(args.cluster_model)      # an unknown model stops here, with the planner's message
-    planner, nodes = (cluster_desc, args.cluster_model), serving_nodes(data, args.cluster)
+    planner, nodes, names = (cluster_desc, args.cluster_model), serving_nodes(data, args.cluster), node_names(data)
   if (why := add_flag_nodes(nodes, args)): return fail(why)
   if not any(role in ("decode", "both") for role in nodes.values()):
     return fail(f"no decode-capable node: give role = \"decode\" or \"both\" and an address to a node of {args.cluster}, or add --decode HOST:PORT")
   model_id, tok = service_model.model_id(args.model), service_model.load_tokenizer(args.model)
   metrics = Metrics()
   ep = Endpoint(f"router-{socket.gethostname()}-{os.getpid()}")
-  cluster = Cluster(ep, nodes, model_id, metrics, args.max_queue, args.queue_timeout, planner)
+  cluster = Cluster(ep, nodes, model_id, metrics, args.max_queue, args.queue_timeout, planner, names=names)
   host, _, port = args.listen.rpartition(":")
   try: sock = socket.create_server((host, int(port)), backlog=1024)
   except OSError as e: return fail(f"cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port")
