@@ -28,6 +28,8 @@ def test_a_file_with_addresses_is_still_the_planners():
   assert [n.name for n in parse_cluster(data).nodes] == ["gpu", "cpu"]          # the planner reads the same file
   assert serving_nodes(two(cpu="")) == {"10.0.0.1:7471": "prefill"}             # a node without both keys is the planner's only
   assert serving_nodes(read_toml(ROOT / "examples/clusters/spark_m3ultra.toml")) == {}
+  readme = ROOT / "examples/clusters/two_machines.toml"                        # the README's two-machine cluster
+  assert serving_nodes(read_toml(readme)) == {"10.0.0.1:7471": "prefill", "10.0.0.2:7470": "decode"} and load_cluster(readme)
 
 hosts = st.one_of(st.from_regex(r"[a-z][a-z0-9.-]{0,20}", fullmatch=True), st.ip_addresses(v=4).map(str))
 addresses = st.builds(lambda h, p: f"{h}:{p}", hosts, st.integers(1, 65535))

@@ -4,8 +4,8 @@ One control request (tinyhet.runtime.control) does the whole job:
   prefill.run   prompt ids, the decode node's address and the reservation it gave the router (decode.reserve's reply:
                 seq_id, blocks, pools, block_bytes, block_size), sampling options -> the prompt is prefilled one layer at a
                 time, each layer's packed K, V written into the reserved blocks as soon as it exists (notification
-                (seq_id << 8) | layer), every write confirmed; the reply is the first token (sampled here), the sampler's
-                random state (the decode node continues it) and the figures.
+                (seq_id << 8) | layer), every write confirmed; the reply is the first token (sampled here), the seed it
+                was sampled with (the decode node continues the (seed, position) stream with it) and the figures.
 The router then sends decode.generate to the decode node on the connection that reserved. A transport error on a write
 reconnects to the decode node and resends every layer once. A job whose caller has gone away (the router gave the
 reservation up) is skipped before its next write, so no bytes land in blocks that may belong to another sequence by then.
