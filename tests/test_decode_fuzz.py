@@ -45,7 +45,7 @@ def outside(digest: dict, blocks) -> list:
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 300) | st.integers() | st.floats() | st.text(max_size=6),
                            lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=10)
-ARG_NAMES = ["prompt_ids", "max_new_tokens", "timeout", "seq_id", "first_token", "temperature", "top_p", "rng_state", "stop_ids",
+ARG_NAMES = ["prompt_ids", "max_new_tokens", "timeout", "seq_id", "first_token", "temperature", "top_p", "seed", "stop_ids",
              "return_logits", "writes_done", "nbytes", "region_id", "color"]
 requests = st.tuples(st.sampled_from(["decode.info", "decode.reserve", "decode.generate", "decode.release", "mem.alloc", "mem.free",
                                       "cancel", "nope", 7, None]),

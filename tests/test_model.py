@@ -177,6 +177,41 @@ def test_top_p_keeps_the_smallest_sufficient_set(logits, temperature, top_p, see
 def test_sampler_rejects_bad_settings():
   with pytest.raises(ValueError, match="temperature"): Sampler(-1.0)
   with pytest.raises(ValueError, match="top_p"): Sampler(1.0, 0.0)
+  for seed in (-1, 2**64, 1.5, True, "7"):
+    with pytest.raises(ValueError, match="seed"): Sampler(1.0, 1.0, seed)
+
+logits8 = st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=8, max_size=8).map(lambda x: np.array(x, np.float32))
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(logits8, min_size=2, max_size=10), st.floats(0.1, 3.0), st.floats(0.05, 1.0),
+       st.integers(0, 2**63 - 1), st.integers(0, 200), st.data())
+def test_a_sampled_stream_continues_anywhere(steps, temperature, top_p, seed, start, data):
+  """Each draw depends on (seed, position) only: a stream cut at any token and continued by a fresh sampler (another node,
+  after a recovery) gives the clean run's tokens; a counting sampler and explicit positions agree."""
+  clean = Sampler(temperature, top_p, seed, position=start)
+  want = [clean(x) for x in steps]
+  cut = data.draw(st.integers(0, len(steps)))
+  first = Sampler(temperature, top_p, seed, position=start)
+  resumed = [first(x) for x in steps[:cut]] + [Sampler(temperature, top_p, seed)(x, start + i) for i, x in enumerate(steps) if i >= cut]
+  assert resumed == want and clean.position == start + len(steps)
+
+def test_sampled_draws_follow_the_distribution():
+  logits = np.array([2.0, 1.0, 0.5, -1.0, 0.0, -3.0], np.float32)
+  s = Sampler(0.7, 0.9, 5)
+  p, n = s.probabilities(logits), 4000
+  counts = np.bincount([s(logits) for _ in range(n)], minlength=len(p))
+  assert counts[p == 0].sum() == 0                            # never a token top_p cut
+  assert np.abs(counts / n - p).max() < 4 * np.sqrt(p.max() * (1 - p.max()) / n) + 1e-9, (counts / n, p)   # within 4 sigma
+  assert len({Sampler(1.0, 1.0, seed).uniform(9) for seed in range(50)}) == 50 and Sampler(1.0, 1.0, 3).uniform(9) == Sampler(0.5, 1, 3).uniform(9)
+  assert Sampler(1.0, 1.0, None).seed != Sampler(1.0, 1.0, None).seed   # no seed: a random one, kept so another node can continue
+
+def test_reference_generate_resumes_a_sampled_stream():
+  """What the router does after a lost node: the prompt plus the tokens so far, prefilled again, with the same seed, goes on
+  with the tokens a clean run gives."""
+  m = model_from_hf(CONFIGS["gqa"], ref.random_hf_weights(CONFIGS["gqa"], seed=1))
+  sampled = dict(temperature=0.9, top_p=0.95, seed=11)
+  want = m.reference_generate(PROMPT, 8, **sampled)
+  assert m.reference_generate(PROMPT, 3, **sampled) + m.reference_generate(PROMPT + want[:3], 5, **sampled) == want
 
 # ---- SmolLM2 (the embedded model), loaded once for the module ----------------------------------------------------------------
 

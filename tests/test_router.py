@@ -63,11 +63,57 @@ def test_prefill_on_the_least_queued_node_or_locally():
   other_both = state("both", queued_tokens=0)
   assert cluster(d, other_both, p1)._choose_prefill(d, 100, 10) is other_both          # dynamic P:D: a both node takes prefill work
 
+def test_a_both_nodes_role_follows_queues_and_free_blocks():
+  """Dynamic P:D on one pair of nodes as their heartbeats change: a `both` node B and a decode node D. Which one decodes
+  follows free KV blocks and running batches; whether B prefills (for itself or for D) follows the prefill queues."""
+  b, d = state("both"), state("decode", running=1)
+  c = cluster(b, d)
+  def served(prompt_len=100):       # the decode node, and where the prefill runs (None: on the decode node itself)
+    node, blocks = c._admit(prompt_len + 10)
+    try: return node, c._choose_prefill(node, prompt_len, 10)
+    finally: c._release(node, blocks)
+  assert served() == (b, None)                       # B idle, D busier: B decodes and prefills for itself
+  d.status.update(running=0)
+  b.status.update(running=3)
+  assert served() == (d, b)                          # B busier decoding: D decodes, B prefills for it
+  b.status.update(running=0, free_blocks=3)
+  assert served() == (d, b)                          # B's pool too full for the request: the same
+  b.status.update(free_blocks=100)
+  d.status.update(free_blocks=2)
+  assert served() == (b, None)                       # D's pool full: B does both
+  p = state("prefill", queued_tokens=0)
+  c.nodes[p.address] = p
+  b.status.update(queued_tokens=500)
+  assert served() == (b, p)                          # B's prefill queue longer than a prefill node's: that node prefills
+  b.status.update(queued_tokens=0)
+  p.status.update(queued_tokens=500)
+  assert served() == (b, None)                       # and the other way round
+
 def test_planner_route_keeps_short_prompts_local():
   from tinyhet.cluster_file import load_cluster
   d, p = state("decode"), state("prefill")
   c = cluster(d, p, planner=(load_cluster(ROOT / "examples/clusters/spark_m3ultra.toml"), "llama-3.1-8b"))
   assert c._choose_prefill(d, 60, 32) is None and c._choose_prefill(d, 8192, 32) is p
+
+def test_cluster_file_roles_ask_the_cost_model_for_the_pair():
+  """With the nodes named in the cluster file (their roles given), the planner's cost model decides for the picked pair:
+  prefill on the prefill node and stream, or prefill where the request is decoded; a long prefill queue keeps it local."""
+  from tinyhet.cluster_file import load_cluster
+  d, p = state("decode"), state("prefill")
+  spark = load_cluster(ROOT / "examples/clusters/spark_m3ultra.toml")
+  c = cluster(d, p, planner=(spark, "llama-3.1-8b"), names={p.address: "spark", d.address: "mac"})
+  assert c._choose_prefill(d, 60, 32) is None and c._choose_prefill(d, 8192, 32) is p
+  p.status.update(queued_tokens=100_000)
+  c.prefill_s_per_token = 1.47 / 8192                      # the Spark's prefill rate, as the router would have measured it
+  assert c._choose_prefill(d, 8192, 32) is None            # 18 s of queue there: the Mac prefills sooner itself
+  # the README's two machines: the planner's own plan runs everything on the B200 ("gpu alone"), so planner.route never
+  # disaggregates; with the roles the file gives, a CPU decode node gets even a short prompt prefilled on the GPU
+  two = load_cluster(ROOT / "examples/clusters/two_machines.toml")
+  c = cluster(d, p, planner=(two, "llama-3.1-8b"), names={p.address: "gpu", d.address: "cpu"})
+  p.status.update(queued_tokens=0)
+  assert c._choose_prefill(d, 10, 32) is p
+  from tinyhet.planner import route
+  assert not any(route(two, "llama-3.1-8b", n, 32).disaggregate for n in (10, 8192))
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["prefill", "decode", "both"]), st.booleans(), st.integers(0, 100), st.integers(0, 20)), min_size=1,

@@ -2,7 +2,7 @@
 serve`), its OpenAI-compatible API, and recovery from nodes killed with SIGKILL. Every node holds the same small random
 model (`random:`), so tokens are compared with a single-process greedy run here. The nodes are shared by the module's
 tests; the two tests that kill nodes run last."""
-import http.client, json, os, signal, socket, subprocess, sys, threading, time
+import http.client, json, os, re, signal, socket, subprocess, sys, threading, time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -12,10 +12,10 @@ ENV = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_ARENA_BYTES": "256M"}
 
 class Proc:
   """A tinyhet process that prints one JSON line when ready and stops when its stdin closes."""
-  def __init__(self, *args):
+  def __init__(self, *args, env: dict | None = None):
     self.args = args
     self.p = subprocess.Popen([sys.executable, "-m", "tinyhet", *args, "--stdin-stop"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=ENV)
+                              env={**ENV, **(env or {})})
   def info(self) -> dict:
     if not hasattr(self, "_info"):
       line = self.p.stdout.readline()
@@ -35,8 +35,8 @@ class Proc:
       except (subprocess.TimeoutExpired, OSError): self.p.kill()
     self.p.wait(5)
 
-def node(role: str, *extra, listen="127.0.0.1:0") -> Proc:
-  return Proc("node", "--role", role, "--listen", listen, "--model", SPEC, "--quiet", *extra)
+def node(role: str, *extra, listen="127.0.0.1:0", env: dict | None = None) -> Proc:
+  return Proc("node", "--role", role, "--listen", listen, "--model", SPEC, "--quiet", *extra, env=env)
 
 def free_port() -> int:
   with socket.socket() as s:
@@ -46,6 +46,8 @@ def free_port() -> int:
 class Router(Proc):
   def __init__(self, *args):
     super().__init__("serve", "--listen", "127.0.0.1:0", "--model", SPEC, *args)
+  @property
+  def nodes(self) -> dict[str, str]: return self.info()["nodes"]
   def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout=120) -> tuple[int, dict, dict]:
     host, port = self.address.rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=timeout)
@@ -117,8 +119,9 @@ def cluster():
 def prompt(i: int, n: int = 10) -> list[int]: return [(i * 37 + j * 11) % 250 + 1 for j in range(n)]
 
 _refs: dict = {}
-def reference(model, ids: list[int], n: int) -> list[int]:
-  if (key := (tuple(ids), n)) not in _refs: _refs[key] = model[0].reference_generate(ids, n, temperature=0.0)
+def reference(model, ids: list[int], n: int, **sampling) -> list[int]:
+  if (key := (tuple(ids), n, tuple(sorted(sampling.items())))) not in _refs:
+    _refs[key] = model[0].reference_generate(ids, n, **{"temperature": 0.0, **sampling})
   return _refs[key]
 
 def test_openai_client_streaming_and_not(cluster, model):
@@ -291,11 +294,106 @@ def test_silent_node_is_noticed_within_seconds_and_rejoins(cluster, model):
   finally: d2.p.send_signal(signal.SIGCONT)
   router.wait_ready(nodes_up=3, timeout=30)
 
-def _kill_when_streaming(router, model, pick_victim, n_new: int, after_tokens: int, reasons: tuple[str, ...], n: int = 8) -> Proc:
+CLUSTER_FILE = """
+[nodes.gpu]
+device = "dgx-spark"
+role = "prefill"
+address = "{prefill}"
+[nodes.cpu]
+device = "m3-ultra"
+replicas = 2
+role = "decode"
+address = ["{d1}", "{d2}"]
+[[links]]
+nodes = ["gpu", "cpu"]
+bandwidth_gbit_s = 10
+[[links]]
+nodes = ["cpu", "cpu"]
+bandwidth_gbit_s = 10
+"""
+
+def test_router_from_a_cluster_file_alone(cluster, model, tmp_path):
+  """`tinyhet serve --cluster FILE --cluster-model M` with no node flags: the file's addresses and roles are the nodes."""
+  path = tmp_path / "cluster.toml"
+  path.write_text(CLUSTER_FILE.format(**{k: cluster[k].address for k in ("prefill", "d1", "d2")}))
+  router = Router("--cluster", str(path), "--cluster-model", "smollm2")
+  try:
+    assert router.nodes == {cluster["prefill"].address: "prefill", cluster["d1"].address: "decode", cluster["d2"].address: "decode"}
+    ready = router.wait_ready(nodes_up=3)
+    assert {n["address"]: n["role"] for n in ready["nodes"]} == router.nodes
+    ids = prompt(13)
+    assert router.stream({"model": model[1], "prompt": ids, "max_tokens": 6, "temperature": 0}) == reference(model, ids, 6)
+  finally: router.stop()
+
+class CutOnce:
+  """A TCP forwarder in front of a node. The first tcp transport stream through it (a prefill node's KV writes; control
+  channels and heartbeats pass) is closed after half of the first bytes that follow its handshake: a link broken
+  mid-transfer, once."""
+  def __init__(self, upstream: str):
+    self.upstream, self.cut, self.lock = upstream.rsplit(":", 1), threading.Event(), threading.Lock()
+    self.srv = socket.create_server(("127.0.0.1", 0))
+    self.address = f"127.0.0.1:{self.srv.getsockname()[1]}"
+    self.socks: list[socket.socket] = []
+    threading.Thread(target=self._accept, daemon=True).start()
+
+  def _accept(self):
+    while True:
+      try: client, _ = self.srv.accept()
+      except OSError: return
+      server = socket.create_connection((self.upstream[0], int(self.upstream[1])))
+      with self.lock: self.socks += [client, server]
+      threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+      threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+  def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool):
+    data_stream = False
+    try:
+      while (chunk := src.recv(65536)):
+        if upstream and not data_stream and re.search(rb'"transport":\s*"tcp"', chunk): data_stream = True   # its handshake
+        elif data_stream and not self.cut.is_set():
+          with self.lock:
+            if not self.cut.is_set():
+              self.cut.set()
+              dst.sendall(chunk[:len(chunk) // 2])
+              raise OSError("cut")
+        dst.sendall(chunk)
+    except OSError: pass
+    for s in (src, dst):
+      try: s.shutdown(socket.SHUT_RDWR)
+      except OSError: pass
+
+  def close(self):
+    self.srv.close()
+    with self.lock:
+      for s in self.socks: s.close()
+
+def test_kv_stream_cut_mid_transfer_is_sent_again(cluster, model):
+  """A transport error: the prefill node's tcp link to the decode node breaks during a KV write; it connects again and
+  sends every layer again, and the request ends with the single-process tokens without the router starting it over."""
+  proxy = CutOnce(cluster["d1"].address)
+  pf = node("prefill", env={"TINYHET_TRANSPORT": "tcp"})        # tcp, so the KV goes through the forwarder (shm would not)
+  router = None
+  try:
+    router = Router("--prefill", pf.address, "--decode", proxy.address)
+    router.wait_ready(nodes_up=2)
+    ids = prompt(14, 40)
+    assert router.stream({"model": model[1], "prompt": ids, "max_tokens": 6, "temperature": 0}) == reference(model, ids, 6)
+    assert proxy.cut.is_set(), "no tcp KV stream went through the forwarder"
+    assert router.metric("tinyhet:request_retries_total") == 0, "the router started the request over: the prefill node did not resend"
+    assert router.metric("tinyhet:node_requests_total", node=pf.address, role="prefill") == 1
+  finally:
+    for p in (router, pf):
+      if p is not None: p.stop()
+    proxy.close()
+
+def _kill_when_streaming(router, model, pick_victim, n_new: int, after_tokens: int, reasons: tuple[str, ...], n: int = 8,
+                         sampled: bool = False) -> Proc:
   """n streaming requests; once the first has after_tokens tokens, SIGKILL pick_victim(); every request must still end
-  with the single-process tokens, and at least one must have been moved off the victim."""
+  with the single-process tokens, and at least one must have been moved off the victim. sampled: every other request
+  samples (temperature 0.8, a seed of its own), and must end with the single-process tokens for that seed too."""
   prompts = [prompt(100 + i) for i in range(n)]
-  wants = [reference(model, p, n_new) for p in prompts]
+  samplings = [dict(temperature=0.8, top_p=0.95, seed=1000 + i) if sampled and i % 2 else {"temperature": 0} for i in range(n)]
+  wants = [reference(model, p, n_new, **s) for p, s in zip(prompts, samplings)]
   got, started = {}, threading.Semaphore(0)
   def one(i):
     seen = [False]
@@ -303,7 +401,7 @@ def _kill_when_streaming(router, model, pick_victim, n_new: int, after_tokens: i
       if len(ids) >= after_tokens and not seen[0]:
         seen[0] = True
         started.release()
-    got[i] = router.stream({"model": model[1], "prompt": prompts[i], "max_tokens": n_new, "temperature": 0}, on_chunk)
+    got[i] = router.stream({"model": model[1], "prompt": prompts[i], "max_tokens": n_new, **samplings[i]}, on_chunk)
   before = sum(router.metric("tinyhet:request_retries_total", reason=r) for r in reasons)
   threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
   for t in threads: t.start()
@@ -318,8 +416,9 @@ def test_kill9_decode_node_while_decoding(cluster, model):
   router = cluster["router"]
   def busiest():        # the decode node with the most sequences, as its last heartbeat said
     return max((cluster[d] for d in ("d1", "d2")), key=lambda p: (s := node_state(router, p))["running"] + s["incoming"])
-  # a request decoding there loses its stream (decode node lost); one still being prefilled loses its KV's destination (prefill failed)
-  victim = _kill_when_streaming(router, model, busiest, n_new=48, after_tokens=3, reasons=("decode node lost", "prefill failed"))
+  # a request decoding there loses its stream (decode node lost); one still being prefilled loses its KV's destination (prefill failed).
+  # The sampled ones continue their (seed, position) stream on the other node: the tokens a clean run samples.
+  victim = _kill_when_streaming(router, model, busiest, n_new=48, after_tokens=3, reasons=("decode node lost", "prefill failed"), sampled=True)
   assert router.metric("tinyhet:node_up", node=victim.address) == 0
 
 def test_kill9_prefill_node_during_prefill_then_it_rejoins(cluster, model):

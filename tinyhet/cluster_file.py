@@ -70,7 +70,9 @@ MODEL = {"like": "a catalog model to start from", "params_b": "parameters in bil
 NODE = {"device": "a catalog device or one under [devices]", "count": "identical accelerators in the server (tensor-parallel)",
         "replicas": "identical servers", "intra_link": "link between its accelerators, e.g. { bandwidth_gb_s = 900, latency_us = 2 }",
         "memory_usable": "share of memory for weights + KV, 0..1 (default 0.9)",
-        "parallel": 'how its accelerators share the model: "tensor" (default) or "pipeline"'}
+        "parallel": 'how its accelerators share the model: "tensor" (default) or "pipeline"',
+        # for `tinyhet serve --cluster` (tinyhet.cluster_nodes checks them; the planner does not use them)
+        "role": "the node's `tinyhet node --role`: prefill, decode or both", "address": "its --listen HOST:PORT (a list with replicas)"}
 LINKS = {"nodes": 'the two nodes it joins, e.g. ["a", "b"]', **LINK}
 CALIBRATION = {"node": "the node measured", "model": "the model it served alone", "dtype": "dtype it ran in (default: the model's)",
                "prompt_len": "prompt tokens", "output_len": "generated tokens", "prefill_s": "measured prefill seconds",
@@ -307,10 +309,16 @@ def parse_cluster(data: dict, source: str = "<cluster>") -> Cluster:
   if not nodes: r.fail("nodes", "is empty", "add at least one [nodes.NAME] with device = ...")
   links = _links(r, r.entries(data.get("links", []), "links"), nodes)
   _calibrate(r, r.entries(data.get("calibration", []), "calibration"), nodes, devices, models)
+  from tinyhet.cluster_nodes import serving_nodes     # the nodes' role and address keys: checked here too, so `tinyhet plan` says
+  serving_nodes(data, source)                          # what `tinyhet serve` would
   return Cluster(tuple(nodes.values()), links, devices, models, source, r.string(data, "description", "", default=""))
 
 def load_cluster(path: str | pathlib.Path) -> Cluster:
   """Read and check a cluster file (TOML). Raises ClusterFileError naming the file, the key and the fix."""
+  return parse_cluster(read_toml(path), str(path))
+
+def read_toml(path: str | pathlib.Path) -> dict:
+  """A cluster file's TOML, parsed but not checked. Raises ClusterFileError when it cannot be read or is not TOML."""
   path, where = pathlib.Path(path), str(path)
   try: text = path.read_bytes().decode("utf-8")
   except FileNotFoundError: raise ClusterFileError(where, "(file)", "no such file", "check the path; examples are in examples/clusters/") from None
@@ -319,4 +327,4 @@ def load_cluster(path: str | pathlib.Path) -> Cluster:
   try: data = tomllib.loads(text)
   except (tomllib.TOMLDecodeError, RecursionError) as e:
     raise ClusterFileError(where, "(syntax)", f"is not valid TOML: {e}", "fix the TOML syntax there (README: the cluster file)") from None
-  return parse_cluster(data, where)
+  return data

@@ -7,7 +7,8 @@ A sequence arrives in three steps, each a control request (tinyhet.runtime.contr
                    named by `writer`, as a router names its prefill node). The blocks are held (admission
                    waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
                    one transport write per layer, notification (seq_id << 8) | layer (counted only from the writer).
-  decode.generate  the first token (sampled by the prefill node) and sampling options -> once every layer's notice has
+  decode.generate  the first token (sampled by the prefill node) and sampling options (the prefill node's seed: draws depend on
+                   (seed, position) only, so the stream goes on where it began) -> once every layer's notice has
                    arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
                    (or the client leaving) stops it; however it ends, the sequence and its descriptors are gone after.
   decode.release   give the sequence up (also done when the prefill node's connection closes). Blocks are reused only once
@@ -132,7 +133,7 @@ class DecodeNode:
     self._attach(conn, seq)
     return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size}
 
-  def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, rng_state: dict | None = None,
+  def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False):
     seq = conn.state.get("seqs", {}).get(seq_id) if _is_int(seq_id) else None
     if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
@@ -141,10 +142,9 @@ class DecodeNode:
     if stop_ids is not None and (not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids)):
       raise ValueError(f"stop_ids must be a list of token ids, got {stop_ids!r}")
     _check_timeout(timeout)
-    sampler = Sampler(temperature, top_p, 0)       # raises on NaN, inf, negative or tiny temperatures and top_p outside (0, 1]
-    if rng_state is not None:                      # continue the prefill node's random stream
-      try: sampler.rng.bit_generator.state = rng_state
-      except (TypeError, ValueError, KeyError, OverflowError): raise ValueError("rng_state is not a numpy PCG64 state") from None
+    # raises on NaN, inf, negative or tiny temperatures, top_p outside (0, 1] and a bad seed; the prefill node's seed
+    # continues its stream, since each draw depends on (seed, position) only
+    sampler = Sampler(temperature, top_p, seed)
     seq.extra.update(sampler=sampler, first_token=first_token, want_logits=bool(return_logits),
                      stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids))
     return self._stream(conn, seq, timeout)
@@ -291,7 +291,7 @@ class DecodeNode:
           else:
             new, failed = {}, []
             for i, s in enumerate(live):
-              try: new[s.seq_id] = s.extra["sampler"](logits[batch.index(s)])
+              try: new[s.seq_id] = s.extra["sampler"](logits[batch.index(s)], s.num_tokens)     # the new token's position
               except ValueError as e:              # non-finite logits: that sequence fails, with the reason; the node goes on
                 s.extra["queue"].put(ValueError(f"sequence {s.seq_id} stopped: {e}"))
                 failed.append(s)

@@ -354,7 +354,7 @@ class Llama:
       with kernel_threads(self.device): return self.forward(tok, pos, cache).realize()
     step = self.make_decode_step(cache) if jit else eager
     for i in range(max_tokens):
-      out.append(token := sampler(logits[0]))
+      out.append(token := sampler(logits[0], T + i))
       if on_token is not None: on_token(token)
       if token in stop_ids or i == max_tokens - 1: break
       logits = step(Tensor([[token]], dtype=dtypes.int32, device=self.device), Tensor([[T + i]], dtype=dtypes.int32, device=self.device)).numpy()

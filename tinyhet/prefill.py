@@ -72,7 +72,7 @@ def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, k
   if progress is not None: progress(0)
   logits = model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
                          n_valid=len(prompt_ids), progress=progress).numpy()[0]
-  return sampler(logits), logits
+  return sampler(logits, len(prompt_ids)), logits
 
 def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0, out=None):
   """A progress callback for a long prefill: once it has run after_s seconds, a line on stderr at each quarter of the layers
@@ -231,9 +231,9 @@ class DecodeClient:
       stats.prefill_s = t_first - t0
       if on_token is not None: on_token(first)
       out = [first]
-      # the decode node continues this sampler's random stream: the same seed gives the tokens one device would give
+      # the decode node draws from the same (seed, position) stream: the same seed gives the tokens one device would give
       for item in self.ctl.stream("decode.generate", seq_id=seq_id, first_token=first, temperature=temperature, top_p=top_p,
-                                  rng_state=sampler.rng.bit_generator.state, stop_ids=list(stop_ids), return_logits=return_logits):
+                                  seed=sampler.seed, stop_ids=list(stop_ids), return_logits=return_logits):
         if "token" in item:
           out.append(item["token"])
           if on_token is not None: on_token(item["token"])

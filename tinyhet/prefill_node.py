@@ -4,8 +4,8 @@ One control request (tinyhet.runtime.control) does the whole job:
   prefill.run   prompt ids, the decode node's address and the reservation it gave the router (decode.reserve's reply:
                 seq_id, blocks, pools, block_bytes, block_size), sampling options -> the prompt is prefilled one layer at a
                 time, each layer's packed K, V written into the reserved blocks as soon as it exists (notification
-                (seq_id << 8) | layer), every write confirmed; the reply is the first token (sampled here), the sampler's
-                random state (the decode node continues it) and the figures.
+                (seq_id << 8) | layer), every write confirmed; the reply is the first token (sampled here), the seed it
+                was sampled with (the decode node continues the (seed, position) stream with it) and the figures.
 The router then sends decode.generate to the decode node on the connection that reserved. A transport error on a write
 reconnects to the decode node and resends every layer once. A job whose caller has gone away (the router gave the
 reservation up) is skipped before its next write, so no bytes land in blocks that may belong to another sequence by then.
@@ -139,7 +139,7 @@ class PrefillNode:
                                 n_valid=len(ids)).numpy()[0]
     t_prefill = time.perf_counter()
     sampler = Sampler(job.sampling["temperature"], job.sampling["top_p"], job.sampling["seed"])
-    first = sampler(logits)
+    first = sampler(logits, len(ids))
     try:
       for t in transfers: t.wait(60)
     except (TransportError, TimeoutError):       # the link broke: a new one, and every layer again (the blocks are still ours)
@@ -150,7 +150,7 @@ class PrefillNode:
       for t in transfers: t.wait(60)
     kv_bytes, transfer_s = sum(t.nbytes for t in transfers), busy_time([(t.started, t.finished) for t in transfers])
     last = max(t.finished for t in transfers)
-    return {"first_token": int(first), "rng_state": sampler.rng.bit_generator.state, "prefill_s": t_prefill - t0,
+    return {"first_token": int(first), "seed": sampler.seed, "prefill_s": t_prefill - t0,
             "kv_bytes": kv_bytes, "transfer_s": transfer_s, "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0,
             "node": self.node.name}
 

@@ -5,7 +5,8 @@ A request, end to end:
   1. admit     pick a decode-capable node (role decode or both) whose KV pool has room for the whole request (free blocks
                from its heartbeats, less what this router's requests hold there), the least loaded first. None has room:
                wait in a bounded queue (past the bound, or past the queue timeout: Overloaded, HTTP 503 + Retry-After).
-  2. prefill   disaggregate or not: with a cluster file, tinyhet.planner.route decides from the prompt's length; a `both`
+  2. prefill   disaggregate or not: with a cluster file, the planner's cost model decides from the prompt's length (for two
+               nodes the file names, tinyhet.cluster_nodes.disaggregation_pays; else tinyhet.planner.route); a `both`
                decode node prefills for itself when its own queue is no longer than the best prefill node's; with no
                prefill node up, the decode node prefills for itself (decode.submit). Disaggregated: decode.reserve on the
                decode node, then prefill.run on the prefill-capable node with the least queued prompt tokens, which writes
@@ -13,11 +14,12 @@ A request, end to end:
   3. decode    decode.generate on the connection that reserved; tokens go to the client as they arrive.
 Recovery: a node is down when its heartbeat stream breaks or falls silent (tinyhet.heartbeat) or when a request's
 connection to it breaks; its in-flight requests then start over from step 1 with prompt + the tokens already sent as the
-new prompt, so the client sees one answer (greedy output is the same) and never a token twice. Closing a request's
+new prompt, so the client sees one answer (the same tokens as a clean run, sampled ones too: every attempt draws from the
+request's (seed, position) stream) and never a token twice. Closing a request's
 connections (client gone, node lost) frees its reservation and sequence on the decode node.
 """
 from __future__ import annotations
-import itertools, threading, time
+import itertools, secrets, threading, time
 from dataclasses import dataclass, field
 from tinyhet import heartbeat
 from tinyhet.runtime.control import ControlClient, ControlError
@@ -91,9 +93,10 @@ class Request:
 
 class Cluster:
   def __init__(self, endpoint, nodes: dict[str, str], model_id: str, metrics=None, max_queue: int = 64, queue_timeout: float = 60.0,
-               planner=None, hb_interval: float = heartbeat.INTERVAL_S, hb_timeout: float = heartbeat.TIMEOUT_S):
-    """nodes: address -> role. planner: (Cluster from a cluster file, catalog model name) for tinyhet.planner.route, or None."""
-    self.endpoint, self.model_id, self.metrics, self.planner = endpoint, model_id, metrics, planner
+               planner=None, hb_interval: float = heartbeat.INTERVAL_S, hb_timeout: float = heartbeat.TIMEOUT_S, names: dict | None = None):
+    """nodes: address -> role. planner: (Cluster from a cluster file, catalog model name) for tinyhet.planner.route, or None.
+    names: address -> the cluster file's node name, for the nodes the file gives an address."""
+    self.endpoint, self.model_id, self.metrics, self.planner, self.names = endpoint, model_id, metrics, planner, names or {}
     self.max_queue, self.queue_timeout, self.hb_interval = max_queue, queue_timeout, hb_interval
     self.nodes = {a: Node(a, r) for a, r in nodes.items()}
     self.cond = threading.Condition()
@@ -182,18 +185,25 @@ class Cluster:
       if not others: return None
       best = min(others, key=Node.prefill_load)
       if decode.role == "both" and decode.prefill_load() <= best.prefill_load(): return None
+      queue_s, local_queue_s = best.prefill_load() * self.prefill_s_per_token, decode.prefill_load() * self.prefill_s_per_token
     if self.planner is not None:
+      from tinyhet.cluster_nodes import disaggregation_pays
       from tinyhet.planner import route
       cluster, model = self.planner
+      p, d = self.names.get(best.address), self.names.get(decode.address)
       try:
-        decision = route(cluster, model, prompt_len, output_len, prefill_queue_s=best.prefill_load() * self.prefill_s_per_token)
-        if not decision.disaggregate: return None
-      except Exception as e: print(f"tinyhet serve: planner.route failed ({e}); disaggregating", flush=True)
+        if p and d:     # both in the file, with their roles: the cost model for this pair
+          if not disaggregation_pays(cluster, cluster.model(model), p, d, prompt_len, queue_s, local_queue_s): return None
+        elif not route(cluster, model, prompt_len, output_len, prefill_queue_s=queue_s).disaggregate: return None
+      except Exception as e: print(f"tinyhet serve: the planner failed ({e}); disaggregating", flush=True)
     return best
 
   # ---- one request
   def run(self, req: Request) -> str:
     """Serve req to the end: 'stop' (a stop id), 'length' (max_tokens) or 'cancelled'. Raises Overloaded, BadRequest, Unavailable."""
+    # a sampled token's draw depends on (seed, position) only (tinyhet.sampling), so with one seed for every attempt a request
+    # that starts over on another node continues the stream it began; without a seed from the client, one of its own
+    if req.seed is None: req.seed = secrets.randbits(63)
     while True:
       if req.cancelled.is_set(): return "cancelled"
       if req.generated and req.generated[-1] in req.stop_ids: return "stop"
@@ -259,7 +269,7 @@ class Cluster:
         p = self._prefill(req, prefill, decode, ids, r, sampling)
         req.push(p["first_token"])
         self._count(decode, "decode")
-        try: stream = ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=p["first_token"], rng_state=p["rng_state"],
+        try: stream = ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=p["first_token"], seed=p["seed"],
                                  stop_ids=req.stop_ids, timeout=30.0, **sampling)
         except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       try:

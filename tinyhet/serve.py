@@ -205,19 +205,33 @@ def parse_args(argv):
   ap.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a `tinyhet node --role decode` (repeatable)")
   ap.add_argument("--both", action="append", default=[], metavar="HOST:PORT", help="a `tinyhet node --role both` (repeatable)")
   ap.add_argument("--model", default=None, help="the model every node serves (its tokenizer is loaded here; default: the embedded SmolLM2)")
-  ap.add_argument("--cluster", default=None, help="the planner's cluster file: tinyhet.planner.route decides per request whether to disaggregate")
+  ap.add_argument("--cluster", default=None, help="the planner's cluster file, with each node's role and address (tinyhet.cluster_nodes): "
+                  "its nodes join those of --prefill/--decode/--both, and tinyhet.planner.route decides per request whether to disaggregate")
   ap.add_argument("--cluster-model", default=None, help="the model's name in the planner's catalog or the cluster file (with --cluster)")
   ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for KV room at most; past it: 503 with Retry-After")
   ap.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for KV room before 503")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns the router)")
   args = ap.parse_args(argv)
-  if not (args.decode or args.both): ap.error("give at least one decode-capable node: --decode HOST:PORT or --both HOST:PORT")
+  if not (args.decode or args.both or args.cluster):
+    ap.error("give at least one decode-capable node: --decode HOST:PORT, --both HOST:PORT, or --cluster FILE with role and address keys")
   for a in args.prefill + args.decode + args.both + [args.listen]:
     host, _, port = a.rpartition(":")
     if not host or not port.isdigit(): ap.error(f"{a!r} is not host:port")
   if args.cluster and not args.cluster_model: ap.error("--cluster needs --cluster-model (the model's name in the planner's catalog)")
   if args.max_queue < 0 or args.queue_timeout <= 0: ap.error("--max-queue must be >= 0 and --queue-timeout > 0")
   return args
+
+def fail(message: str) -> int:
+  print(f"tinyhet serve: {message}", file=sys.stderr)
+  return 2
+
+def add_flag_nodes(nodes: dict[str, str], args) -> str | None:
+  """The --prefill/--decode/--both nodes join the cluster file's (address -> role); what is wrong, or None."""
+  for role in ("prefill", "decode", "both"):
+    for a in getattr(args, role):
+      if nodes.get(a, role) != role: return f"{a} is given as a {nodes[a]} node and with --{role}: give each node one role"
+      nodes[a] = role
+  return None
 
 def main(argv=None) -> int:
   args = parse_args(argv)
@@ -227,22 +241,24 @@ def main(argv=None) -> int:
   from tinyhet.router import Cluster
   from tinyhet.runtime.transport import Endpoint
   from tinyhet.service_metrics import Metrics
-  planner = None
+  planner, nodes, names = None, {}, {}
   if args.cluster:
-    from tinyhet.cluster_file import load_cluster
-    cluster_desc = load_cluster(args.cluster)
+    from tinyhet.cluster_file import parse_cluster, read_toml
+    from tinyhet.cluster_nodes import node_names, serving_nodes
+    data = read_toml(args.cluster)
+    cluster_desc = parse_cluster(data, args.cluster)
     cluster_desc.model(args.cluster_model)      # an unknown model stops here, with the planner's message
-    planner = (cluster_desc, args.cluster_model)
+    planner, nodes, names = (cluster_desc, args.cluster_model), serving_nodes(data, args.cluster), node_names(data)
+  if (why := add_flag_nodes(nodes, args)): return fail(why)
+  if not any(role in ("decode", "both") for role in nodes.values()):
+    return fail(f"no decode-capable node: give role = \"decode\" or \"both\" and an address to a node of {args.cluster}, or add --decode HOST:PORT")
   model_id, tok = service_model.model_id(args.model), service_model.load_tokenizer(args.model)
-  nodes = {**{a: "prefill" for a in args.prefill}, **{a: "decode" for a in args.decode}, **{a: "both" for a in args.both}}
   metrics = Metrics()
   ep = Endpoint(f"router-{socket.gethostname()}-{os.getpid()}")
-  cluster = Cluster(ep, nodes, model_id, metrics, args.max_queue, args.queue_timeout, planner)
+  cluster = Cluster(ep, nodes, model_id, metrics, args.max_queue, args.queue_timeout, planner, names=names)
   host, _, port = args.listen.rpartition(":")
   try: sock = socket.create_server((host, int(port)), backlog=1024)
-  except OSError as e:
-    print(f"tinyhet serve: cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port", file=sys.stderr)
-    return 2
+  except OSError as e: return fail(f"cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port")
   server = uvicorn.Server(uvicorn.Config(Service(cluster, tok, model_id, metrics).app(), log_level="warning", timeout_graceful_shutdown=2))
   print(json.dumps({"address": f"{host}:{sock.getsockname()[1]}", "model": model_id, "nodes": nodes}), flush=True)
   if args.stdin_stop:
