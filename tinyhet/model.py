@@ -156,6 +156,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
   return x * (x.square().mean(-1, keepdim=True) + eps).rsqrt() * weight.float()
 
 MATVEC_LANES, MATVEC_MAX_ROWS = 8, 8
+LAYER_JIT_MAX_T = 1024   # prefills up to this length replay captured layers (tinyhet.layer_jit); longer ones are kernel-bound
 
 def linear(x: Tensor, w: Matrix) -> Tensor:
   """x (..., in) @ w.T with w (out, in) in its stored dtype or blocks; the sum is float32.
@@ -249,9 +250,10 @@ class Llama:
     search over the table's rows, which fused into every layer's kernels would be repeated there."""
     return self.rope_cos[positions].contiguous(), self.rope_sin[positions].contiguous()
 
-  def _qkv(self, l: int, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """Layer l's attention inputs: RMSNorm, projections, RoPE. x: (B, T, dim) -> q (B, T, H, D), k, v (B, T, KVH, D) float32."""
-    cfg, w = self.cfg, self.w.layers[l]
+  def _qkv(self, l: int, x: Tensor, rope: tuple[Tensor, Tensor], w: LayerWeights | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Layer l's attention inputs (or those of weights w): RMSNorm, projections, RoPE. x: (B, T, dim) -> q (B, T, H, D),
+    k, v (B, T, KVH, D) float32."""
+    cfg, w = self.cfg, w or self.w.layers[l]
     B, T, _ = x.shape
     h = rms_norm(x, w.attn_norm, cfg.norm_eps)                               # (B, T, dim)
     q = linear(h, w.wq).reshape(B, T, cfg.n_heads, cfg.head_dim)             # (B, T, H, D)
@@ -260,9 +262,9 @@ class Llama:
     cos, sin = rope                                                          # (B, T, D/2)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-  def _finish_layer(self, l: int, x: Tensor, att: Tensor) -> Tensor:
+  def _finish_layer(self, l: int, x: Tensor, att: Tensor, w: LayerWeights | None = None) -> Tensor:
     """Attention output projection and the SwiGLU feed-forward, each with its residual. att: (B, T, H, D) -> (B, T, dim)."""
-    cfg, w = self.cfg, self.w.layers[l]
+    cfg, w = self.cfg, w or self.w.layers[l]
     B, T = att.shape[:2]
     x = x + linear(att.reshape(B, T, cfg.n_heads * cfg.head_dim), w.wo)      # (B, T, dim)
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
@@ -317,6 +319,11 @@ class Llama:
     kv_dtype = cache.kv_dtype if cache is not None else (kv_dtype or dtypes.float16)
     T = tokens.shape[1]
     positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device).realize()
+    if cache is None and T <= LAYER_JIT_MAX_T:     # the prompt's own K, V only: every layer replays one capture
+      from tinyhet.layer_jit import layer_jit
+      x = layer_jit(self, T, kv_dtype).run(self.embed(tokens.to(self.device)).realize(), self.rope(positions), on_layer, progress)
+      if n_valid is not None and n_valid != T: x = x[:, Tensor([n_valid - 1], dtype=dtypes.int32, device=self.device)]
+      return self._logits(x).realize()
     # attention through a dense cache of the prompt even when the caller keeps none: tinygrad's kernels for that form ran
     # ~1.4x faster here than a causal mask over the (T, T) scores (measured at T=1024 on the CPU)
     if cache is None: cache = DenseKVCache(self.cfg, 1, T, kv_dtype, self.device)

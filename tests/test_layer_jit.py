@@ -1,0 +1,56 @@
+"""Prefill through captured layers (tinyhet.layer_jit) gives the numbers of the layer-by-layer path through a dense cache:
+the logits, and every layer's K and V as on_layer sees them; the K, V handed out stay intact while later layers and later
+prompts run (they are sent from those buffers); the captures kept are bounded."""
+import numpy as np
+import pytest
+import tinyhet  # noqa: F401  (HET)
+from tinygrad import Tensor, dtypes
+from tinyhet import layer_jit
+from tinyhet.model import DenseKVCache, Llama, random_weights, small_config
+from tinyhet.packed import Q4_1
+
+@pytest.fixture(scope="module")
+def llama():
+  cfg = small_config(n_layers=3, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=160, vocab_size=300, max_context=64)
+  return Llama(cfg, random_weights(cfg, device="MESH", seed=5, packed=Q4_1), "MESH")
+
+def prefill(llama, ids, **kw):
+  kv = {}
+  logits = llama.prefill(Tensor([ids], dtype=dtypes.int32, device="MESH"), on_layer=lambda l, k, v: kv.setdefault(l, (k, v)), **kw)
+  return logits.numpy(), kv
+
+@pytest.mark.parametrize("T", [4, 8])
+def test_captured_layers_give_the_dense_paths_bits(llama, T):
+  ids = [int(t) for t in np.random.default_rng(T).integers(0, 300, T)]
+  got, got_kv = prefill(llama, ids)
+  got_kv = {l: (k.numpy().copy(), v.numpy().copy()) for l, (k, v) in got_kv.items()}
+  want, want_kv = prefill(llama, ids, cache=DenseKVCache(llama.cfg, 1, T, device="MESH"))
+  # the same numbers up to the order of the additions (tinygrad fuses the two attention forms differently): float32 ulps
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for l, (k, v) in want_kv.items():
+    if l == 0:       # before any attention: the same kernels, the same bits
+      np.testing.assert_array_equal(got_kv[l][0], k.numpy())
+      np.testing.assert_array_equal(got_kv[l][1], v.numpy())
+    np.testing.assert_allclose(got_kv[l][0].astype(np.float32), k.numpy().astype(np.float32), rtol=2e-3, atol=2e-3)   # float16 K, V
+    np.testing.assert_allclose(got_kv[l][1].astype(np.float32), v.numpy().astype(np.float32), rtol=2e-3, atol=2e-3)
+  # a shorter prompt padded to T: its logits and K, V are the unpadded prompt's (up to the order of the sums over T keys)
+  short, short_kv = prefill(llama, ids[:T - 3] + [0] * 3, n_valid=T - 3)
+  want, want_kv = prefill(llama, ids[:T - 3], cache=DenseKVCache(llama.cfg, 1, T - 3, device="MESH"))
+  np.testing.assert_allclose(short, want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(short_kv[0][0].numpy()[:T - 3].astype(np.float32), want_kv[0][0].numpy().astype(np.float32), rtol=1e-3, atol=1e-3)
+
+def test_handed_out_kv_stays_intact_through_later_layers_and_prompts(llama):
+  rng = np.random.default_rng(0)
+  copies, held = {}, {}
+  def keep(l, k, v):
+    held[l] = (k, v)
+    copies[l] = (k.numpy().copy(), v.numpy().copy())
+  llama.prefill(Tensor([[int(t) for t in rng.integers(0, 300, 8)]], dtype=dtypes.int32, device="MESH"), on_layer=keep)
+  for _ in range(2): prefill(llama, [int(t) for t in rng.integers(0, 300, 8)])       # the same capture, replayed
+  for l, (k, v) in held.items():
+    np.testing.assert_array_equal(k.numpy(), copies[l][0])
+    np.testing.assert_array_equal(v.numpy(), copies[l][1])
+
+def test_captures_kept_are_bounded(llama):
+  for T in range(1, layer_jit.KEEP + 3): layer_jit.layer_jit(llama, T, dtypes.float16)
+  assert len(llama._layer_jits) == layer_jit.KEEP and (layer_jit.KEEP + 2, dtypes.float16) in llama._layer_jits
