@@ -99,12 +99,15 @@ def test_prefill_calls_on_layer_in_order_before_the_next_layer(tiny):
   counts = [c[7] for c in calls] + [end]
   between = [b - a for a, b in zip(counts, counts[1:])]
   assert counts[0] > 0 and min(between) >= 5 and max(between[:-1]) - min(between[:-1]) <= 2, between
-  # the K, V handed over are the ones a cache holds after a plain forward, and the logits are forward's
+  # the K, V handed over are the ones a cache holds after a plain forward, and the logits are forward's: layer 0's bit for
+  # bit; later layers' within a float16 rounding step (prefill replays captured layers, tinyhet.layer_jit, whose kernels fuse
+  # RoPE apart from the attention: the float32 sums round differently in the last bit, which can move a float16 K or V by one)
   cache = DenseKVCache(cfg, 1, T, dtypes.float16)
   fwd = m.forward(ids(*PROMPT), Tensor([list(range(T))], dtype=dtypes.int32), cache).numpy()
   for l, *_, k, v in calls:
-    np.testing.assert_array_equal(k, cache.k[l].numpy()[0])
-    np.testing.assert_array_equal(v, cache.v[l].numpy()[0])
+    for got, want in ((k, cache.k[l].numpy()[0]), (v, cache.v[l].numpy()[0])):
+      if l == 0: np.testing.assert_array_equal(got, want)
+      else: np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2**-10, atol=2**-14)
   assert rel(logits, fwd) < 1e-5 and rel(logits[0], ref.forward(cfg, w, PROMPT, kv_dtype=np.float16)[-1]) < 1e-4
 
 def test_decode_from_transferred_kv_matches_reference_generate(tiny):
