@@ -213,6 +213,7 @@ class DecodeClient:
       raise IncompatibleDecodeNode(f"decode node {self.ctl.peer} at {address} serves {self.info['model'] or 'a model'} {theirs}, "
                                    f"this node has {model_id or 'a model'} {mine}: start both with the same --model")
     self.peer = node.endpoint.connect(address, transport)
+    self.endpoint = node.endpoint            # what posts the layer writes (a benchmark may put a slower link in front of it)
     self.kv_dtype = getattr(dtypes, self.info["kv_dtype"])
     self.staging: Region | None = None       # registered host memory the writer thread packs layers into, reused by requests
     # layers packed in device memory no transport sends from (a GPU) leave through this many buffers (tinyhet.staging);
@@ -245,7 +246,7 @@ class DecodeClient:
     r = self.ctl.call("decode.reserve", prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
     seq_id, blocks, block_bytes, block_size = r["seq_id"], r["blocks"], r["block_bytes"], r["block_size"]
     pools = [RegionDescriptor.from_hex(h) for h in r["pools"]]
-    writer = LayerWriter(self.node.endpoint, self.peer)
+    writer = LayerWriter(self.endpoint, self.peer)
     computed: dict[int, float] = {}
     keep: list[Tensor] = []                  # K, V (or packed layers) stay alive until their writes have landed
     cfg, nb = self.model.cfg, len(blocks)
