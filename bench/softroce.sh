@@ -52,7 +52,7 @@ ip netns exec "$A" rdma link show
 
 status=0
 echo "softroce: verbs tests over rxe0"
-ip netns exec "$A" "$PY" -m pytest -q -rs tests/test_verbs.py      # the tests pick an rxe device themselves || status=1
+ip netns exec "$A" "$PY" -m pytest -q -rs tests/test_verbs.py || status=1      # the tests pick an rxe device themselves
 echo "softroce: tinyhet bench transfer --transports verbs over rxe0"
 ip netns exec "$A" env TINYHET_RDMA_DEVICE=rxe0 "$PY" -m tinyhet bench transfer --transports verbs --quick || status=1
 exit $status
