@@ -7,7 +7,8 @@ leaving GPU memory through the asynchronous staging buffers and, for comparison,
 tokens the GPU's must equal; the Llama-3.1 70B shapes (--layers, random weights) prefilled on the GPU and on the CPU, tokens
 compared. Prints a table and one JSON object at the end. GPU_CHECK_DEVICE=CPU runs the same steps with HET on the CPU
 (the logic end to end, on a machine without a GPU). Each step runs in its own process with a timeout; a step that cannot
-start before the time budget (GPU_CHECK_BUDGET_S, default 285 s) ends is reported as skipped, not run.
+start before the time budget (GPU_CHECK_BUDGET_S, default 285 s) ends is reported as skipped, not run; on a slow machine
+GPU_CHECK_TIMEOUT_SCALE multiplies each step's timeout.
 """
 from __future__ import annotations
 import datetime, json, os, shutil, subprocess, sys, time
@@ -17,14 +18,14 @@ PROMPT = "What is the capital of France? Answer in one short sentence."
 def say(msg: str): print(f"gpu check: {msg}", file=sys.stderr, flush=True)
 
 class Steps:
-  def __init__(self, budget_s: float):
-    self.t0, self.budget_s, self.results = time.perf_counter(), budget_s, {}
+  def __init__(self, budget_s: float, scale: float):
+    self.t0, self.budget_s, self.scale, self.results = time.perf_counter(), budget_s, scale, {}
 
   def left(self) -> float: return self.budget_s - (time.perf_counter() - self.t0)
 
   def run(self, name: str, cmd: list[str], env: dict, timeout: float) -> dict | None:
     """Run cmd; its last stdout line is its JSON. Records {ok, seconds, result | error} under name."""
-    if (t := min(timeout, self.left())) < 10:
+    if (t := min(timeout * self.scale, self.left())) < 10:
       self.results[name] = {"ok": False, "skipped": f"not started: {self.left():.0f} s of the budget left"}
       say(f"{name}: skipped (budget spent)")
       return None
@@ -60,7 +61,7 @@ def gpu_name() -> str:
 def main(argv=None) -> int:
   device = os.environ.get("GPU_CHECK_DEVICE", "CUDA").upper()
   layers = os.environ.get("GPU_CHECK_LAYERS", "2")
-  steps = Steps(float(os.environ.get("GPU_CHECK_BUDGET_S", "285")))
+  steps = Steps(float(os.environ.get("GPU_CHECK_BUDGET_S", "285")), float(os.environ.get("GPU_CHECK_TIMEOUT_SCALE", "1")))
   tinyhet = [sys.executable, "-m", "tinyhet"]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   example = os.path.join(root, "examples", "llama3_70b.py")

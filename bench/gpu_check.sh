@@ -38,4 +38,4 @@ if ! command -v clang >/dev/null 2>&1; then
   { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && timeout 120 apt-get -qq install -y clang >/dev/null 2>&1; } ||
     echo "gpu check: clang is missing and cannot be installed here; the CPU decode node compiles its kernels with it: the steps using it will fail"
 fi
-exec timeout 300 "$PY" -m tinyhet.bench.gpu_check
+exec timeout $(( ${GPU_CHECK_BUDGET_S:-285} + 15 )) "$PY" -m tinyhet.bench.gpu_check

@@ -128,6 +128,7 @@ def test_layers_from_device_memory_equal_single_device(small, unregistered, n_bu
   ref = reference_last_logits(model, prompt + got[:-1])
   assert np.abs(np.array(stats.last_logits) - ref).max() / np.abs(ref).max() < 1e-3
   assert stats.staging_waits <= max(0, model.cfg.n_layers - n_buffers) and len(stats.timeline) == model.cfg.n_layers
+  assert 0 < stats.handoff_s < stats.prefill_s
 
 @pytest.mark.parametrize("n_buffers", [1, 2])
 def test_staged_prefill_waits_only_when_every_buffer_is_in_flight(small, unregistered, n_buffers):

@@ -47,6 +47,7 @@ class GenerationStats:
   transport: str = ""
   preemptions: int = 0
   staging_waits: int = 0            # times prefill waited for a staging buffer (all in flight); layers on a GPU only
+  handoff_s: float = 0.0            # time the prefill thread spent handing layers off (packing, copying or staging, queueing)
   timeline: list[LayerTimes] = field(default_factory=list)
   last_logits: list[float] | None = None   # with return_logits: the logits the last token was sampled from
 
@@ -257,6 +258,10 @@ class DecodeClient:
 
     def send_layer(layer: int, k: Tensor, v: Tensor):
       computed[layer] = time.perf_counter()
+      try: hand_off(layer, k, v)
+      finally: stats.handoff_s += time.perf_counter() - computed[layer]
+
+    def hand_off(layer: int, k: Tensor, v: Tensor):
       # (blocks, 2, KVH, block_size*D): the pool's bytes. Rows past the prompt (pads) only reach the slack of the last block,
       # which the decode node masks until its own tokens overwrite it.
       if stage is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
