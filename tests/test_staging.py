@@ -2,7 +2,7 @@
 and written by the writer thread: the bytes equal the synchronous path's, a staging buffer is never reused while a write
 reads it, and the prefill thread waits only when every buffer is in flight. The device is tinygrad's own CPU device (its
 kernels run on worker threads, its memory is not registered: what a GPU is to tinyhet) and its PYTHON emulator."""
-import threading
+import subprocess, sys, threading
 import numpy as np, pytest
 from hypothesis import given, settings, strategies as st
 import tinyhet  # noqa: F401
@@ -143,3 +143,14 @@ def test_bad_staging_requests_are_refused():
       with pytest.raises(ValueError, match="in a 64-byte staging buffer"): start_copy(packed.uop.buffer, small, 128)
     finally: small.free()
   finally: region.free()
+
+@pytest.mark.parametrize("bad", ["-1", "65", "two"])
+def test_bad_staging_buffer_counts_name_the_option(bad):
+  from tinyhet.config import ConfigError, load_config
+  assert load_config(env={}).staging_buffers == 2 and load_config(env={"TINYHET_STAGING_BUFFERS": "0"}).staging_buffers == 0
+  with pytest.raises(ConfigError, match="TINYHET_STAGING_BUFFERS"): load_config(env={"TINYHET_STAGING_BUFFERS": bad})
+
+def test_bench_staging_refuses_bad_arguments():
+  for args in (["--rounds", "0"], ["--buffers", "2,0"], ["--link-gbps", "-1"]):
+    p = subprocess.run([sys.executable, "-m", "tinyhet", "bench", "staging", *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "must be positive" in p.stderr, (args, p.stderr[-500:])

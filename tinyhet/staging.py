@@ -3,7 +3,7 @@ leaves the device without stalling prefill. Three calls, on two threads:
 
   buf = ring.take(layer, writer)       prefill thread: a staging buffer (registered host memory) whose last write has
                                        landed; it waits for a write only when all N buffers are in flight (ring.waits counts it)
-  copy = start_copy(packed, buf, n)     prefill thread, right after the pack kernel was queued: marks where the copy must
+  copy = start_copy(packed, buf, n)    prefill thread, right after the pack kernel was queued: marks where the copy must
                                        start in the device's queue; never waits for the device
   copy()                               writer thread (tinyhet.prefill.LayerWriter), before it posts the layer's write from
                                        buf: waits for the pack kernel alone, then copies device -> host
