@@ -5,10 +5,11 @@ opens); `tinyhet run` on the embedded SmolLM2 with HET on the GPU and the decode
 leaving GPU memory through the asynchronous staging buffers and, for comparison, copied on the prefill thread
 (TINYHET_STAGING_BUFFERS=0), each with TTFT with and without transfer; the same run with HET on the CPU, whose greedy
 tokens the GPU's must equal; the Llama-3.1 70B shapes (--layers, random weights) prefilled on the GPU and on the CPU, tokens
-compared. Prints a table and one JSON object at the end. GPU_CHECK_DEVICE=CPU runs the same steps with HET on the CPU
-(the logic end to end, on a machine without a GPU). Each step runs in its own process with a timeout; a step that cannot
-start before the time budget (GPU_CHECK_BUDGET_S, default 285 s) ends is reported as skipped, not run; on a slow machine
-GPU_CHECK_TIMEOUT_SCALE multiplies each step's timeout.
+compared; if time is left, `tinyhet bench staging` with the model on the device. Prints a table and one JSON object at
+the end. GPU_CHECK_DEVICE=CPU runs the same steps with HET on the CPU (the logic end to end, on a machine without a GPU).
+Each step runs in its own process with a timeout; a step that cannot start before the time budget (GPU_CHECK_BUDGET_S,
+default 285 s) ends is reported as skipped, not run; on a slow machine GPU_CHECK_TIMEOUT_SCALE multiplies each step's
+timeout.
 """
 from __future__ import annotations
 import datetime, json, os, shutil, subprocess, sys, time
@@ -84,11 +85,16 @@ def main(argv=None) -> int:
   big = [sys.executable, example, "--random-weights", "--layers", layers, "--prompt-tokens", "32", "--decode-tokens", "4", "--json"]
   big_dev = steps.run(f"70B x{layers} layers", big, {"HET_BACKEND": device}, 120)
   big_cpu = steps.run(f"70B x{layers} layers CPU", big, {"HET_BACKEND": "CPU"}, 120)
+  # 4. last, if time is left: the staging benchmark with the model on the device itself (layers from its memory, staged or not)
+  bench = steps.run("bench staging", [*tinyhet, "bench", "staging", "--device", device, "--rounds", "2", "--buffers", "1,2", "--json"], {}, 90)
 
   if staged:
     report |= {"ttft_s": staged["ttft_s"], "ttft_no_transfer_s": staged["ttft_no_transfer_s"], "overhead_s": staged["overhead_s"],
                "prefill_s": staged["prefill_s"], "kv_bytes": staged["kv_bytes"], "transfer_gbps": staged["transfer_gbps"],
                "tokens": staged["generated_ids"], "text": staged["text"]}
+  if bench:
+    report["bench_staging"] = {"no_transfer_s": bench["no_transfer_s"]} | \
+                              {r["path"]: {k: r[k] for k in ("prefill_s", "handoff_ms_per_layer", "staging_waits")} for r in bench["rows"]}
   if sync: report |= {"ttft_sync_copy_s": sync["ttft_s"], "prefill_sync_copy_s": sync["prefill_s"], "overhead_sync_copy_s": sync["overhead_s"]}
   if cpu: report |= {"tokens_cpu": cpu["generated_ids"], "tokens_equal": bool(staged) and staged["generated_ids"] == cpu["generated_ids"]}
   if big_dev:
@@ -121,6 +127,11 @@ def table(r: dict) -> str:
     b = r["70b"]
     lines.append(f"70B shapes, {b['layers']} layers: prefill {b['prefill_s']:.3f} s on {r['device']}" +
                  (f", {b['prefill_cpu_s']:.3f} s on CPU; tokens equal: {b['tokens_equal']}" if "prefill_cpu_s" in b else ""))
+  if "bench_staging" in r:
+    b = r["bench_staging"]
+    lines.append(f"bench staging on {r['device']} (random model): prefill no transfer {b['no_transfer_s']:.3f} s; " +
+                 "; ".join(f"{k} {v['prefill_s']:.3f} s, {v['handoff_ms_per_layer']:.2f} ms/layer, {v['staging_waits']} waits"
+                           for k, v in b.items() if k != "no_transfer_s"))
   lines.append("PASS" if r["ok"] else "NOT PASSED")
   return "\n".join(lines)
 
