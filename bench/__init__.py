@@ -8,6 +8,8 @@ BENCHMARKS = {
   "decode": ("tinyhet.bench.decode", "the decode node's engine against llama.cpp and PyTorch: decode at batches 1-64, prefill, read-bandwidth share"),
   "het": ("tinyhet.bench.het_check", "the HET device on its backend (HET_BACKEND=CUDA on a GPU): checks and matmul speed"),
   "serve": ("tinyhet.bench.serve", "the service: 1 prefill + 1 decode node against one --role both node, requests/s, TTFT, TPOT"),
+  "staging": ("tinyhet.bench.staging", "layers leaving unregistered device memory: asynchronous staging buffers against the synchronous copy"),
+  "gpu": ("tinyhet.bench.gpu_check", "the GPU check (bench/gpu_check.sh): HET checks, SmolLM2 and 70B shapes prefilled on the GPU"),
   "e2e": ("tinyhet.bench.e2e", "end to end: disaggregated against --no-disagg, decode against the memory-bandwidth bound"),
 }
 

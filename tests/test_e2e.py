@@ -107,6 +107,55 @@ def test_prefill_goes_on_while_a_layer_write_is_slow(small):
   assert tl[1].computed_s < tl[0].landed_s, f"layer 1 was computed only after layer 0 landed: {tl}"
   assert st.prefill_s < HOLD <= st.ttft_s + 0.05 and st.kv_tail_s > 0
 
+@pytest.fixture(scope="module")
+def unregistered(small):
+  """The same model on tinygrad's own CPU device, whose memory no transport sends from (as a GPU's without GPUDirect):
+  its layers leave through the staging buffers (tinyhet.staging)."""
+  cfg = small_config(**SMALL)
+  return Llama(cfg, random_weights(cfg, device="CPU", seed=7), "CPU")
+
+@pytest.mark.parametrize("n_buffers", [0, 1, 2])
+def test_layers_from_device_memory_equal_single_device(small, unregistered, n_buffers):
+  """Through N staging buffers copied by the writer thread, or (0) copied on the prefill thread as before: the tokens and
+  the last logits equal the single-device reference (so the decode node holds the same KV bytes)."""
+  model, address = small
+  prompt = [int(t) for t in np.random.default_rng(11).integers(0, SMALL["vocab_size"], 19)]
+  want = model.reference_generate(prompt, 6, temperature=0.0)
+  client = DecodeClient(local_node(), address, unregistered, "small-random", "shm", staging_buffers=n_buffers)
+  try: got, stats = client.generate(prompt, 6, return_logits=True)
+  finally: client.close()
+  assert got == want
+  ref = reference_last_logits(model, prompt + got[:-1])
+  assert np.abs(np.array(stats.last_logits) - ref).max() / np.abs(ref).max() < 1e-3
+  assert stats.staging_waits <= max(0, model.cfg.n_layers - n_buffers) and len(stats.timeline) == model.cfg.n_layers
+  assert 0 < stats.handoff_s < stats.prefill_s
+
+@pytest.mark.parametrize("n_buffers", [1, 2])
+def test_staged_prefill_waits_only_when_every_buffer_is_in_flight(small, unregistered, n_buffers):
+  """A write held back for HOLD seconds (its shm link's lock taken, as a busy link would): with 2 buffers for 2 layers
+  prefill never waits and computes layer 1 before layer 0 lands; with 1 buffer it waits once, for that write."""
+  model, address = small
+  prompt = list(range(1, 30))
+  client = DecodeClient(local_node(), address, unregistered, "small-random", "shm", staging_buffers=n_buffers)
+  try:
+    want, _ = client.generate(prompt, 3)                  # compiles this prompt's kernels
+    HOLD, link = 2.0, client.peer.link
+    held = threading.Event()
+    def hold():
+      with link.lock:
+        held.set()
+        time.sleep(HOLD)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    got, st = client.generate(prompt, 3)
+    holder.join()
+  finally: client.close()
+  assert got == want
+  if n_buffers == 2:
+    assert st.staging_waits == 0 and st.timeline[1].computed_s < st.timeline[0].landed_s and st.prefill_s < HOLD
+  else: assert st.staging_waits == 1 and st.prefill_s >= HOLD - 0.1
+
 @given(hst.lists(hst.tuples(hst.floats(0, 5), hst.floats(0, 1), hst.floats(0, 3), hst.floats(0, 3)), min_size=1, max_size=12),
        hst.booleans())
 @settings(max_examples=200, deadline=None)

@@ -262,9 +262,9 @@ def test_detection_without_devices(tmp_path):
   assert reason.startswith("no RDMA device found")
 
 def test_endpoint_without_verbs_never_offers_it():
-  reason = verbs.unavailable_reason(load_config(env={}))
+  reason = verbs.unavailable_reason(verbs_config())
   if reason is None: pytest.skip("this host has a usable RDMA port")
-  cfg = load_config(env={})
+  cfg = verbs_config()
   with Endpoint("target", token=TOKEN, config=cfg) as target, Endpoint("writer", token=TOKEN, config=cfg) as writer:
     assert target.verbs is None and "verbs" not in target.transports
     address = target.listen()
@@ -282,13 +282,25 @@ def test_endpoint_without_verbs_never_offers_it():
 
 # ---------------------------------------------------------------- traffic (needs an RDMA device)
 
+def rxe_device() -> str:
+  """A Soft-RoCE device (bench/softroce.sh adds rxe0 where the rdma_rxe module loads), or "" where there is none."""
+  sysfs = pathlib.Path("/sys/class/infiniband")
+  return min((d.name for d in sysfs.glob("rxe*")), default="") if sysfs.is_dir() else ""
+
+def verbs_config():
+  """The traffic tests' configuration: an rxe device where one exists (a real verbs device without an RDMA NIC), else the
+  first device with an active port."""
+  return load_config(env={"TINYHET_RDMA_DEVICE": rxe} if (rxe := rxe_device()) else {})
+
+def skip_without_verbs():
+  if (reason := verbs.unavailable_reason(verbs_config())) is not None:
+    pytest.skip(f"verbs is unavailable: {reason} (no Soft-RoCE device either: bench/softroce.sh adds one where the rdma_rxe module loads)")
+
 @pytest.fixture
-def rdma():
-  reason = verbs.unavailable_reason(load_config(env={}))
-  if reason is not None: pytest.skip(f"verbs is unavailable: {reason}")
+def rdma(): skip_without_verbs()
 
 def test_loopback_write_read_notify_and_errors(rdma):
-  cfg = load_config(env={})
+  cfg = verbs_config()
   target_arena, writer_arena = Arena(16 << 20, "target", hugepages=False), Arena(16 << 20, "writer", hugepages=False)
   region, local, back = target_arena.alloc(8 << 20, 4096), writer_arena.alloc(8 << 20), writer_arena.alloc(4 << 20)
   fill(local.view(), 3)
@@ -325,13 +337,13 @@ REMOTE_BYTES = 4 << 20
 
 @pytest.fixture(scope="module")
 def verbs_node():
-  if (reason := verbs.unavailable_reason(load_config(env={}))) is not None: pytest.skip(f"verbs is unavailable: {reason}")
-  n = MemoryNode()
+  skip_without_verbs()
+  n = MemoryNode()                  # takes the first device with an active port: under bench/softroce.sh, rxe0 (or rxe1, its peer)
   n.desc, n.region = n.expose(REMOTE_BYTES)
   n.ask(cmd="fill", region=n.region, seed=1)
   n.image = np.empty(REMOTE_BYTES, np.uint8)
   fill(memoryview(n.image), 1)
-  ep = Endpoint("writer", token=TOKEN, config=load_config(env={}))
+  ep = Endpoint("writer", token=TOKEN, config=verbs_config())
   ep.arena = Arena(32 << 20, "writer", hugepages=False)
   ep.local = ep.arena.alloc(8 << 20)
   fill(ep.local.view(), 2)
@@ -367,7 +379,7 @@ def test_gpu_memory_takes_rdma_writes(rdma):
     from tinygrad.device import Buffer
     TinygradDevice["CUDA"]
   except Exception as e: pytest.skip(f"no CUDA device for tinygrad: {e}")
-  cfg = load_config(env={})
+  cfg = verbs_config()
   arena = Arena(4 << 20, "writer", hugepages=False)
   local = arena.alloc(1 << 20)
   fill(local.view(), 5)

@@ -10,7 +10,7 @@ File: the path in TINYHET_CONFIG, else ./tinyhet.toml if it exists. Keys are the
 
 Environment variables override the file: TINYHET_NODE, HET_BACKEND, TINYHET_ARENA_BYTES, TINYHET_HUGEPAGES, TINYHET_TRANSPORT, TINYHET_TOKEN,
 TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE,
-TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS.
+TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS, TINYHET_STAGING_BUFFERS.
 
 RDMA (the verbs transport): rdma_device names the device as `ibv_devices` lists it (e.g. "mlx5_0"); empty takes the first
 device whose port rdma_port is ACTIVE. rdma_gid_index picks the source GID on RoCE; -1 chooses one (a RoCE v2 GID,
@@ -43,6 +43,7 @@ class Config:
   rdma_port: int = 1                     # verbs: port number on that device (1-based, as ibv_devinfo shows it)
   rdma_gid_index: int = -1               # verbs: source GID index on RoCE; -1 = auto (RoCE v2, IPv4-mapped first)
   cpu_threads: int = 0                   # threads for HET-on-CPU and MESH kernels; 0 = every CPU this process may run on
+  staging_buffers: int = 2               # host buffers a GPU's packed layers leave through, copied asynchronously; 0 = copy on the prefill thread
 
   def __post_init__(self): validate(self, "config")
 
@@ -91,6 +92,8 @@ def validate(cfg: Config, source: str):
     bad("rdma_port", "must be a port number between 1 and 255 (see `ibv_devinfo`)")
   if not isinstance(cfg.cpu_threads, int) or not 0 <= cfg.cpu_threads <= 1024:
     bad("cpu_threads", "must be between 0 (every CPU this process may run on) and 1024")
+  if not isinstance(cfg.staging_buffers, int) or not 0 <= cfg.staging_buffers <= 64:
+    bad("staging_buffers", "must be between 0 (copy each layer on the prefill thread) and 64")
   if not isinstance(cfg.rdma_gid_index, int) or not -1 <= cfg.rdma_gid_index <= 255:
     bad("rdma_gid_index", "must be -1 (auto) or a GID table index between 0 and 255 (see `show_gids` or /sys/class/infiniband/DEV/ports/N/gids)")
 
@@ -110,6 +113,7 @@ _PARSERS = {
   "rdma_port": ("TINYHET_RDMA_PORT", lambda v, w: _int(v, w)),
   "rdma_gid_index": ("TINYHET_RDMA_GID_INDEX", lambda v, w: _int(v, w)),
   "cpu_threads": ("TINYHET_CPU_THREADS", lambda v, w: _int(v, w)),
+  "staging_buffers": ("TINYHET_STAGING_BUFFERS", lambda v, w: _int(v, w)),
 }
 
 def _int(v, what) -> int:

@@ -3,7 +3,7 @@ into the decode node's reserved blocks as soon as that layer exists, while the n
 tokens the decode node generates.
 """
 from __future__ import annotations
-import queue, sys, threading, time
+import functools, queue, sys, threading, time
 from dataclasses import dataclass, field
 import numpy as np
 from tinygrad import Tensor, dtypes
@@ -19,6 +19,7 @@ from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Span, Transfer
 from tinyhet.runtime.wire import host_id
 from tinyhet.sampling import Sampler
+from tinyhet.staging import StagingRing, start_copy
 
 class IncompatibleDecodeNode(RuntimeError):
   """The decode node serves another model (or another KV layout) than this prefill node."""
@@ -45,6 +46,8 @@ class GenerationStats:
   decode_tok_s: float = 0.0
   transport: str = ""
   preemptions: int = 0
+  staging_waits: int = 0            # times prefill waited for a staging buffer (all in flight); layers on a GPU only
+  handoff_s: float = 0.0            # time the prefill thread spent handing layers off (packing, copying or staging, queueing)
   timeline: list[LayerTimes] = field(default_factory=list)
   last_logits: list[float] | None = None   # with return_logits: the logits the last token was sampled from
 
@@ -110,32 +113,48 @@ def host_array(t: Tensor) -> np.ndarray | None:
   return np.frombuffer(region.view(offset, t.nbytes()), dtype=np.dtype(t.dtype.fmt)).reshape(t.shape)
 
 class LayerWriter:
-  """Packs and posts a request's layer writes from its own thread, so that prefill computes layer l+1 while layer l is
-  packed (numpy, which releases the GIL) and handed to the transport (a shm write is a memcpy by the posting thread; a small
-  tcp write is sent by it): the prefill thread only queues."""
+  """Fills and posts a request's layer writes from its own thread, so that prefill computes layer l+1 while layer l is
+  packed (numpy, which releases the GIL) or copied out of device memory (tinyhet.staging), and handed to the transport (a
+  shm write is a memcpy by the posting thread; a small tcp write is sent by it): the prefill thread only queues."""
   def __init__(self, endpoint, peer):
     self.endpoint, self.peer = endpoint, peer
     self.queue: queue.SimpleQueue = queue.SimpleQueue()
     self.transfers: dict[int, Transfer] = {}
     self.posted: dict[int, float] = {}
+    self.settled: dict[int, threading.Event] = {}     # set once a layer's write is posted, or failed to be
     self.error: BaseException | None = None
     self.thread = threading.Thread(target=self._loop, name="tinyhet-kv-writer", daemon=True)
     self.thread.start()
 
-  def post(self, layer: int, spans: list[Span], notify: int, pack: tuple | None = None):
-    """Write spans with notify once pack (k, v, out: pack_kv_host's arguments), if given, has filled their bytes."""
+  def post(self, layer: int, spans: list[Span], notify: int, fill=None):
+    """Write spans with notify once fill(), if given, has filled their bytes (runs on the writer thread)."""
     if self.error is not None: raise self.error
-    self.queue.put((layer, spans, notify, pack))
+    self.settled[layer] = threading.Event()
+    self.queue.put((layer, spans, notify, fill))
+
+  def landed(self, layer: int) -> bool:
+    """Whether layer's write has landed (False while it waits to be posted). Raises a failure."""
+    if self.error is not None: raise self.error
+    if (t := self.transfers.get(layer)) is None or not t.done(): return False
+    t.wait(0)                                        # raises the write's failure
+    return True
+
+  def wait_landed(self, layer: int, timeout: float = 60.0):
+    """Wait until layer's write has been posted and has landed; raises its failure, or TimeoutError saying which layer."""
+    if not self.settled[layer].wait(timeout): raise TimeoutError(f"the write of layer {layer} was not posted after {timeout} s")
+    if self.error is not None: raise self.error
+    self.transfers[layer].wait(timeout)
 
   def _loop(self):
     while (item := self.queue.get()) is not None:
-      layer, spans, notify, pack = item
-      if self.error is not None: continue          # a write failed: post nothing more, finish() raises it
+      layer, spans, notify, fill = item
       try:
-        if pack is not None: pack_kv_host(*pack)
+        if self.error is not None: continue          # a write failed: post nothing more, finish() raises it
+        if fill is not None: fill()
         self.posted[layer] = time.perf_counter()
         self.transfers[layer] = self.endpoint.write(self.peer, spans, notify=notify)
       except BaseException as e: self.error = e
+      finally: self.settled[layer].set()
 
   def finish(self, timeout: float = 60.0, check: bool = True) -> dict[int, Transfer]:
     """Stop the thread once every queued write is posted, then wait for each write to land. Raises the first failure."""
@@ -147,6 +166,22 @@ class LayerWriter:
         if self.error is None: self.error = e
     if check and self.error is not None: raise self.error
     return self.transfers
+
+def post_packed(writer: LayerWriter, layer: int, packed: Tensor, nbytes: int, spans_from, notify: int, ring: StagingRing | None) -> Tensor:
+  """Post the first nbytes of a layer packed on HET (realized): straight from its memory where that is registered; else, with a ring, through a
+  staging buffer the writer thread copies it into (tinyhet.staging); with no ring, copied to registered host memory here, on
+  the prefill thread (the synchronous baseline). spans_from(region, offset) gives the layer's spans from where its bytes
+  lie. Returns what must stay alive until the write has landed."""
+  try: region, offset = region_of(packed.uop.buffer)
+  except NotRegistered:
+    if ring is not None:
+      region = ring.take(layer, writer)
+      writer.post(layer, spans_from(region, 0), notify, start_copy(packed.uop.buffer, region, nbytes))
+      return packed
+    packed = packed.to("MESH").realize()
+    region, offset = region_of(packed.uop.buffer)
+  writer.post(layer, spans_from(region, offset), notify)
+  return packed
 
 def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed: dict[int, float], posted: dict[int, float],
                      confirmed: dict[int, float], kv_bytes: int, receiver: dict[int, float] | None = None):
@@ -169,7 +204,8 @@ def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed
 
 class DecodeClient:
   """A prefill node's handle on one decode node: checks the model matches, then runs requests against it."""
-  def __init__(self, node: LocalNode, address: str, model: Llama, model_id: str = "", transport: str | None = None):
+  def __init__(self, node: LocalNode, address: str, model: Llama, model_id: str = "", transport: str | None = None,
+               staging_buffers: int | None = None):
     self.node, self.model = node, model
     self.ctl = ControlClient(node.endpoint, address)
     self.info = self.ctl.call("decode.info")
@@ -179,14 +215,29 @@ class DecodeClient:
       raise IncompatibleDecodeNode(f"decode node {self.ctl.peer} at {address} serves {self.info['model'] or 'a model'} {theirs}, "
                                    f"this node has {model_id or 'a model'} {mine}: start both with the same --model")
     self.peer = node.endpoint.connect(address, transport)
+    self.endpoint = node.endpoint            # what posts the layer writes (a benchmark may put a slower link in front of it)
     self.kv_dtype = getattr(dtypes, self.info["kv_dtype"])
     self.staging: Region | None = None       # registered host memory the writer thread packs layers into, reused by requests
+    # layers packed in device memory no transport sends from (a GPU) leave through this many buffers (tinyhet.staging);
+    # 0 copies each one to host memory on the prefill thread (the synchronous baseline)
+    self.staging_buffers = node.config.staging_buffers if staging_buffers is None else staging_buffers
+    self.ring_regions: list[Region] = []
 
   def _staging_for(self, nbytes: int) -> Region:
     if self.staging is None or self.staging.nbytes < nbytes:
       if self.staging is not None: self.staging.free()
       self.staging = self.node.arena("MESH").alloc(nbytes, align=4096)
     return self.staging
+
+  def _ring_for(self, nbytes: int) -> list[Region]:
+    if not self.ring_regions or self.ring_regions[0].nbytes < nbytes:
+      self._free_ring()
+      self.ring_regions = [self.node.arena("MESH").alloc(nbytes, align=4096) for _ in range(self.staging_buffers)]
+    return self.ring_regions
+
+  def _free_ring(self):
+    for r in self.ring_regions: r.free()
+    self.ring_regions = []
 
   def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
                stop_ids: tuple[int, ...] = (), on_token=None, return_logits: bool = False, progress=None) -> tuple[list[int], GenerationStats]:
@@ -197,31 +248,32 @@ class DecodeClient:
     r = self.ctl.call("decode.reserve", prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
     seq_id, blocks, block_bytes, block_size = r["seq_id"], r["blocks"], r["block_bytes"], r["block_size"]
     pools = [RegionDescriptor.from_hex(h) for h in r["pools"]]
-    writer = LayerWriter(self.node.endpoint, self.peer)
+    writer = LayerWriter(self.endpoint, self.peer)
     computed: dict[int, float] = {}
     keep: list[Tensor] = []                  # K, V (or packed layers) stay alive until their writes have landed
     cfg, nb = self.model.cfg, len(blocks)
     layer_bytes = nb * block_bytes
     staging = self._staging_for(cfg.n_layers * layer_bytes) if self.kv_dtype.fmt is not None else None
     stage = staging.numpy(np.dtype(self.kv_dtype.fmt), (cfg.n_layers, nb, 2, cfg.n_kv_heads, block_size * cfg.head_dim)) if staging else None
+    ring = StagingRing(self._ring_for(layer_bytes)) if self.staging_buffers > 0 else None
 
     def send_layer(layer: int, k: Tensor, v: Tensor):
       computed[layer] = time.perf_counter()
+      try: hand_off(layer, k, v)
+      finally: stats.handoff_s += time.perf_counter() - computed[layer]
+
+    def hand_off(layer: int, k: Tensor, v: Tensor):
       # (blocks, 2, KVH, block_size*D): the pool's bytes. Rows past the prompt (pads) only reach the slack of the last block,
       # which the decode node masks until its own tokens overwrite it.
       if stage is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
         keep.extend((k, v))                  # K, V in host memory: the writer thread packs them into the staging region
         writer.post(layer, [Span(staging, layer * layer_bytes + i * block_bytes, pools[layer], b * block_bytes, block_bytes)
-                            for i, b in enumerate(blocks)], notice_value(seq_id, layer), (ka, va, stage[layer]))
+                            for i, b in enumerate(blocks)], notice_value(seq_id, layer), functools.partial(pack_kv_host, ka, va, stage[layer]))
         return
       packed = pack_kv(k, v, block_size, self.kv_dtype).contiguous().realize()
-      try: region, offset = region_of(packed.uop.buffer)
-      except NotRegistered:      # HET on a GPU: one copy into registered host memory (GPUDirect writes from GPU memory: not built yet)
-        packed = packed.to("MESH").realize()
-        region, offset = region_of(packed.uop.buffer)
-      keep.append(packed)
-      writer.post(layer, [Span(region, offset + i * block_bytes, pools[layer], b * block_bytes, block_bytes) for i, b in enumerate(blocks)],
-                  notice_value(seq_id, layer))
+      spans_from = lambda region, offset: [Span(region, offset + i * block_bytes, pools[layer], b * block_bytes, block_bytes)
+                                           for i, b in enumerate(blocks)]
+      keep.append(post_packed(writer, layer, packed, layer_bytes, spans_from, notice_value(seq_id, layer), ring))
 
     done: dict = {}
     try:
@@ -243,12 +295,14 @@ class DecodeClient:
           stats.last_logits = item.get("logits", logits.tolist() if return_logits and len(out) == 1 else None)
     except BaseException:
       writer.finish(30, check=False)           # the packed layers in `keep` must outlive the writes reading them
-      if not all(t.done() for t in writer.transfers.values()): self.staging = None    # a write may still read it: never reuse it
+      if not all(t.done() for t in writer.transfers.values()):     # a write may still read them: never reuse them
+        self.staging, self.ring_regions = None, []
       # writes_done only when every posted write finished: otherwise a shm/verbs write may still land, and the node holds the blocks
       try: self.ctl.call("decode.release", seq_id=seq_id, writes_done=all(t.done() for t in writer.transfers.values()), reply_timeout=10)
       except Exception: pass
       raise
     transfers = writer.finish(60)
+    stats.staging_waits = ring.waits if ring is not None else 0
     # the decode node's notice times are on this clock only on this host (perf_counter is CLOCK_MONOTONIC there)
     theirs = done.get("landed_at") if self.info.get("host") == host_id() else None
     transfer_figures(stats, t0, t_first, computed, writer.posted, {l: t.finished for l, t in transfers.items()},
@@ -260,3 +314,4 @@ class DecodeClient:
     self.peer.close()
     if self.staging is not None: self.staging.free()
     self.staging = None
+    self._free_ring()

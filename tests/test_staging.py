@@ -1,0 +1,156 @@
+"""Layers packed in device memory that no transport sends from leave through N staging buffers (tinyhet.staging), copied
+and written by the writer thread: the bytes equal the synchronous path's, a staging buffer is never reused while a write
+reads it, and the prefill thread waits only when every buffer is in flight. The device is tinygrad's own CPU device (its
+kernels run on worker threads, its memory is not registered: what a GPU is to tinyhet) and its PYTHON emulator."""
+import subprocess, sys, threading
+import numpy as np, pytest
+from hypothesis import given, settings, strategies as st
+import tinyhet  # noqa: F401
+from tinygrad import Tensor, dtypes
+from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
+from tinyhet.memory import local_node
+from tinyhet.prefill import LayerWriter, post_packed
+from tinyhet.runtime.transport import Span, Transfer
+from tinyhet.staging import StagingRing, start_copy
+
+KVH, D = 2, 8
+
+class SlowTransport:
+  """A transport whose writes read their source only when they land: lazily (when someone waits for them, so a write lands
+  only when prefill or finish() needs it to) or after a delay on a timer thread. At landing it checks that the source bytes
+  are still those it was handed at posting: a staging buffer reused while in flight fails the check."""
+  def __init__(self, dest: np.ndarray, delay: float | None = None):
+    self.dest, self.delay, self.lock = dest, delay, threading.Lock()
+    self.overwritten: list[int] = []
+    self.in_flight, self.most_in_flight, self.timers = 0, 0, []
+
+  def write(self, peer, spans: list[Span], notify: int | None = None) -> Transfer:
+    at_post = [bytes(s.local.view(s.local_offset, s.nbytes)) for s in spans]
+    transport = self
+    class SlowTransfer(Transfer):
+      def land(self):
+        with transport.lock:
+          if self.done(): return
+          for s, before in zip(spans, at_post):
+            now = bytes(s.local.view(s.local_offset, s.nbytes))
+            if now != before: transport.overwritten.append(notify)
+            transport.dest[s.remote_offset:s.remote_offset + s.nbytes] = np.frombuffer(now, np.uint8)
+          transport.in_flight -= 1
+          self.finish()
+      def wait(self, timeout=60.0):
+        if transport.delay is None: self.land()
+        return super().wait(timeout)
+    t = SlowTransfer("decode", "slow", notify or 0, sum(s.nbytes for s in spans))
+    with self.lock:
+      self.in_flight += 1
+      self.most_in_flight = max(self.most_in_flight, self.in_flight)
+    if self.delay is not None:
+      self.timers.append(timer := threading.Timer(self.delay, t.land))
+      timer.start()
+    return t
+
+def layers_kv(n_layers: int, n_tokens: int, seed: int):
+  rng = np.random.default_rng(seed)
+  return [tuple(rng.standard_normal((n_tokens, KVH, D)).astype(np.float16) for _ in range(2)) for _ in range(n_layers)]
+
+def send_all(kv, bs: int, device: str, n_buffers: int, transport: SlowTransport):
+  """What DecodeClient.generate does per layer on its way out: pack on the device, post_packed. Layer l goes to the
+  destination's l-th slot of layer_bytes. Returns the ring (None for the synchronous path)."""
+  node = local_node()
+  nb = -(-len(kv[0][0]) // bs)
+  layer_bytes = nb * 2 * KVH * bs * D * 2
+  regions = [node.arena("MESH").alloc(layer_bytes + 64, align=4096) for _ in range(n_buffers)]   # + 64: a buffer may be larger
+  ring = StagingRing(regions) if regions else None
+  writer, keep = LayerWriter(transport, None), []
+  try:
+    for layer, (k, v) in enumerate(kv):
+      packed = pack_kv(Tensor(k, device=device), Tensor(v, device=device), bs, dtypes.float16).contiguous().realize()
+      block = layer_bytes // nb
+      spans_from = lambda region, offset, layer=layer: [Span(region, offset + i * block, None, (layer * nb + i) * block, block) for i in range(nb)]
+      keep.append(post_packed(writer, layer, packed, layer_bytes, spans_from, layer, ring))
+    writer.finish(30)
+  finally:
+    for t in transport.timers: t.join()
+    for r in regions: r.free()
+  return ring
+
+def expected(kv, bs: int) -> np.ndarray:
+  nb = -(-len(kv[0][0]) // bs)
+  out = np.zeros((len(kv), nb, 2, KVH, bs * D), np.float16)
+  for layer, (k, v) in enumerate(kv): pack_kv_host(k, v, out[layer])
+  return out.view(np.uint8).reshape(-1)
+
+@settings(max_examples=20, deadline=None)
+@given(n_layers=st.integers(1, 5), n_buffers=st.integers(1, 4), n_tokens=st.integers(1, 40), bs=st.sampled_from([4, 16]), lazy=st.booleans())
+def test_staged_bytes_equal_the_synchronous_path(n_layers, n_buffers, n_tokens, bs, lazy):
+  """Over layer counts, buffer counts, prompt lengths: the decode side holds the same bytes through N staging buffers as
+  through the synchronous copy, and as numpy's packing; no write found its source changed while it was in flight."""
+  kv = layers_kv(n_layers, n_tokens, seed=n_layers * 100 + n_tokens)
+  want = expected(kv, bs)
+  sync, staged = SlowTransport(np.zeros_like(want), None if lazy else 0.01), SlowTransport(np.zeros_like(want), None if lazy else 0.01)
+  assert send_all(kv, bs, "CPU", 0, sync) is None
+  ring = send_all(kv, bs, "CPU", n_buffers, staged)
+  np.testing.assert_array_equal(sync.dest, want)
+  np.testing.assert_array_equal(staged.dest, want)
+  assert staged.overwritten == [] and staged.most_in_flight <= n_buffers
+  if lazy: assert ring.waits == max(0, n_layers - n_buffers)     # writes land only when waited on: every take past N waits
+  else: assert ring.waits <= max(0, n_layers - n_buffers)
+
+@pytest.mark.parametrize("n_buffers", [1, 2, 3, 6])
+def test_prefill_waits_only_when_every_buffer_is_in_flight(n_buffers):
+  """With writes that land only when waited on, 6 layers through N buffers: the prefill thread waits exactly 6 - N times
+  (never while a buffer is free), N writes are in flight at most, and none saw its staging buffer overwritten."""
+  kv = layers_kv(6, 13, seed=3)
+  slow = SlowTransport(np.zeros_like(expected(kv, 4)))
+  ring = send_all(kv, 4, "CPU", n_buffers, slow)
+  assert ring.waits == max(0, 6 - n_buffers) and slow.most_in_flight == min(6, n_buffers) and slow.overwritten == []
+  np.testing.assert_array_equal(slow.dest, expected(kv, 4))
+
+def test_emulated_device_stages_the_same_bytes():
+  """tinygrad's PYTHON emulator (a non-CPU backend, as a GPU is to tinyhet) through two staging buffers."""
+  kv = layers_kv(3, 5, seed=9)
+  slow = SlowTransport(np.zeros_like(expected(kv, 4)), delay=0.02)
+  ring = send_all(kv, 4, "PYTHON", 2, slow)
+  np.testing.assert_array_equal(slow.dest, expected(kv, 4))
+  assert slow.overwritten == [] and ring.waits <= 1
+
+def test_a_failed_write_reaches_the_prefill_thread():
+  """A write that fails is raised where the prefill thread next takes a buffer that waits for it, or by finish()."""
+  class Broken:
+    def write(self, peer, spans, notify=None):
+      t = Transfer("decode", "broken", 0, 1)
+      t.finish("link down")
+      return t
+  node = local_node()
+  region = node.arena("MESH").alloc(4096)
+  try:
+    ring, writer = StagingRing([region]), LayerWriter(Broken(), None)
+    packed = pack_kv(Tensor(np.ones((4, KVH, D), np.float16), device="CPU"), Tensor(np.ones((4, KVH, D), np.float16), device="CPU"), 4).realize()
+    post_packed(writer, 0, packed, packed.nbytes(), lambda r, o: [Span(r, o, None, 0, packed.nbytes())], 0, ring)
+    with pytest.raises(Exception, match="link down"): post_packed(writer, 1, packed, packed.nbytes(), lambda r, o: [Span(r, o, None, 0, 8)], 1, ring)
+    with pytest.raises(Exception, match="link down"): writer.finish(10)
+  finally: region.free()
+
+def test_bad_staging_requests_are_refused():
+  region = local_node().arena("MESH").alloc(256)
+  try:
+    with pytest.raises(ValueError, match="at least one buffer"): StagingRing([])
+    packed = Tensor.ones(64, device="CPU").contiguous().realize()        # 256 bytes
+    with pytest.raises(ValueError, match="cannot stage 300 bytes"): start_copy(packed.uop.buffer, region, 300)
+    with pytest.raises(ValueError, match="cannot stage 0 bytes"): start_copy(packed.uop.buffer, region, 0)
+    small = local_node().arena("MESH").alloc(64)
+    try:
+      with pytest.raises(ValueError, match="in a 64-byte staging buffer"): start_copy(packed.uop.buffer, small, 128)
+    finally: small.free()
+  finally: region.free()
+
+@pytest.mark.parametrize("bad", ["-1", "65", "two"])
+def test_bad_staging_buffer_counts_name_the_option(bad):
+  from tinyhet.config import ConfigError, load_config
+  assert load_config(env={}).staging_buffers == 2 and load_config(env={"TINYHET_STAGING_BUFFERS": "0"}).staging_buffers == 0
+  with pytest.raises(ConfigError, match="TINYHET_STAGING_BUFFERS"): load_config(env={"TINYHET_STAGING_BUFFERS": bad})
+
+def test_bench_staging_refuses_bad_arguments():
+  for args in (["--rounds", "0"], ["--buffers", "2,0"], ["--link-gbps", "-1"]):
+    p = subprocess.run([sys.executable, "-m", "tinyhet", "bench", "staging", *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "must be positive" in p.stderr, (args, p.stderr[-500:])
