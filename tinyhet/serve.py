@@ -210,8 +210,14 @@ def parse_args(argv):
   ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for KV room at most; past it: 503 with Retry-After")
   ap.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for KV room before 503")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns the router)")
+  from tinyhet import ray_cluster
+  ray_cluster.add_args(ap)
   args = ap.parse_args(argv)
-  if not (args.decode or args.both): ap.error("give at least one decode-capable node: --decode HOST:PORT or --both HOST:PORT")
+  if args.ray is not None:
+    try: ray_cluster.parse_replicas(args.replicas)
+    except ValueError as e: ap.error(str(e))
+    if args.prefill or args.decode or args.both: ap.error("--ray places the nodes itself: leave out --prefill, --decode and --both")
+  elif not (args.decode or args.both): ap.error("give at least one decode-capable node: --decode HOST:PORT or --both HOST:PORT")
   for a in args.prefill + args.decode + args.both + [args.listen]:
     host, _, port = a.rpartition(":")
     if not host or not port.isdigit(): ap.error(f"{a!r} is not host:port")
@@ -221,6 +227,9 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.ray is not None:
+    from tinyhet import ray_cluster
+    ray_cluster.import_ray()                    # without Ray: one line saying what to install, before anything starts
   import os, signal, socket
   import uvicorn
   from tinyhet import service_model
@@ -236,6 +245,7 @@ def main(argv=None) -> int:
   model_id, tok = service_model.model_id(args.model), service_model.load_tokenizer(args.model)
   nodes = {**{a: "prefill" for a in args.prefill}, **{a: "decode" for a in args.decode}, **{a: "both" for a in args.both}}
   metrics = Metrics()
+  if args.ray is not None: token = ray_cluster.share_token()      # before the router's endpoint reads it
   ep = Endpoint(f"router-{socket.gethostname()}-{os.getpid()}")
   cluster = Cluster(ep, nodes, model_id, metrics, args.max_queue, args.queue_timeout, planner)
   host, _, port = args.listen.rpartition(":")
@@ -243,13 +253,19 @@ def main(argv=None) -> int:
   except OSError as e:
     print(f"tinyhet serve: cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port", file=sys.stderr)
     return 2
-  server = uvicorn.Server(uvicorn.Config(Service(cluster, tok, model_id, metrics).app(), log_level="warning", timeout_graceful_shutdown=2))
+  app, replicas = Service(cluster, tok, model_id, metrics).app(), None
+  if args.ray is not None:
+    replicas = ray_cluster.start(args, cluster, args.model)
+    replicas.mount(app, token)
+    nodes = {"ray": args.ray, "replicas": replicas.want}
+  server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
   print(json.dumps({"address": f"{host}:{sock.getsockname()[1]}", "model": model_id, "nodes": nodes}), flush=True)
   if args.stdin_stop:
     threading.Thread(target=lambda: (sys.stdin.read(), setattr(server, "should_exit", True)), daemon=True).start()
   signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
   try: server.run(sockets=[sock])
   finally:
+    if replicas is not None: replicas.close()
     cluster.close()
     ep.close()
   return 0
