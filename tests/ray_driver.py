@@ -1,16 +1,15 @@
 """The Ray scenario of tests/test_ray.py, run inside a network namespace whose only interface is lo (Ray then binds
 127.0.0.1): a ray.cluster_utils.Cluster of simulated hosts, `tinyhet serve --ray` over it, requests, kill -9 of the decode
 actor's process, decode replicas raised 1 -> 2 as a host joins, that host leaving. Prints one JSON object of what it saw;
-the test compares the tokens with a single-process run. usage: python ray_driver.py MODEL_SPEC"""
+the test compares the tokens with a single-process run. Every phase streams some of the same prompts, so that one set of
+single-process runs checks them all. usage: python ray_driver.py MODEL_SPEC PROMPTS_JSON MAX_TOKENS"""
 import http.client, json, os, signal, subprocess, sys, threading, time
 from ray.cluster_utils import Cluster
 
-SPEC, TOKEN = sys.argv[1], os.environ["TINYHET_TOKEN"]
+SPEC, PROMPTS, N, TOKEN = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), os.environ["TINYHET_TOKEN"]
 HOST_MEMORY = 256 << 20            # the Ray memory of each decode host: its KV pool is a quarter of it
 out: dict = {"phases": {}}
 NODE_PIDS: set[int] = set()
-
-def prompt(i: int, n: int = 10) -> list[int]: return [(i * 37 + j * 11) % 250 + 1 for j in range(n)]
 
 class Router:
   def __init__(self, address: str):
@@ -95,13 +94,13 @@ try:
   out["hosts"] = {"head": cluster.head_node.node_id, "big": big.node_id}
   out["placement"] = {r["role"]: r["node_id"] for r in reps}
   out["kv_blocks"] = next(n["kv_blocks"] for n in router.request("GET", "/ready")[1]["nodes"] if n["role"] == "decode")
-  out["served"] = many(router, [prompt(i) for i in range(3)], 8)()
+  out["served"] = many(router, PROMPTS[:2], N // 2)()
   out["phases"]["start+serve"] = time.monotonic() - t0
 
   # kill -9 the decode actor's process while 6 requests stream
   t = time.monotonic()
   old = router.replicas("decode")[0]
-  join = many(router, [prompt(100 + i) for i in range(6)], 24, after=(streaming := threading.Event()))
+  join = many(router, PROMPTS, N, after=(streaming := threading.Event()))
   assert streaming.wait(120), "no request streamed"
   os.kill(old["pid"], signal.SIGKILL)
   out["killed"] = join()
@@ -114,7 +113,7 @@ try:
   # decode 1 -> 2 while requests run: the second waits for a host, which then joins
   t = time.monotonic()
   scaled = {}
-  join = many(router, [prompt(200 + i) for i in range(6)], 24, after=(streaming := threading.Event()))
+  join = many(router, PROMPTS, N, after=(streaming := threading.Event()))
   assert streaming.wait(120), "no request streamed"
   scaled["post"] = router.request("POST", "/admin/replicas", {"decode": 2})[1]
   time.sleep(0.5)
@@ -124,7 +123,7 @@ try:
   router.wait(lambda: router.up() >= 3, "the second decode node")
   out["scale"] = {"want": scaled["post"]["want"], "pending": scaled["pending"],
                   "decode_hosts": sorted(r["node_id"] for r in router.replicas("decode")), "joined": scaled["host"].node_id}
-  out["after_scale"] = many(router, [prompt(300 + i) for i in range(6)], 12)()
+  out["after_scale"] = many(router, PROMPTS + PROMPTS, N // 2)()
   out["scale"]["work"] = [router.metric("tinyhet:node_requests_total", node=r["address"]) for r in router.replicas("decode")]
   out["phases"]["scale"] = time.monotonic() - t
 
@@ -135,7 +134,7 @@ try:
   router.wait(lambda: all(n["address"] != gone["address"] for n in router.request("GET", "/ready")[1]["nodes"]), "the host leaving", 60)
   state = router.request("GET", "/admin/replicas")[1]
   out["left"] = {"decode": len([r for r in state["replicas"] if r["role"] == "decode"]), "pending": state["pending"],
-                 "served": many(router, [prompt(400)], 6)()}
+                 "served": many(router, PROMPTS[:1], N // 2)()}
   out["phases"]["leave"] = time.monotonic() - t
 
   # the admin endpoint's bad input: nothing changes
