@@ -131,9 +131,14 @@ class Replicas:
 
   # ---- the loop
   def _run(self):
+    said = ""
     while not self.stopped.is_set():
-      try: self.reconcile()
-      except Exception as e: print(f"tinyhet serve: ray: {type(e).__name__}: {e}", flush=True)     # one bad poll must not end the loop
+      try:
+        self.reconcile()
+        said = ""
+      except Exception as e:                          # one bad poll must not end the loop (the cluster may come back)
+        if (msg := f"tinyhet serve: ray: {type(e).__name__}: {str(e)[:300]}") != said: print(msg, flush=True)
+        said = msg
       self.stopped.wait(self.interval)
 
   def reconcile(self):
