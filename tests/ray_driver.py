@@ -127,14 +127,30 @@ try:
   out["scale"]["work"] = [router.metric("tinyhet:node_requests_total", node=r["address"]) for r in router.replicas("decode")]
   out["phases"]["scale"] = time.monotonic() - t
 
-  # the joined host leaves: its replica is dropped from routing and the second decode waits for a host again
+  # decode 2 -> 1 while requests stream: the newest replica leaves routing, then stops once its requests are done
   t = time.monotonic()
-  gone = next(r for r in router.replicas("decode") if r["node_id"] == scaled["host"].node_id)
-  cluster.remove_node(scaled["host"])
-  router.wait(lambda: all(n["address"] != gone["address"] for n in router.request("GET", "/ready")[1]["nodes"]), "the host leaving", 60)
-  state = router.request("GET", "/admin/replicas")[1]
-  out["left"] = {"decode": len([r for r in state["replicas"] if r["role"] == "decode"]), "pending": state["pending"],
-                 "served": many(router, PROMPTS[:1], N // 2)()}
+  dropped = next(r for r in router.replicas("decode") if r["node_id"] == scaled["host"].node_id)
+  work_before = router.metric("tinyhet:node_requests_total", node=dropped["address"])
+  join = many(router, PROMPTS, N, after=(streaming := threading.Event()))
+  assert streaming.wait(120), "no request streamed"
+  router.request("POST", "/admin/replicas", {"decode": 1})
+  out["draining"] = join()
+  router.wait(lambda: not router.request("GET", "/admin/replicas")[1]["draining"], "the drain", 90)
+  out["drain"] = {"decode": [r["node_id"] for r in router.replicas("decode")], "dropped_host": dropped["node_id"],
+                  "dropped_alive": alive(dropped["node_pid"]), "routed": [n["address"] for n in router.request("GET", "/ready")[1]["nodes"]],
+                  "dropped_address": dropped["address"],
+                  "dropped_work": router.metric("tinyhet:node_requests_total", node=dropped["address"]) - work_before}
+  out["phases"]["drain"] = time.monotonic() - t
+
+  # the decode replica's host leaves the cluster: the replica is placed again on the host that is free now
+  t = time.monotonic()
+  gone = router.replicas("decode")[0]
+  cluster.remove_node(big)
+  moved = router.wait(lambda: (r := router.replicas("decode")) and r[0]["address"] and r[0]["node_id"] != gone["node_id"] and r[0],
+                      "the replacement", 90)
+  router.wait(lambda: router.up() >= 2 and all(n["address"] != gone["address"] for n in router.request("GET", "/ready")[1]["nodes"]),
+              "the replacement's node", 90)
+  out["left"] = {"moved_to": moved["node_id"], "served": many(router, PROMPTS[:1], N // 2)()}
   out["phases"]["leave"] = time.monotonic() - t
 
   # the admin endpoint's bad input: nothing changes

@@ -148,7 +148,7 @@ def test_kill9_of_the_decode_actor_is_restarted_by_ray(scenario, model):
   assert r["retries"] > 0, "no request was in flight on the killed node"
 
 @pytest.mark.netns
-def test_decode_replicas_raised_while_requests_run_as_a_host_joins_then_leaves(scenario, model):
+def test_decode_replicas_raised_while_requests_run_as_a_host_joins(scenario, model):
   s, refs = scenario
   assert s["scaling"] == refs
   sc = s["scale"]
@@ -156,8 +156,17 @@ def test_decode_replicas_raised_while_requests_run_as_a_host_joins_then_leaves(s
   assert sorted([s["hosts"]["big"], sc["joined"]]) == sc["decode_hosts"]
   assert s["after_scale"] == [r[:N // 2] for r in refs + refs]
   assert len(sc["work"]) == 2 and all(w > 0 for w in sc["work"]), sc["work"]
-  left = s["left"]
-  assert left["decode"] == 1 and "decode" in left["pending"] and left["served"] == [refs[0][:N // 2]]
+
+@pytest.mark.netns
+def test_decode_replicas_lowered_while_requests_run_then_a_host_leaves(scenario):
+  s, refs = scenario
+  assert s["draining"] == refs, "a request was lost when its decode replica was dropped"
+  d = s["drain"]
+  assert d["decode"] == [s["hosts"]["big"]] and d["dropped_host"] == s["scale"]["joined"]     # the newest replica went
+  assert d["dropped_address"] not in d["routed"] and not d["dropped_alive"]
+  assert d["dropped_work"] > 0, "no request was running on the replica that was dropped"
+  # the big host leaves: its decode replica is placed again on the host the drain freed, and serves
+  assert s["left"]["moved_to"] == s["scale"]["joined"] and s["left"]["served"] == [refs[0][:N // 2]]
 
 @pytest.mark.netns
 def test_admin_endpoint_refuses_bad_requests(scenario):
@@ -165,4 +174,4 @@ def test_admin_endpoint_refuses_bad_requests(scenario):
   statuses = [status for status, _ in s["admin_bad"]]
   assert statuses == [401, 401] + [400] * 8
   assert all(set(obj["error"]) == {"message", "type", "param", "code"} for _, obj in s["admin_bad"])
-  assert s["admin_after"] == {"prefill": 1, "decode": 2, "both": 0}
+  assert s["admin_after"] == {"prefill": 1, "decode": 1, "both": 0}

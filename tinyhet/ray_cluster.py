@@ -219,10 +219,14 @@ class Replicas:
 
   # ---- the admin endpoint
   def state(self) -> dict:
+    """The counts asked for, why any is not placed, and each replica: its host, its node's address (None while it starts:
+    `starting_s` long; a replica that stays there waits for Ray, whose `ray status` says for what), its restarts."""
     with self.lock:
+      now = time.monotonic()
       return {"want": dict(self.want), "pending": dict(self.pending),
               "replicas": [{"role": r.role, "node_id": r.node_id, "address": r.address, "restarts": r.restarts, "pid": r.info.get("pid"),
-                            "node_pid": r.info.get("node_pid"), "host": r.info.get("host")} for r in self.replicas],
+                            "node_pid": r.info.get("node_pid"), "host": r.info.get("host"),
+                            "starting_s": None if r.address else round(now - r.started, 1)} for r in self.replicas],
               "draining": [r.address for r, _, _ in self.draining]}
 
   def set_want(self, want: dict) -> None:
