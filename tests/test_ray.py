@@ -2,7 +2,7 @@
 Ray, and one Ray scenario with real processes: a ray.cluster_utils.Cluster of simulated hosts inside a network namespace
 whose only interface is lo (tests/ray_driver.py), the router, the nodes as Ray actors, kill -9 of the decode actor, decode
 replicas raised 1 -> 2 as a host joins, and that host leaving. Tokens are compared with a single-process greedy run."""
-import json, os, subprocess, sys
+import json, os, socket, subprocess, sys
 import pytest
 from hypothesis import given, settings, strategies as st
 from tinyhet.ray_cluster import ROLES, check_counts, choose_host, parse_replicas
@@ -91,6 +91,15 @@ def test_ray_missing_says_in_one_line_what_to_install():
 def test_bad_ray_arguments(argv, says):
   p = subprocess.run([sys.executable, "-m", "tinyhet", "serve", *argv], capture_output=True, text=True, timeout=60)
   assert p.returncode == 2 and says in p.stderr and p.stderr.count("\n") == 1, p.stderr
+
+def test_a_ray_address_nobody_answers_on_fails_in_one_line():
+  pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
+  with socket.socket() as s:                       # a port that was free a moment ago: nothing listens there
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  p = subprocess.run([sys.executable, "-m", "tinyhet", "serve", "--ray", f"127.0.0.1:{port}", "--listen", "127.0.0.1:0", "--model", SPEC],
+                     capture_output=True, text=True, timeout=60)
+  assert p.returncode != 0 and "no Ray cluster answers" in p.stderr and p.stderr.count("\n") == 1, p.stderr
 
 # ---- the Ray scenario
 

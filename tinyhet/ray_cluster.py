@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 ROLES = ("prefill", "decode", "both")
 RAY_VERSION = "2.60.0"
-INSTALL_HINT = f"--ray needs Ray: pip install -e '.[ray]' (or pip install 'ray[default]=={RAY_VERSION}')"
+INSTALL_HINT = f"--ray needs Ray: pip install -e '.[ray]' (or pip install 'ray=={RAY_VERSION}')"
 
 def parse_replicas(text: str) -> dict[str, int]:
   """'prefill=1,decode=2' -> {'prefill': 1, 'decode': 2, 'both': 0}; ValueError saying what to write."""
@@ -267,6 +267,13 @@ def start(args, cluster, model: str | None) -> Replicas:
   """Join the Ray cluster at args.ray and start placing the replicas args.replicas asks for."""
   ray = import_ray()
   want = parse_replicas(args.replicas)
+  host, _, port = args.ray.rpartition(":")
+  if host and port.isdigit() and "://" not in args.ray:      # Ray itself retries an address nobody answers on for minutes
+    import socket
+    try: socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+      raise SystemExit(f"tinyhet serve: no Ray cluster answers at {args.ray} ({e.strerror or e}): give the head's address "
+                       "(`ray status` on it shows it) or `auto` on a host of the cluster") from None
   try: ray.init(address=args.ray, logging_level="WARNING", log_to_driver=False)
   except ConnectionError as e:
     raise SystemExit(f"tinyhet serve: cannot join the Ray cluster at {args.ray!r} ({str(e).splitlines()[0]}): start it with `ray start --head` "
