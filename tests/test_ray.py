@@ -87,7 +87,12 @@ def test_ray_missing_says_in_one_line_what_to_install():
 
 @pytest.mark.parametrize("argv, says", [(["--ray", "auto", "--replicas", "decode=0"], "at least one decode"),
                                         (["--ray", "auto", "--replicas", "gpu=2"], "ROLE=COUNT"),
-                                        (["--ray", "auto", "--decode", "127.0.0.1:1"], "leave out --prefill")])
+                                        (["--ray", "auto", "--decode", "127.0.0.1:1"], "leave out --prefill"),
+                                        (["--ray", "auto", "--max-seqs", "0"], "--max-seqs"),
+                                        (["--ray", "auto", "--kv-fraction", "0"], "--kv-fraction"),
+                                        (["--ray", "auto", "--kv-fraction", "2"], "--kv-fraction"),
+                                        (["--ray", "auto", "--kv-memory", "lots"], "--kv-memory"),
+                                        (["--ray", "auto", "--max-restarts", "-5"], "--max-restarts")])
 def test_bad_ray_arguments(argv, says):
   p = subprocess.run([sys.executable, "-m", "tinyhet", "serve", *argv], capture_output=True, text=True, timeout=60)
   assert p.returncode == 2 and says in p.stderr and p.stderr.count("\n") == 1, p.stderr

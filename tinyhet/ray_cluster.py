@@ -47,6 +47,17 @@ def add_args(ap) -> None:
   ap.add_argument("--max-seqs", type=int, default=16, help="with --ray: sequences each decode node decodes together at most")
   ap.add_argument("--max-restarts", type=int, default=5, help="with --ray: Ray restarts of one actor before the router replaces it")
 
+def check_args(args) -> None:
+  """The --ray options, before anything starts: ValueError saying what to change."""
+  parse_replicas(args.replicas)
+  if args.max_seqs < 1: raise ValueError(f"--max-seqs must be at least 1, got {args.max_seqs}")
+  if not 0 < args.kv_fraction <= 0.9: raise ValueError(f"--kv-fraction must be above 0 and at most 0.9, got {args.kv_fraction}")
+  if args.max_restarts < -1: raise ValueError(f"--max-restarts must be -1 (no limit) or more, got {args.max_restarts}")
+  if args.kv_memory is not None:
+    from tinyhet.config import ConfigError, parse_bytes
+    try: parse_bytes(args.kv_memory, "--kv-memory")
+    except ConfigError as e: raise ValueError(str(e)) from None
+
 def import_ray():
   try:
     import ray
@@ -89,7 +100,7 @@ class NodeActor:
     if not line: raise RuntimeError(f"tinyhet node --role {role} did not start (exit {self.proc.wait()}): see its stderr in the Ray worker log")
     ctx = ray.get_runtime_context()
     self.info = {**json.loads(line), "pid": os.getpid(), "node_pid": self.proc.pid, "host": self.host, "node_id": ctx.get_node_id(),
-                 "restarts": ctx.was_current_actor_reconstructed}
+                 "reconstructed": ctx.was_current_actor_reconstructed}
     threading.Thread(target=self._follow, name="tinyhet-node-follow", daemon=True).start()
 
   def _follow(self):
@@ -108,8 +119,7 @@ class Replica:
   info: dict = field(default_factory=dict)
   address: str | None = None    # its node's address, as the router's Cluster knows it
   poll: object = None           # an outstanding describe() call
-  error: str = ""
-  restarts: int = 0
+  restarts: int = 0             # Ray restarts seen (each brings a new node at a new address)
 
 class Replicas:
   """Keeps the asked number of nodes per role running on the Ray cluster and the router's Cluster pointed at them."""
@@ -168,7 +178,7 @@ class Replicas:
     try: info = ray.get(ref)
     except ray.exceptions.ActorUnavailableError: return               # restarting: ask again next time
     except ray.exceptions.RayActorError as e:                         # dead for good (restarts used up, its node would not start)
-      return self._gone(r, str(e).splitlines()[0][:300])
+      return self._gone(r, str(e).splitlines()[0][:300], failed=not r.address)
     if info["address"] != r.address:                                  # first start, or Ray restarted it: a new node, a new address
       if r.address:
         r.restarts += 1
@@ -176,13 +186,13 @@ class Replicas:
       r.address, r.info = info["address"], info
       self.cluster.add_node(r.address, r.role)
 
-  def _gone(self, r: Replica, why: str):
+  def _gone(self, r: Replica, why: str, failed: bool = False):
     print(f"tinyhet serve: ray: the {r.role} replica on host {r.node_id[:12]} is gone ({why}); placing another", flush=True)
     self.replicas.remove(r)
     try: self.ray.kill(r.actor, no_restart=True)
     except Exception: pass                                            # dead already
     if r.address: self.cluster.remove_node(r.address)
-    else: self.failed_at[r.role] = time.monotonic()                   # it never served: wait before trying again
+    if failed: self.failed_at[r.role] = time.monotonic()              # its node never started: wait before trying again
 
   def _drop(self, r: Replica):
     """Out of routing now; the actor stops once the requests it holds are done (or after a minute)."""

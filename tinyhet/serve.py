@@ -214,7 +214,7 @@ def parse_args(argv):
   ray_cluster.add_args(ap)
   args = ap.parse_args(argv)
   if args.ray is not None:
-    try: ray_cluster.parse_replicas(args.replicas)
+    try: ray_cluster.check_args(args)
     except ValueError as e: ap.error(str(e))
     if args.prefill or args.decode or args.both: ap.error("--ray places the nodes itself: leave out --prefill, --decode and --both")
   elif not (args.decode or args.both): ap.error("give at least one decode-capable node: --decode HOST:PORT or --both HOST:PORT")
