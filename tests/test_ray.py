@@ -139,7 +139,12 @@ def scenario(model):
         p.communicate()
     assert p.returncode == 0 and out.strip(), err[-4000:]
     return json.loads(out.strip().splitlines()[-1]), refs
-  finally: subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+  finally:
+    # whatever the driver left (a timeout, a failure: Ray's own processes included) runs inside the namespace: end it by pid
+    for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+      try: os.kill(int(pid), 9)
+      except (ProcessLookupError, ValueError): pass
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 @pytest.mark.netns
 def test_ray_nodes_placed_by_resources_and_serving(scenario, model):
