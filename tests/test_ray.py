@@ -2,7 +2,7 @@
 Ray, and one Ray scenario with real processes: a ray.cluster_utils.Cluster of simulated hosts inside a network namespace
 whose only interface is lo (tests/ray_driver.py), the router, the nodes as Ray actors, kill -9 of the decode actor, decode
 replicas raised 1 -> 2 as a host joins, and that host leaving. Tokens are compared with a single-process greedy run."""
-import json, os, socket, subprocess, sys
+import json, os, socket, subprocess, sys, time
 import pytest
 from hypothesis import given, settings, strategies as st
 from tinyhet.ray_cluster import ROLES, check_counts, choose_host, parse_replicas
@@ -74,6 +74,40 @@ def test_decode_goes_to_the_biggest_host_without_a_prefill_node():
   assert choose_host("decode", hosts, {"gpu": ["prefill"], "big": ["decode"]})[0]["NodeID"] == "small"
   assert choose_host("decode", hosts, {"gpu": ["prefill"], "big": ["decode"], "small": ["both"]})[0]["NodeID"] == "gpu"
   assert choose_host("decode", hosts, {"gpu": ["prefill", "decode"], "big": ["decode"], "small": ["both"]})[0] is None
+
+# ---- the router's nodes at run time (what the Ray controller calls), with real heartbeat endpoints
+
+def test_cluster_add_and_remove_nodes_at_run_time():
+  from tinyhet import heartbeat
+  from tinyhet.router import Cluster
+  from tinyhet.runtime.transport import Endpoint
+  status = {"model": "m", "block_size": 16, "kv_blocks": 10, "free_blocks": 10, "running": 0, "waiting": 0, "incoming": 0, "max_seqs": 4}
+  nodes = [Endpoint(f"n{i}", token="t") for i in range(2)]
+  for ep in nodes: heartbeat.install(ep, "decode", lambda: status)
+  a, b = (ep.listen("127.0.0.1", 0) for ep in nodes)
+  router = Endpoint("router", token="t")
+  c = Cluster(router, {}, "m", hb_interval=0.05, hb_timeout=1.0)
+  try:
+    def wait(cond):
+      for _ in range(200):
+        if cond(): return True
+        time.sleep(0.02)
+    assert not c.ready()
+    c.add_node(a, "decode")
+    c.add_node(a, "decode")                         # twice: still one node, one watch
+    assert wait(c.ready) and len(c.watches) == 1
+    c.add_node(b, "decode")
+    assert wait(lambda: sum(n["up"] for n in c.describe()) == 2)
+    node, blocks = c._admit(16)                     # a request holds a node; removing it leaves the request its Node
+    gone = c.remove_node(node.address)
+    assert gone is node and gone.assigned == 1 and [n["address"] for n in c.describe()] == [b if node.address == a else a]
+    c._release(gone, blocks)
+    assert gone.assigned == 0 and len(c.watches) == 1 and c.remove_node(gone.address) is None
+    c.remove_node(b if node.address == a else a)
+    assert not c.ready() and c.watches == []
+  finally:
+    c.close()
+    for ep in [*nodes, router]: ep.close()
 
 # ---- without Ray
 
