@@ -99,6 +99,7 @@ class Cluster:
     self.endpoint, self.model_id, self.metrics, self.planner, self.names = endpoint, model_id, metrics, planner, names or {}
     self.max_queue, self.queue_timeout, self.hb_interval = max_queue, queue_timeout, hb_interval
     self.nodes = {a: Node(a, r) for a, r in nodes.items()}
+    self.hb_timeout = hb_timeout                # for nodes added at run time (add_node)
     self.cond = threading.Condition()
     self.waiting = 0
     self.prefill_s_per_token = 0.0              # an average of the prefills seen, for the planner's prefill_queue_s
@@ -127,6 +128,24 @@ class Cluster:
     for c in clients: c.close()           # a silent node: its requests move on now instead of waiting for a socket timeout
     if self.metrics is not None: self.metrics.node_up.labels(node.address, node.role).set(0)
     if was_up: print(f"tinyhet serve: node {node.address} ({node.role}) is down: {why}", flush=True)
+
+  def add_node(self, address: str, role: str) -> None:
+    """A node that joined at run time (tinyhet.ray_cluster places them): watched and given requests from now on."""
+    with self.cond:
+      if address in self.nodes: return
+      node = self.nodes[address] = Node(address, role)
+      self.watches.append(heartbeat.Watch(self.endpoint, address, lambda b: self._beat(node, b), lambda why: self._lost(node, why),
+                                          self.hb_interval, self.hb_timeout))
+
+  def remove_node(self, address: str) -> Node | None:
+    """No new requests go to the node; those on it go on (its assigned and inflight_tokens say when they are done)."""
+    with self.cond:
+      node = self.nodes.pop(address, None)
+      gone = [w for w in self.watches if w.address == address]
+      self.watches = [w for w in self.watches if w.address != address]
+    for w in gone: w.close()
+    if node is not None and self.metrics is not None: self.metrics.node_up.labels(node.address, node.role).set(0)
+    return node
 
   def ready(self) -> bool:
     with self.cond: return any(n.up and n.can_decode for n in self.nodes.values())

@@ -211,8 +211,14 @@ def parse_args(argv):
   ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for KV room at most; past it: 503 with Retry-After")
   ap.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for KV room before 503")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns the router)")
+  from tinyhet import ray_cluster
+  ray_cluster.add_args(ap)
   args = ap.parse_args(argv)
-  if not (args.decode or args.both or args.cluster):
+  if args.ray is not None:
+    try: ray_cluster.check_args(args)
+    except ValueError as e: ap.error(str(e))
+    if args.prefill or args.decode or args.both: ap.error("--ray places the nodes itself: leave out --prefill, --decode and --both")
+  elif not (args.decode or args.both or args.cluster):
     ap.error("give at least one decode-capable node: --decode HOST:PORT, --both HOST:PORT, or --cluster FILE with role and address keys")
   for a in args.prefill + args.decode + args.both + [args.listen]:
     host, _, port = a.rpartition(":")
@@ -235,6 +241,9 @@ def add_flag_nodes(nodes: dict[str, str], args) -> str | None:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.ray is not None:
+    from tinyhet import ray_cluster
+    ray_cluster.import_ray()                    # without Ray: one line saying what to install, before anything starts
   import os, signal, socket
   import uvicorn
   from tinyhet import service_model
@@ -250,22 +259,29 @@ def main(argv=None) -> int:
     cluster_desc.model(args.cluster_model)      # an unknown model stops here, with the planner's message
     planner, nodes, names = (cluster_desc, args.cluster_model), serving_nodes(data, args.cluster), node_names(data)
   if (why := add_flag_nodes(nodes, args)): return fail(why)
-  if not any(role in ("decode", "both") for role in nodes.values()):
+  if args.ray is None and not any(role in ("decode", "both") for role in nodes.values()):
     return fail(f"no decode-capable node: give role = \"decode\" or \"both\" and an address to a node of {args.cluster}, or add --decode HOST:PORT")
   model_id, tok = service_model.model_id(args.model), service_model.load_tokenizer(args.model)
   metrics = Metrics()
+  if args.ray is not None: token = ray_cluster.share_token()      # before the router's endpoint reads it
   ep = Endpoint(f"router-{socket.gethostname()}-{os.getpid()}")
   cluster = Cluster(ep, nodes, model_id, metrics, args.max_queue, args.queue_timeout, planner, names=names)
   host, _, port = args.listen.rpartition(":")
   try: sock = socket.create_server((host, int(port)), backlog=1024)
   except OSError as e: return fail(f"cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port")
-  server = uvicorn.Server(uvicorn.Config(Service(cluster, tok, model_id, metrics).app(), log_level="warning", timeout_graceful_shutdown=2))
+  app, replicas = Service(cluster, tok, model_id, metrics).app(), None
+  if args.ray is not None:
+    replicas = ray_cluster.start(args, cluster, args.model)
+    replicas.mount(app, token)
+    nodes = {"ray": args.ray, "replicas": replicas.want}
+  server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
   print(json.dumps({"address": f"{host}:{sock.getsockname()[1]}", "model": model_id, "nodes": nodes}), flush=True)
   if args.stdin_stop:
     threading.Thread(target=lambda: (sys.stdin.read(), setattr(server, "should_exit", True)), daemon=True).start()
   signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
   try: server.run(sockets=[sock])
   finally:
+    if replicas is not None: replicas.close()
     cluster.close()
     ep.close()
   return 0
