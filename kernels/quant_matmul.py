@@ -10,7 +10,7 @@ float32 (it is not rounded to 8-bit), so the result is the float32 reference's, 
 The kernel (C, clang vector extensions: no intrinsics, so it builds for any -march tinygrad's CPU compiler targets):
   out[m, r] = sum_k x[m, k] * W[r, k]        x (M, K) float32, W (N, K) as N rows of K/32 blocks, out (M, N) float32
 Rows r of W are split into `parts` contiguous ranges, one per core_id: each part streams its own slice of the weights once
-per tile of MT rows of x (decode: M is the batch, one tile; prefill: M is the prompt, M/MT tiles, W's slice stays in cache
+per tile of 4-8 rows of x (decode: M is the batch, one tile; prefill: M is the prompt, M/MT tiles, W's slice stays in cache
 when it fits). It reaches tinygrad as a custom kernel (Tensor.custom_kernel with a compiled PROGRAM), so it is scheduled,
 captured by TinyJit and run by the worker pool like any other kernel.
 """
@@ -20,7 +20,7 @@ from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
 from tinyhet.packed import BLOCK_BYTES, Q4_0, Q4_1, Q8_0
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
-MT = 4                   # rows of x per tile: 4 float32 accumulators of 16 lanes, with the block's 2 vectors, fit in registers
+MT_MAX = 8               # rows of x per tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
 
 # Each block type turns the block at b into its 32 weights as two 16-lane vectors (weights 0-15, 16-31).
 _DEQUANT = {
@@ -44,7 +44,16 @@ typedef signed char i8x16 __attribute__((vector_size(16)));
 #define NB (K / 32)
 #define BB %(BB)d
 #define PARTS %(parts)d
-#define MT %(MT)d
+/* rows of x per tile: their float32 accumulators of 16 lanes and the dequantized block must stay in registers */
+/* with AVX-512 (32 registers): 8 rows, two accumulators each (the even and the odd block: two chains of fused multiply-adds,
+   not one); else 4 rows, one accumulator each */
+#if defined(__AVX512F__)
+#define MT 8
+#define ACCS 2
+#else
+#define MT 4
+#define ACCS 1
+#endif
 
 /* float16 -> float32: the CPU's conversion where it has one (x86 F16C, ARM's half type); elsewhere shift the exponent and
    mantissa into place and scale by 2^112 (exact for normal and subnormal halves; a block scale is never inf or nan) */
@@ -78,7 +87,7 @@ INLINE f32x16 load16(const float *p) { f32x16 v; __builtin_memcpy(&v, p, 64); re
 INLINE void tile(float *restrict out, const u8 *restrict w, const float *restrict x, int m0, const int mt, int r0, int r1) {
   for (int r = r0; r < r1; r++) {
     const u8 *wr = w + (size_t)r * NB * BB;
-    f32x16 acc[MT] = {0};
+    f32x16 acc[MT][ACCS] = {{0}};
     int b = 0;
     for (; b + 2 <= NB; b += 2) {
       f32x16 lo0, hi0, lo1, hi1;
@@ -86,7 +95,12 @@ INLINE void tile(float *restrict out, const u8 *restrict w, const float *restric
       dequant(wr + (size_t)(b + 1) * BB, &lo1, &hi1);
       for (int i = 0; i < mt; i++) {
         const float *xb = x + (size_t)(m0 + i) * K + b * 32;
-        acc[i] += (lo0 * load16(xb) + hi0 * load16(xb + 16)) + (lo1 * load16(xb + 32) + hi1 * load16(xb + 48));
+#if ACCS == 2
+        acc[i][0] += lo0 * load16(xb); acc[i][0] += hi0 * load16(xb + 16);
+        acc[i][1] += lo1 * load16(xb + 32); acc[i][1] += hi1 * load16(xb + 48);
+#else
+        acc[i][0] += (lo0 * load16(xb) + hi0 * load16(xb + 16)) + (lo1 * load16(xb + 32) + hi1 * load16(xb + 48));
+#endif
       }
     }
     if (b < NB) {
@@ -94,10 +108,10 @@ INLINE void tile(float *restrict out, const u8 *restrict w, const float *restric
       dequant(wr + (size_t)b * BB, &lo, &hi);
       for (int i = 0; i < mt; i++) {
         const float *xb = x + (size_t)(m0 + i) * K + b * 32;
-        acc[i] += lo * load16(xb) + hi * load16(xb + 16);
+        acc[i][0] += lo * load16(xb) + hi * load16(xb + 16);
       }
     }
-    for (int i = 0; i < mt; i++) out[(size_t)(m0 + i) * N + r] = hsum(acc[i]);
+    for (int i = 0; i < mt; i++) out[(size_t)(m0 + i) * N + r] = hsum(ACCS == 2 ? acc[i][0] + acc[i][ACCS - 1] : acc[i][0]);
   }
 }
 
@@ -106,10 +120,8 @@ void %(name)s(float *restrict out, const u8 *restrict w, const float *restrict x
   int r0 = (int)((long)core_id * N / PARTS), r1 = (int)((long)(core_id + 1) * N / PARTS);
   int m0 = 0;
   for (; m0 + MT <= M; m0 += MT) tile(out, w, x, m0, MT, r0, r1);
-  switch (M - m0) {
-    case 1: tile(out, w, x, m0, 1, r0, r1); break;
-    case 2: tile(out, w, x, m0, 2, r0, r1); break;
-    case 3: tile(out, w, x, m0, 3, r0, r1); break;
+  switch (M - m0) {   /* the last rows: a tile of their own count, so its accumulators are registers too */
+%(tails)s
   }
 }
 """
@@ -126,7 +138,8 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int) -> tuple[s
   """(function name, C source) of the kernel for x (M, K) against W (N, K) blocks, split in `parts` parts."""
   if not supported(ggml_type, K): raise ValueError(f"no quantized matmul kernel for GGML type {ggml_type} with {K} columns")
   name = f"qmatmul_t{ggml_type}_{M}_{N}_{K}_p{parts}"
-  return name, _SOURCE % {"name": name, "M": M, "N": N, "K": K, "BB": BLOCK_BYTES[ggml_type], "parts": parts, "MT": MT,
+  return name, _SOURCE % {"name": name, "M": M, "N": N, "K": K, "BB": BLOCK_BYTES[ggml_type], "parts": parts,
+                          "tails": "\n".join(f"    case {i}: if ({i} < MT) tile(out, w, x, m0, {i}, r0, r1); break;" for i in range(1, MT_MAX)),
                           "dequant": _DEQUANT[ggml_type]}
 
 def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, int], threads: int) -> Tensor:
