@@ -80,7 +80,8 @@ def main(argv=None) -> int:
   run = [*tinyhet, "run", PROMPT, "--max-tokens", "12", "--json", "--quiet", "--overhead", "--transport", "shm"]
   staged = steps.run("run staged", run, {"HET_BACKEND": device}, 120)
   sync = steps.run("run sync copy", run, {"HET_BACKEND": device, "TINYHET_STAGING_BUFFERS": "0"}, 90)
-  cpu = steps.run("run CPU", [*tinyhet, "run", PROMPT, "--max-tokens", "12", "--json", "--quiet", "--transport", "shm"], {"HET_BACKEND": "CPU"}, 90)
+  cpu = steps.run("run CPU", [*tinyhet, "run", PROMPT, "--max-tokens", "12", "--json", "--quiet", "--transport", "shm", "--keep-alive", "0"],
+                  {"HET_BACKEND": "CPU"}, 90)
   # 3. the 70B shapes, first `layers` layers, random weights: prefill on the device, then on the CPU
   big = [sys.executable, example, "--random-weights", "--layers", layers, "--prompt-tokens", "32", "--decode-tokens", "4", "--json"]
   big_dev = steps.run(f"70B x{layers} layers", big, {"HET_BACKEND": device}, 120)

@@ -3,7 +3,7 @@ import json, os, subprocess, sys
 import pytest
 
 def tinyhet(*args, env=None):
-  e = {k: v for k, v in os.environ.items() if not k.startswith("TINYHET_")}
+  e = {**{k: v for k, v in os.environ.items() if not k.startswith("TINYHET_")}, "TINYHET_KEEP_ALIVE": "0"}
   return subprocess.run([sys.executable, "-m", "tinyhet", *args], capture_output=True, text=True, timeout=300, env={**e, **(env or {})})
 
 def test_help_and_unknown_command():

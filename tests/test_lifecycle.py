@@ -38,7 +38,8 @@ def wait_for(cond, timeout: float, what: str):
 def start_run(tmp_path, *flags):
   """`tinyhet run` with its stderr in a file; returns it once the decode node it starts has been running for a moment."""
   err = open(tmp_path / "stderr", "w")
-  env = {k: v for k, v in os.environ.items() if not k.startswith("TINYHET_")}
+  # TINYHET_KEEP_ALIVE=0: the run loads the model in its own process and starts its own decode node (nothing resident)
+  env = {**{k: v for k, v in os.environ.items() if not k.startswith("TINYHET_")}, "TINYHET_KEEP_ALIVE": "0"}
   run = subprocess.Popen([sys.executable, "-m", "tinyhet", "run", "hi", "--max-tokens", "2", *flags], stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env=env)
   node = wait_for(lambda: descendants(run.pid), 60, "tinyhet run started no decode node")

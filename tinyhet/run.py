@@ -120,12 +120,14 @@ def main(argv=None) -> int:
     resident.stop_all(lambda m: say(args, m))
     return 0
   if args.resident_serve: return resident.serve(args)
+  signal.signal(signal.SIGTERM, _on_sigterm)
   if parse_keep_alive(args.keep_alive) > 0 and not (args.decode_node or args.no_disagg or args.overhead):
     from tinyhet.weights import model_nbytes
     model_nbytes(args.model, packed=not args.float_weights)   # a bad --model fails here, not in a process started for it
-    report(args, resident.client_run(args, argv, lambda m: say(args, m)))   # the model stays loaded for the next run
+    try: report(args, resident.client_run(args, argv, lambda m: say(args, m)))   # the model stays loaded for the next run
+    except KeyboardInterrupt: return 130
+    except Terminated: exit_now(143)    # the resident process finishes the run on its own (its output is dropped) and stays
     return 0
-  signal.signal(signal.SIGTERM, _on_sigterm)
   sys.setswitchinterval(1e-3)      # transport threads get the GIL sooner from the busy prefill thread
   # a fresh shared token for the decode node started here (a remote one needs TINYHET_TOKEN set on both nodes)
   if not args.decode_node and not args.no_disagg: os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))
