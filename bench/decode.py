@@ -64,7 +64,6 @@ class TinyhetEngine:
 
   def decode(self, batch: int, context: int, steps: int) -> tuple[float, int]:
     """(seconds for `steps` decode steps of `batch` sequences at `context` tokens, bytes one step reads)."""
-    from tinygrad import Tensor, dtypes
     from tinyhet.cpu_threads import kernel_threads
     from tinyhet.decode_node import batch_bucket
     bm, ids = self.cache.block_manager, list(range(batch))
@@ -77,8 +76,8 @@ class TinyhetEngine:
       for i in ids: bm.append_slot(i)
       positions = self.cache.begin_step(ids + [self.pad] * (bucket - batch), 1)
       with kernel_threads("MESH"):
-        logits = step(Tensor(tokens + [[0]] * (bucket - batch), dtype=dtypes.int32, device="MESH"),
-                      Tensor(positions, device="MESH"), **self.cache.jit_kwargs()).numpy()
+        logits = step(*self.cache.step_inputs(np.array(tokens + [[0]] * (bucket - batch), dtype=np.int32), positions),
+                      **self.cache.jit_kwargs()).numpy()
       tokens = [[int(t)] for t in logits[:batch].argmax(-1)]
     try:
       for _ in range(3): one()          # TinyJit: run, capture, replay

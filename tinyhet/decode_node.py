@@ -308,10 +308,11 @@ class DecodeNode:
       with self.cond: self.in_step = set()
 
   def _forward(self, tokens: list[list[int]], positions: np.ndarray, is_prefill: bool) -> np.ndarray:
-    toks = Tensor(np.array(tokens, dtype=np.int32), device="MESH")
-    pos = Tensor(positions.astype(np.int32), device="MESH")
     with kernel_threads("MESH"):
-      if is_prefill: return self.model.forward(toks, pos, self.cache).numpy()
+      if is_prefill:
+        toks, pos = Tensor(np.array(tokens, dtype=np.int32), device="MESH"), Tensor(positions.astype(np.int32), device="MESH")
+        return self.model.forward(toks, pos, self.cache).numpy()
+      toks, pos = self.cache.step_inputs(np.array(tokens, dtype=np.int32), positions)
       B = len(tokens)             # a batch bucket (run() pads the batch)
       if B not in self.steps:   # one capture per bucket; the block count reaches the JIT as a bound Variable argument
         self.steps[B] = TinyJit(lambda t, p, **kv: self.model.forward(t, p, self.cache).realize())

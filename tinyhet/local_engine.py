@@ -10,7 +10,7 @@ the block count a bound Variable) decodes over the paged cache (kernels/paged_at
 from __future__ import annotations
 import time
 import numpy as np
-from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad import Tensor, TinyJit
 from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
 from tinyhet.kv_cache import PagedKVCache
 from tinyhet.cpu_threads import kernel_threads
@@ -71,8 +71,7 @@ class LocalEngine:
         bm.append_slot(seq)
         positions = cache.begin_step([seq], 1)
         with kernel_threads(self.model.device):
-          logits = self.step(Tensor([[token]], dtype=dtypes.int32, device=self.model.device),
-                             Tensor(positions.astype(np.int32), device=self.model.device), **cache.jit_kwargs()).numpy()
+          logits = self.step(*cache.step_inputs(np.array([[token]], dtype=np.int32), positions), **cache.jit_kwargs()).numpy()
         token = sampler(logits[0])
     finally: bm.deallocate(seq)
     rate = (len(marks) - 1) / (marks[-1] - marks[0]) if len(marks) > 1 and marks[-1] > marks[0] else 0.0
