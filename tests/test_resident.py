@@ -70,3 +70,26 @@ def test_second_run_reuses_the_resident_process(tmp_path):
     if pid is not None:
       try: os.kill(pid, 9)
       except ProcessLookupError: pass
+
+def test_stop_reaches_a_resident_process_still_loading(tmp_path):
+  env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "TINYHET_KEEP_ALIVE": "120"}
+  client = subprocess.Popen([sys.executable, "-m", "tinyhet", "run", "--quiet", "hi"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  run_dir = tmp_path / "tinyhet" / "run"
+  deadline = time.monotonic() + 30
+  while not list(run_dir.glob("*.pid")) and time.monotonic() < deadline: time.sleep(0.05)
+  (pidfile,) = run_dir.glob("*.pid")
+  pid = int(pidfile.read_text())
+  client.kill()
+  client.wait(10)
+  try:
+    stop = run(env, "--stop")
+    assert stop.returncode == 0 and "stopped 1 resident tinyhet process" in stop.stderr, stop.stderr
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+      try: os.kill(pid, 0)
+      except ProcessLookupError: break
+      time.sleep(0.1)
+    else: pytest.fail("the loading resident process did not stop")
+  finally:
+    try: os.kill(pid, 9)
+    except ProcessLookupError: pass

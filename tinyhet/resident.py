@@ -73,8 +73,13 @@ def start(args, path: Path, say) -> socket.socket:
         (["--float-weights"] if args.float_weights else [])
   with open(log, "w") as logf:     # its own session: a Ctrl-C at this terminal does not reach it
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+  path.with_suffix(".pid").write_text(str(proc.pid))    # --stop finds it by this while it loads (it has no socket yet)
   say(f"starting a resident tinyhet (pid {proc.pid}; it stays {args.keep_alive} after the last run; `tinyhet run --stop` stops it; log {log})")
+  shown = 0
   while True:
+    text = log.read_text(errors="replace")     # what it says while it loads (the model, its decode node) is shown here
+    for line in text[shown:text.rfind("\n") + 1].splitlines(): say(line)
+    shown = max(shown, text.rfind("\n") + 1)
     if (s := _connect(path)) is not None: return s
     if proc.poll() is not None:
       lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
@@ -99,9 +104,16 @@ def client_run(args, argv: list[str], say) -> dict:
       elif "error" in msg: raise RunError(msg["error"])
   raise RunError(f"the resident tinyhet closed the connection before the answer (its log: {path.with_suffix('.log')})")
 
+def _resident_pid(pidfile: Path) -> int | None:
+  """The pid in a pid file if that process is still a resident tinyhet (a pid may have been reused since)."""
+  try:
+    pid = int(pidfile.read_text())
+    return pid if b"--resident-serve" in Path(f"/proc/{pid}/cmdline").read_bytes() else None
+  except (OSError, ValueError): return None
+
 def stop_all(say) -> int:
-  """Stop every resident tinyhet of this user; returns how many were stopped."""
-  n = 0
+  """Stop every resident tinyhet of this user, loading ones included; returns how many were stopped."""
+  n, stopped = 0, set()
   for path in sorted(run_dir().glob("*.sock")):
     if (s := _connect(path)) is None:
       path.unlink(missing_ok=True)          # left by a process that was killed
@@ -109,7 +121,12 @@ def stop_all(say) -> int:
     with s:
       s.sendall(b'{"stop": true}\n')
       for msg in _messages(s):
-        if msg.get("stopped"): n += 1
+        if msg.get("stopped"): n, stopped = n + 1, stopped | {msg.get("pid")}
+  for pidfile in sorted(run_dir().glob("*.pid")):   # still loading (no socket yet): SIGTERM
+    if (pid := _resident_pid(pidfile)) is not None and pid not in stopped and not pidfile.with_suffix(".sock").exists():
+      os.kill(pid, signal.SIGTERM)
+      n += 1
+    if _resident_pid(pidfile) is None: pidfile.unlink(missing_ok=True)
   say(f"stopped {n} resident tinyhet process{'es' if n != 1 else ''}")
   return n
 
@@ -164,7 +181,7 @@ def serve(args) -> int:
           if not isinstance(request, dict) or not (request.get("stop") is True or isinstance(request.get("argv"), list)):
             raise RunError('a request is one JSON line: {"argv": [...]} or {"stop": true}')
           if request.get("stop") is True:
-            out.send(stopped=True)
+            out.send(stopped=True, pid=os.getpid())
             print("stopped by `tinyhet run --stop`", flush=True)
             return 0
           run_args = parse_args([str(a) for a in request["argv"]])
@@ -178,5 +195,6 @@ def serve(args) -> int:
     try:
       if path.stat().st_ino == me: path.unlink()     # only our own socket: a newer process may have replaced it
     except FileNotFoundError: pass
+    if _resident_pid(path.with_suffix(".pid")) == os.getpid(): path.with_suffix(".pid").unlink(missing_ok=True)
     session.close()
     child.close()
