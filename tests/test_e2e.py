@@ -82,25 +82,30 @@ def test_disaggregated_equals_single_device(small, transport, prompt_len, new):
   assert stats.transfer_gbps == pytest.approx(stats.kv_bytes / stats.transfer_s / 1e9)
   assert stats.ttft_s == pytest.approx(max(stats.prefill_s, max(t.landed_s for t in tl))) and stats.ttft_s >= stats.prefill_s
 
+def generate_with_a_held_write(client, prompt, hold_s: float):
+  """Generate once (compiling this prompt's kernels), then again while the first layer write waits hold_s seconds for its
+  link (its shm lock taken, as a busy link would hold it): (first tokens, second tokens, second stats)."""
+  want, _ = client.generate(prompt, 3)
+  held = threading.Event()
+  def hold():
+    with client.peer.link.lock:
+      held.set()
+      time.sleep(hold_s)
+  holder = threading.Thread(target=hold)
+  holder.start()
+  held.wait()
+  got, st = client.generate(prompt, 3)
+  holder.join()
+  return want, got, st
+
 def test_prefill_goes_on_while_a_layer_write_is_slow(small):
   """A write that takes long (a real shm write, held back by its link's lock for HOLD seconds, as a big copy on a busy host
   would be) does not stop prefill: layer 1 is computed before layer 0 has landed, and TTFT shows the wait for the write."""
   model, address = small
   prompt = list(range(1, 30))
   client = DecodeClient(local_node(), address, model, "small-random", "shm")
-  try:
-    want, _ = client.generate(prompt, 3)                  # compiles this prompt's kernels
-    HOLD, link = 2.0, client.peer.link
-    held = threading.Event()
-    def hold():
-      with link.lock:
-        held.set()
-        time.sleep(HOLD)
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait()
-    got, st = client.generate(prompt, 3)
-    holder.join()
+  HOLD = 2.0
+  try: want, got, st = generate_with_a_held_write(client, prompt, HOLD)
   finally: client.close()
   assert got == want
   tl = st.timeline
@@ -137,19 +142,8 @@ def test_staged_prefill_waits_only_when_every_buffer_is_in_flight(small, unregis
   model, address = small
   prompt = list(range(1, 30))
   client = DecodeClient(local_node(), address, unregistered, "small-random", "shm", staging_buffers=n_buffers)
-  try:
-    want, _ = client.generate(prompt, 3)                  # compiles this prompt's kernels
-    HOLD, link = 2.0, client.peer.link
-    held = threading.Event()
-    def hold():
-      with link.lock:
-        held.set()
-        time.sleep(HOLD)
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait()
-    got, st = client.generate(prompt, 3)
-    holder.join()
+  HOLD = 2.0
+  try: want, got, st = generate_with_a_held_write(client, prompt, HOLD)
   finally: client.close()
   assert got == want
   if n_buffers == 2:

@@ -33,6 +33,19 @@ def test_options_that_change_what_is_loaded_pick_another_process(monkeypatch, tm
 def run(env, *args, timeout=600):
   return subprocess.run([sys.executable, "-m", "tinyhet", "run", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
+def gone(pid: int, timeout: float) -> bool:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return True
+    time.sleep(0.1)
+  return False
+
+def kill(pid: int | None):
+  if pid is None: return
+  try: os.kill(pid, 9)
+  except ProcessLookupError: pass
+
 def test_second_run_reuses_the_resident_process(tmp_path):
   env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "TINYHET_KEEP_ALIVE": "120"}
   prompt = ["--json", "--quiet", "--max-tokens", "4", "The capital of France is"]
@@ -58,18 +71,10 @@ def test_second_run_reuses_the_resident_process(tmp_path):
         assert "error" in reply, (bad, reply)
     stop = run(env, "--stop")
     assert stop.returncode == 0 and "stopped 1 resident tinyhet process" in stop.stderr
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-      try: os.kill(pid, 0)
-      except ProcessLookupError: break
-      time.sleep(0.1)
-    else: pytest.fail("the resident process did not stop")
+    assert gone(pid, 30), "the resident process did not stop"
     assert not sock_path.exists()
     pid = None
-  finally:
-    if pid is not None:
-      try: os.kill(pid, 9)
-      except ProcessLookupError: pass
+  finally: kill(pid)
 
 def test_stop_reaches_a_resident_process_still_loading(tmp_path):
   env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "TINYHET_KEEP_ALIVE": "120"}
@@ -84,12 +89,5 @@ def test_stop_reaches_a_resident_process_still_loading(tmp_path):
   try:
     stop = run(env, "--stop")
     assert stop.returncode == 0 and "stopped 1 resident tinyhet process" in stop.stderr, stop.stderr
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-      try: os.kill(pid, 0)
-      except ProcessLookupError: break
-      time.sleep(0.1)
-    else: pytest.fail("the loading resident process did not stop")
-  finally:
-    try: os.kill(pid, 9)
-    except ProcessLookupError: pass
+    assert gone(pid, 30), "the loading resident process did not stop"
+  finally: kill(pid)
