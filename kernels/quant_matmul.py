@@ -37,7 +37,10 @@ typedef unsigned char u8; typedef unsigned int u32; typedef unsigned long size_t
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef u8 u8x16 __attribute__((vector_size(16)));
 typedef signed char i8x16 __attribute__((vector_size(16)));
-#define INLINE static inline __attribute__((always_inline))
+/* no_builtin("memset"): clang must not turn the accumulators' zeroing into a call to memset, which a kernel cannot make
+   (tinygrad loads it as a bare object: an external call does not link) */
+#define KERNEL __attribute__((no_builtin("memset")))
+#define INLINE static inline __attribute__((always_inline)) KERNEL
 #define M %(M)d
 #define N %(N)d
 #define K %(K)d
@@ -87,7 +90,8 @@ INLINE f32x16 load16(const float *p) { f32x16 v; __builtin_memcpy(&v, p, 64); re
 INLINE void tile(float *restrict out, const u8 *restrict w, const float *restrict x, int m0, const int mt, int r0, int r1) {
   for (int r = r0; r < r1; r++) {
     const u8 *wr = w + (size_t)r * NB * BB;
-    f32x16 acc[MT][ACCS] = {{0}};
+    f32x16 acc[MT][ACCS];
+    for (int i = 0; i < MT; i++) for (int a = 0; a < ACCS; a++) acc[i][a] = (f32x16){0};   /* stores, not an initializer: no memset */
     int b = 0;
     for (; b + 2 <= NB; b += 2) {
       f32x16 lo0, hi0, lo1, hi1;
@@ -115,7 +119,7 @@ INLINE void tile(float *restrict out, const u8 *restrict w, const float *restric
   }
 }
 
-void %(name)s(float *restrict out, const u8 *restrict w, const float *restrict x, int core_id) {
+KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *restrict x, int core_id) {
   if (PARTS == 1) core_id = 0;   /* a one-part kernel is called without a core_id */
   int r0 = (int)((long)core_id * N / PARTS), r1 = (int)((long)(core_id + 1) * N / PARTS);
   int m0 = 0;

@@ -48,3 +48,14 @@ def test_the_model_uses_it_on_the_pool_devices_only():
   w_cpu = PackedWeight(w.blocks.to("CPU"), w.shape, Q4_1)
   linear(Tensor.randn(1, 64, device="CPU"), w_cpu).realize()           # tinygrad's own CPU device: its own kernels
   assert not any("qmatmul" in getattr(rt, "name", "") for rt in list(runtime_cache.values())[before:])
+
+@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
+def test_kernels_call_nothing_outside_themselves(ggml_type):
+  # clang turned the accumulators' zero initializer into a call to memset for some shapes (one output row, a partial last
+  # tile): tinygrad loads a kernel as a bare object, so the call's target was wherever the C library lay, and loading
+  # failed whenever that was more than 2 GiB away (it depends on where the process's memory landed)
+  from tinygrad import Device
+  from tinygrad.runtime.support.elf import elf_loader
+  for rows, out, cols, parts in [(5, 1, 32, 1), (9, 1, 32, 1), (16, 1, 32, 1), (40, 1, 32, 1), (1, 1536, 576, 2), (5, 48, 64, 3)]:
+    _, src = qmm.kernel_source(ggml_type, rows, out, cols, parts)
+    elf_loader(Device["MESH"].compiler.compile(src))   # raises on a relocation against a symbol it does not define
