@@ -3,9 +3,10 @@
 Why not tinygrad's own kernel: for the lazy dequantization in tinyhet/packed.py, tinygrad renders scalar C (one byte load
 and a select per nibble), which reads the blocks at 1.5-2 GB/s on one core where the memory gives 10-20; BEAM search and
 three other formulations were no faster (measured; README "Every core"). Decode is that matrix-vector product, so it set
-the decode node's speed. This kernel does what llama.cpp's does with the same blocks: 16 quants at a time widened to
-float lanes, dequantized in registers and multiplied by x, so the blocks stream at memory speed. Unlike llama.cpp, x stays
-float32 (it is not rounded to 8-bit), so the result is the float32 reference's, up to the order of the additions.
+the decode node's speed. This kernel widens 16 quants at a time to float lanes, dequantizes them in registers and
+multiplies by x: 3-4x tinygrad's rate, but still bound by those instructions, not by memory (README "Benchmarks"). Unlike
+llama.cpp's, x stays float32 (it is not rounded to 8 bits for integer dot products), so the result is the float32
+reference's, up to the order of the additions.
 
 The kernel (C, clang vector extensions: no intrinsics, so it builds for any -march tinygrad's CPU compiler targets):
   out[m, r] = sum_k x[m, k] * W[r, k]        x (M, K) float32, W (N, K) as N rows of K/32 blocks, out (M, N) float32
@@ -15,7 +16,7 @@ when it fits). It reaches tinygrad as a custom kernel (Tensor.custom_kernel with
 captured by TinyJit and run by the worker pool like any other kernel.
 """
 from __future__ import annotations
-import dataclasses, functools
+import dataclasses, functools, math
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
 from tinyhet.packed import BLOCK_BYTES, Q4_0, Q4_1, Q8_0
@@ -47,9 +48,9 @@ typedef signed char i8x16 __attribute__((vector_size(16)));
 #define NB (K / 32)
 #define BB %(BB)d
 #define PARTS %(parts)d
-/* rows of x per tile: their float32 accumulators of 16 lanes and the dequantized block must stay in registers */
-/* with AVX-512 (32 registers): 8 rows, two accumulators each (the even and the odd block: two chains of fused multiply-adds,
-   not one); else 4 rows, one accumulator each */
+/* rows of x per tile, whose float32 accumulators of 16 lanes and the dequantized blocks must stay in registers: with
+   AVX-512 (32 registers) 8 rows, two accumulators each (the even and the odd block: two chains of fused multiply-adds, not
+   one); else 4 rows, one accumulator each */
 #if defined(__AVX512F__)
 #define MT 8
 #define ACCS 2
@@ -152,8 +153,7 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
   side by side)."""
   N, K = shape
   lead = x.shape[:-1]
-  M = 1
-  for s in lead: M *= int(s)
+  M = math.prod(int(s) for s in lead)
   parts = kernel_parts(N, threads)
   name, src = kernel_source(ggml_type, M, N, K, parts)
   xs = x.reshape(M, K).cast(dtypes.float32).contiguous()

@@ -319,22 +319,21 @@ class Llama:
     kv_dtype = cache.kv_dtype if cache is not None else (kv_dtype or dtypes.float16)
     T = tokens.shape[1]
     positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device).realize()
+    x, rope = self.embed(tokens.to(self.device)).realize(), self.rope(positions)   # (1, T, dim)
     if cache is None and T <= LAYER_JIT_MAX_T:     # the prompt's own K, V only: every layer replays one capture
       from tinyhet.layer_jit import layer_jit
-      x = layer_jit(self, T, kv_dtype).run(self.embed(tokens.to(self.device)).realize(), self.rope(positions), on_layer, progress)
-      if n_valid is not None and n_valid != T: x = x[:, Tensor([n_valid - 1], dtype=dtypes.int32, device=self.device)]
-      return self._logits(x).realize()
-    # attention through a dense cache of the prompt even when the caller keeps none: tinygrad's kernels for that form ran
-    # ~1.4x faster here than a causal mask over the (T, T) scores (measured at T=1024 on the CPU)
-    if cache is None: cache = DenseKVCache(self.cfg, 1, T, kv_dtype, self.device)
-    x, rope = self.embed(tokens.to(self.device)).realize(), self.rope(positions)   # (1, T, dim)
-    for l in range(self.cfg.n_layers):
-      q, k, v = self._qkv(l, x, rope)
-      k, v = k.cast(kv_dtype).realize(), v.cast(kv_dtype).realize()         # (1, T, KVH, D), what the decode node will hold
-      if on_layer is not None: on_layer(l, k[0], v[0])
-      att = cache.update_and_attend(l, q, k.float(), v.float(), positions)
-      x = self._finish_layer(l, x, att).realize()
-      if progress is not None: progress(l + 1)
+      x = layer_jit(self, T, kv_dtype).run(x, rope, on_layer, progress)
+    else:
+      # attention through a dense cache of the prompt even when the caller keeps none: tinygrad's kernels for that form ran
+      # ~1.4x faster here than a causal mask over the (T, T) scores (measured at T=1024 on the CPU)
+      if cache is None: cache = DenseKVCache(self.cfg, 1, T, kv_dtype, self.device)
+      for l in range(self.cfg.n_layers):
+        q, k, v = self._qkv(l, x, rope)
+        k, v = k.cast(kv_dtype).realize(), v.cast(kv_dtype).realize()         # (1, T, KVH, D), what the decode node will hold
+        if on_layer is not None: on_layer(l, k[0], v[0])
+        att = cache.update_and_attend(l, q, k.float(), v.float(), positions)
+        x = self._finish_layer(l, x, att).realize()
+        if progress is not None: progress(l + 1)
     if n_valid is not None and n_valid != T:     # the last prompt row, picked by a tensor index: no kernel specialized to n_valid
       x = x[:, Tensor([n_valid - 1], dtype=dtypes.int32, device=self.device)]
     return self._logits(x).realize()
