@@ -32,37 +32,32 @@ def served(address: str, within: float) -> bool:
       except Exception: time.sleep(0.2)
   return False
 
-def test_running_out_of_fds_is_a_pause_not_the_end():
-  node = MemoryNode(extra=("--max-fds", "48"))
-  hogs = []
+def exhaust_then_recover(node, attempts: int, timeout: float, errors: tuple, refusals: int, what: str):
+  """Open authenticated connections until `refusals` of them fail with `errors` (the node out of some resource), which must
+  happen within `attempts`; the node must stay up, and serve again once they are closed."""
+  hogs, refused = [], 0
   try:
-    for _ in range(100):                     # authenticated connections until the node cannot accept (EMFILE)
-      try: hogs.append(raw_ctl(node.address, timeout=1.0))
-      except (TimeoutError, OSError): break
-    else: pytest.fail("the node accepted 100 connections under a 48-fd limit")
+    for _ in range(attempts):
+      try: hogs.append(raw_ctl(node.address, timeout=timeout))
+      except errors:
+        refused += 1
+        if refused == refusals: break
+    else: pytest.fail(f"the node accepted {attempts} connections {what}")
     assert node.proc.poll() is None
     for s in hogs: s.close()
-    assert served(node.address, 10), "after running out of fds the node never accepted again"
+    assert served(node.address, 10), f"after running out ({what}) the node never accepted again"
   finally:
     for s in hogs: s.close()
     node.close()
 
+def test_running_out_of_fds_is_a_pause_not_the_end():
+  # authenticated connections until the node cannot accept (EMFILE)
+  exhaust_then_recover(MemoryNode(extra=("--max-fds", "48")), 100, 1.0, (TimeoutError, OSError), 1, "under a 48-fd limit")
+
 def test_no_thread_to_serve_a_peer_is_a_pause_not_the_end():
-  node = MemoryNode(extra=("--spare-address-space", str(48 << 20)))     # room for a few 8 MiB thread stacks, no more
-  hogs, refused = [], 0
-  try:
-    for _ in range(60):                      # connections until the node cannot start a thread for the next one
-      try: hogs.append(raw_ctl(node.address, timeout=2.0))
-      except (TimeoutError, OSError, wire.ProtocolError):
-        refused += 1
-        if refused == 3: break
-    else: pytest.fail("the node served 60 connections in 48 MiB of spare address space")
-    assert node.proc.poll() is None
-    for s in hogs: s.close()
-    assert served(node.address, 10), "after running out of threads the node never accepted again"
-  finally:
-    for s in hogs: s.close()
-    node.close()
+  # room for a few 8 MiB thread stacks, no more: connections until the node cannot start a thread for the next one
+  exhaust_then_recover(MemoryNode(extra=("--spare-address-space", str(48 << 20))), 60, 2.0, (TimeoutError, OSError, wire.ProtocolError), 3,
+                       "in 48 MiB of spare address space")
 
 def test_a_trickled_handshake_is_dropped_at_one_deadline():
   node = MemoryNode(extra=("--handshake-timeout", "2"))
