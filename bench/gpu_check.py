@@ -94,7 +94,7 @@ def main(argv=None) -> int:
                "prefill_s": staged["prefill_s"], "kv_bytes": staged["kv_bytes"], "transfer_gbps": staged["transfer_gbps"],
                "tokens": staged["generated_ids"], "text": staged["text"]}
   if bench:
-    report["bench_staging"] = {"no_transfer_s": bench["no_transfer_s"]} | \
+    report["bench_staging"] = {"no_transfer_s": bench["no_transfer_s"], "pinned_buffers": bench.get("pinned_buffers", 0)} | \
                               {r["path"]: {k: r[k] for k in ("prefill_s", "handoff_ms_per_layer", "staging_waits")} for r in bench["rows"]}
   if sync: report |= {"ttft_sync_copy_s": sync["ttft_s"], "prefill_sync_copy_s": sync["prefill_s"], "overhead_sync_copy_s": sync["overhead_s"]}
   if cpu: report |= {"tokens_cpu": cpu["generated_ids"], "tokens_equal": bool(staged) and staged["generated_ids"] == cpu["generated_ids"]}
@@ -130,7 +130,8 @@ def table(r: dict) -> str:
                  (f", {b['prefill_cpu_s']:.3f} s on CPU; tokens equal: {b['tokens_equal']}" if "prefill_cpu_s" in b else ""))
   if "bench_staging" in r:
     b = r["bench_staging"]
-    lines.append(f"bench staging on {r['device']} (random model): prefill no transfer {b['no_transfer_s']:.3f} s; " +
+    lines.append(f"bench staging on {r['device']} (random model, {b['pinned_buffers']} staging buffers page-locked): "
+                 f"prefill no transfer {b['no_transfer_s']:.3f} s; " +
                  "; ".join(f"{k} {v['prefill_s']:.3f} s, {v['handoff_ms_per_layer']:.2f} ms/layer, {v['staging_waits']} waits"
                            for k, v in b.items() if k != "no_transfer_s"))
   lines.append("PASS" if r["ok"] else "NOT PASSED")

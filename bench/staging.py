@@ -111,6 +111,7 @@ def measure(args, buffers, child) -> dict:
   from tinyhet.bench.e2e import prompt_of
   from tinyhet.memory import local_node
   from tinyhet.prefill import DecodeClient, ttft_no_transfer
+  from tinyhet.staging import pinned_buffers
   from tinyhet.weights import load_model, model_name
   import numpy as np
   if args.model is None:
@@ -142,11 +143,12 @@ def measure(args, buffers, child) -> dict:
       for p in order:
         if p == "none": runs[p].append(ttft_no_transfer(model, ids, clients[paths[1]].kv_dtype))
         else: runs[p].append(clients[p].generate(ids, 1)[1])
+    pinned = pinned_buffers()            # staging buffers a CUDA driver page-locked (0 on other devices), before close() unpins them
   finally:
     for c in clients.values(): c.close()
   rows = [{"path": p, **figures(min(runs[p], key=lambda s: s.prefill_s))} for p in clients]
   return {"model": name, "device": args.device, "prompt_tokens": len(ids), "layers": model.cfg.n_layers,
-          "link_gbps": args.link_gbps, "rounds": args.rounds, "no_transfer_s": round(min(runs["none"]), 5), "rows": rows}
+          "link_gbps": args.link_gbps, "rounds": args.rounds, "pinned_buffers": pinned, "no_transfer_s": round(min(runs["none"]), 5), "rows": rows}
 
 def table(out: dict) -> str:
   lines = [f"{out['model']} on {out['device']} (unregistered memory), {out['prompt_tokens']}-token prompt, {out['layers']} layers; "

@@ -9,6 +9,8 @@ from tinyhet.memory import local_node
 from tinyhet.model import Llama, DenseKVCache, small_config, random_weights
 from tinyhet.local_engine import LocalEngine
 from tinyhet.prefill import DecodeClient, GenerationStats, busy_time, transfer_figures
+from tinyhet.prefill_node import PrefillNode
+from tinyhet.runtime.control import ControlClient
 
 ROOT = pathlib.Path(__file__).parent.parent
 TOKEN = "e2e-token"
@@ -82,6 +84,17 @@ def test_disaggregated_equals_single_device(small, transport, prompt_len, new):
   assert stats.transfer_gbps == pytest.approx(stats.kv_bytes / stats.transfer_s / 1e9)
   assert stats.ttft_s == pytest.approx(max(stats.prefill_s, max(t.landed_s for t in tl))) and stats.ttft_s >= stats.prefill_s
 
+def test_one_client_serves_a_shorter_prompt_after_a_longer_one(small):
+  """A client keeps its host region between requests (tinyhet.kv_send.SendBuffers): a request smaller than the one that
+  sized it packs into its first bytes. Both equal the single-device tokens."""
+  model, address = small
+  client = DecodeClient(local_node(), address, model, "small-random", "shm")
+  try:
+    for n in (40, 5, 23):
+      prompt = [int(t) for t in np.random.default_rng(n).integers(0, SMALL["vocab_size"], n)]
+      assert client.generate(prompt, 4)[0] == model.reference_generate(prompt, 4, temperature=0.0), f"{n}-token prompt"
+  finally: client.close()
+
 def generate_with_a_held_write(client, prompt, hold_s: float):
   """Generate once (compiling this prompt's kernels), then again while the first layer write waits hold_s seconds for its
   link (its shm lock taken, as a busy link would hold it): (first tokens, second tokens, second stats)."""
@@ -149,6 +162,33 @@ def test_staged_prefill_waits_only_when_every_buffer_is_in_flight(small, unregis
   if n_buffers == 2:
     assert st.staging_waits == 0 and st.timeline[1].computed_s < st.timeline[0].landed_s and st.prefill_s < HOLD
   else: assert st.staging_waits == 1 and st.prefill_s >= HOLD - 0.1
+
+@pytest.mark.parametrize("n_buffers", [0, 2])
+def test_service_prefill_node_sends_layers_from_device_memory(small, unregistered, n_buffers):
+  """The service's prefill node (tinyhet.prefill_node), asked over its control port as the router asks it, with its model
+  in memory no transport sends from: through N staging buffers (0: copied on the prefill thread), the decode node goes on
+  with the tokens one device gives."""
+  model, address = small
+  prompt = [int(t) for t in np.random.default_rng(5).integers(0, SMALL["vocab_size"], 21)]
+  want = model.reference_generate(prompt, 5, temperature=0.0)
+  node = local_node()
+  pn = PrefillNode(unregistered, node, "small-random", "shm", staging_buffers=n_buffers)
+  decode, prefill = ControlClient(node.endpoint, address), ControlClient(node.endpoint, node.serve())
+  reply: dict = {}
+  try:
+    r = decode.call("decode.reserve", prompt_ids=prompt, max_new_tokens=5)
+    asking = threading.Thread(target=lambda: reply.update(prefill.call("prefill.run", prompt_ids=prompt, decode=address, reservation=r)))
+    asking.start()
+    pn.run_one(timeout=30)                     # this thread is the model's, as a node's main thread is
+    asking.join(30)
+    got = [reply["first_token"]] + [i["token"] for i in decode.stream("decode.generate", seq_id=r["seq_id"], first_token=reply["first_token"],
+                                                                      temperature=0.0, top_p=1.0, seed=reply["seed"], stop_ids=[]) if "token" in i]
+    assert len(pn.buffers.staging) == n_buffers         # the layers left through the staging buffers, or (0) without
+  finally:
+    decode.close(), prefill.close(), pn.close()
+  assert got == want
+  assert reply["kv_bytes"] == model.cfg.n_layers * len(r["blocks"]) * r["block_bytes"]
+  assert reply["staging_waits"] <= max(0, model.cfg.n_layers - n_buffers) and pn.status()["queued_tokens"] == 0
 
 @given(hst.lists(hst.tuples(hst.floats(0, 5), hst.floats(0, 1), hst.floats(0, 3), hst.floats(0, 3)), min_size=1, max_size=12),
        hst.booleans())

@@ -9,7 +9,7 @@ import tinyhet  # noqa: F401
 from tinygrad import Tensor, dtypes
 from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
 from tinyhet.memory import local_node
-from tinyhet.prefill import LayerWriter, post_packed
+from tinyhet.kv_send import LayerWriter, post_packed
 from tinyhet.runtime.transport import Span, Transfer
 from tinyhet.staging import StagingRing, start_copy
 

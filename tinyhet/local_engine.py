@@ -15,7 +15,8 @@ from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
 from tinyhet.kv_cache import PagedKVCache
 from tinyhet.cpu_threads import kernel_threads
 from tinyhet.model import Llama
-from tinyhet.prefill import host_array, prefill_first_token
+from tinyhet.kv_send import host_array
+from tinyhet.prefill import prefill_first_token
 from tinyhet.sampling import Sampler
 
 class LocalEngine:

@@ -3,23 +3,16 @@ into the decode node's reserved blocks as soon as that layer exists, while the n
 tokens the decode node generates.
 """
 from __future__ import annotations
-import functools, queue, sys, threading, time
+import sys, time
 from dataclasses import dataclass, field
 import numpy as np
 from tinygrad import Tensor, dtypes
-from tinygrad.uop.ops import Ops
-from tinyhet.decode_node import notice_value
-from tinyhet.devices import NotRegistered, region_of
-from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
+from tinyhet.kv_send import KVSender, SendBuffers
 from tinyhet.memory import LocalNode
 from tinyhet.model import Llama
 from tinyhet.runtime.control import ControlClient
-from tinyhet.runtime.arena import Region
-from tinyhet.runtime.descriptor import RegionDescriptor
-from tinyhet.runtime.transport import Span, Transfer
 from tinyhet.runtime.wire import host_id
 from tinyhet.sampling import Sampler
-from tinyhet.staging import StagingRing, start_copy
 
 class IncompatibleDecodeNode(RuntimeError):
   """The decode node serves another model (or another KV layout) than this prefill node."""
@@ -102,87 +95,6 @@ def ttft_no_transfer(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float1
   prefill_first_token(model, prompt_ids, Sampler(), kv_dtype)
   return time.perf_counter() - t0
 
-def host_array(t: Tensor) -> np.ndarray | None:
-  """A realized tensor's bytes in registered host memory as a numpy array (no copy), or None where they are elsewhere (a GPU)
-  or numpy has no such dtype."""
-  base = t.uop.base
-  if base.op is not Ops.BUFFER or t.dtype.fmt is None: return None
-  try: region, offset = region_of(base.buffer)
-  except NotRegistered: return None
-  if base.buffer.nbytes != t.nbytes(): return None
-  return np.frombuffer(region.view(offset, t.nbytes()), dtype=np.dtype(t.dtype.fmt)).reshape(t.shape)
-
-class LayerWriter:
-  """Fills and posts a request's layer writes from its own thread, so that prefill computes layer l+1 while layer l is
-  packed (numpy, which releases the GIL) or copied out of device memory (tinyhet.staging), and handed to the transport (a
-  shm write is a memcpy by the posting thread; a small tcp write is sent by it): the prefill thread only queues."""
-  def __init__(self, endpoint, peer):
-    self.endpoint, self.peer = endpoint, peer
-    self.queue: queue.SimpleQueue = queue.SimpleQueue()
-    self.transfers: dict[int, Transfer] = {}
-    self.posted: dict[int, float] = {}
-    self.settled: dict[int, threading.Event] = {}     # set once a layer's write is posted, or failed to be
-    self.error: BaseException | None = None
-    self.thread = threading.Thread(target=self._loop, name="tinyhet-kv-writer", daemon=True)
-    self.thread.start()
-
-  def post(self, layer: int, spans: list[Span], notify: int, fill=None):
-    """Write spans with notify once fill(), if given, has filled their bytes (runs on the writer thread)."""
-    if self.error is not None: raise self.error
-    self.settled[layer] = threading.Event()
-    self.queue.put((layer, spans, notify, fill))
-
-  def landed(self, layer: int) -> bool:
-    """Whether layer's write has landed (False while it waits to be posted). Raises a failure."""
-    if self.error is not None: raise self.error
-    if (t := self.transfers.get(layer)) is None or not t.done(): return False
-    t.wait(0)                                        # raises the write's failure
-    return True
-
-  def wait_landed(self, layer: int, timeout: float = 60.0):
-    """Wait until layer's write has been posted and has landed; raises its failure, or TimeoutError saying which layer."""
-    if not self.settled[layer].wait(timeout): raise TimeoutError(f"the write of layer {layer} was not posted after {timeout} s")
-    if self.error is not None: raise self.error
-    self.transfers[layer].wait(timeout)
-
-  def _loop(self):
-    while (item := self.queue.get()) is not None:
-      layer, spans, notify, fill = item
-      try:
-        if self.error is not None: continue          # a write failed: post nothing more, finish() raises it
-        if fill is not None: fill()
-        self.posted[layer] = time.perf_counter()
-        self.transfers[layer] = self.endpoint.write(self.peer, spans, notify=notify)
-      except BaseException as e: self.error = e
-      finally: self.settled[layer].set()
-
-  def finish(self, timeout: float = 60.0, check: bool = True) -> dict[int, Transfer]:
-    """Stop the thread once every queued write is posted, then wait for each write to land. Raises the first failure."""
-    self.queue.put(None)
-    self.thread.join(timeout)
-    for t in self.transfers.values():
-      try: t.wait(timeout)
-      except Exception as e:
-        if self.error is None: self.error = e
-    if check and self.error is not None: raise self.error
-    return self.transfers
-
-def post_packed(writer: LayerWriter, layer: int, packed: Tensor, nbytes: int, spans_from, notify: int, ring: StagingRing | None) -> Tensor:
-  """Post the first nbytes of a layer packed on HET (realized): straight from its memory where that is registered; else, with a ring, through a
-  staging buffer the writer thread copies it into (tinyhet.staging); with no ring, copied to registered host memory here, on
-  the prefill thread (the synchronous baseline). spans_from(region, offset) gives the layer's spans from where its bytes
-  lie. Returns what must stay alive until the write has landed."""
-  try: region, offset = region_of(packed.uop.buffer)
-  except NotRegistered:
-    if ring is not None:
-      region = ring.take(layer, writer)
-      writer.post(layer, spans_from(region, 0), notify, start_copy(packed.uop.buffer, region, nbytes))
-      return packed
-    packed = packed.to("MESH").realize()
-    region, offset = region_of(packed.uop.buffer)
-  writer.post(layer, spans_from(region, offset), notify)
-  return packed
-
 def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed: dict[int, float], posted: dict[int, float],
                      confirmed: dict[int, float], kv_bytes: int, receiver: dict[int, float] | None = None):
   """Fill stats' TTFT, moving time, rate and per-layer timeline from perf_counter times per layer: computed (K, V realized),
@@ -217,27 +129,9 @@ class DecodeClient:
     self.peer = node.endpoint.connect(address, transport)
     self.endpoint = node.endpoint            # what posts the layer writes (a benchmark may put a slower link in front of it)
     self.kv_dtype = getattr(dtypes, self.info["kv_dtype"])
-    self.staging: Region | None = None       # registered host memory the writer thread packs layers into, reused by requests
-    # layers packed in device memory no transport sends from (a GPU) leave through this many buffers (tinyhet.staging);
+    # layers packed in device memory no transport sends from (a GPU) leave through staging_buffers buffers (tinyhet.staging);
     # 0 copies each one to host memory on the prefill thread (the synchronous baseline)
-    self.staging_buffers = node.config.staging_buffers if staging_buffers is None else staging_buffers
-    self.ring_regions: list[Region] = []
-
-  def _staging_for(self, nbytes: int) -> Region:
-    if self.staging is None or self.staging.nbytes < nbytes:
-      if self.staging is not None: self.staging.free()
-      self.staging = self.node.arena("MESH").alloc(nbytes, align=4096)
-    return self.staging
-
-  def _ring_for(self, nbytes: int) -> list[Region]:
-    if not self.ring_regions or self.ring_regions[0].nbytes < nbytes:
-      self._free_ring()
-      self.ring_regions = [self.node.arena("MESH").alloc(nbytes, align=4096) for _ in range(self.staging_buffers)]
-    return self.ring_regions
-
-  def _free_ring(self):
-    for r in self.ring_regions: r.free()
-    self.ring_regions = []
+    self.buffers = SendBuffers(node, node.config.staging_buffers if staging_buffers is None else staging_buffers)
 
   def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
                stop_ids: tuple[int, ...] = (), on_token=None, return_logits: bool = False, progress=None) -> tuple[list[int], GenerationStats]:
@@ -246,45 +140,19 @@ class DecodeClient:
     stats = GenerationStats(prompt_tokens=len(prompt_ids), transport=self.peer.transport)
     t0 = time.perf_counter()
     r = self.ctl.call("decode.reserve", prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
-    seq_id, blocks, block_bytes, block_size = r["seq_id"], r["blocks"], r["block_bytes"], r["block_size"]
-    pools = [RegionDescriptor.from_hex(h) for h in r["pools"]]
-    writer = LayerWriter(self.endpoint, self.peer)
-    computed: dict[int, float] = {}
-    keep: list[Tensor] = []                  # K, V (or packed layers) stay alive until their writes have landed
-    cfg, nb = self.model.cfg, len(blocks)
-    layer_bytes = nb * block_bytes
-    staging = self._staging_for(cfg.n_layers * layer_bytes) if self.kv_dtype.fmt is not None else None
-    stage = staging.numpy(np.dtype(self.kv_dtype.fmt), (cfg.n_layers, nb, 2, cfg.n_kv_heads, block_size * cfg.head_dim)) if staging else None
-    ring = StagingRing(self._ring_for(layer_bytes)) if self.staging_buffers > 0 else None
-
-    def send_layer(layer: int, k: Tensor, v: Tensor):
-      computed[layer] = time.perf_counter()
-      try: hand_off(layer, k, v)
-      finally: stats.handoff_s += time.perf_counter() - computed[layer]
-
-    def hand_off(layer: int, k: Tensor, v: Tensor):
-      # (blocks, 2, KVH, block_size*D): the pool's bytes. Rows past the prompt (pads) only reach the slack of the last block,
-      # which the decode node masks until its own tokens overwrite it.
-      if stage is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
-        keep.extend((k, v))                  # K, V in host memory: the writer thread packs them into the staging region
-        writer.post(layer, [Span(staging, layer * layer_bytes + i * block_bytes, pools[layer], b * block_bytes, block_bytes)
-                            for i, b in enumerate(blocks)], notice_value(seq_id, layer), functools.partial(pack_kv_host, ka, va, stage[layer]))
-        return
-      packed = pack_kv(k, v, block_size, self.kv_dtype).contiguous().realize()
-      spans_from = lambda region, offset: [Span(region, offset + i * block_bytes, pools[layer], b * block_bytes, block_bytes)
-                                           for i, b in enumerate(blocks)]
-      keep.append(post_packed(writer, layer, packed, layer_bytes, spans_from, notice_value(seq_id, layer), ring))
+    sender = KVSender(self.endpoint, self.peer, r, self.model.cfg, self.kv_dtype, self.buffers)
 
     done: dict = {}
     try:
       sampler = Sampler(temperature, top_p, seed)
-      first, logits = prefill_first_token(self.model, prompt_ids, sampler, self.kv_dtype, send_layer, progress)
+      first, logits = prefill_first_token(self.model, prompt_ids, sampler, self.kv_dtype, sender.send, progress)
       t_first = time.perf_counter()
-      stats.prefill_s = t_first - t0
+      stats.prefill_s, stats.handoff_s = t_first - t0, sender.handoff_s
+      sender.check()                           # a failed write: the decode node would wait for that layer in vain
       if on_token is not None: on_token(first)
       out = [first]
       # the decode node draws from the same (seed, position) stream: the same seed gives the tokens one device would give
-      for item in self.ctl.stream("decode.generate", seq_id=seq_id, first_token=first, temperature=temperature, top_p=top_p,
+      for item in self.ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=first, temperature=temperature, top_p=top_p,
                                   seed=sampler.seed, stop_ids=list(stop_ids), return_logits=return_logits):
         if "token" in item:
           out.append(item["token"])
@@ -294,24 +162,20 @@ class DecodeClient:
           stats.decode_tokens, stats.decode_tok_s, stats.preemptions = item["decode_tokens"], item["decode_tok_s"], item["preemptions"]
           stats.last_logits = item.get("logits", logits.tolist() if return_logits and len(out) == 1 else None)
     except BaseException:
-      writer.finish(30, check=False)           # the packed layers in `keep` must outlive the writes reading them
-      if not all(t.done() for t in writer.transfers.values()):     # a write may still read them: never reuse them
-        self.staging, self.ring_regions = None, []
+      settled = sender.abort()                 # the layers it keeps must outlive the writes reading them
       # writes_done only when every posted write finished: otherwise a shm/verbs write may still land, and the node holds the blocks
-      try: self.ctl.call("decode.release", seq_id=seq_id, writes_done=all(t.done() for t in writer.transfers.values()), reply_timeout=10)
+      try: self.ctl.call("decode.release", seq_id=r["seq_id"], writes_done=settled, reply_timeout=10)
       except Exception: pass
       raise
-    transfers = writer.finish(60)
-    stats.staging_waits = ring.waits if ring is not None else 0
+    transfers = sender.finish(60)
+    stats.staging_waits = sender.staging_waits
     # the decode node's notice times are on this clock only on this host (perf_counter is CLOCK_MONOTONIC there)
     theirs = done.get("landed_at") if self.info.get("host") == host_id() else None
-    transfer_figures(stats, t0, t_first, computed, writer.posted, {l: t.finished for l, t in transfers.items()},
+    transfer_figures(stats, t0, t_first, sender.computed, sender.writer.posted, {l: t.finished for l, t in transfers.items()},
                      sum(t.nbytes for t in transfers.values()), {int(l): x for l, x in theirs.items()} if theirs else None)
     return out, stats
 
   def close(self):
     self.ctl.close()
     self.peer.close()
-    if self.staging is not None: self.staging.free()
-    self.staging = None
-    self._free_ring()
+    self.buffers.free()

@@ -3,24 +3,22 @@
 One control request (tinyhet.runtime.control) does the whole job:
   prefill.run   prompt ids, the decode node's address and the reservation it gave the router (decode.reserve's reply:
                 seq_id, blocks, pools, block_bytes, block_size), sampling options -> the prompt is prefilled one layer at a
-                time, each layer's packed K, V written into the reserved blocks as soon as it exists (notification
-                (seq_id << 8) | layer), every write confirmed; the reply is the first token (sampled here), the seed it
+                time; each layer's K, V go to a writer thread (tinyhet.kv_send) that packs them, or copies them out of a
+                GPU through staging buffers, and writes them into the reserved blocks (notification (seq_id << 8) | layer)
+                while the next layer computes; every write confirmed; the reply is the first token (sampled here), the seed it
                 was sampled with (the decode node continues the (seed, position) stream with it) and the figures.
 The router then sends decode.generate to the decode node on the connection that reserved. A transport error on a write
-reconnects to the decode node and resends every layer once. A job whose caller has gone away (the router gave the
-reservation up) is skipped before its next write, so no bytes land in blocks that may belong to another sequence by then.
+reconnects to the decode node and resends every layer once, after prefill. A job whose caller has gone away (the router
+gave the reservation up) stops before its next write is posted, so no bytes land in blocks that may belong to another sequence by then.
 """
 from __future__ import annotations
 import queue, select, socket, threading, time
 from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
-from tinyhet.decode_node import notice_value
-from tinyhet.devices import NotRegistered, region_of
-from tinyhet.kernels.kv_pack import pack_kv
+from tinyhet.kv_send import KVSender, SendBuffers
 from tinyhet.prefill import IncompatibleDecodeNode, busy_time, prefill_bucket
 from tinyhet.runtime.control import ControlClient
-from tinyhet.runtime.descriptor import RegionDescriptor
-from tinyhet.runtime.transport import Span, TransportError
+from tinyhet.runtime.transport import TransportError
 from tinyhet.sampling import Sampler
 
 class CallerGone(RuntimeError):
@@ -45,14 +43,17 @@ class Job:
     except (OSError, ValueError): return True
 
 class PrefillNode:
-  def __init__(self, model, node, model_id: str = "", transport: str | None = None, on_job=None):
-    """on_job(): called when a job is queued (a `both` node wakes its batching loop, whose thread runs the jobs)."""
+  def __init__(self, model, node, model_id: str = "", transport: str | None = None, on_job=None, staging_buffers: int | None = None):
+    """on_job(): called when a job is queued (a `both` node wakes its batching loop, whose thread runs the jobs).
+    staging_buffers: default node.config.staging_buffers (tinyhet.kv_send.SendBuffers)."""
     self.model, self.node, self.model_id, self.transport, self.on_job = model, node, model_id, transport, on_job
     self.jobs: queue.Queue[Job] = queue.Queue()
     self.queued_tokens = 0                       # prompt tokens waiting or being prefilled: the router's measure of load
     self.count_lock = threading.Lock()
     self.served = 0
     self.decoders: dict[str, tuple] = {}         # decode address -> (Peer, kv dtype)
+    # host memory the layers leave from, kept between jobs; a GPU's packed layers leave through config.staging_buffers of it
+    self.buffers = SendBuffers(node, node.config.staging_buffers if staging_buffers is None else staging_buffers)
     node.endpoint.handle("prefill.run", self._serve_run)
 
   def status(self) -> dict:
@@ -112,47 +113,41 @@ class PrefillNode:
     if job.caller_gone(): raise CallerGone("the router went away before this prefill started")
     r, t0 = job.reservation, time.perf_counter()
     peer, kv_dtype = self._decoder(job.decode)
-    pools = [RegionDescriptor.from_hex(h) for h in r["pools"]]
-    layers: list[tuple[int, Tensor]] = []     # packed layers stay alive until their writes have landed (and for a resend)
-    transfers = []
-
-    def write(layer: int, packed: Tensor):
-      nonlocal peer
-      region, offset = region_of(packed.uop.buffer)
-      spans = [Span(region, offset + i * r["block_bytes"], pools[layer], b * r["block_bytes"], r["block_bytes"]) for i, b in enumerate(r["blocks"])]
-      try: transfers.append(self.node.endpoint.write(peer, spans, notify=notice_value(r["seq_id"], layer)))
-      except (TransportError, OSError):       # a link that broke since the last job (the decode node restarted): a new one
-        peer, _ = self._decoder(job.decode, fresh=True)
-        transfers.append(self.node.endpoint.write(peer, spans, notify=notice_value(r["seq_id"], layer)))
+    def still_wanted():                         # on the writer thread, before each layer's write is posted
+      if job.caller_gone(): raise CallerGone("the router gave the reservation up during prefill")
+    sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
+    kept: list[tuple[int, Tensor, Tensor]] = []   # every layer's K, V, for a resend over a new link
 
     def send_layer(layer: int, k: Tensor, v: Tensor):
-      if job.caller_gone(): raise CallerGone("the router gave the reservation up during prefill")
-      packed = pack_kv(k, v, r["block_size"], kv_dtype).contiguous().realize()    # (blocks, 2, KVH, block_size*D): the pool's bytes
-      try: region_of(packed.uop.buffer)
-      except NotRegistered: packed = packed.to("MESH").realize()    # HET on a GPU: one copy into registered host memory
-      layers.append((layer, packed))
-      write(layer, packed)
+      if isinstance(sender.writer.error, CallerGone): raise sender.writer.error    # stop prefilling for nobody
+      kept.append((layer, k, v))
+      sender.send(layer, k, v)
 
     ids = job.prompt_ids
     padded = ids + [0] * (prefill_bucket(len(ids)) - len(ids))
-    logits = self.model.prefill(Tensor([padded], dtype=dtypes.int32, device=self.model.device), on_layer=send_layer, kv_dtype=kv_dtype,
-                                n_valid=len(ids)).numpy()[0]
-    t_prefill = time.perf_counter()
-    sampler = Sampler(job.sampling["temperature"], job.sampling["top_p"], job.sampling["seed"])
-    first = sampler(logits, len(ids))
     try:
-      for t in transfers: t.wait(60)
-    except (TransportError, TimeoutError):       # the link broke: a new one, and every layer again (the blocks are still ours)
-      if job.caller_gone(): raise CallerGone("the router gave the reservation up during the transfer") from None
-      peer, _ = self._decoder(job.decode, fresh=True)
-      transfers.clear()
-      for layer, packed in layers: write(layer, packed)
-      for t in transfers: t.wait(60)
-    kv_bytes, transfer_s = sum(t.nbytes for t in transfers), busy_time([(t.started, t.finished) for t in transfers])
-    last = max(t.finished for t in transfers)
-    return {"first_token": int(first), "seed": sampler.seed, "prefill_s": t_prefill - t0,
-            "kv_bytes": kv_bytes, "transfer_s": transfer_s, "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0,
+      logits = self.model.prefill(Tensor([padded], dtype=dtypes.int32, device=self.model.device), on_layer=send_layer, kv_dtype=kv_dtype,
+                                  n_valid=len(ids)).numpy()[0]
+      t_prefill = time.perf_counter()
+      sampler = Sampler(job.sampling["temperature"], job.sampling["top_p"], job.sampling["seed"])
+      first = sampler(logits, len(ids))
+      try: transfers = sender.finish(60)
+      except (TransportError, TimeoutError, OSError):    # the link broke (mid-stream, or since the last job): a new one, every layer again
+        sender.abort()
+        if job.caller_gone(): raise CallerGone("the router gave the reservation up during the transfer") from None
+        peer, _ = self._decoder(job.decode, fresh=True)
+        sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
+        for layer, k, v in kept: sender.send(layer, k, v)
+        transfers = sender.finish(60)
+    except BaseException:
+      sender.abort()                            # kept layers and staging buffers outlive the writes that read them
+      raise
+    kv_bytes, transfer_s = sum(t.nbytes for t in transfers.values()), busy_time([(t.started, t.finished) for t in transfers.values()])
+    last = max(t.finished for t in transfers.values())
+    return {"first_token": int(first), "seed": sampler.seed, "prefill_s": t_prefill - t0, "kv_bytes": kv_bytes, "transfer_s": transfer_s,
+            "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0, "staging_waits": sender.staging_waits,
             "node": self.node.name}
 
   def close(self):
     for peer, _ in self.decoders.values(): peer.close()
+    self.buffers.free()

@@ -9,7 +9,9 @@ leaves the device without stalling prefill. Three calls, on two threads:
                                        buf: waits for the pack kernel alone, then copies device -> host
 
 So the prefill thread goes on to layer l+1's kernels while layer l is copied out and sent. How the copy runs per backend:
-  CUDA                 a second, non-blocking stream that waits on an event recorded after the pack (the copy engine)
+  CUDA                 a second, non-blocking stream that waits on an event recorded after the pack (the copy engine); the
+                       staging buffer is page-locked (cuMemHostRegister) at its first copy, so the copy engine writes it
+                       directly (pageable memory would go through the driver's bounce buffer); unpin() before freeing it
   CPU (tinygrad's)     its worker threads' progress counters, then a memcpy: memory the host can read
   PYTHON (emulator)    a memcpy: its kernels have run by the time realize() returns
   others (NV, AMD, ..) on the prefill thread (tinygrad's HCQ queues are not safe to submit to from a second thread): a
@@ -52,6 +54,30 @@ def _cuda_stream(dev):
     dev.tinyhet_copy_stream = s
   return s
 
+_pinned: dict[tuple[int, int, int], bool] = {}    # (arena id, offset, CUDA device id) -> whether the driver page-locked it
+_pinned_devices: dict[int, object] = {}
+
+def _pin(dev, dest: Region) -> bool:
+  """Page-lock dest for this CUDA context, once; False where the driver refuses (the copy still works, through the driver's
+  bounce buffer)."""
+  key = (dest.arena.id, dest.offset, id(dev))
+  if key not in _pinned:
+    from tinygrad.runtime.autogen import cuda
+    _pinned[key] = dest.addr % 4096 == 0 and dest.nbytes % 4096 == 0 and \
+      cuda.cuMemHostRegister_v2(ctypes.c_void_p(dest.addr), dest.nbytes, 1) == 0      # 1: CU_MEMHOSTREGISTER_PORTABLE
+    _pinned_devices[id(dev)] = dev
+  return _pinned[key]
+
+def unpin(regions: list[Region]):
+  """Undo _pin for staging buffers about to be freed (their pages go back to the arena for other uses)."""
+  for key in [k for k in _pinned if any(k[:2] == (r.arena.id, r.offset) for r in regions)]:
+    if _pinned.pop(key):
+      from tinygrad.runtime.autogen import cuda
+      from tinygrad.runtime.ops_cuda import check
+      dev, addr = _pinned_devices[key[2]], next(r.addr for r in regions if (r.arena.id, r.offset) == key[:2])
+      check(cuda.cuCtxSetCurrent(dev.context))
+      check(cuda.cuMemHostUnregister(ctypes.c_void_p(addr)))
+
 def start_copy(buf: Buffer, dest: Region, nbytes: int):
   """Mark, on the prefill thread, the copy of buf's first nbytes (buf realized, its kernels queued) into dest; returns the
   call that does the copy on another thread. On a backend where that is unsafe, copies here and returns a call that does nothing."""
@@ -63,6 +89,7 @@ def start_copy(buf: Buffer, dest: Region, nbytes: int):
     from tinygrad.runtime.ops_cuda import check
     stream = _cuda_stream(dev)
     check(cuda.cuCtxSetCurrent(dev.context))
+    _pin(dev, dest)
     check(cuda.cuEventCreate(ctypes.byref(ready := cuda.CUevent()), 0))
     check(cuda.cuEventRecord(ready, None))
     def copy_cuda():
@@ -86,3 +113,7 @@ def start_copy(buf: Buffer, dest: Region, nbytes: int):
     return copy_memory
   dev.allocator._copyout(out, opaque)                                    # NV, AMD, ...: see the module's docstring
   return lambda: None
+
+def pinned_buffers() -> int:
+  """How many staging buffers a CUDA driver has page-locked in this process (the GPU check reports it)."""
+  return sum(_pinned.values())
