@@ -2,7 +2,7 @@
 and written by the writer thread: the bytes equal the synchronous path's, a staging buffer is never reused while a write
 reads it, and the prefill thread waits only when every buffer is in flight. The device is tinygrad's own CPU device (its
 kernels run on worker threads, its memory is not registered: what a GPU is to tinyhet) and its PYTHON emulator."""
-import subprocess, sys, threading
+import pathlib, subprocess, sys, threading
 import numpy as np, pytest
 from hypothesis import given, settings, strategies as st
 import tinyhet  # noqa: F401
@@ -154,3 +154,21 @@ def test_bench_staging_refuses_bad_arguments():
   for args in (["--rounds", "0"], ["--buffers", "2,0"], ["--link-gbps", "-1"]):
     p = subprocess.run([sys.executable, "-m", "tinyhet", "bench", "staging", *args], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "must be positive" in p.stderr, (args, p.stderr[-500:])
+
+def test_gpu_check_table_shows_every_section():
+  """The GPU check's summary (bench/gpu_check.py) from a report with every section its steps fill: a GPU run is too rare
+  for its last line to fail there."""
+  sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "bench"))
+  from gpu_check import table
+  step = {"ok": True, "seconds": 1.0}
+  report = {"device": "CUDA", "gpu": "NVIDIA H200", "date": "2026-12-01 00:00 UTC", "elapsed_s": 200.0, "ok": True,
+            "steps": {"het CUDA": step, "het NV": {"ok": False, "skipped": "NV does not open here"}, "run staged": step},
+            "ttft_s": 0.1, "ttft_no_transfer_s": 0.09, "overhead_s": 0.01, "kv_bytes": 2**20, "tokens": [1, 2], "tokens_equal": True,
+            "ttft_sync_copy_s": 0.12, "overhead_sync_copy_s": 0.03,
+            "70b": {"layers": 2, "prefill_s": 0.5, "prefill_cpu_s": 9.0, "tokens_equal": True},
+            "bench_staging": {"no_transfer_s": 0.2, "pinned_buffers": 2,
+                              "staged 2 / slow": {"prefill_s": 0.21, "handoff_ms_per_layer": 0.1, "staging_waits": 0}}}
+  text = table(report)
+  for want in ("NVIDIA H200", "NV does not open here", "overhead +0.010 s", "copy on the prefill thread", "70B shapes, 2 layers",
+               "2 staging buffers page-locked", "staged 2 / slow 0.210 s", "PASS"):
+    assert want in text, want
