@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     model_nbytes(args.model, packed=not args.float_weights)   # a bad --model fails here, not in a process started for it
     try: report(args, resident.client_run(args, argv, lambda m: say(args, m)))   # the model stays loaded for the next run
     except KeyboardInterrupt: return 130
-    except Terminated: exit_now(143)    # the resident process finishes the run on its own (its output is dropped) and stays
+    except Terminated: exit_now(143)    # our socket closes: the resident process stops the run at its next token, and stays
     return 0
   sys.setswitchinterval(1e-3)      # transport threads get the GIL sooner from the busy prefill thread
   # a fresh shared token for the decode node started here (a remote one needs TINYHET_TOKEN set on both nodes)
