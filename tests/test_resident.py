@@ -71,6 +71,13 @@ def test_second_run_reuses_the_resident_process(tmp_path):
         s.sendall(bad)
         reply = json.loads(s.makefile().readline())
         assert "error" in reply, (bad, reply)
+    with socket.socket(socket.AF_UNIX) as s:           # a client that shuts its sending side after the request is still answered
+      s.settimeout(120)
+      s.connect(str(sock_path))
+      s.sendall(json.dumps({"argv": prompt}).encode() + b"\n")
+      s.shutdown(socket.SHUT_WR)
+      replies = [json.loads(line) for line in s.makefile()]
+      assert replies[-1]["done"]["generated_ids"] == a["generated_ids"], replies[-1]
     # a client killed mid-generation: the resident process stops that generation (not counted as served) and the next run
     # is answered at once, not after the tokens nobody reads
     rate = max(a["decode_tok_s"], 1.0)
@@ -87,7 +94,7 @@ def test_second_run_reuses_the_resident_process(tmp_path):
     took = time.monotonic() - t0
     assert third.returncode == 0, third.stderr
     c = json.loads(third.stdout)
-    assert c["resident"] == {"pid": pid, "runs": 3} and c["generated_ids"] == a["generated_ids"]
+    assert c["resident"] == {"pid": pid, "runs": 4} and c["generated_ids"] == a["generated_ids"]
     assert took < n / rate / 2, f"the next run took {took:.1f} s: the {n}-token generation of the killed client went on"
     stop = run(env, "--stop")
     assert stop.returncode == 0 and "stopped 1 resident tinyhet process" in stop.stderr

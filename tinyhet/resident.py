@@ -145,13 +145,11 @@ class _Sender:
     except OSError: self.gone = True
 
   def hung_up(self) -> bool:
-    """The client closed its end (it sends nothing after its request, so a readable socket with no bytes is EOF)."""
+    """The client closed its socket. POLLHUP, not EOF: on a Unix socket it means both directions are shut, so a client that
+    only ends its sending side after the request (`nc -N`) still gets its answer."""
     poll = select.poll()
-    poll.register(self.conn, select.POLLIN | select.POLLHUP)
-    if not poll.poll(0): return False
-    try: return self.conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError: return False
-    except OSError: return True
+    poll.register(self.conn, select.POLLHUP)
+    return bool(poll.poll(0))
 
   def text(self, piece: str):
     """A piece of generated text; raises ClientGone once the client is gone, which cancels the generation (DecodeClient
