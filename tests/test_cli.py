@@ -51,6 +51,7 @@ def test_errors_are_one_line_without_traceback(args, env, message):
   (["node", "--role", "both", "--max-context", "-3"], "argument --max-context: must be an integer from 2 to"),
   (["node", "--role", "decode", "--listen", "127.0.0.1:65536"], "argument --listen: '127.0.0.1:65536' is not host:port with a port from 0 to 65535"),
   (["node", "--role", "decode", "--kv-memory", "0"], "--kv-memory: '0' must be positive"),
+  (["node", "--role", "decode", "--model", "random:", "--kv-memory", "1"], "--kv-memory 1: a KV budget of 1 bytes holds no block"),
   (["serve", "--decode", "127.0.0.1:7470", "--max-queue", "-1"], "argument --max-queue: must be an integer from 0 to"),
   (["serve", "--decode", "127.0.0.1:7470", "--queue-timeout", "nan"], "argument --queue-timeout: must be a number of seconds above 0"),
   (["serve", "--decode", "127.0.0.1:0"], "argument --decode: '127.0.0.1:0' is not host:port with a port from 1 to 65535"),

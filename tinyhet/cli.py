@@ -80,7 +80,7 @@ def end_compile_workers(wait: float = 1.0):
   lock, which an idle worker holds while it waits for a task, and a signal sent to the whole process group (a shell's job
   control, `timeout`, systemd) has killed that worker with the lock held. So terminate() gets `wait` seconds (it stops
   the pool from replacing workers first), then whatever worker is left is killed."""
-  import multiprocessing
+  import multiprocessing.util
   if (worker := sys.modules.get("tinygrad.engine.worker")) is None: return     # tinygrad never started a pool here
   t = threading.Thread(target=worker.terminate_worker_pool, daemon=True, name="tinyhet-end-workers")
   t.start()
@@ -88,6 +88,10 @@ def end_compile_workers(wait: float = 1.0):
   for p in multiprocessing.active_children():
     p.kill()
     p.join(wait)
+  # the pool's queue locks are named semaphores that os._exit would leave behind, and multiprocessing's resource tracker
+  # would say so on stderr after we are gone; their finalizers (priority 0) unlink them. Not while terminate() is stuck:
+  # the pool's own finalizer is the one stuck in it.
+  if not t.is_alive(): multiprocessing.util._run_finalizers(0)
 
 def usage() -> str:
   return "usage: tinyhet COMMAND [ARGS]\n\ncommands:\n" + "".join(f"  {n:<7}{h}\n" for n, (_, h) in COMMANDS.items()) + \

@@ -71,7 +71,10 @@ def serve(args, stop: threading.Event) -> int:
   node, model, tok, model_id = start(args.model, kv_bytes, args.max_context, args.quiet, packed=not args.float_weights)
   from tinyhet.decode_node import DecodeNode, kv_blocks_for
   cfg = load_config()
-  blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
+  try: blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
+  except ValueError as e:                    # the smallest pool depends on the model: known only once it is loaded
+    print(f"tinyhet node: --kv-memory {args.kv_memory}: {e}: give a bigger --kv-memory", file=sys.stderr)
+    return 2
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids)
   from tinyhet.service_node import ServiceExtras
   extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
