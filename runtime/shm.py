@@ -13,7 +13,7 @@ import ctypes, itertools, queue, socket, threading, time
 from tinyhet.runtime import wire
 from tinyhet.runtime.arena import Arena, Mapping
 from tinyhet.runtime.wire import Frame, COMMIT, CLOSE, ARENA, NOTIFY
-from tinyhet.runtime.transport import Transfer, TransportError, Piece, coalesce
+from tinyhet.runtime.transfer import Transfer, TransportError, Piece, coalesce
 
 INLINE_BYTES = 8 << 20       # batches up to this size are copied by the caller's thread (a memcpy of 8 MiB takes < 1 ms: cheaper
                              # than waking the copy thread, which needs the GIL from a busy caller); larger ones by the copy thread

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools, queue, secrets, socket, threading
 from tinyhet.runtime import wire
 from tinyhet.runtime.wire import Frame, WRITE, ACK, READ, DATA, ERROR, CLOSE, NOTIFY, LAST, SINGLE, PIECE, HEADER, MAGIC
-from tinyhet.runtime.transport import Transfer, TransportError, Piece, coalesce, split, local_view
+from tinyhet.runtime.transfer import Transfer, TransportError, Piece, coalesce, split, local_view
 
 MAX_PIECE = 4 << 20          # a span larger than this is cut so that parallel streams share it
 MAX_FRAME_PIECES = 256       # pieces per vectored WRITE frame (the receiver drops a peer that sends more)

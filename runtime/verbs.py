@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
 from tinyhet.runtime import wire
-from tinyhet.runtime.transport import Transfer, TransportError, TransportUnavailable, Piece, coalesce, split
+from tinyhet.runtime.transfer import Transfer, TransportError, TransportUnavailable, Piece, coalesce, split
 
 SIGNAL_EVERY = 64            # signal one write in this many (and the last of every batch)
 SEND_DEPTH = 1024            # send queue depth of a writer's queue pair (clipped to the device's max_qp_wr)

@@ -1,6 +1,8 @@
 """The command line as a user meets it: help, unknown commands, and errors as one line naming the fix."""
-import json, os, subprocess, sys
+import argparse, json, math, os, subprocess, sys
 import pytest
+from hypothesis import given, strategies as st
+from tinyhet.cli import host_port, int_in, number_in
 
 def tinyhet(*args, env=None):
   e = {**{k: v for k, v in os.environ.items() if not k.startswith("TINYHET_")}, "TINYHET_KEEP_ALIVE": "0"}
@@ -27,7 +29,7 @@ def test_info_json():
   (["node", "--role", "decode", "--listen", "nonsense"], {}, "is not host:port"),
   (["node", "--role", "prefill", "--listen", "127.0.0.1:0", "--model", "random:layers=2"], {}, "'layers=2' is not one of n_layers=N"),
   (["serve", "--prefill", "127.0.0.1:1"], {}, "give at least one decode-capable node"),
-  (["run", "--max-tokens", "0"], {}, "--max-tokens must be at least 1"),
+  (["run", "--max-tokens", "0"], {}, "argument --max-tokens: must be an integer from 1 to"),
   (["run", "--model", "/nonexistent.gguf"], {}, "model file /nonexistent.gguf does not exist"),      # with the decode node it starts
   (["node", "--role", "decode", "--model", "/nonexistent.gguf"], {}, "model file /nonexistent.gguf does not exist"),
   (["run", "--temperature", "nan"], {}, "--temperature must be 0 (greedy) or a finite number"),
@@ -43,6 +45,45 @@ def test_errors_are_one_line_without_traceback(args, env, message):
   assert out.returncode != 0 and message in out.stderr, out.stderr
   assert "Traceback" not in out.stderr
   assert len([line for line in out.stderr.splitlines() if line.strip()]) == 1, out.stderr     # one error, said once
+
+@pytest.mark.parametrize("args, says", [
+  (["node", "--role", "decode", "--max-seqs", "0"], "argument --max-seqs: must be an integer from 1 to 4096, not '0'"),
+  (["node", "--role", "both", "--max-context", "-3"], "argument --max-context: must be an integer from 2 to"),
+  (["node", "--role", "decode", "--listen", "127.0.0.1:65536"], "argument --listen: '127.0.0.1:65536' is not host:port with a port from 0 to 65535"),
+  (["node", "--role", "decode", "--kv-memory", "0"], "--kv-memory: '0' must be positive"),
+  (["node", "--role", "decode", "--model", "random:", "--kv-memory", "1"], "--kv-memory 1: a KV budget of 1 bytes holds no block"),
+  (["serve", "--decode", "127.0.0.1:7470", "--max-queue", "-1"], "argument --max-queue: must be an integer from 0 to"),
+  (["serve", "--decode", "127.0.0.1:7470", "--queue-timeout", "nan"], "argument --queue-timeout: must be a number of seconds above 0"),
+  (["serve", "--decode", "127.0.0.1:0"], "argument --decode: '127.0.0.1:0' is not host:port with a port from 1 to 65535"),
+  (["run", "--seed", "-1"], "argument --seed: must be an integer from 0 to"),
+])
+def test_numeric_options_are_refused_as_they_are_parsed(args, says):
+  """Before anything loads: exit status 2 and one line naming the option and what it may be (a node with --max-seqs 0 used
+  to start, admit nothing, and hang its clients)."""
+  out = tinyhet(*args)
+  assert out.returncode == 2 and says in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+@given(lo=st.integers(-10, 10), span=st.integers(0, 20), text=st.one_of(st.integers(-40, 40).map(str), st.text(max_size=4)))
+def test_int_in_takes_exactly_the_integers_in_its_range(lo, span, text):
+  try: want = int(text, 10) if lo <= int(text, 10) <= lo + span else None
+  except ValueError: want = None
+  try: assert int_in(lo, lo + span)(text) == want is not None
+  except argparse.ArgumentTypeError as e: assert want is None and f"from {lo} to {lo + span}" in str(e)
+
+@given(x=st.one_of(st.floats(allow_nan=True, allow_infinity=True).map(repr), st.text(max_size=4)))
+def test_number_in_takes_only_finite_numbers_in_range(x):
+  try: v = float(x)
+  except ValueError: v = math.nan
+  try: assert number_in(0, 10)(x) == v and 0 < v <= 10
+  except argparse.ArgumentTypeError: assert not 0 < v <= 10
+
+@given(port=st.integers(-5, 70000), listen=st.booleans())
+def test_host_port_ports(port, listen):
+  ok = (0 if listen else 1) <= port <= 65535
+  try: assert host_port(listen)(f"h:{port}") == f"h:{port}" and ok
+  except argparse.ArgumentTypeError: assert not ok
+  for bad in (f":{port}", "h:²", "h:", "h"):
+    with pytest.raises(argparse.ArgumentTypeError): host_port(listen)(bad)
 
 def test_bench_transfer_quick_json():
   """The transfer benchmark end to end (it checks the bytes it moved itself), in the JSON shape the README documents."""

@@ -1,7 +1,7 @@
 """The resident tinyhet behind `tinyhet run` (tinyhet.resident): later runs reuse the process the first one started (same
-pid, the same greedy tokens), bad requests on its socket get an error and leave it serving, `--stop` ends it and removes
-its socket; keep-alive durations and the options that pick a process."""
-import json, os, socket, subprocess, sys, time
+pid, the same greedy tokens), bad requests on its socket get an error and leave it serving, a client killed mid-generation
+stops its generation, `--stop` ends it and removes its socket; keep-alive durations and the options that pick a process."""
+import json, os, select, socket, subprocess, sys, time
 from types import SimpleNamespace
 import pytest
 from hypothesis import given, strategies as st
@@ -29,6 +29,8 @@ def test_options_that_change_what_is_loaded_pick_another_process(monkeypatch, tm
   assert resident.identity(SimpleNamespace(**base)) != a
   assert resident.socket_path(SimpleNamespace(**base)).parent == tmp_path / "tinyhet" / "run"
   assert oct((tmp_path / "tinyhet" / "run").stat().st_mode & 0o777) == "0o700"
+
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"      # raw text that a small model goes on counting: no early end
 
 def run(env, *args, timeout=600):
   return subprocess.run([sys.executable, "-m", "tinyhet", "run", *args], capture_output=True, text=True, timeout=timeout, env=env)
@@ -69,6 +71,31 @@ def test_second_run_reuses_the_resident_process(tmp_path):
         s.sendall(bad)
         reply = json.loads(s.makefile().readline())
         assert "error" in reply, (bad, reply)
+    with socket.socket(socket.AF_UNIX) as s:           # a client that shuts its sending side after the request is still answered
+      s.settimeout(120)
+      s.connect(str(sock_path))
+      s.sendall(json.dumps({"argv": prompt}).encode() + b"\n")
+      s.shutdown(socket.SHUT_WR)
+      replies = [json.loads(line) for line in s.makefile()]
+      assert replies[-1]["done"]["generated_ids"] == a["generated_ids"], replies[-1]
+    # a client killed mid-generation: the resident process stops that generation (not counted as served) and the next run
+    # is answered at once, not after the tokens nobody reads
+    rate = max(a["decode_tok_s"], 1.0)
+    n = min(1500, max(100, int(rate * 60)))        # ~a minute of decoding at the rate just measured
+    long = subprocess.Popen([sys.executable, "-m", "tinyhet", "run", "--quiet", "--raw", "--max-tokens", str(n), COUNTING], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+      assert select.select([long.stdout], [], [], 120)[0] and long.stdout.read1(1), "no token reached the client within 120 s"
+    finally:
+      long.kill()
+      long.wait(10)
+    t0 = time.monotonic()
+    third = run(env, *prompt)
+    took = time.monotonic() - t0
+    assert third.returncode == 0, third.stderr
+    c = json.loads(third.stdout)
+    assert c["resident"] == {"pid": pid, "runs": 4} and c["generated_ids"] == a["generated_ids"]
+    assert took < n / rate / 2, f"the next run took {took:.1f} s: the {n}-token generation of the killed client went on"
     stop = run(env, "--stop")
     assert stop.returncode == 0 and "stopped 1 resident tinyhet process" in stop.stderr
     assert gone(pid, 30), "the resident process did not stop"

@@ -107,3 +107,7 @@ def test_incoming_reservation_waits_when_full_and_commit_starts_decode():
   assert not s.commit_incoming(b, 5)
   assert s.schedule() == ([b], False) and s.bm.length(1) == 9
   assert s.postprocess([b], [5]) == [b] and s.is_finished()
+
+@pytest.mark.parametrize("kw", [dict(max_num_seqs=0), dict(max_num_seqs=-1), dict(max_num_batched_tokens=0)])
+def test_a_scheduler_that_could_admit_nothing_is_refused(kw):
+  with pytest.raises(ValueError, match="must be at least 1"): Scheduler(BlockManager(4, 4), **kw)

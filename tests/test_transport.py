@@ -316,3 +316,14 @@ def test_two_hosts_over_veth(two_hosts):
     image = np.concatenate([expect[:4 << 20], expect[5 << 20:8 << 20], np.zeros(1 << 20, np.uint8)])
     assert node.sha(region, 0, 7 << 20) == sha(image[:7 << 20])
   finally: node.close()
+
+def test_transfer_types_stand_alone_and_are_the_ones_transport_exports():
+  """transfer.py (split from transport.py) imports nothing of tinyhet above runtime/, and transport.py's names are its own."""
+  import ast
+  from tinyhet.runtime import transfer, transport
+  tree = ast.parse(pathlib.Path(transfer.__file__).read_text())
+  imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+  imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+  assert all(not m.startswith("tinyhet") or m.startswith("tinyhet.runtime") for m in imported if m), imported
+  for name in ("Span", "Piece", "Transfer", "Notice", "TransportError", "TransportUnavailable", "coalesce", "split", "to_pieces", "local_view"):
+    assert getattr(transport, name) is getattr(transfer, name)

@@ -7,21 +7,28 @@ also dies with that parent).
 from __future__ import annotations
 import json, os, signal, sys, threading
 
-from tinyhet.cli import ArgumentParser, exit_now
+from tinyhet.cli import ArgumentParser, exit_after_signal, exit_now, host_port, int_in
+
+MAX_SEQS = 4096           # --max-seqs at most: far past any batch one node decodes at once
+MAX_CONTEXT = 1 << 24     # --max-context: tokens
 
 def parse_args(argv):
   ap = ArgumentParser(prog="tinyhet node", description=__doc__.splitlines()[0])
   ap.add_argument("--role", choices=["decode", "prefill", "both"], required=True)
-  ap.add_argument("--listen", default="127.0.0.1:7470", help="host:port to accept prefill nodes on (port 0: any free port)")
+  ap.add_argument("--listen", default="127.0.0.1:7470", type=host_port(listen=True), help="host:port to accept prefill nodes on (0: any port)")
   ap.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
   ap.add_argument("--kv-memory", default="1G", help="KV pool size (all layers, K and V), e.g. 512M, 64G")
-  ap.add_argument("--max-seqs", type=int, default=16, help="sequences decoded together at most")
-  ap.add_argument("--max-context", type=int, default=None, help="cap the model's context (tokens) to bound memory")
+  ap.add_argument("--max-seqs", type=int_in(1, MAX_SEQS), default=16, help=f"sequences decoded together at most (1 to {MAX_SEQS})")
+  ap.add_argument("--max-context", type=int_in(2, MAX_CONTEXT), default=None, help="cap the model's context (tokens) to bound memory")
   ap.add_argument("--float-weights", action="store_true", help="dequantize a GGUF's weights to float32 (default: keep its quantized "
                   "blocks and dequantize inside the matmul kernels, reading ~5x fewer bytes per token)")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns this node)")
   ap.add_argument("--quiet", action="store_true")
-  return ap.parse_args(argv)
+  args = ap.parse_args(argv)
+  from tinyhet.config import ConfigError, parse_bytes
+  try: parse_bytes(args.kv_memory, "--kv-memory")
+  except ConfigError as e: ap.error(str(e))
+  return args
 
 def die_with_parent():
   """A node started by another tinyhet process (tinyhet run) must not outlive it: the kernel sends SIGTERM when the parent
@@ -45,30 +52,29 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, _on_sigterm(stop))
+  exit_after_signal(0)      # a main thread stuck in a kernel or a C call still ends within a few seconds of SIGTERM
   if args.stdin_stop:
     die_with_parent()
     # stdin closing stops the node like SIGTERM does, whatever the main thread is doing (loading the model, say)
     threading.Thread(target=lambda: (sys.stdin.read(), os.kill(os.getpid(), signal.SIGTERM)), daemon=True, name="tinyhet-stdin-stop").start()
-  try: return serve(args, stop)
-  except (Stopped, KeyboardInterrupt): pass     # serve's own cleanup has run
-  exit_now(0)
+  try: code = serve(args, stop)
+  except (Stopped, KeyboardInterrupt): code = 0     # serve's own cleanup has run
+  exit_now(code)           # a prefill node's SIGTERM returns from serve: the compile workers may be gone too (see exit_now)
 
 def serve(args, stop: threading.Event) -> int:
   if args.role == "prefill":
     from tinyhet.service_node import main_prefill
     return main_prefill(args)
-  from tinyhet.config import load_config, parse_bytes, ConfigError
-  try:
-    kv_bytes = parse_bytes(args.kv_memory, "--kv-memory")
-    host, _, port = args.listen.rpartition(":")
-    if not host or not port.isdigit(): raise ConfigError(f"--listen {args.listen!r} is not host:port")
-  except ConfigError as e:
-    print(f"tinyhet node: {e}", file=sys.stderr)
-    return 2
+  from tinyhet.config import load_config, parse_bytes
+  kv_bytes = parse_bytes(args.kv_memory, "--kv-memory")     # checked by parse_args, as --listen was
+  host, _, port = args.listen.rpartition(":")
   node, model, tok, model_id = start(args.model, kv_bytes, args.max_context, args.quiet, packed=not args.float_weights)
   from tinyhet.decode_node import DecodeNode, kv_blocks_for
   cfg = load_config()
-  blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
+  try: blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
+  except ValueError as e:                    # the smallest pool depends on the model: known only once it is loaded
+    print(f"tinyhet node: --kv-memory {args.kv_memory}: {e}: give a bigger --kv-memory", file=sys.stderr)
+    return 2
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids)
   from tinyhet.service_node import ServiceExtras
   extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both

@@ -40,19 +40,19 @@ def check_counts(want: dict) -> None:
   if want.get("decode", 0) + want.get("both", 0) < 1: raise ValueError("ask for at least one decode or both replica: decode=1")
 
 def add_args(ap) -> None:
+  from tinyhet.cli import int_in, number_in
+  from tinyhet.node import MAX_SEQS
   ap.add_argument("--ray", default=None, metavar="ADDRESS", help="the nodes as Ray actors on this cluster (as ray.init takes it; auto: the local)")
   ap.add_argument("--replicas", default="prefill=1,decode=1", help="with --ray: nodes per role, e.g. prefill=1,decode=2,both=0")
   ap.add_argument("--kv-memory", default=None, help="with --ray: each decode node's KV pool (e.g. 4G; default: --kv-fraction of its host's memory)")
-  ap.add_argument("--kv-fraction", type=float, default=0.25, help="with --ray: the share of a decode host's Ray memory its KV pool takes")
-  ap.add_argument("--max-seqs", type=int, default=16, help="with --ray: sequences each decode node decodes together at most")
-  ap.add_argument("--max-restarts", type=int, default=5, help="with --ray: Ray restarts of one actor before the router replaces it")
+  ap.add_argument("--kv-fraction", type=number_in(0, 0.9), default=0.25, help="with --ray: the share of a decode host's Ray memory its KV pool takes")
+  ap.add_argument("--max-seqs", type=int_in(1, MAX_SEQS), default=16, help="with --ray: sequences each decode node decodes together at most")
+  ap.add_argument("--max-restarts", type=int_in(-1, 1000), default=5, help="with --ray: Ray restarts of one actor before the router replaces it")
 
 def check_args(args) -> None:
   """The --ray options, before anything starts: ValueError saying what to change."""
   parse_replicas(args.replicas)
-  if args.max_seqs < 1: raise ValueError(f"--max-seqs must be at least 1, got {args.max_seqs}")
-  if not 0 < args.kv_fraction <= 0.9: raise ValueError(f"--kv-fraction must be above 0 and at most 0.9, got {args.kv_fraction}")
-  if args.max_restarts < -1: raise ValueError(f"--max-restarts must be -1 (no limit) or more, got {args.max_restarts}")
+  # --max-seqs, --kv-fraction and --max-restarts are checked as they are parsed (add_args)
   if args.kv_memory is not None:
     from tinyhet.config import ConfigError, parse_bytes
     try: parse_bytes(args.kv_memory, "--kv-memory")

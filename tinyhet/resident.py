@@ -15,10 +15,11 @@ well under a second instead of after ~10 s of loading, scheduling and compiling.
 Requests are served one at a time, in order; the protocol is JSON lines: the client sends {"argv": [...]} (its own command
 line, parsed again by the resident process) or {"stop": true}; the resident process answers {"text": ...} pieces,
 {"stderr": ...} lines (prefill progress), then {"done": figures} or {"error": "one line"}. A client that goes away mid-run
-does not stop the generation (its tokens are dropped): the decode node's stream is finished before the next request.
+(killed, Ctrl-C, its socket closed) stops its generation at the next token: the send fails or the socket has hung up, the
+decode node's stream is cancelled and its sequence released, and the next client is served at once.
 """
 from __future__ import annotations
-import hashlib, json, os, signal, socket, subprocess, sys, time
+import hashlib, json, os, select, signal, socket, subprocess, sys, time
 from pathlib import Path
 
 KEEP_ALIVE_DEFAULT = "5m"
@@ -130,14 +131,32 @@ def stop_all(say) -> int:
   say(f"stopped {n} resident tinyhet process{'es' if n != 1 else ''}")
   return n
 
+class ClientGone(Exception):
+  """The client of the running generation went away: nobody reads its tokens, so it stops."""
+
 class _Sender:
-  """What the resident process writes to its client: JSON lines; a client gone away is noted, not raised."""
+  """What the resident process writes to its client: JSON lines; a client gone away is noted here (a progress line that
+  cannot be sent is no error) and raised as ClientGone by text()."""
   def __init__(self, conn: socket.socket): self.conn, self.gone = conn, False
 
   def send(self, **msg):
     if self.gone: return
     try: self.conn.sendall((json.dumps(msg) + "\n").encode())
     except OSError: self.gone = True
+
+  def hung_up(self) -> bool:
+    """The client closed its socket. POLLHUP, not EOF: on a Unix socket it means both directions are shut, so a client that
+    only ends its sending side after the request (`nc -N`) still gets its answer."""
+    poll = select.poll()
+    poll.register(self.conn, select.POLLHUP)
+    return bool(poll.poll(0))
+
+  def text(self, piece: str):
+    """A piece of generated text; raises ClientGone once the client is gone, which cancels the generation (DecodeClient
+    cancels the decode node's stream and releases its sequence when on_token raises)."""
+    if not self.gone and self.hung_up(): self.gone = True
+    self.send(text=piece)
+    if self.gone: raise ClientGone()
 
   # a file-like face for the prefill progress lines (they go to the client's stderr)
   def write(self, text: str): self.send(stderr=text)
@@ -185,9 +204,10 @@ def serve(args) -> int:
             print("stopped by `tinyhet run --stop`", flush=True)
             return 0
           run_args = parse_args([str(a) for a in request["argv"]])
-          figures = session.answer(run_args, lambda piece: out.send(text=piece), progress_out=out)
+          figures = session.answer(run_args, out.text, progress_out=out)
           served += 1
           out.send(done={**figures, "resident": {"pid": os.getpid(), "runs": served}})
+        except ClientGone: print("the client went away: its generation stopped", flush=True)
         except (RunError, ValueError, OSError) as e: out.send(error=str(e))
         except SystemExit as e: out.send(error=f"bad arguments (status {e.code})")
   except KeyboardInterrupt: return 0

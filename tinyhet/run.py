@@ -6,7 +6,7 @@ The model and the decode node stay loaded in a resident process for the next run
 from __future__ import annotations
 import argparse, json, os, secrets, signal, subprocess, sys, threading, time
 
-from tinyhet.cli import ArgumentParser, exit_now
+from tinyhet.cli import ArgumentParser, exit_now, host_port, int_in
 from tinyhet.resident import KEEP_ALIVE_DEFAULT, parse_keep_alive
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one short sentence."
@@ -15,12 +15,12 @@ def parse_args(argv):
   ap = ArgumentParser(prog="tinyhet run", description=__doc__.splitlines()[0])
   ap.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help=f"the prompt (default: {DEFAULT_PROMPT!r})")
   ap.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
-  ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+  ap.add_argument("--max-tokens", type=int_in(1, 1 << 24), default=64, help="tokens to generate at most (default 64)")
   ap.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
   ap.add_argument("--top-p", type=float, default=1.0)
-  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--seed", type=int_in(0, 2**64 - 1), default=0)
   ap.add_argument("--transport", choices=["auto", "verbs", "tcp", "shm"], default=None, help="default: the configured one (auto)")
-  ap.add_argument("--decode-node", metavar="HOST:PORT", default=None, help="use a running decode node (tinyhet node --role decode)")
+  ap.add_argument("--decode-node", metavar="HOST:PORT", type=host_port(), default=None, help="use a running decode node (tinyhet node --role decode)")
   ap.add_argument("--no-disagg", action="store_true", help="one device (HET) does prefill and decode (the same paged engine, no "
                   "transfer), for comparison")
   ap.add_argument("--overhead", action="store_true", help="also time the same padded prefill on HET with no transfer (after one "
@@ -39,7 +39,6 @@ def parse_args(argv):
   args = ap.parse_args(argv)
   try: parse_keep_alive(args.keep_alive)
   except ValueError as e: ap.error(str(e))
-  if args.max_tokens < 1: ap.error("--max-tokens must be at least 1")
   from tinyhet.config import ConfigError, parse_bytes
   try: parse_bytes(args.kv_memory, "--kv-memory")
   except ConfigError as e: ap.error(str(e))
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
     model_nbytes(args.model, packed=not args.float_weights)   # a bad --model fails here, not in a process started for it
     try: report(args, resident.client_run(args, argv, lambda m: say(args, m)))   # the model stays loaded for the next run
     except KeyboardInterrupt: return 130
-    except Terminated: exit_now(143)    # the resident process finishes the run on its own (its output is dropped) and stays
+    except Terminated: exit_now(143)    # our socket closes: the resident process stops the run at its next token, and stays
     return 0
   sys.setswitchinterval(1e-3)      # transport threads get the GIL sooner from the busy prefill thread
   # a fresh shared token for the decode node started here (a remote one needs TINYHET_TOKEN set on both nodes)

@@ -47,6 +47,9 @@ class Sequence:
 class Scheduler:
   def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, eos: int | None = None,
                capacity: int | None = None):
+    # zero would admit nothing, ever: every request would wait for good (a node started with --max-seqs 0 did)
+    if max_num_seqs < 1 or max_num_batched_tokens < 1:
+      raise ValueError(f"max_num_seqs and max_num_batched_tokens must be at least 1, got {max_num_seqs} and {max_num_batched_tokens}")
     self.bm, self.max_num_seqs, self.max_num_batched_tokens, self.eos = block_manager, max_num_seqs, max_num_batched_tokens, eos
     self.capacity = block_manager.num_blocks if capacity is None else capacity   # blocks sequences can have (the engine may keep some)
     self.waiting: deque[Sequence] = deque()

@@ -198,18 +198,18 @@ class Running:
 # ---- command line
 
 def parse_args(argv):
-  from tinyhet.cli import ArgumentParser
+  from tinyhet.cli import ArgumentParser, host_port, int_in, number_in
   ap = ArgumentParser(prog="tinyhet serve", description=__doc__.splitlines()[0])
-  ap.add_argument("--listen", default="127.0.0.1:8000", help="host:port of the HTTP API (port 0: any free port)")
-  ap.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a `tinyhet node --role prefill` (repeatable)")
-  ap.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a `tinyhet node --role decode` (repeatable)")
-  ap.add_argument("--both", action="append", default=[], metavar="HOST:PORT", help="a `tinyhet node --role both` (repeatable)")
+  ap.add_argument("--listen", default="127.0.0.1:8000", type=host_port(listen=True), help="host:port of the HTTP API (port 0: any free port)")
+  ap.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", type=host_port(), help="a `tinyhet node --role prefill` (repeats)")
+  ap.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", type=host_port(), help="a `tinyhet node --role decode` (repeatable)")
+  ap.add_argument("--both", action="append", default=[], metavar="HOST:PORT", type=host_port(), help="a `tinyhet node --role both` (repeatable)")
   ap.add_argument("--model", default=None, help="the model every node serves (its tokenizer is loaded here; default: the embedded SmolLM2)")
   ap.add_argument("--cluster", default=None, help="the planner's cluster file, with each node's role and address (tinyhet.cluster_nodes): "
                   "its nodes join those of --prefill/--decode/--both, and tinyhet.planner.route decides per request whether to disaggregate")
   ap.add_argument("--cluster-model", default=None, help="the model's name in the planner's catalog or the cluster file (with --cluster)")
-  ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for KV room at most; past it: 503 with Retry-After")
-  ap.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for KV room before 503")
+  ap.add_argument("--max-queue", type=int_in(0, 1 << 20), default=64, help="requests waiting for KV room at most; past it: 503 with Retry-After")
+  ap.add_argument("--queue-timeout", type=number_in(0, 86400, "seconds"), default=60.0, help="seconds a request waits for KV room before 503")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns the router)")
   from tinyhet import ray_cluster
   ray_cluster.add_args(ap)
@@ -220,11 +220,7 @@ def parse_args(argv):
     if args.prefill or args.decode or args.both: ap.error("--ray places the nodes itself: leave out --prefill, --decode and --both")
   elif not (args.decode or args.both or args.cluster):
     ap.error("give at least one decode-capable node: --decode HOST:PORT, --both HOST:PORT, or --cluster FILE with role and address keys")
-  for a in args.prefill + args.decode + args.both + [args.listen]:
-    host, _, port = a.rpartition(":")
-    if not host or not port.isdigit(): ap.error(f"{a!r} is not host:port")
   if args.cluster and not args.cluster_model: ap.error("--cluster needs --cluster-model (the model's name in the planner's catalog)")
-  if args.max_queue < 0 or args.queue_timeout <= 0: ap.error("--max-queue must be >= 0 and --queue-timeout > 0")
   return args
 
 def fail(message: str) -> int:
