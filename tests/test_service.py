@@ -272,9 +272,9 @@ def test_client_disconnect_frees_the_sequence(cluster, model):
   c.sock.shutdown(socket.SHUT_RDWR)            # the client goes away mid-stream
   c.close()
   deadline = time.monotonic() + 20
-  while time.monotonic() < deadline:
+  while time.monotonic() < deadline:          # the nodes free the blocks, and the router's request thread sees the hang-up
     states = [node_state(router, cluster[d]) for d in ("d1", "d2")]
-    if all(s["free_blocks"] == s["kv_blocks"] and s["running"] == 0 for s in states): break
+    if all(s["free_blocks"] == s["kv_blocks"] and s["running"] == 0 for s in states) and router.metric("tinyhet:num_requests_running") == 0: break
     time.sleep(0.2)
   assert all(s["free_blocks"] == s["kv_blocks"] and s["running"] == 0 for s in states), states
   assert router.metric("tinyhet:num_requests_running") == 0 and router.metric("tinyhet:request_success_total") == done_before
