@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
 from tinyhet.runtime import wire
+from tinyhet.runtime.settings import TransportSettings
 from tinyhet.runtime.transfer import Transfer, TransportError, TransportUnavailable, Piece, coalesce, split
 
 SIGNAL_EVERY = 64            # signal one write in this many (and the last of every batch)
@@ -263,13 +264,12 @@ class PortChoice:
   gid_index: int
   link_layer: str
 
-def unavailable_reason(cfg=None) -> str | None:
-  """None when verbs can be used here (pyverbs imports, an RDMA device has the configured port ACTIVE with a usable GID);
-  else one sentence saying why not. cfg None reads the configuration (file and environment). Cached: see probe()."""
-  if cfg is None:
-    from tinyhet.config import load_config
-    cfg = load_config()
-  found = probe(cfg.rdma_device, cfg.rdma_port, cfg.rdma_gid_index)
+def unavailable_reason(settings=None) -> str | None:
+  """None when verbs can be used here (pyverbs imports, an RDMA device has the chosen port ACTIVE with a usable GID);
+  else one sentence saying why not. settings: a TransportSettings or an object with its rdma_* fields (tinyhet's
+  Config); None: the defaults (the first device with port 1 active). Cached: see probe()."""
+  s = TransportSettings.of(settings)
+  found = probe(s.rdma_device, s.rdma_port, s.rdma_gid_index)
   return found if isinstance(found, str) else None
 
 @functools.cache
@@ -320,8 +320,10 @@ class Device:
   """An opened RDMA port: context, protection domain, one memory registration per arena, and the queue pairs made on it."""
 
   @staticmethod
-  def open(cfg) -> Device:
-    found = probe(cfg.rdma_device, cfg.rdma_port, cfg.rdma_gid_index)
+  def open(settings) -> Device:
+    """The port the settings' rdma_device / rdma_port / rdma_gid_index choose (TransportSettings, or tinyhet's Config)."""
+    s = TransportSettings.of(settings)
+    found = probe(s.rdma_device, s.rdma_port, s.rdma_gid_index)
     if isinstance(found, str): raise TransportUnavailable(f"verbs is unavailable here: {found}")
     return Device(found)
 
