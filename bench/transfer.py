@@ -142,7 +142,7 @@ def main(argv=None) -> int:
   from tinyhet.runtime.transport import Endpoint, available_transports
   from tinyhet.runtime.memory_node import fill
   total = parse_bytes(args.total or ("128M" if args.quick else "1G"), "--total")
-  avail = available_transports()
+  avail = available_transports(load_config())
   wanted = args.transports.split(",") if args.transports != "auto" else ["shm", "tcp", "verbs"]
   skipped = {t: avail.get(t, "unknown transport") for t in wanted if avail.get(t, "unknown transport") is not None}
   transports = [t for t in wanted if t not in skipped]

@@ -10,8 +10,8 @@ transport tests and of `tinyhet bench transfer`. It speaks JSON lines on stdin/s
   {"cmd": "quit"}
 """
 import argparse, hashlib, json, subprocess, sys
-from tinyhet.config import load_config
 from tinyhet.runtime.arena import Arena
+from tinyhet.runtime.settings import TransportSettings
 from tinyhet.runtime.transport import Endpoint
 
 def fill(view: memoryview, seed: int):
@@ -29,8 +29,15 @@ def main(argv=None):
   ap.add_argument("--max-fds", type=int, default=None, help="lower this process's open-file limit (RLIMIT_NOFILE) once started")
   ap.add_argument("--spare-address-space", type=int, default=None,
                   help="cap this process's address space (RLIMIT_AS) at what it maps once started plus this many bytes")
+  # its transport settings come from these flags only (not tinyhet.toml or TINYHET_*): the tests and the bench start it
+  # and must get the same node whatever the developer's environment says
+  ap.add_argument("--rdma-device", default="", help="verbs: RDMA device to serve on (empty: the first with an active port)")
+  ap.add_argument("--rdma-port", type=int, default=1, help="verbs: port number on that device")
+  ap.add_argument("--rdma-gid-index", type=int, default=-1, help="verbs: source GID index on RoCE (-1: auto)")
   args = ap.parse_args(argv)
-  ep = Endpoint(args.name, token=args.token, config=load_config(env={}))
+  try: settings = TransportSettings(token=args.token, rdma_device=args.rdma_device, rdma_port=args.rdma_port, rdma_gid_index=args.rdma_gid_index)
+  except ValueError as e: ap.error(str(e))
+  ep = Endpoint(args.name, settings=settings)
   if args.handshake_timeout is not None: ep.handshake_timeout = args.handshake_timeout
   if args.max_unauthenticated is not None: ep.max_unauthenticated = args.max_unauthenticated
   arena = Arena(args.arena_bytes, args.name, hugepages=False)

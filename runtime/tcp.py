@@ -90,7 +90,7 @@ class Link:
   """The writer's side of a tcp connection to one peer."""
   @staticmethod
   def connect(ep, address: str, sock: socket.socket, hello: dict) -> Link:
-    session, n = secrets.token_hex(8), ep.cfg.tcp_streams
+    session, n = secrets.token_hex(8), ep.settings.tcp_streams
     ep.client_auth(sock, hello, "tcp", session=session, stream=0, streams=n)
     sock.settimeout(None)
     socks = [sock]

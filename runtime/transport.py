@@ -19,11 +19,11 @@ from __future__ import annotations
 import errno, importlib, itertools, os, queue, secrets, socket, threading, time
 from collections import Counter
 from dataclasses import dataclass
-from tinyhet.config import Config, load_config, TRANSPORTS
 from tinyhet.runtime.arena import Arena, Region
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.exposure import Exposure, Landings
 from tinyhet.runtime import wire
+from tinyhet.runtime.settings import TRANSPORTS, TransportSettings
 # the data of a transfer lives in transfer.py; its names are importable from here too, as callers always have
 from tinyhet.runtime.transfer import (Notice, Piece, Span, Transfer, TransportError, TransportUnavailable, coalesce,  # noqa: F401
                                       local_view, split, to_pieces)
@@ -45,17 +45,24 @@ def transport_module(name: str):
   if name not in ("tcp", "shm", "verbs"): raise TransportUnavailable(f"unknown transport {name!r} (choose one of {', '.join(TRANSPORTS)})")
   return importlib.import_module(f"tinyhet.runtime.{name}")
 
-def available_transports(cfg: Config | None = None) -> dict[str, str | None]:
-  """transport -> None if usable here, else the reason it is not. cfg picks the RDMA device (None: the configuration)."""
+def available_transports(settings=None) -> dict[str, str | None]:
+  """transport -> None if usable here, else the reason it is not. settings (TransportSettings, or an object with its
+  fields such as tinyhet's Config) pick the RDMA device; None: the defaults (the first device with an active port 1)."""
   from tinyhet.runtime import verbs
-  return {"tcp": None, "shm": None if hasattr(os, "memfd_create") else "no memfd_create on this OS", "verbs": verbs.unavailable_reason(cfg)}
+  return {"tcp": None, "shm": None if hasattr(os, "memfd_create") else "no memfd_create on this OS", "verbs": verbs.unavailable_reason(settings)}
 
 class Endpoint:
-  """This node's end of every transport: registered arenas, exposed regions, listeners, peers and received notices."""
-  def __init__(self, name: str | None = None, token: str | None = None, config: Config | None = None):
-    self.cfg = config or load_config()
+  """This node's end of every transport: registered arenas, exposed regions, listeners, peers and received notices.
+
+  settings: a TransportSettings, or any object with its fields (tinyhet passes its whole Config, read from tinyhet.toml
+  and TINYHET_* variables, and this layer takes only its part); config= is the same argument under the name tinyhet's
+  callers have always used. Without either, the defaults: this layer reads no file and no environment, so a caller that
+  wants the user's configuration passes it. token, when given, wins over the settings' token; with neither, a random one."""
+  def __init__(self, name: str | None = None, token: str | None = None, settings=None, config=None):
+    if settings is not None and config is not None: raise TypeError("Endpoint takes settings or config, not both")
+    self.settings = TransportSettings.of(settings if settings is not None else config)
     self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-    self.token = token or self.cfg.token or secrets.token_hex(16)
+    self.token = token or self.settings.token or secrets.token_hex(16)
     self.host = wire.host_id()
     self.arenas: dict[int, Arena] = {}
     self.exposed: dict[int, Region] = {}
@@ -75,8 +82,8 @@ class Endpoint:
     self._peers: list[Peer] = []
     self._listeners: list[socket.socket] = []
     self.verbs = None                     # tinyhet.runtime.verbs.Device when this node has an RDMA device
-    self.transports = [t for t, why in available_transports(self.cfg).items() if why is None]
-    if "verbs" in self.transports: self.verbs = transport_module("verbs").Device.open(self.cfg)
+    self.transports = [t for t, why in available_transports(self.settings).items() if why is None]
+    if "verbs" in self.transports: self.verbs = transport_module("verbs").Device.open(self.settings)
     self.shm_listeners: list = []         # shm peers served by this endpoint, told about arenas registered later
     self.tcp_sessions: dict = {}          # (peer, session id) -> tinyhet.runtime.tcp.Session
     self.handlers: dict = {}              # control request name -> handler (tinyhet.runtime.control)
@@ -148,7 +155,7 @@ class Endpoint:
 
   def connect(self, address: str, transport: str | None = None, timeout: float = HANDSHAKE_TIMEOUT) -> Peer:
     """Connect to a node's listen address; transport None takes the configured one (auto by default)."""
-    wanted = transport or self.cfg.transport
+    wanted = transport or self.settings.transport
     if wanted not in TRANSPORTS: raise TransportUnavailable(f"unknown transport {wanted!r} (choose one of {', '.join(TRANSPORTS)})")
     sock = self.dial(address, timeout)
     try:
@@ -195,7 +202,7 @@ class Endpoint:
       if same_host and "shm" in self.transports and "shm" in theirs: return "shm"
       return "verbs" if "verbs" in self.transports and "verbs" in theirs else "tcp"
     if wanted == "verbs" and "verbs" not in self.transports:
-      raise TransportUnavailable(f"verbs is unavailable here: {available_transports(self.cfg)['verbs']}")
+      raise TransportUnavailable(f"verbs is unavailable here: {available_transports(self.settings)['verbs']}")
     if wanted not in theirs:
       raise TransportUnavailable(f"{hello['node']} at {address} does not offer {wanted} (it offers {', '.join(sorted(theirs))})")
     if wanted == "shm" and not same_host:

@@ -51,3 +51,23 @@ def test_rdma_options():
   with pytest.raises(ConfigError, match="TINYHET_RDMA_PORT"): load_config(env={"TINYHET_RDMA_PORT": "first"})
   with pytest.raises(ConfigError, match="rdma_port = 300 must be a port number"): load_config(env={"TINYHET_RDMA_PORT": "300"})
   with pytest.raises(ConfigError, match="rdma_device = 'a/b' is not an RDMA device name"): load_config(env={"TINYHET_RDMA_DEVICE": "a/b"})
+
+# the transports' fields are checked by one rule (runtime/settings.py), whichever layer meets the value first
+TRANSPORT_FIELDS = ("transport", "tcp_streams", "rdma_device", "rdma_port", "rdma_gid_index")
+
+def test_transport_settings_are_the_configs_defaults():
+  from tinyhet.runtime.settings import TransportSettings, TRANSPORTS
+  import tinyhet.config
+  assert tinyhet.config.TRANSPORTS is TRANSPORTS
+  assert TransportSettings.of(load_config(env={})) == TransportSettings()
+  cfg = load_config(env={"TINYHET_TOKEN": "s", "TINYHET_RDMA_DEVICE": "rxe0", "TINYHET_RDMA_GID_INDEX": "1"})
+  assert TransportSettings.of(cfg) == TransportSettings(token="s", rdma_device="rxe0", rdma_gid_index=1)
+
+@given(st.sampled_from(TRANSPORT_FIELDS), st.one_of(st.integers(-3, 300), st.text(max_size=70), st.booleans(), st.none()))
+def test_config_and_transport_settings_agree_on_every_value(name, value):
+  from tinyhet.runtime.settings import TransportSettings
+  def outcome(make):
+    try: make()
+    except (ConfigError, ValueError) as e: return str(e).split(": ", 1)[1]      # without the source ("config: ", "transport settings: ")
+    return None
+  assert outcome(lambda: Config(**{name: value})) == outcome(lambda: TransportSettings(**{name: value}))

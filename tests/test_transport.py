@@ -327,3 +327,60 @@ def test_transfer_types_stand_alone_and_are_the_ones_transport_exports():
   assert all(not m.startswith("tinyhet") or m.startswith("tinyhet.runtime") for m in imported if m), imported
   for name in ("Span", "Piece", "Transfer", "Notice", "TransportError", "TransportUnavailable", "coalesce", "split", "to_pieces", "local_view"):
     assert getattr(transport, name) is getattr(transfer, name)
+
+# ---------------------------------------------------------------- runtime/ stands alone: settings in, no tinyhet above it
+
+def imports_above_runtime(source: str) -> list[str]:
+  """The tinyhet modules outside tinyhet.runtime that source imports: import statements at any depth (module level,
+  inside functions), relative imports that climb out of runtime/, and importlib.import_module / __import__ of a literal."""
+  import ast
+  def above(m: str) -> bool: return (m == "tinyhet" or m.startswith("tinyhet.")) and not (m == "tinyhet.runtime" or m.startswith("tinyhet.runtime."))
+  found = []
+  for n in ast.walk(ast.parse(source)):
+    if isinstance(n, ast.Import): found += [a.name for a in n.names if above(a.name)]
+    elif isinstance(n, ast.ImportFrom):
+      if n.level > 1: found.append("." * n.level + (n.module or ""))         # from .. import x: the package above runtime
+      elif n.level == 0 and n.module == "tinyhet": found += [f"tinyhet.{a.name}" for a in n.names if above(f"tinyhet.{a.name}")]
+      elif n.level == 0 and above(n.module or ""): found.append(n.module)
+    elif isinstance(n, ast.Call) and n.args and (getattr(n.func, "attr", None) or getattr(n.func, "id", None)) in ("import_module", "__import__"):
+      arg = n.args[0]
+      if isinstance(arg, ast.JoinedStr) and arg.values: arg = arg.values[0]      # f"tinyhet.{name}": its literal start
+      if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and (above(arg.value) or arg.value == "tinyhet."): found.append(arg.value)
+  return found
+
+def test_runtime_imports_nothing_of_tinyhet_above_it():
+  """runtime/ takes its settings as arguments (runtime/settings.py): no module of it may import tinyhet.config or any
+  other module above it, at module level or inside a function (STYLE.md)."""
+  import tinyhet.runtime
+  files = sorted(pathlib.Path(tinyhet.runtime.__file__).parent.glob("*.py"))
+  assert len(files) > 10, files
+  assert {f.name: imports_above_runtime(f.read_text()) for f in files} == {f.name: [] for f in files}
+  # the check finds each way of reaching up, so an empty answer above means something
+  for bad, want in [("from tinyhet.config import load_config", ["tinyhet.config"]), ("def f():\n  import tinyhet.memory", ["tinyhet.memory"]),
+                    ("from tinyhet import config, runtime", ["tinyhet.config"]), ("from .. import config", [".."]),
+                    ("import importlib\nimportlib.import_module('tinyhet.serve')", ["tinyhet.serve"]), ("__import__(f'tinyhet.{x}')", ["tinyhet."]),
+                    ("from tinyhet.runtime.wire import Frame\nfrom . import tcp\nimport tinyhet.runtime.spans", [])]:
+    assert imports_above_runtime(bad) == want, bad
+
+def test_endpoint_takes_its_settings_as_arguments(monkeypatch):
+  from tinyhet.runtime.settings import TransportSettings
+  # the environment is tinyhet.config's business: an Endpoint given nothing has the defaults, whatever TINYHET_* say
+  monkeypatch.setenv("TINYHET_TRANSPORT", "pigeon")
+  monkeypatch.setenv("TINYHET_TOKEN", "from-env")
+  with Endpoint("plain") as ep: assert ep.settings == TransportSettings() and ep.token not in ("", "from-env")
+  monkeypatch.delenv("TINYHET_TRANSPORT")
+  cfg = load_config(env={"TINYHET_TOKEN": "shared", "TINYHET_TCP_STREAMS": "2", "TINYHET_TRANSPORT": "tcp"})
+  with Endpoint("a", config=cfg) as a, Endpoint("b", settings=TransportSettings(token="shared", transport="tcp")) as b:
+    assert a.settings == TransportSettings(token="shared", tcp_streams=2, transport="tcp") and a.token == b.token == "shared"
+    peer = a.connect(b.listen())                     # the configured transport and token: tcp, with 2 streams, authenticated
+    assert peer.transport == "tcp" and len(peer.link.streams) == 2
+  with Endpoint("c", token="given", settings=TransportSettings(token="shared")) as c: assert c.token == "given"
+  with pytest.raises(TypeError, match="settings or config, not both"): Endpoint("d", settings=TransportSettings(), config=cfg)
+  with pytest.raises(TypeError, match="has no transport, token, tcp_streams"): Endpoint("e", settings=object())
+  with pytest.raises(ValueError, match="tcp_streams = 0 must be between 1 and 64"): TransportSettings(tcp_streams=0)
+  with pytest.raises(ValueError, match="transport = 'pigeon' is not one of auto, verbs, tcp, shm"): TransportSettings(transport="pigeon")
+
+def test_memory_node_takes_rdma_settings_from_its_flags():
+  out = subprocess.run([sys.executable, "-m", "tinyhet.runtime.memory_node", "--token", "t", "--rdma-port", "300"],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+  assert out.returncode == 2 and "rdma_port = 300 must be a port number between 1 and 255" in out.stderr and "Traceback" not in out.stderr

@@ -19,8 +19,8 @@ IPv4-mapped first). On InfiniBand the GID index is not used (peers are addressed
 from __future__ import annotations
 import dataclasses, os, pathlib, re, tomllib
 from dataclasses import dataclass, field
+from tinyhet.runtime.settings import TRANSPORTS, problem as transport_problem  # noqa: F401  (TRANSPORTS: one definition, importable from here too)
 
-TRANSPORTS = ("auto", "verbs", "tcp", "shm")
 HET_BACKENDS = ("auto", "CUDA", "NV", "AMD", "METAL", "CL", "CPU", "PYTHON")   # PYTHON: tinygrad's emulator, for tests
 KV_DTYPES = ("float16", "float32", "bfloat16")
 
@@ -78,24 +78,23 @@ def validate(cfg: Config, source: str):
     err = ConfigError(f"{source}: {name} = {getattr(cfg, name)!r} {msg}")
     err.key = name
     raise err
+  def check(name):      # the transports' own fields: one rule and one message, in runtime/settings.py
+    if (why := transport_problem(name, getattr(cfg, name))) is not None: bad(name, why)
   if cfg.node and (len(cfg.node.encode()) > 200 or ":" in cfg.node or any(c.isspace() for c in cfg.node)):
     bad("node", "must be at most 200 bytes, without ':' or spaces")
   if cfg.het_backend.upper() not in [b.upper() for b in HET_BACKENDS]: bad("het_backend", f"is not one of {', '.join(HET_BACKENDS)}")
-  if cfg.transport not in TRANSPORTS: bad("transport", f"is not one of {', '.join(TRANSPORTS)}")
+  check("transport")
   if cfg.kv_dtype not in KV_DTYPES: bad("kv_dtype", f"is not one of {', '.join(KV_DTYPES)}")
   if not isinstance(cfg.arena_bytes, int) or cfg.arena_bytes < 1 << 20: bad("arena_bytes", "must be at least 1 MiB")
-  if not isinstance(cfg.tcp_streams, int) or not 1 <= cfg.tcp_streams <= 64: bad("tcp_streams", "must be between 1 and 64")
+  check("tcp_streams")
   if not isinstance(cfg.kv_block_size, int) or not 1 <= cfg.kv_block_size <= 1024: bad("kv_block_size", "must be between 1 and 1024")
-  if not isinstance(cfg.rdma_device, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{0,63}", cfg.rdma_device):
-    bad("rdma_device", "is not an RDMA device name (as `ibv_devices` lists them, e.g. mlx5_0; empty = the first with an active port)")
-  if not isinstance(cfg.rdma_port, int) or not 1 <= cfg.rdma_port <= 255:
-    bad("rdma_port", "must be a port number between 1 and 255 (see `ibv_devinfo`)")
+  check("rdma_device")
+  check("rdma_port")
   if not isinstance(cfg.cpu_threads, int) or not 0 <= cfg.cpu_threads <= 1024:
     bad("cpu_threads", "must be between 0 (every CPU this process may run on) and 1024")
   if not isinstance(cfg.staging_buffers, int) or not 0 <= cfg.staging_buffers <= 64:
     bad("staging_buffers", "must be between 0 (copy each layer on the prefill thread) and 64")
-  if not isinstance(cfg.rdma_gid_index, int) or not -1 <= cfg.rdma_gid_index <= 255:
-    bad("rdma_gid_index", "must be -1 (auto) or a GID table index between 0 and 255 (see `show_gids` or /sys/class/infiniband/DEV/ports/N/gids)")
+  check("rdma_gid_index")
 
 # field -> (environment variable, parser)
 _PARSERS = {

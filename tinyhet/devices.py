@@ -100,7 +100,8 @@ def register_gpu_arena(alloc):
   Returns the registration, or None without RDMA or for a backend other than CUDA. The transports do not yet write from
   GPU memory: a prefill node copies each packed layer into registered host memory first (tinyhet.prefill)."""
   from tinyhet.runtime.transport import available_transports, TransportUnavailable
-  if available_transports().get("verbs") is not None or not hasattr(alloc.dev, "context") or not hasattr(alloc.arena_buf, "value"): return None
+  if available_transports(local_node().config).get("verbs") is not None: return None
+  if not hasattr(alloc.dev, "context") or not hasattr(alloc.arena_buf, "value"): return None
   from tinyhet.runtime import verbs
   try: return verbs.register_gpu_memory(local_node().endpoint.verbs, alloc.arena_buf.value, alloc.arena_bytes, alloc.dev.context, owner=alloc)
   except TransportUnavailable as e:

@@ -12,7 +12,7 @@ def main(argv=None) -> int:
   from tinyhet.devices import resolve_backend
   import tinyhet  # noqa: F401
   node = local_node()
-  transports = available_transports()
+  transports = available_transports(node.config)
   backend = resolve_backend(node.config.het_backend)
   info = {"node": node.name, "config": dict(describe(node.config)), "het_backend": backend,
           "transports": {t: ("available" if why is None else f"unavailable: {why}") for t, why in transports.items()},

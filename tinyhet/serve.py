@@ -243,6 +243,7 @@ def main(argv=None) -> int:
   import os, signal, socket
   import uvicorn
   from tinyhet import service_model
+  from tinyhet.config import load_config
   from tinyhet.router import Cluster
   from tinyhet.runtime.transport import Endpoint
   from tinyhet.service_metrics import Metrics
@@ -260,7 +261,7 @@ def main(argv=None) -> int:
   model_id, tok = service_model.model_id(args.model), service_model.load_tokenizer(args.model)
   metrics = Metrics()
   if args.ray is not None: token = ray_cluster.share_token()      # before the router's endpoint reads it
-  ep = Endpoint(f"router-{socket.gethostname()}-{os.getpid()}")
+  ep = Endpoint(f"router-{socket.gethostname()}-{os.getpid()}", config=load_config())   # the shared token, transport and RDMA port
   cluster = Cluster(ep, nodes, model_id, metrics, args.max_queue, args.queue_timeout, planner, names=names)
   host, _, port = args.listen.rpartition(":")
   try: sock = socket.create_server((host, int(port)), backlog=1024)
