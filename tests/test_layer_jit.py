@@ -55,3 +55,21 @@ def test_handed_out_kv_stays_intact_through_later_layers_and_prompts(llama):
 def test_captures_kept_are_bounded(llama):
   for T in range(1, layer_jit.KEEP + 3): layer_jit.layer_jit(llama, T, dtypes.float16)
   assert len(llama._layer_jits) == layer_jit.KEEP and (layer_jit.KEEP + 2, dtypes.float16) in llama._layer_jits
+
+def test_layers_stored_in_other_types_get_captures_of_their_own():
+  """A GGUF may keep some of a layer's weights in another type than layer 0's (llama.cpp's Q4_K_M keeps some in Q6_K):
+  those layers replay captures of their own (a capture made on layer 0's shapes failed on them), and the numbers are the
+  dense path's. Layers of one signature share one capture per half."""
+  import dataclasses
+  from tinyhet.packed import PackedWeight, Q8_0
+  cfg = small_config(n_layers=4, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=160, vocab_size=300, max_context=64)
+  w = random_weights(cfg, device="MESH", seed=9, packed=Q4_1)
+  for l in (1, 3):
+    w.layers[l] = dataclasses.replace(w.layers[l], wv=PackedWeight.random(*w.layers[l].wv.shape, Q8_0, "MESH"),
+                                      w_down=PackedWeight.random(*w.layers[l].w_down.shape, Q8_0, "MESH"))
+  mixed = Llama(cfg, w, "MESH")
+  ids = [int(t) for t in np.random.default_rng(2).integers(0, 300, 8)]
+  for _ in range(3): got, _ = prefill(mixed, ids)          # run, capture, replay
+  want, _ = prefill(mixed, ids, cache=DenseKVCache(cfg, 1, 8, device="MESH"))
+  np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+  assert len(mixed._layer_jits[(8, dtypes.float16)].halves) == 4      # QKV and FINISH, for two signatures

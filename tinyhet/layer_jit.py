@@ -10,12 +10,15 @@ of SmolLM2 at 32 tokens (2.7 s of a 2.9 s prefill), where the kernels took ~6 ms
   finish  x, q, K, V -> the next x, assigned into one of two buffers used in turn (a replay writes its output buffer
           again: the layer's input must not be that buffer)
 Attention inside the prompt is causal over the T positions, reading K and V back from the KV dtype, as the dense cache of
-the one-prompt path does.
+the one-prompt path does. Layers whose weights differ in type or shape from layer 0's (a GGUF may store some in another
+type) get captures of their own: one pair per weight signature. Once captured, a half is replayed straight from its
+capture (`Replay`), without TinyJit's per-call work of re-deriving each input's view.
 """
 from __future__ import annotations
 import dataclasses
 from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
+from tinygrad.uop.ops import Ops
 from tinyhet.packed import PackedWeight
 
 QKV = ("attn_norm", "wq", "wk", "wv")                       # the weights each half reads (a capture's inputs are all used)
@@ -48,26 +51,52 @@ def allocated(t: Tensor) -> Tensor:
   t.uop.buffer.ensure_allocated()
   return t
 
-class LayerJit:
-  """The two captured halves of a prefill layer for one prompt length and KV dtype."""
-  def __init__(self, model, T: int, kv_dtype: DType):
-    from tinyhet.model import attention
-    self.model, self.T, self.kv_dtype, cfg = model, T, kv_dtype, model.cfg
-    template = model.w.layers[0]
-    allowed = Tensor.ones(T, T, dtype=dtypes.bool, device=model.device).tril().reshape(1, T, T).realize()   # causal
+def signature(w, names: tuple[str, ...]) -> tuple:
+  """What a capture of a half-layer is specific to besides T: each weight's kind, type and shape. A GGUF may store a layer's
+  weight in another type than layer 0's (llama.cpp's Q4_K_M keeps some in Q6_K): such a layer gets captures of its own."""
+  return tuple((type(m).__name__, getattr(m, "ggml_type", None), tuple(m.shape), str(m.dtype)) for m in (getattr(w, n) for n in names))
 
-    def qkv(x: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor, v_out: Tensor, *weights: Tensor):
-      q, k, v = model._qkv(0, x, (cos, sin), layer_from(template, QKV, weights))
-      Tensor.realize(q_out.assign(q), k_out.assign(k.cast(kv_dtype).reshape(k_out.shape)), v_out.assign(v.cast(kv_dtype).reshape(v_out.shape)))
-    def finish(x: Tensor, q: Tensor, k: Tensor, v: Tensor, x_out: Tensor, *weights: Tensor):
-      # K, V read back as float32 in their own kernels, as DenseKVCache does (float16 inside attention is slow scalar code)
-      k, v = k.reshape(1, *k.shape), v.reshape(1, *v.shape)
-      att = attention(q, k.float().contiguous(), v.float().contiguous(), allowed)
-      x_out.assign(model._finish_layer(0, x, att, layer_from(template, FINISH, weights))).realize()
-    self.qkv, self.finish = TinyJit(qkv), TinyJit(finish)
+class Replay:
+  """One half-layer's TinyJit, called through TinyJit until it has captured, then replayed straight from its capture: TinyJit's
+  own call re-derives every input's view with a graph rewrite (~1-2 ms of Python a call, 60 calls a SmolLM2 prefill), which
+  the inputs of one signature (same shapes, dtypes, devices: `signature`) do not need."""
+  def __init__(self, fn): self.jit = TinyJit(fn)
+
+  def __call__(self, *inputs: Tensor):
+    bases = [t.uop.base for t in inputs]
+    # before the capture, or an input that is not a plain buffer (a realized tensor still behind its last computation): TinyJit's own call
+    if self.jit.captured is None or any(b.op is not Ops.BUFFER for b in bases): return self.jit(*inputs)
+    self.jit.captured(bases, {})
+
+class LayerJit:
+  """The two captured halves of a prefill layer for one prompt length and KV dtype, per weight signature."""
+  def __init__(self, model, T: int, kv_dtype: DType):
+    self.model, self.T, self.kv_dtype, cfg = model, T, kv_dtype, model.cfg
+    self.allowed = Tensor.ones(T, T, dtype=dtypes.bool, device=model.device).tril().reshape(1, T, T).realize()   # causal
+    self.halves: dict[tuple, Replay] = {}
     dev = model.device
     self.q = allocated(Tensor.empty(1, T, cfg.n_heads, cfg.head_dim, device=dev))
     self.x = [allocated(Tensor.empty(1, T, cfg.dim, device=dev)) for _ in range(2)]
+
+  def half(self, layer: int, names: tuple[str, ...]) -> Replay:
+    """The capture of half `names` for this layer's weight signature, made with this layer as its template."""
+    from tinyhet.model import attention
+    model, kv_dtype, allowed, template = self.model, self.kv_dtype, self.allowed, self.model.w.layers[layer]
+    key = (names, signature(template, names))
+    if key in self.halves: return self.halves[key]
+    if names == QKV:
+      def qkv(x: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor, v_out: Tensor, *weights: Tensor):
+        q, k, v = model._qkv(0, x, (cos, sin), layer_from(template, QKV, weights))
+        Tensor.realize(q_out.assign(q), k_out.assign(k.cast(kv_dtype).reshape(k_out.shape)), v_out.assign(v.cast(kv_dtype).reshape(v_out.shape)))
+      self.halves[key] = Replay(qkv)
+    else:
+      def finish(x: Tensor, q: Tensor, k: Tensor, v: Tensor, x_out: Tensor, *weights: Tensor):
+        # K, V read back as float32 in their own kernels, as DenseKVCache does (float16 inside attention is slow scalar code)
+        k, v = k.reshape(1, *k.shape), v.reshape(1, *v.shape)
+        att = attention(q, k.float().contiguous(), v.float().contiguous(), allowed)
+        x_out.assign(model._finish_layer(0, x, att, layer_from(template, FINISH, weights))).realize()
+      self.halves[key] = Replay(finish)
+    return self.halves[key]
 
   def run(self, x: Tensor, rope: tuple[Tensor, Tensor], on_layer, progress) -> Tensor:
     """All layers on x (1, T, dim), realized; on_layer(l, k, v) with the layer's K, V (T, KVH, D) in the KV dtype as soon as
@@ -80,10 +109,10 @@ class LayerJit:
     for l in range(cfg.n_layers):
       w = self.model.w.layers[l]
       k, v = kv[2 * l], kv[2 * l + 1]
-      self.qkv(x, cos, sin, self.q, k, v, *layer_tensors(w, QKV))
+      self.half(l, QKV)(x, cos, sin, self.q, k, v, *layer_tensors(w, QKV))
       if on_layer is not None: on_layer(l, k, v)
       out = self.x[l % 2] if x is not self.x[l % 2] else self.x[(l + 1) % 2]
-      self.finish(x, self.q, k, v, out, *layer_tensors(w, FINISH))
+      self.half(l, FINISH)(x, self.q, k, v, out, *layer_tensors(w, FINISH))
       x = out
       if progress is not None: progress(l + 1)
     return x
