@@ -15,7 +15,7 @@ type) get captures of their own: one pair per weight signature. Once captured, a
 capture (`Replay`), without TinyJit's per-call work of re-deriving each input's view.
 """
 from __future__ import annotations
-import dataclasses
+import dataclasses, sys
 from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
 from tinygrad.uop.ops import Ops
@@ -98,13 +98,23 @@ class LayerJit:
       self.halves[key] = Replay(finish)
     return self.halves[key]
 
+  def kv_buffers(self) -> list[Tensor]:
+    """2 * n_layers buffers (T, KVH, D) for a run's K and V, the shape on_layer hands out (a view made per layer, k[0], cost
+    ~0.3 ms of tinygrad's Python each). They are handed out and must stay intact while anyone holds them, so a run reuses
+    the previous run's only where nothing but this list refers to them any more; making a Tensor costs ~0.4 ms of Python,
+    60 of them ~25 ms of a SmolLM2 prefill."""
+    cfg, dev = self.model.cfg, self.model.device
+    new = lambda: allocated(Tensor.empty(self.T, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=dev))
+    if not hasattr(self, "kv"): self.kv = [new() for _ in range(2 * cfg.n_layers)]
+    for i in range(len(self.kv)):
+      if sys.getrefcount(self.kv[i]) > 2: self.kv[i] = new()     # 2: this list and getrefcount's argument; more: held elsewhere
+    return self.kv
+
   def run(self, x: Tensor, rope: tuple[Tensor, Tensor], on_layer, progress) -> Tensor:
     """All layers on x (1, T, dim), realized; on_layer(l, k, v) with the layer's K, V (T, KVH, D) in the KV dtype as soon as
     they exist. Returns the last layer's output (one of this object's two buffers: use it before the next run)."""
-    cfg, dev = self.model.cfg, self.model.device
-    # (T, KVH, D), the shape on_layer hands out: a view made per layer (k[0]) cost ~0.1-0.3 ms of tinygrad's Python each,
-    # ~10% of a 100-token prefill's TTFT in all
-    kv = [allocated(Tensor.empty(self.T, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=dev)) for _ in range(2 * cfg.n_layers)]
+    cfg = self.model.cfg
+    kv = self.kv_buffers()
     cos, sin = rope
     for l in range(cfg.n_layers):
       w = self.model.w.layers[l]
