@@ -66,7 +66,7 @@ class Replay:
     bases = [t.uop.base for t in inputs]
     # before the capture, or an input that is not a plain buffer (a realized tensor still behind its last computation): TinyJit's own call
     if self.jit.captured is None or any(b.op is not Ops.BUFFER for b in bases): return self.jit(*inputs)
-    self.jit.captured(bases, {})
+    return self.jit.captured(bases, {})
 
 class LayerJit:
   """The two captured halves of a prefill layer for one prompt length and KV dtype, per weight signature."""
@@ -75,6 +75,12 @@ class LayerJit:
     self.allowed = Tensor.ones(T, T, dtype=dtypes.bool, device=model.device).tril().reshape(1, T, T).realize()   # causal
     self.halves: dict[tuple, Replay] = {}
     dev = model.device
+    # the prompt's ends, captured too: each cost ~5-16 ms of tinygrad scheduling per prefill (~10% of 100 tokens' TTFT)
+    positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(dev).realize()
+    self.rope = tuple(t.realize() for t in model.rope(positions))      # cos, sin of positions 0..T-1: the same every prompt
+    self.embed = Replay(lambda tokens, x_out: x_out.assign(model.embed(tokens)).realize())
+    self.logits = Replay(lambda x, row: model._logits(x[:, row]).realize())
+    self.rows: dict[int, Tensor] = {}          # n_valid -> the index of the prompt's last row, (1,) int32 on the device
     self.q = allocated(Tensor.empty(1, T, cfg.n_heads, cfg.head_dim, device=dev))
     self.x = [allocated(Tensor.empty(1, T, cfg.dim, device=dev)) for _ in range(2)]
 
@@ -109,6 +115,15 @@ class LayerJit:
     for i in range(len(self.kv)):
       if sys.getrefcount(self.kv[i]) > 2: self.kv[i] = new()     # 2: this list and getrefcount's argument; more: held elsewhere
     return self.kv
+
+  def prefill(self, tokens: Tensor, on_layer, progress, n_valid: int) -> Tensor:
+    """tokens (1, T) int32 -> logits (1, vocab) of row n_valid - 1, every layer through the captures (see run). The logits
+    are the capture's output buffer: the next prefill of this length overwrites them."""
+    tokens = tokens.to(self.model.device).realize()
+    self.embed(tokens, self.x[1])                              # layer 0 then writes self.x[0] (run alternates the two)
+    x = self.run(self.x[1], self.rope, on_layer, progress)
+    if n_valid not in self.rows: self.rows[n_valid] = Tensor([n_valid - 1], dtype=dtypes.int32, device=self.model.device).realize()
+    return self.logits(x, self.rows[n_valid])
 
   def run(self, x: Tensor, rope: tuple[Tensor, Tensor], on_layer, progress) -> Tensor:
     """All layers on x (1, T, dim), realized; on_layer(l, k, v) with the layer's K, V (T, KVH, D) in the KV dtype as soon as

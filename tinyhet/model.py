@@ -309,7 +309,8 @@ class Llama:
     n_valid: only the first n_valid tokens are the prompt; the rest pad it to a length whose kernels are compiled already
     (tinygrad compiles per shape; causal attention keeps pads out of the prompt's numbers). The logits are position
     n_valid-1's, and on_layer gets all T rows: the caller sends the ones it needs. progress(layers done) is called as each layer
-    finishes (a long prefill shows where it is)."""
+    finishes (a long prefill shows where it is). Without a cache, up to LAYER_JIT_MAX_T tokens, the logits are a capture's
+    output buffer (tinyhet.layer_jit), overwritten by the next prefill of the same length: read them first."""
     if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"prefill takes one prompt, tokens of shape (1, T); got {tokens.shape}")
     if n_valid is not None and not (0 < n_valid <= tokens.shape[1] and cache is None):
       raise ValueError(f"n_valid={n_valid} must be in 1..{tokens.shape[1]}, and without a cache (it would store the pads)")
@@ -318,22 +319,21 @@ class Llama:
   def _prefill(self, tokens: Tensor, on_layer, cache: KVCache | None, kv_dtype: DType | None, n_valid: int | None = None, progress=None) -> Tensor:
     kv_dtype = cache.kv_dtype if cache is not None else (kv_dtype or dtypes.float16)
     T = tokens.shape[1]
-    positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device).realize()
-    x, rope = self.embed(tokens.to(self.device)).realize(), self.rope(positions)   # (1, T, dim)
     if cache is None and T <= LAYER_JIT_MAX_T:     # the prompt's own K, V only: every layer replays one capture
       from tinyhet.layer_jit import layer_jit
-      x = layer_jit(self, T, kv_dtype).run(x, rope, on_layer, progress)
-    else:
-      # attention through a dense cache of the prompt even when the caller keeps none: tinygrad's kernels for that form ran
-      # ~1.4x faster here than a causal mask over the (T, T) scores (measured at T=1024 on the CPU)
-      if cache is None: cache = DenseKVCache(self.cfg, 1, T, kv_dtype, self.device)
-      for l in range(self.cfg.n_layers):
-        q, k, v = self._qkv(l, x, rope)
-        k, v = k.cast(kv_dtype).realize(), v.cast(kv_dtype).realize()         # (1, T, KVH, D), what the decode node will hold
-        if on_layer is not None: on_layer(l, k[0], v[0])
-        att = cache.update_and_attend(l, q, k.float(), v.float(), positions)
-        x = self._finish_layer(l, x, att).realize()
-        if progress is not None: progress(l + 1)
+      return layer_jit(self, T, kv_dtype).prefill(tokens, on_layer, progress, n_valid or T)
+    positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device).realize()
+    x, rope = self.embed(tokens.to(self.device)).realize(), self.rope(positions)   # (1, T, dim)
+    # attention through a dense cache of the prompt even when the caller keeps none: tinygrad's kernels for that form ran
+    # ~1.4x faster here than a causal mask over the (T, T) scores (measured at T=1024 on the CPU)
+    if cache is None: cache = DenseKVCache(self.cfg, 1, T, kv_dtype, self.device)
+    for l in range(self.cfg.n_layers):
+      q, k, v = self._qkv(l, x, rope)
+      k, v = k.cast(kv_dtype).realize(), v.cast(kv_dtype).realize()         # (1, T, KVH, D), what the decode node will hold
+      if on_layer is not None: on_layer(l, k[0], v[0])
+      att = cache.update_and_attend(l, q, k.float(), v.float(), positions)
+      x = self._finish_layer(l, x, att).realize()
+      if progress is not None: progress(l + 1)
     if n_valid is not None and n_valid != T:     # the last prompt row, picked by a tensor index: no kernel specialized to n_valid
       x = x[:, Tensor([n_valid - 1], dtype=dtypes.int32, device=self.device)]
     return self._logits(x).realize()
