@@ -279,9 +279,10 @@ class DecodeNode:
         self.in_step = set(seqs)
       for batch in ([[s] for s in seqs] if is_prefill else [seqs]):    # a recompute runs each sequence at its own length
         pad = 0 if is_prefill else batch_bucket(len(batch)) - len(batch)
-        with self.cond: positions = self.cache.begin_step([s.seq_id for s in batch] + [PAD_SEQ] * pad, batch[0].num_tokens if is_prefill else 1)
+        if not is_prefill:
+          with self.cond: positions = self.cache.begin_step([s.seq_id for s in batch] + [PAD_SEQ] * pad, 1)
         tokens = [s.token_ids for s in batch] if is_prefill else [[s.token_ids[-1]] for s in batch] + [[0]] * pad
-        try: logits = self._forward(tokens, positions, is_prefill)
+        try: logits = self._prefill(batch[0]) if is_prefill else self._forward(tokens, positions, False)
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
@@ -306,6 +307,21 @@ class DecodeNode:
           for s in finished: s.extra["queue"].put(None)
           self.cond.notify_all()
       with self.cond: self.in_step = set()
+
+  def _prefill(self, s: Sequence) -> np.ndarray:
+    """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it: padded to its
+    bucket, through the model's captured layers, each layer's K, V packed into the sequence's blocks. Logits (1, vocab).
+    Past the captures' length (LAYER_JIT_MAX_T), one forward through the paged cache."""
+    from tinyhet.model import LAYER_JIT_MAX_T
+    from tinyhet.prefill import prefill_bucket
+    ids = s.token_ids
+    if prefill_bucket(len(ids)) > LAYER_JIT_MAX_T:
+      with self.cond: positions = self.cache.begin_step([s.seq_id], len(ids))
+      return self._forward([ids], positions, True)
+    padded = list(ids) + [0] * (prefill_bucket(len(ids)) - len(ids))
+    with kernel_threads("MESH"):
+      return self.model.prefill(Tensor([padded], dtype=dtypes.int32, device="MESH"), on_layer=self.cache.layer_storer(s.seq_id),
+                                kv_dtype=self.cache.kv_dtype, n_valid=len(ids)).numpy()
 
   def _forward(self, tokens: list[list[int]], positions: np.ndarray, is_prefill: bool) -> np.ndarray:
     with kernel_threads("MESH"):

@@ -162,6 +162,26 @@ class PagedKVCache:
       _write(self.pool_buffer(layer), off, data[pos:pos + n])
       pos += n
 
+  def layer_storer(self, seq_id: int):
+    """on_layer(layer, k, v) for Llama.prefill: each layer's K, V (T, KVH, D) packed into the sequence's blocks as it exists,
+    the bytes a prefill node would send (rows past the blocks, a padded prompt's, only reach the last block's slack). With
+    numpy straight into the pool where K, V and the pool are host memory (no kernel), else with the pack kernel and a copy."""
+    from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
+    from tinyhet.kv_send import host_array
+    blocks = self.block_manager.block_table(seq_id)
+    nbytes = len(blocks) * self.block_nbytes
+    def store(layer: int, k: Tensor, v: Tensor):
+      ka, va, pool = host_array(k), host_array(v), host_array(self.pools[layer])
+      if ka is None or va is None or pool is None:
+        packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
+        return self.write_sequence(seq_id, layer, packed.uop.buffer.as_memoryview()[:nbytes])
+      if blocks == list(range(blocks[0], blocks[0] + len(blocks))): pack_kv_host(ka, va, pool[blocks[0]:blocks[0] + len(blocks)])
+      else:
+        tmp = np.empty((len(blocks), *pool.shape[1:]), pool.dtype)
+        pack_kv_host(ka, va, tmp)
+        pool[blocks] = tmp
+    return store
+
   def copy_block(self, src: int, dst: int) -> None:
     """Copy block src to dst in every layer (BlockManager.fork's copy of a partial last block)."""
     for layer in range(self.n_layers): self.write_block_bytes(layer, dst, self.read_block_bytes(layer, src))

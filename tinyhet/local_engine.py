@@ -10,12 +10,10 @@ the block count a bound Variable) decodes over the paged cache (kernels/paged_at
 from __future__ import annotations
 import time
 import numpy as np
-from tinygrad import Tensor, TinyJit
-from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
+from tinygrad import TinyJit
 from tinyhet.kv_cache import PagedKVCache
 from tinyhet.cpu_threads import kernel_threads
 from tinyhet.model import Llama
-from tinyhet.kv_send import host_array
 from tinyhet.prefill import prefill_first_token
 from tinyhet.sampling import Sampler
 
@@ -47,21 +45,7 @@ class LocalEngine:
     t0 = time.perf_counter()
     bm.allocate(seq, T)
     try:
-      blocks = bm.block_table(seq)
-      nbytes = len(blocks) * cache.block_nbytes
-      def store_layer(layer: int, k: Tensor, v: Tensor):
-        # the bytes the disaggregated path sends, packed into this sequence's blocks (pads reach only the last block's slack):
-        # with numpy straight into the pool where it is host memory (no kernel launch), else with the pack kernel and a copy
-        ka, va, pool = host_array(k), host_array(v), host_array(cache.pools[layer])
-        if ka is None or va is None or pool is None:
-          packed = pack_kv(k, v, cache.block_size, cache.kv_dtype).contiguous().realize()
-          return cache.write_sequence(seq, layer, packed.uop.buffer.as_memoryview()[:nbytes])
-        if blocks == list(range(blocks[0], blocks[0] + len(blocks))): pack_kv_host(ka, va, pool[blocks[0]:blocks[0] + len(blocks)])
-        else:
-          tmp = np.empty((len(blocks), *pool.shape[1:]), pool.dtype)
-          pack_kv_host(ka, va, tmp)
-          pool[blocks] = tmp
-      token, _ = prefill_first_token(self.model, prompt_ids, sampler, cache.kv_dtype, store_layer, progress)
+      token, _ = prefill_first_token(self.model, prompt_ids, sampler, cache.kv_dtype, cache.layer_storer(seq), progress)
       t1 = time.perf_counter()
       out, marks = [], []
       while True:
