@@ -51,15 +51,18 @@ def host_port(listen: bool = False):
 
 STOP_GRACE = 10.0     # seconds a signalled process has for its own cleanup before it is ended regardless
 
-def exit_after_signal(code: int, grace: float = STOP_GRACE):
+def exit_after_signal(code: int, grace: float = STOP_GRACE, orphaned=lambda: False):
   """Make SIGTERM and SIGINT end this process within `grace` seconds even when the main thread cannot run Python (a long
   kernel, a wait in C): Python handlers run only between bytecodes of the main thread, but the wakeup fd is written by
-  the C handler at once, and this thread watches it. Call from the main thread, after the process's own handlers."""
+  the C handler at once, and this thread watches it. Call from the main thread, after the process's own handlers.
+  orphaned(): true when the process that owned this one is gone (its death sent the signal): nobody waits for a clean
+  shutdown then, so the process ends at once (a node killed while compiling its kernels took the whole grace)."""
   r, w = os.pipe()
   os.set_blocking(w, False)
   signal.set_wakeup_fd(w, warn_on_full_buffer=False)
   def watch():
     while os.read(r, 1)[0] not in (signal.SIGTERM, signal.SIGINT): pass
+    if orphaned(): exit_now(code)
     time.sleep(grace)
     print(f"tinyhet: still stopping after {grace:g} s: ending now", file=sys.stderr, flush=True)
     exit_now(code)

@@ -5,7 +5,7 @@ config file). Stop it with Ctrl-C, SIGTERM, or by closing its stdin (--stdin-sto
 also dies with that parent).
 """
 from __future__ import annotations
-import json, os, signal, sys, threading
+import json, os, signal, sys, threading, time
 
 from tinyhet.cli import ArgumentParser, exit_after_signal, exit_now, host_port, int_in
 
@@ -52,7 +52,17 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, _on_sigterm(stop))
-  exit_after_signal(0)      # a main thread stuck in a kernel or a C call still ends within a few seconds of SIGTERM
+  parent = os.getppid()
+  def orphaned() -> bool:
+    # the parent that owns this node (--stdin-stop) is gone: its death closed stdin (or sent SIGTERM) just before the
+    # kernel gave this process to another parent, so give that a moment
+    deadline = time.monotonic() + 0.5
+    while args.stdin_stop and time.monotonic() < deadline:
+      if os.getppid() != parent: return True
+      time.sleep(0.01)
+    return False
+  # a main thread stuck in a kernel or a C call still ends within a few seconds of SIGTERM; at once where the parent is gone
+  exit_after_signal(0, orphaned=orphaned)
   if args.stdin_stop:
     die_with_parent()
     # stdin closing stops the node like SIGTERM does, whatever the main thread is doing (loading the model, say)
