@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools, queue, threading, time
 from dataclasses import asdict
 import numpy as np
-from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad import TinyJit, dtypes
 from tinyhet.devices import region_of
 from tinyhet.kv_cache import PagedKVCache
 from tinyhet.memory import LocalNode
@@ -264,7 +264,7 @@ class DecodeNode:
     for B in sorted({batch_bucket(b) for b in batch_sizes}):
       for _ in range(3):      # TinyJit: the first call runs, the second captures, the third replays
         with self.cond: positions = self.cache.begin_step([PAD_SEQ] * B, 1)
-        self._forward([[0]] * B, positions, False)
+        self._forward([[0]] * B, positions)
 
   def run(self, stop: threading.Event, warm_up: bool = True):
     """Continuous batching until stop is set: one decode step for every running sequence, or the recompute of preempted
@@ -282,7 +282,7 @@ class DecodeNode:
         if not is_prefill:
           with self.cond: positions = self.cache.begin_step([s.seq_id for s in batch] + [PAD_SEQ] * pad, 1)
         tokens = [s.token_ids for s in batch] if is_prefill else [[s.token_ids[-1]] for s in batch] + [[0]] * pad
-        try: logits = self._prefill(batch[0]) if is_prefill else self._forward(tokens, positions, False)
+        try: logits = self._prefill(batch[0]) if is_prefill else self._forward(tokens, positions)
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
@@ -309,27 +309,16 @@ class DecodeNode:
       with self.cond: self.in_step = set()
 
   def _prefill(self, s: Sequence) -> np.ndarray:
-    """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it: padded to its
-    bucket, through the model's captured layers, each layer's K, V packed into the sequence's blocks. Logits (1, vocab).
-    Past the captures' length (LAYER_JIT_MAX_T), one forward through the paged cache."""
-    from tinyhet.model import LAYER_JIT_MAX_T
-    from tinyhet.prefill import prefill_bucket
-    ids = s.token_ids
-    if prefill_bucket(len(ids)) > LAYER_JIT_MAX_T:
-      with self.cond: positions = self.cache.begin_step([s.seq_id], len(ids))
-      return self._forward([ids], positions, True)
-    padded = list(ids) + [0] * (prefill_bucket(len(ids)) - len(ids))
-    with kernel_threads("MESH"):
-      return self.model.prefill(Tensor([padded], dtype=dtypes.int32, device="MESH"), on_layer=self.cache.layer_storer(s.seq_id),
-                                kv_dtype=self.cache.kv_dtype, n_valid=len(ids)).numpy()
+    """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
+    to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
+    from tinyhet.prefill import prefill_logits
+    return prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
 
-  def _forward(self, tokens: list[list[int]], positions: np.ndarray, is_prefill: bool) -> np.ndarray:
+  def _forward(self, tokens: list[list[int]], positions: np.ndarray) -> np.ndarray:
+    """One decode step: tokens (B, 1) at positions, B a batch bucket (run() pads the batch); logits (B, vocab)."""
     with kernel_threads("MESH"):
-      if is_prefill:
-        toks, pos = Tensor(np.array(tokens, dtype=np.int32), device="MESH"), Tensor(positions.astype(np.int32), device="MESH")
-        return self.model.forward(toks, pos, self.cache).numpy()
       toks, pos = self.cache.step_inputs(np.array(tokens, dtype=np.int32), positions)
-      B = len(tokens)             # a batch bucket (run() pads the batch)
+      B = len(tokens)
       if B not in self.steps:   # one capture per bucket; the block count reaches the JIT as a bound Variable argument
         self.steps[B] = TinyJit(lambda t, p, **kv: self.model.forward(t, p, self.cache).realize())
       return self.steps[B](toks, pos, **self.cache.jit_kwargs()).numpy()

@@ -83,6 +83,7 @@ class LayerJit:
     self.rows: dict[int, Tensor] = {}          # n_valid -> the index of the prompt's last row, (1,) int32 on the device
     self.q = allocated(Tensor.empty(1, T, cfg.n_heads, cfg.head_dim, device=dev))
     self.x = [allocated(Tensor.empty(1, T, cfg.dim, device=dev)) for _ in range(2)]
+    self.kv = [self._new_kv() for _ in range(2 * cfg.n_layers)]      # a run's K and V (kv_buffers)
 
   def half(self, layer: int, names: tuple[str, ...]) -> Replay:
     """The capture of half `names` for this layer's weight signature, made with this layer as its template."""
@@ -109,12 +110,13 @@ class LayerJit:
     ~0.3 ms of tinygrad's Python each). They are handed out and must stay intact while anyone holds them, so a run reuses
     the previous run's only where nothing but this list refers to them any more; making a Tensor costs ~0.4 ms of Python,
     60 of them ~25 ms of a SmolLM2 prefill."""
-    cfg, dev = self.model.cfg, self.model.device
-    new = lambda: allocated(Tensor.empty(self.T, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=dev))
-    if not hasattr(self, "kv"): self.kv = [new() for _ in range(2 * cfg.n_layers)]
     for i in range(len(self.kv)):
-      if sys.getrefcount(self.kv[i]) > 2: self.kv[i] = new()     # 2: this list and getrefcount's argument; more: held elsewhere
+      if sys.getrefcount(self.kv[i]) > 2: self.kv[i] = self._new_kv()     # 2: this list and getrefcount's argument; more: held elsewhere
     return self.kv
+
+  def _new_kv(self) -> Tensor:
+    cfg = self.model.cfg
+    return allocated(Tensor.empty(self.T, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=self.model.device))
 
   def prefill(self, tokens: Tensor, on_layer, progress, n_valid: int) -> Tensor:
     """tokens (1, T) int32 -> logits (1, vocab) of row n_valid - 1, every layer through the captures (see run). The logits

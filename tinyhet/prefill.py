@@ -59,15 +59,20 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     end = b
   return total
 
-def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, kv_dtype=dtypes.float16, on_layer=None,
-                        progress=None) -> tuple[int, np.ndarray]:
-  """Prefill the prompt padded to its bucket on the model's device and sample the first token: (token, logits). The
-  disaggregated path passes on_layer to send each layer; without it this is the same prefill with no transfer.
-  progress(layers done), if given, is called as each layer finishes (see prefill_progress)."""
+def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16, on_layer=None, progress=None) -> np.ndarray:
+  """Prefill the prompt padded to its bucket on the model's device: the logits (vocab,) of its last token. on_layer(l, k, v)
+  gets each layer's K, V (to send, or to store); progress(layers done), if given, as each layer finishes (see
+  prefill_progress)."""
   padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
   if progress is not None: progress(0)
-  logits = model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
-                         n_valid=len(prompt_ids), progress=progress).numpy()[0]
+  return model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
+                       n_valid=len(prompt_ids), progress=progress).numpy()[0]
+
+def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, kv_dtype=dtypes.float16, on_layer=None,
+                        progress=None) -> tuple[int, np.ndarray]:
+  """prefill_logits, then the first token sampled from them: (token, logits). The disaggregated path passes on_layer to send
+  each layer; without it this is the same prefill with no transfer."""
+  logits = prefill_logits(model, prompt_ids, kv_dtype, on_layer, progress)
   return sampler(logits, len(prompt_ids)), logits
 
 def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0, out=None):

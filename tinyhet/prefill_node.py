@@ -16,7 +16,7 @@ import queue, select, socket, threading, time
 from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
 from tinyhet.kv_send import KVSender, SendBuffers
-from tinyhet.prefill import IncompatibleDecodeNode, busy_time, prefill_bucket
+from tinyhet.prefill import IncompatibleDecodeNode, busy_time, prefill_first_token
 from tinyhet.runtime.control import ControlClient
 from tinyhet.runtime.transport import TransportError
 from tinyhet.sampling import Sampler
@@ -123,14 +123,10 @@ class PrefillNode:
       kept.append((layer, k, v))
       sender.send(layer, k, v)
 
-    ids = job.prompt_ids
-    padded = ids + [0] * (prefill_bucket(len(ids)) - len(ids))
+    sampler = Sampler(job.sampling["temperature"], job.sampling["top_p"], job.sampling["seed"])
     try:
-      logits = self.model.prefill(Tensor([padded], dtype=dtypes.int32, device=self.model.device), on_layer=send_layer, kv_dtype=kv_dtype,
-                                  n_valid=len(ids)).numpy()[0]
+      first, _ = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer)
       t_prefill = time.perf_counter()
-      sampler = Sampler(job.sampling["temperature"], job.sampling["top_p"], job.sampling["seed"])
-      first = sampler(logits, len(ids))
       try: transfers = sender.finish(60)
       except (TransportError, TimeoutError, OSError):    # the link broke (mid-stream, or since the last job): a new one, every layer again
         sender.abort()

@@ -54,8 +54,7 @@ def _cuda_stream(dev):
     dev.tinyhet_copy_stream = s
   return s
 
-_pinned: dict[tuple[int, int, int], bool] = {}    # (arena id, offset, CUDA device id) -> whether the driver page-locked it
-_pinned_devices: dict[int, object] = {}
+_pinned: dict[tuple[int, int, int], tuple] = {}   # (arena id, offset, id of the CUDA device) -> (device, address, page-locked)
 
 def _pin(dev, dest: Region) -> bool:
   """Page-lock dest for this CUDA context, once; False where the driver refuses (the copy still works, through the driver's
@@ -63,18 +62,19 @@ def _pin(dev, dest: Region) -> bool:
   key = (dest.arena.id, dest.offset, id(dev))
   if key not in _pinned:
     from tinygrad.runtime.autogen import cuda
-    _pinned[key] = dest.addr % 4096 == 0 and dest.nbytes % 4096 == 0 and \
+    ok = dest.addr % 4096 == 0 and dest.nbytes % 4096 == 0 and \
       cuda.cuMemHostRegister_v2(ctypes.c_void_p(dest.addr), dest.nbytes, 1) == 0      # 1: CU_MEMHOSTREGISTER_PORTABLE
-    _pinned_devices[id(dev)] = dev
-  return _pinned[key]
+    _pinned[key] = (dev, dest.addr, ok)
+  return _pinned[key][2]
 
 def unpin(regions: list[Region]):
   """Undo _pin for staging buffers about to be freed (their pages go back to the arena for other uses)."""
-  for key in [k for k in _pinned if any(k[:2] == (r.arena.id, r.offset) for r in regions)]:
-    if _pinned.pop(key):
+  mine = {(r.arena.id, r.offset) for r in regions}
+  for key in [k for k in _pinned if k[:2] in mine]:
+    dev, addr, ok = _pinned.pop(key)
+    if ok:
       from tinygrad.runtime.autogen import cuda
       from tinygrad.runtime.ops_cuda import check
-      dev, addr = _pinned_devices[key[2]], next(r.addr for r in regions if (r.arena.id, r.offset) == key[:2])
       check(cuda.cuCtxSetCurrent(dev.context))
       check(cuda.cuMemHostUnregister(ctypes.c_void_p(addr)))
 
@@ -116,4 +116,4 @@ def start_copy(buf: Buffer, dest: Region, nbytes: int):
 
 def pinned_buffers() -> int:
   """How many staging buffers a CUDA driver has page-locked in this process (the GPU check reports it)."""
-  return sum(_pinned.values())
+  return sum(ok for _, _, ok in _pinned.values())
