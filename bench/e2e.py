@@ -51,18 +51,18 @@ def measure_length(model, clients: dict, engine, ids: list[int], new: int, round
     for p in order:
       if p == "none": runs[p].append(ttft_no_transfer(model, ids, kv_dtype))
       else: runs[p].append(clients[p].generate(ids, 1)[1])
-  base = round(min(runs["none"]), 5)
+  base = round(min(runs["none"]), 6)      # microseconds, as the timeline: a layer landing last is the TTFT itself
   rows = []
   for t in clients:
     st = min(runs[t], key=lambda s: s.ttft_s)
-    ttft = round(st.ttft_s, 5)
+    ttft = round(st.ttft_s, 6)
     per_layer = [x.landed_s - x.posted_s for x in st.timeline]
     rows.append({"prompt_tokens": n, "padded_tokens": prefill_bucket(n), "transport": t, "ttft_s": ttft,
-                 "ttft_no_transfer_s": base, "overhead_s": round(ttft - base, 5),
+                 "ttft_no_transfer_s": base, "overhead_s": round(ttft - base, 6),
                  "overhead_share": round((st.ttft_s - base) / st.ttft_s, 4), "kv_bytes": st.kv_bytes, "transfer_s": round(st.transfer_s, 6),
                  "transfer_gbps": round(st.transfer_gbps, 3), "kv_tail_s": round(st.kv_tail_s, 6),
                  "layer_transfer_s": round(statistics.median(per_layer), 6), "landed_clock": st.landed_clock,
-                 "rounds": {"ttft_s": [round(s.ttft_s, 5) for s in runs[t]], "ttft_no_transfer_s": [round(x, 5) for x in runs["none"]]},
+                 "rounds": {"ttft_s": [round(s.ttft_s, 6) for s in runs[t]], "ttft_no_transfer_s": [round(x, 6) for x in runs["none"]]},
                  "timeline": [{"layer": x.layer, "computed_s": round(x.computed_s, 6), "posted_s": round(x.posted_s, 6),
                                "landed_s": round(x.landed_s, 6)} for x in st.timeline]})
   return rows, {"prompt_tokens": n, "new_tokens": new, "ttft_single_device_s": round(alone["ttft_s"], 5),
