@@ -21,7 +21,7 @@ def run(s: Scheduler, rng: random.Random, pending: list[Sequence], incoming: lis
   in_flight: list[Sequence] = []
   for _ in range(max_steps):
     if pending and rng.random() < 0.3: s.add(pending.pop())
-    if incoming and rng.random() < 0.2 and s.reserve_incoming(incoming[-1]): in_flight.append(incoming.pop())
+    if incoming and rng.random() < 0.2 and s.reserve_incoming(incoming[-1], use_cache=rng.random() < 0.5): in_flight.append(incoming.pop())
     if in_flight and rng.random() < 0.3:
       seq = in_flight.pop(rng.randrange(len(in_flight)))
       if rng.random() < 0.25:
@@ -38,8 +38,8 @@ def run(s: Scheduler, rng: random.Random, pending: list[Sequence], incoming: lis
 
 @settings(max_examples=60, deadline=None)
 @given(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 4, 16]), max_num_seqs=st.integers(1, 8), seed=st.integers(0, 2**32),
-       n_local=st.integers(0, 12), n_incoming=st.integers(0, 6))
-def test_random_workload_finishes_every_request_in_full(num_blocks, block_size, max_num_seqs, seed, n_local, n_incoming):
+       n_local=st.integers(0, 12), n_incoming=st.integers(0, 6), prefix_cache=st.booleans())
+def test_random_workload_finishes_every_request_in_full(num_blocks, block_size, max_num_seqs, seed, n_local, n_incoming, prefix_cache):
   rng = random.Random(seed)
   capacity = num_blocks * block_size
   def request(i):
@@ -47,7 +47,8 @@ def test_random_workload_finishes_every_request_in_full(num_blocks, block_size, 
     return Sequence(i, [1] * prompt, max_new_tokens=rng.randint(1, max(1, capacity - prompt)))
   local = [request(i) for i in range(n_local)]
   incoming = [request(100 + i) for i in range(n_incoming)]
-  s = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=max_num_seqs, max_num_batched_tokens=capacity // 2 + 1, eos=EOS)
+  # with the prefix cache, prompts of 1s share their blocks, and cached blocks are evicted before anything is preempted
+  s = Scheduler(BlockManager(num_blocks, block_size, prefix_cache), max_num_seqs=max_num_seqs, max_num_batched_tokens=capacity // 2 + 1, eos=EOS)
   done = run(s, rng, list(local), list(incoming), max_steps=20000)
   assert sorted(q.seq_id for q in done) == sorted(q.seq_id for q in local + incoming)
   for q in done:   # never truncated: a sequence stops only at EOS or at max_new_tokens
@@ -86,13 +87,20 @@ def test_full_pool_preempts_the_newest_and_recomputes_it():
     finished += s.postprocess(seqs, [5] * len(seqs))
   assert finished == [old, new] and old.num_generated == new.num_generated == 8 and s.bm.num_free == 4
 
-def test_request_larger_than_the_pool_is_rejected_with_sizes():
+def test_prompt_larger_than_the_pool_is_rejected_with_sizes_and_new_tokens_are_cut_to_the_pool():
   s = Scheduler(BlockManager(4, 16))
-  msg = r"request 3: 70 tokens \(60 prompt \+ 10 new\) need 5 KV blocks of 16 tokens, but the pool has 4 blocks \(64 tokens\)"
-  with pytest.raises(RequestTooLarge, match=msg):
-    s.add(Sequence(3, [1] * 60, max_new_tokens=10))
+  msg = r"request 3: its prompt of 65 tokens needs 5 KV blocks of 16 tokens, but the pool has 4 blocks \(64 tokens\)"
+  with pytest.raises(RequestTooLarge, match=msg): s.add(Sequence(3, [1] * 65, max_new_tokens=1))
   with pytest.raises(RequestTooLarge): s.reserve_incoming(Sequence(4, [1] * 65, max_new_tokens=1))
   assert s.is_finished() and s.bm.num_free == 4
+  seq = Sequence(5, [1] * 60, max_new_tokens=100_000)       # admission by need: the prompt's blocks now, the rest as it grows
+  s.add(seq)
+  assert seq.max_new_tokens == 5                             # 60 prompt + 4 stored + the last one sampled
+  while not s.is_finished():
+    seqs, _ = s.schedule()
+    assert seqs
+    s.postprocess(seqs, [2] * len(seqs))
+  assert seq.num_generated == 5 and s.bm.num_free == 4
 
 def test_incoming_reservation_waits_when_full_and_commit_starts_decode():
   s = Scheduler(BlockManager(4, 4))

@@ -111,3 +111,15 @@ def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed
   stats.transfer_s = busy_time([(posted[l], landed[l]) for l in landed])
   stats.transfer_gbps = kv_bytes / stats.transfer_s / 1e9 if stats.transfer_s > 0 else 0.0
   stats.timeline = [LayerTimes(l, computed[l] - t0, posted[l] - t0, landed[l] - t0) for l in sorted(landed)]
+
+def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int], start: int) -> np.ndarray:
+  """Prefill token_ids[start:] of a sequence whose first `start` tokens' K, V are in its paged-cache blocks already (a prefix
+  cache hit): the uncaptured paged forward (the captured prefill, tinyhet.model.layer_jit, attends over the prompt's own K, V
+  only), whose attention reads the cached prefix from the pool; the suffix's K, V land in the sequence's own blocks. The
+  block manager must hold len(token_ids) slots for it. The logits (vocab,) of its last token."""
+  from tinyhet.device.cpu_threads import kernel_threads
+  if not 0 < start < len(token_ids): raise ValueError(f"a suffix prefill needs 0 < start < {len(token_ids)}, got {start}")
+  positions = cache.begin_step([seq_id], len(token_ids) - start)
+  dev = cache.pools[0].device
+  with kernel_threads(model.device):
+    return model.forward(Tensor([token_ids[start:]], dtype=dtypes.int32, device=dev), Tensor(positions, device=dev), cache).numpy()[0]

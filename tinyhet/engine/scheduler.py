@@ -3,8 +3,14 @@
 A step is either a prefill batch (waiting sequences admitted while their blocks fit) or a decode batch (every running
 sequence gets one token slot). A full pool never crashes and never truncates: admission waits for blocks (first come, first
 served), and a decode step that needs a block preempts the newest running sequence: its blocks are freed and it goes back to
-the front of the waiting queue, to be recomputed (prompt and generated tokens prefilled again) when blocks free up. A request
-that could not fit even in an empty pool is rejected when it is added, with one error naming its size and the pool's.
+the front of the waiting queue, to be recomputed (prompt and generated tokens prefilled again) when blocks free up.
+Admission is by need: a request holds its prompt's blocks (less a prefix-cache hit) and grows a block at a time. A prompt
+that could not fit even in an empty pool is rejected when it is added, with one error naming its size and the pool's; a
+max_new_tokens past what the whole pool holds is cut to that (the request ends with 'length' there).
+
+With the block manager's prefix cache on, admission shares the cached blocks a sequence's tokens start with (the engine then
+computes only the rest: cached_length), and a finished or preempted sequence's full blocks stay cached, evicted (least
+recently used) before any running sequence is preempted.
 
 Sequences prefilled elsewhere (disaggregated) arrive through reserve_incoming (blocks held before the prefill node starts
 writing), then commit_incoming when the transfer lands, or abort_incoming when it fails.
@@ -60,12 +66,14 @@ class Scheduler:
   def is_finished(self) -> bool: return not self.waiting and not self.running and not self.incoming
 
   def check_fits(self, seq: Sequence) -> None:
-    """Raise RequestTooLarge if seq at its longest (prompt + max_new_tokens) needs more blocks than the whole pool."""
-    need = self.bm.blocks_needed(seq.max_tokens)
+    """Raise RequestTooLarge if seq's prompt needs more blocks than the whole pool; cut its max_new_tokens to what the whole
+    pool holds past the prompt (the last token sampled needs no slot)."""
+    need = self.bm.blocks_needed(seq.num_prompt_tokens)
     if need > self.capacity:
-      raise RequestTooLarge(f"request {seq.seq_id}: {seq.max_tokens} tokens ({seq.num_prompt_tokens} prompt + {seq.max_new_tokens} new) "
-                            f"need {need} KV blocks of {self.bm.block_size} tokens, but the pool has {self.capacity} blocks "
-                            f"({self.capacity * self.bm.block_size} tokens): shorten the request or give the decode node a bigger KV pool")
+      raise RequestTooLarge(f"request {seq.seq_id}: its prompt of {seq.num_prompt_tokens} tokens needs {need} KV blocks of "
+                            f"{self.bm.block_size} tokens, but the pool has {self.capacity} blocks ({self.capacity * self.bm.block_size} tokens): "
+                            "shorten the prompt or give the decode node a bigger KV pool")
+    seq.max_new_tokens = min(seq.max_new_tokens, self.capacity * self.bm.block_size - seq.num_prompt_tokens + 1)
 
   def add(self, seq: Sequence) -> None:
     """Queue a request for prefill on this node."""
@@ -82,8 +90,8 @@ class Scheduler:
     while self.waiting and len(self.running) + len(self.incoming) < self.max_num_seqs:   # an incoming sequence will run here too
       seq = self.waiting[0]
       if scheduled and batched + seq.num_tokens > self.max_num_batched_tokens: break
-      if not self.bm.can_allocate(seq.num_tokens): break   # first come, first served: later requests wait too
-      self.bm.allocate(seq.seq_id, seq.num_tokens)
+      if not self.bm.can_allocate(seq.num_tokens, seq.token_ids): break   # first come, first served: later requests wait too
+      self.bm.allocate(seq.seq_id, seq.num_tokens, seq.token_ids)
       self.waiting.popleft()
       seq.status = SequenceStatus.RUNNING
       self.running.append(seq)
@@ -105,8 +113,8 @@ class Scheduler:
     return scheduled, False
 
   def preempt(self, seq: Sequence) -> None:
-    """Free seq's blocks and queue it first for recompute."""
-    self.bm.deallocate(seq.seq_id)
+    """Free seq's blocks (its full ones stay cached: its recompute may find them) and queue it first for recompute."""
+    self.bm.deallocate(seq.seq_id, seq.token_ids)
     seq.status = SequenceStatus.WAITING
     seq.num_preemptions += 1
     self.num_preemptions += 1
@@ -123,19 +131,21 @@ class Scheduler:
     return finished
 
   def finish(self, seq: Sequence) -> None:
-    """Stop a running sequence (done, or cancelled by its client) and free its blocks."""
+    """Stop a running sequence (done, or cancelled by its client) and free its blocks; its full ones stay cached."""
     self.running.remove(seq)
-    self.bm.deallocate(seq.seq_id)
+    self.bm.deallocate(seq.seq_id, seq.token_ids)
     seq.status = SequenceStatus.FINISHED
 
   # ***** sequences prefilled on another node *****
 
-  def reserve_incoming(self, seq: Sequence) -> bool:
+  def reserve_incoming(self, seq: Sequence, use_cache: bool = False) -> bool:
     """Hold blocks for seq's prompt KV before a prefill node writes it; False (nothing held) when they do not fit now or
-    max_num_seqs sequences are already running or arriving."""
+    max_num_seqs sequences are already running or arriving. use_cache: share its cached prefix's blocks (the writer then
+    writes from bm.cached_length on)."""
     self.check_fits(seq)
-    if not self.bm.can_allocate(seq.num_tokens) or len(self.running) + len(self.incoming) >= self.max_num_seqs: return False
-    self.bm.reserve(seq.seq_id, seq.num_tokens)
+    ids = seq.token_ids if use_cache else None
+    if not self.bm.can_allocate(seq.num_tokens, ids) or len(self.running) + len(self.incoming) >= self.max_num_seqs: return False
+    self.bm.reserve(seq.seq_id, seq.num_tokens, ids)
     seq.status = SequenceStatus.INCOMING
     self.incoming[seq.seq_id] = seq
     return True

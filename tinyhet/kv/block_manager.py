@@ -11,18 +11,48 @@ Invariants (check() asserts every one):
   4. a block is shared (refcount > 1) only if it is full in every table that holds it: fork shares full blocks and copies a
      partial last block, so appending never writes into a shared block
   5. only committed sequences are appended to, forked and deallocated; only reserved ones are committed or released
+  6. (prefix cache) a block has a hash only if its block_size tokens are stored in full; hash -> block is one to one; a free
+     block with a hash sits in the LRU queue of cached blocks, every other free block in the plain free queue
+
+Prefix cache (prefix_cache=True, vLLM's automatic prefix caching): a full block is named by block_hashes: a hash of the
+previous block's hash, its tokens and the model. cache_blocks gives a sequence's full blocks their hashes (the caller says
+their KV is stored); deallocate with the token ids does it as the sequence leaves, and its hashed blocks stay in the pool,
+free but cached, least recently used first out. A new sequence's allocate(token_ids=...) shares the longest chain of cached
+full blocks its prompt starts with (refcount + 1), at most up to its last token (that one is computed for its logits, so
+the last, partial block is always the sequence's own), and takes fresh blocks for the rest: plain free blocks first, then
+cached ones are evicted, oldest first. A block with a refcount is never evicted, and a shared block is full, so never
+written (invariant 4).
 """
 from __future__ import annotations
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
+
+def block_hashes(token_ids, block_size: int, model_id: str = "", n_blocks: int | None = None) -> list[int]:
+  """The chained hashes of the full blocks of token_ids (the first n_blocks of them): 64-bit integers, the same in every
+  process (the router computes them too), hash_i = H(hash_{i-1}, tokens of block i, model_id)."""
+  n = len(token_ids) // block_size if n_blocks is None else min(n_blocks, len(token_ids) // block_size)
+  out, prev, mid = [], b"\0" * 8, model_id.encode()
+  for i in range(n):
+    h = hashlib.blake2b(prev, digest_size=8, person=b"tinyhet-kv")
+    h.update(b",".join(str(t).encode() for t in token_ids[i * block_size:(i + 1) * block_size]))
+    h.update(b"|" + mid)
+    prev = h.digest()
+    out.append(int.from_bytes(prev, "little"))
+  return out
 
 class PoolFull(RuntimeError):
   """Not enough free blocks. The scheduler avoids it by asking can_allocate / may_append first."""
 
 class BlockManager:
-  def __init__(self, num_blocks: int, block_size: int):
+  def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = False, model_id: str = ""):
     if num_blocks < 1 or block_size < 1: raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-    self.num_blocks, self.block_size = num_blocks, block_size
+    self.num_blocks, self.block_size, self.prefix_cache, self.model_id = num_blocks, block_size, prefix_cache, model_id
     self.free_ids: deque[int] = deque(range(num_blocks))
+    self.cached_free: OrderedDict[int, None] = OrderedDict()   # free blocks that keep their hash, least recently used first
+    self.block_hash: dict[int, int] = {}     # block -> the hash of the tokens it stores in full
+    self.hash_block: dict[int, int] = {}     # hash -> block
+    self.hit_tokens: dict[int, int] = {}     # seq_id -> tokens its allocation found cached
+    self.queried_tokens = self.matched_tokens = self.evictions = 0   # prompt tokens looked up / found (vLLM counts tokens)
     self.ref_counts: list[int] = [0] * num_blocks
     self.tables: dict[int, list[int]] = {}
     self.lengths: dict[int, int] = {}
@@ -31,9 +61,11 @@ class BlockManager:
   # ***** figures *****
 
   @property
-  def num_free(self) -> int: return len(self.free_ids)
+  def num_free(self) -> int: return len(self.free_ids) + len(self.cached_free)   # cached free blocks are evicted on demand
   @property
-  def num_used(self) -> int: return self.num_blocks - len(self.free_ids)
+  def num_used(self) -> int: return self.num_blocks - self.num_free
+  @property
+  def num_cached(self) -> int: return len(self.block_hash)
   def blocks_needed(self, n_tokens: int) -> int: return -(-n_tokens // self.block_size)
   def largest_fit(self) -> int:
     """The longest new sequence (in tokens) that the free blocks hold."""
@@ -62,14 +94,60 @@ class BlockManager:
 
   # ***** allocation *****
 
-  def can_allocate(self, n_tokens: int) -> bool: return self.blocks_needed(n_tokens) <= self.num_free
+  def match(self, token_ids, n_tokens: int | None = None) -> list[int]:
+    """The cached blocks a new sequence of these tokens would share: the longest chain of its full blocks found cached, at
+    most up to its last token (n_tokens - 1 tokens: the last one is computed, for its logits)."""
+    n = len(token_ids) if n_tokens is None else n_tokens
+    if not self.prefix_cache or n < 1: return []
+    hit = []
+    for h in block_hashes(token_ids, self.block_size, self.model_id, (n - 1) // self.block_size):
+      if (b := self.hash_block.get(h)) is None: break
+      hit.append(b)
+    return hit
 
-  def allocate(self, seq_id: int, n_tokens: int) -> list[int]:
-    """Blocks for a new sequence of n_tokens tokens (a prompt, or a preempted sequence being recomputed)."""
+  def fresh_needed(self, n_tokens: int, token_ids=None) -> int:
+    """Free blocks an allocation of n_tokens tokens (with these token ids) would take: its blocks less the hit, plus the hit's
+    blocks that are free (cached, refcount 0) now."""
+    hit = self.match(token_ids, n_tokens) if token_ids is not None else []
+    return self.blocks_needed(n_tokens) - len(hit) + sum(1 for b in hit if self.ref_counts[b] == 0)
+
+  def can_allocate(self, n_tokens: int, token_ids=None) -> bool: return self.fresh_needed(n_tokens, token_ids) <= self.num_free
+
+  def allocate(self, seq_id: int, n_tokens: int, token_ids=None) -> list[int]:
+    """Blocks for a new sequence of n_tokens tokens (a prompt, or a preempted sequence being recomputed). With token_ids and
+    the prefix cache on, its first cached_length(seq_id) tokens are shared cached blocks (their KV is there already)."""
     self._new(seq_id, n_tokens)
-    self.tables[seq_id] = self._take(self.blocks_needed(n_tokens), f"sequence {seq_id} ({n_tokens} tokens)")
+    hit = self.match(token_ids, n_tokens) if token_ids is not None else []
+    if self.fresh_needed(n_tokens, token_ids) > self.num_free:
+      raise PoolFull(f"KV pool full: sequence {seq_id} ({n_tokens} tokens, {len(hit)} blocks cached) needs "
+                     f"{self.fresh_needed(n_tokens, token_ids)} blocks, {self.num_free} of {self.num_blocks} are free; "
+                     "wait for sequences to finish or preempt one (the scheduler does both)")
+    for b in hit:                             # taken before _take may evict: a hit block is never its own eviction's victim
+      if self.ref_counts[b] == 0: del self.cached_free[b]
+      self.ref_counts[b] += 1
+    self.tables[seq_id] = hit + self._take(self.blocks_needed(n_tokens) - len(hit), f"sequence {seq_id} ({n_tokens} tokens)")
     self.lengths[seq_id] = n_tokens
+    if token_ids is not None and self.prefix_cache:
+      self.queried_tokens += n_tokens
+      self.matched_tokens += len(hit) * self.block_size
+    self.hit_tokens[seq_id] = len(hit) * self.block_size
     return self.tables[seq_id]
+
+  def cached_length(self, seq_id: int) -> int:
+    """Tokens at the start of the sequence that were cached when it was allocated (their KV need not be computed)."""
+    return self.hit_tokens[self._known(seq_id)]
+
+  def cache_blocks(self, seq_id: int, token_ids) -> int:
+    """Give the sequence's full blocks up to min(length, len(token_ids)) tokens their hashes: the caller says these tokens'
+    KV is stored. A block whose hash another block holds already stays unhashed. Returns how many blocks are hashed now."""
+    if not self.prefix_cache: return 0
+    table, n = self.tables[self._known(seq_id)], min(self.lengths[seq_id], len(token_ids))
+    hashes = block_hashes(token_ids, self.block_size, self.model_id, n // self.block_size)
+    for b, h in zip(table, hashes):
+      if self.block_hash.get(b) == h or h in self.hash_block: continue
+      if b in self.block_hash: raise AssertionError(f"block {b} holds other tokens than sequence {seq_id}'s: its hash differs")
+      self.block_hash[b], self.hash_block[h] = h, b
+    return len(hashes)
 
   def may_append(self, seq_id: int) -> bool:
     """Whether one more token fits: always when the last block has room, else when a block is free."""
@@ -84,9 +162,11 @@ class BlockManager:
     self.lengths[seq_id] = n + 1
     return self.tables[seq_id][-1], n % self.block_size
 
-  def deallocate(self, seq_id: int) -> None:
-    """Free a finished or preempted sequence: its blocks go back to the pool once no other sequence shares them."""
+  def deallocate(self, seq_id: int, token_ids=None) -> None:
+    """Free a finished or preempted sequence: its blocks go back to the pool once no other sequence shares them. With
+    token_ids (the tokens whose KV it stores, at least), its full blocks stay cached (cache_blocks) until the pool needs them."""
     self._committed(seq_id, "deallocate")
+    if token_ids is not None: self.cache_blocks(seq_id, token_ids)
     self._drop(seq_id)
 
   def fork(self, parent: int, child: int) -> tuple[int, int] | None:
@@ -99,15 +179,16 @@ class BlockManager:
     copy = self._take(1, f"the partial last block of sequence {parent}") if partial else []
     shared = table[:-1] if partial else table
     for b in shared: self.ref_counts[b] += 1
-    self.tables[child], self.lengths[child] = shared + copy, n
+    self.tables[child], self.lengths[child], self.hit_tokens[child] = shared + copy, n, 0
     return (table[-1], copy[0]) if partial else None
 
   # ***** incoming transfers *****
 
-  def reserve(self, seq_id: int, n_tokens: int) -> list[int]:
-    """Hold blocks for n_tokens tokens that a prefill node will write (a transfer). The blocks stay held until commit (the
-    transfer landed) or release_reservation (it failed)."""
-    blocks = self.allocate(seq_id, n_tokens)
+  def reserve(self, seq_id: int, n_tokens: int, token_ids=None) -> list[int]:
+    """Hold blocks for n_tokens tokens that a prefill node will write (a transfer): with token_ids, the cached prefix's blocks
+    are shared and only the rest (from cached_length on) are written. The blocks stay held until commit (the transfer
+    landed) or release_reservation (it failed)."""
+    blocks = self.allocate(seq_id, n_tokens, token_ids)
     self.reserved.add(seq_id)
     return blocks
 
@@ -126,8 +207,12 @@ class BlockManager:
 
   def check(self) -> None:
     """Assert the module's invariants; raises AssertionError naming the first one broken."""
-    free = set(self.free_ids)
-    assert len(free) == len(self.free_ids), "a block is in the free queue twice"
+    free = set(self.free_ids) | set(self.cached_free)
+    assert len(free) == len(self.free_ids) + len(self.cached_free), "a block is in the free queues twice"
+    assert all(b in self.block_hash for b in self.cached_free), "a block in the cached free queue has no hash"
+    assert not any(b in self.block_hash for b in self.free_ids), "a block in the plain free queue keeps a hash"
+    assert all(self.hash_block.get(h) == b for b, h in self.block_hash.items()) and len(self.hash_block) == len(self.block_hash), \
+      "block and hash maps disagree"
     counts = [0] * self.num_blocks
     for sid, table in self.tables.items():
       assert len(set(table)) == len(table), f"sequence {sid} holds a block twice: {table}"
@@ -137,22 +222,33 @@ class BlockManager:
     assert counts == self.ref_counts, "reference counts differ from the block tables"
     for b in range(self.num_blocks): assert (b in free) == (counts[b] == 0), f"block {b}: refcount {counts[b]}, free={b in free}"
     assert self.reserved <= set(self.tables), "a reservation without blocks"
+    assert self.hit_tokens.keys() == self.tables.keys(), "hit lengths differ from the sequences"
 
   # ***** helpers *****
 
   def _take(self, n: int, what: str) -> list[int]:
-    if n > len(self.free_ids):
-      raise PoolFull(f"KV pool full: {what} needs {n} blocks, {len(self.free_ids)} of {self.num_blocks} are free; "
+    if n > self.num_free:
+      raise PoolFull(f"KV pool full: {what} needs {n} blocks, {self.num_free} of {self.num_blocks} are free; "
                      "wait for sequences to finish or preempt one (the scheduler does both)")
-    ids = [self.free_ids.popleft() for _ in range(n)]
+    ids = []
+    for _ in range(n):
+      if self.free_ids: b = self.free_ids.popleft()
+      else:                                 # evict the least recently used cached block
+        b, _ = self.cached_free.popitem(last=False)
+        del self.hash_block[self.block_hash.pop(b)]
+        self.evictions += 1
+      ids.append(b)
     for b in ids: self.ref_counts[b] = 1
     return ids
 
   def _drop(self, seq_id: int) -> None:
-    for b in reversed(self.tables.pop(seq_id)):
+    for b in reversed(self.tables.pop(seq_id)):       # the tail first: a chain's last blocks are evicted before its first
       self.ref_counts[b] -= 1
-      if self.ref_counts[b] == 0: self.free_ids.append(b)
+      if self.ref_counts[b] == 0:
+        if b in self.block_hash: self.cached_free[b] = None
+        else: self.free_ids.append(b)
     del self.lengths[seq_id]
+    del self.hit_tokens[seq_id]
 
   def _new(self, seq_id: int, n_tokens: int) -> None:
     if seq_id in self.tables: raise ValueError(f"sequence {seq_id} already has blocks")

@@ -48,12 +48,13 @@ def _read(buf: Buffer, offset: int, nbytes: int) -> bytes:
 class PagedKVCache:
   """KV for many sequences of different, growing lengths, in fixed-size blocks of per-layer pools."""
   def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
-               kv_dtype: DType | str = dtypes.float16, device: str = "CPU", max_seq_len: int = 8192):
+               kv_dtype: DType | str = dtypes.float16, device: str = "CPU", max_seq_len: int = 8192, prefix_cache: bool = False,
+               model_id: str = ""):
     self.n_layers, self.n_kv_heads, self.head_dim, self.block_size = n_layers, n_kv_heads, head_dim, block_size
     self.kv_dtype: DType = getattr(dtypes, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
     self.max_seq_len = max_seq_len
     self.cap = ceildiv(max_seq_len, block_size)   # block-table width: the most blocks one sequence can hold
-    self.block_manager = BlockManager(num_blocks, block_size)
+    self.block_manager = BlockManager(num_blocks, block_size, prefix_cache, model_id)   # prefix_cache: see BlockManager
     self.pools = [create_pool(num_blocks, n_kv_heads, head_dim, block_size, self.kv_dtype, device) for _ in range(n_layers)]
     self.block_nbytes = 2 * n_kv_heads * block_size * head_dim * self.kv_dtype.itemsize
     self._tables: dict[int, Tensor] = {}     # decode batch size -> (B, cap) int32, rewritten in place each step (fixed buffers for TinyJit)
