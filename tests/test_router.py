@@ -52,6 +52,20 @@ def test_too_large_for_every_pool_is_a_bad_request_and_no_node_is_unavailable():
   with pytest.raises(BadRequest, match="more KV blocks than any decode node"): cluster(state("decode", kv_blocks=4))._admit(100)
   with pytest.raises(Unavailable, match="no decode node is up"): cluster(state("decode", up=False), queue_timeout=0.1)._admit(16)
 
+def test_admission_by_need_holds_the_prompt_and_a_little_headroom():
+  """A request without max_tokens asks for the whole context; it is admitted with its prompt's blocks and a headroom, and
+  only a prompt no pool holds is a BadRequest."""
+  a = state("decode", kv_blocks=8, free_blocks=8)
+  c = cluster(a)
+  node, blocks = c._admit(100, 131_072 - 100)      # 100 + 16 headroom tokens: 8 blocks, not 8,192
+  assert node is a and blocks == 8
+  c._release(node, blocks)
+  a.recent.clear()                                 # as if a heartbeat showed the blocks free again
+  node, blocks = c._admit(100, 5)                  # headroom at most the tokens asked for
+  assert blocks == 7
+  c._release(node, blocks)
+  with pytest.raises(BadRequest, match="a prompt of 129 tokens"): c._admit(129, 1)
+
 def test_prefill_on_the_least_queued_node_or_locally():
   d, p1, p2 = state("decode"), state("prefill", queued_tokens=500), state("prefill", queued_tokens=20)
   assert cluster(d, p1, p2)._choose_prefill(d, 100, 10) is p2

@@ -22,6 +22,8 @@ def parse_args(argv):
   ap.add_argument("--max-context", type=int_in(2, MAX_CONTEXT), default=None, help="cap the model's context (tokens) to bound memory")
   ap.add_argument("--float-weights", action="store_true", help="dequantize a GGUF's weights to float32 (default: keep its quantized "
                   "blocks and dequantize inside the matmul kernels, reading ~5x fewer bytes per token)")
+  ap.add_argument("--no-prefix-cache", action="store_true", help="forget a finished sequence's KV blocks at once (default: keep its "
+                  "full blocks cached until the pool needs them, and share them with requests whose prompt starts the same)")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns this node)")
   ap.add_argument("--quiet", action="store_true")
   args = ap.parse_args(argv)
@@ -84,7 +86,8 @@ def serve(args, stop: threading.Event) -> int:
   except ValueError as e:                    # the smallest pool depends on the model: known only once it is loaded
     print(f"tinyhet node: --kv-memory {args.kv_memory}: {e}: give a bigger --kv-memory", file=sys.stderr)
     return 2
-  decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids)
+  decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids,
+                      prefix_cache=not args.no_prefix_cache)
   from tinyhet.service.node_roles import ServiceExtras
   extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
   try:

@@ -54,12 +54,12 @@ def _check_timeout(timeout):
 
 class DecodeNode:
   def __init__(self, model: Llama, node: LocalNode, kv_blocks: int, block_size: int = 16, kv_dtype: str = "float16",
-               max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = ()):
+               max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = (), prefix_cache: bool = True):
     cfg = model.cfg
     if cfg.n_layers >= 1 << LAYER_BITS: raise ValueError(f"{cfg.n_layers} layers do not fit the {LAYER_BITS}-bit layer field of a notice")
     self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
     self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_blocks + 1, block_size, kv_dtype, device="MESH",   # +1: PAD_SEQ's
-                              max_seq_len=cfg.max_context)
+                              max_seq_len=cfg.max_context, prefix_cache=prefix_cache, model_id=model_id)
     self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs, capacity=kv_blocks)
     self.pool_regions = [_pool_region(self.cache.pool_buffer(layer)) for layer in range(cfg.n_layers)]   # exposed per reservation
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
@@ -85,34 +85,40 @@ class DecodeNode:
             "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(), "host": host_id(),
             # what a long-lived or misbehaving peer could make grow: the soak and fuzz tests watch these stay flat
             "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
-            "rejected_notices": self.rejected_notices,
+            "rejected_notices": self.rejected_notices, "prefix_cache": bm.prefix_cache, "cached_blocks": bm.num_cached,
+            "prefix_queried_tokens": bm.queried_tokens, "prefix_hit_tokens": bm.matched_tokens, "preemptions": self.scheduler.num_preemptions,
             "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
-  def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, writer: str | None = None) -> dict:
+  def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, writer: str | None = None,
+                     use_cache: bool = False) -> dict:
     check_prompt(self.model.cfg, prompt_ids, max_new_tokens)
     _check_timeout(timeout)
     if writer is not None and (not isinstance(writer, str) or not 0 < len(writer.encode()) <= 200):
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
+    if not isinstance(use_cache, bool): raise ValueError(f"use_cache must be true or false, got {use_cache!r}")
     seq = Sequence(next(self.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
     # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
     seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer if writer is None else writer)
     deadline = time.monotonic() + timeout
     with self.cond:
       self.scheduler.check_fits(seq)
-      while not self.scheduler.reserve_incoming(seq):            # admission waits for blocks (or a free batch slot)
+      while not self.scheduler.reserve_incoming(seq, use_cache):   # admission waits for blocks (or a free batch slot)
         if (left := deadline - time.monotonic()) <= 0:
           raise TimeoutError(f"the KV pool stayed full for {timeout} s ({self.cache.block_manager.num_free} blocks free, "
                              f"{self.cache.block_manager.blocks_needed(seq.num_tokens)} needed)")
         self.cond.wait(left)
       self.landed[seq.seq_id] = set()
-      blocks = self.cache.block_manager.block_table(seq.seq_id)
+      cached = self.cache.block_manager.cached_length(seq.seq_id)
+      # a hit's shared blocks are not the writer's: it writes (and its descriptors cover) the suffix's blocks only
+      blocks = self.cache.block_manager.block_table(seq.seq_id)[cached // self.cache.block_size:]
     # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
     # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves
     bb = self.cache.block_nbytes
     seq.extra["descs"] = descs = [self.node.endpoint.expose(r, owner=seq.extra["owner"], allowed=[(b * bb, bb) for b in blocks])
                                   for r in self.pool_regions]
     self._attach(conn, seq)
-    return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size}
+    return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
+            "cached_tokens": cached}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False):
@@ -286,8 +292,13 @@ class DecodeNode:
   def _prefill(self, s: Sequence) -> np.ndarray:
     """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
     to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
-    from tinyhet.engine.prefill import prefill_logits
-    return prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
+    from tinyhet.engine.prefill import prefill_logits, prefill_suffix_logits
+    if (hit := self.cache.block_manager.cached_length(s.seq_id)) > 0:    # a prefix-cache hit: only the rest, over the cached K, V
+      logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit)[None]
+    else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
+    s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
+    with self.cond: self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
+    return logits
 
   def close(self):
     self.stopped = True

@@ -147,7 +147,8 @@ class Running:
 
   def usage(self) -> dict:
     n = len(self.p["prompt_ids"])
-    return {"prompt_tokens": n, "completion_tokens": self.n_tokens, "total_tokens": n + self.n_tokens}
+    return {"prompt_tokens": n, "completion_tokens": self.n_tokens, "total_tokens": n + self.n_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.req.cached_tokens if getattr(self, "req", None) is not None else 0}}
 
   async def collect(self, request) -> tuple[str, list[int], str]:
     while True:

@@ -25,6 +25,9 @@ class Metrics:
                              "prefill+decode)", ["node", "role"], registry=r)
     self.retries = Counter("tinyhet:request_retries", "Requests moved to another node after one was lost", ["reason"], registry=r)
     self.finished = Counter("tinyhet:request_success", "Finished requests by reason", ["finished_reason"], registry=r)
+    self.prefix_queries = Counter("tinyhet:prefix_cache_queries", "Prompt tokens looked up in decode nodes' prefix caches", registry=r)
+    self.prefix_hits = Counter("tinyhet:prefix_cache_hits", "Prompt tokens found in decode nodes' prefix caches", registry=r)
+    self.preemptions = Counter("tinyhet:num_preemptions", "Times a decode node preempted a request's sequence (recomputed later)", registry=r)
     self.rejected = Counter("tinyhet:request_rejected", "Requests answered with an error, by HTTP status", ["status"], registry=r)
 
   def exposition(self) -> bytes: return generate_latest(self.registry)

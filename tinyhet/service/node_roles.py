@@ -40,7 +40,7 @@ def stream_submitted(decode, conn, seq):
   from tinyhet.engine.decode_node import queued_tokens
   try:
     for tok in queued_tokens(seq): yield None if tok is None else {"token": tok}
-    yield {"done": True, "preemptions": seq.num_preemptions}
+    yield {"done": True, "preemptions": seq.num_preemptions, "cached_tokens": seq.extra.get("cached_tokens", 0)}
   finally: decode._detach(conn.state.get("seqs", {}), seq)
 
 def decode_status(decode) -> dict:
@@ -49,7 +49,8 @@ def decode_status(decode) -> dict:
   bm, s = decode.cache.block_manager, decode.scheduler
   return {"model": decode.model_id, "kv_blocks": s.capacity, "free_blocks": bm.num_free, "block_size": decode.cache.block_size,
           "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
-          "max_context": decode.model.cfg.max_context}
+          "max_context": decode.model.cfg.max_context, "cached_blocks": bm.num_cached, "prefix_queried_tokens": bm.queried_tokens,
+          "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache}
 
 class ServiceExtras:
   """Heartbeats and decode.submit on a decode node; with role `both`, a PrefillNode sharing its model, on its own thread."""

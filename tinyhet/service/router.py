@@ -25,6 +25,7 @@ from tinyhet.service import heartbeat
 from tinyhet.runtime.control import ControlClient, ControlError
 
 MAX_ATTEMPTS = 5           # node losses one request survives
+HEADROOM_TOKENS = 16       # admission holds the prompt and this many new tokens; decode grows from there (a full pool preempts)
 
 class Overloaded(RuntimeError):
   """No KV room within the queue's bound or timeout: try again later (HTTP 503 with Retry-After)."""
@@ -46,7 +47,7 @@ class Node:
   up: bool = False
   reason: str = "no heartbeat yet"
   status: dict = field(default_factory=dict)  # the last heartbeat
-  reserved_blocks: int = 0                    # KV blocks this router's requests hold here (at their longest)
+  reserved_blocks: int = 0                    # KV blocks this router's requests were admitted with here (prompt + headroom)
   inflight_tokens: int = 0                    # prompt tokens this router sent here to prefill, not yet answered
   assigned: int = 0                           # this router's requests decoding here (heartbeats lag; this does not)
   recent: list = field(default_factory=list)  # (monotonic time, blocks) of admissions the last heartbeat may not show yet
@@ -81,6 +82,7 @@ class Request:
   cancelled: threading.Event = field(default_factory=threading.Event)
   clients: set = field(default_factory=set)
   attempts: int = 0
+  cached_tokens: int = 0                      # prompt tokens the decode node found in its prefix cache (the last attempt's)
 
   def push(self, token: int):
     self.generated.append(token)
@@ -157,9 +159,12 @@ class Cluster:
     with self.cond: return [{"address": n.address, "role": n.role, "up": n.up, "reason": n.reason, **n.status} for n in self.nodes.values()]
 
   # ---- choosing nodes
-  def _admit(self, tokens: int) -> tuple[Node, int]:
-    """A decode-capable node with room for `tokens`, and the blocks now held there for the request (release them after).
-    Without room anywhere the request waits in the queue, unless max_queue requests wait already."""
+  def _admit(self, prompt_tokens: int, new_tokens: int = 0) -> tuple[Node, int]:
+    """A decode-capable node with room for the prompt and a little headroom (admission by need: a sequence grows a block at
+    a time, and a full pool evicts cached blocks, then preempts), and the blocks now counted there for the request (release
+    them after). Without room anywhere the request waits in the queue, unless max_queue requests wait already; a prompt no
+    pool holds is a BadRequest."""
+    tokens = prompt_tokens + min(new_tokens, HEADROOM_TOKENS)
     with self.cond:
       deadline, queued = time.monotonic() + self.queue_timeout, False
       try:
@@ -172,9 +177,8 @@ class Cluster:
             node.recent.append((time.monotonic(), need))
             node.assigned += 1
             return node, need
-          if up and all(n.blocks_for(tokens) > n.status.get("kv_blocks", 0) for n in up):
-            raise BadRequest(f"{tokens} tokens (prompt + max_tokens) need more KV blocks than any decode node has: lower max_tokens or "
-                             "shorten the prompt")
+          if up and all(n.blocks_for(prompt_tokens) > n.status.get("kv_blocks", 0) for n in up):
+            raise BadRequest(f"a prompt of {prompt_tokens} tokens needs more KV blocks than any decode node has: shorten the prompt")
           if not queued:
             if self.waiting >= self.max_queue: raise Overloaded(f"every KV pool is full and {self.waiting} requests wait already")
             queued, self.waiting = True, self.waiting + 1
@@ -228,7 +232,7 @@ class Cluster:
       left = req.max_tokens - len(req.generated)
       if left <= 0: return "length"
       ids = req.prompt_ids + req.generated          # after a lost node: what the client has seen becomes prompt
-      decode, blocks = self._admit(len(ids) + left)
+      decode, blocks = self._admit(len(ids), left)
       try: self._attempt(req, decode, ids, left)
       except Cancelled: return "cancelled"
       except _NodeLost as e:
@@ -293,6 +297,7 @@ class Cluster:
       try:
         for item in stream:
           if "token" in item: req.push(item["token"])
+          elif item.get("done"): self._done(req, decode, item, len(ids))
       except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
     finally: self._close(req, decode, ctl)
 
@@ -311,6 +316,15 @@ class Cluster:
       self.metrics.kv_bytes.inc(p["kv_bytes"])
       self.metrics.kv_seconds.observe(p["transfer_s"])
     return p
+
+  def _done(self, req: Request, node: Node, item: dict, prompt_tokens: int):
+    """A decode stream's last item: the prefix cache's hit (a decode node that prefilled for itself) and its preemptions."""
+    if "cached_tokens" in item: req.cached_tokens = int(item["cached_tokens"])
+    if self.metrics is None: return
+    if "cached_tokens" in item and node.status.get("prefix_cache", True):
+      self.metrics.prefix_queries.inc(prompt_tokens)
+      self.metrics.prefix_hits.inc(req.cached_tokens)
+    if item.get("preemptions"): self.metrics.preemptions.inc(int(item["preemptions"]))
 
   def _count(self, node: Node, role: str):
     if self.metrics is not None: self.metrics.node_work.labels(node.address, role).inc()
