@@ -263,13 +263,15 @@ def test_bad_requests_get_clear_errors(small):
   finally: ctl.close()
 
 def test_full_pool_waits_then_admits():
-  """A reservation larger than what is free waits (admission), and one larger than the pool is refused."""
+  """A reservation larger than what is free waits (admission), and a prompt larger than the pool is refused (admission by
+  need: max_new_tokens past the pool is no reason to refuse)."""
   proc, info = start_decode_node(blocks=8, bs=4)          # 32 token slots
   from tinyhet.runtime.control import ControlClient, ControlError
   local_node().endpoint.token = TOKEN
   a, b = ControlClient(local_node().endpoint, info["address"]), ControlClient(local_node().endpoint, info["address"])
   try:
-    with pytest.raises(ControlError, match="need 9 KV blocks.*pool has 8 blocks"): a.call("decode.reserve", prompt_ids=[1] * 30, max_new_tokens=5)
+    with pytest.raises(ControlError, match="prompt of 33 tokens needs 9 KV blocks.*pool has 8 blocks"):
+      a.call("decode.reserve", prompt_ids=[1] * 33, max_new_tokens=5)
     first = a.call("decode.reserve", prompt_ids=[1] * 20, max_new_tokens=4)
     with pytest.raises(ControlError, match="stayed full"): b.call("decode.reserve", prompt_ids=[2] * 20, max_new_tokens=4, timeout=0.5)
     a.close()                                             # the holder goes away: its blocks come back

@@ -1,8 +1,10 @@
-"""The decode node as a KV store, with real processes (the helpers of test_service.py): a conversation through the router,
-turn after turn, on a decode node that prefills for itself: later turns hit the cached blocks of earlier ones and give the
-tokens of a run without the cache; the default chat request (no max_tokens: the whole context) on a 64 MiB pool, which
-admission by need serves where admitting prompt + max_tokens at once answered 400."""
-import http.client, json
+"""The decode node as a KV store, with real processes (the helpers of test_service.py): a conversation through the router
+(a prefill node, two decode nodes), turn after turn: the first turn is prefilled on the prefill node, later ones land on the
+decode node holding the conversation's blocks (KV-aware routing) and are prefilled there, the suffix only, giving the tokens
+of a cluster without the cache; kill -9 of that node: the next turn completes on the other (recomputed). And the default chat
+request (no max_tokens: the whole context) on a 64 MiB pool, which admission by need serves where admitting
+prompt + max_tokens at once answered 400."""
+import http.client, json, time
 import pytest
 from test_service import Proc, Router
 from tinyhet.model.spec import model_id
@@ -15,19 +17,31 @@ def node(role: str, *extra) -> Proc: return Proc("node", "--role", role, "--list
 # KV of 4 layers x 4 heads x 64 x 2 (K, V) x 2 bytes = 4 KiB a token: a 64 MiB pool holds 16,384 tokens, an eighth of the context
 SPEC = "random:n_layers=4,dim=256,n_heads=4,n_kv_heads=4,hidden_dim=128,max_context=131072"
 MODEL = model_id(SPEC)
+LAST: dict = {}    # the conversation the multi-turn test left on a node, for the kill test
 
 @pytest.fixture(scope="module")
 def store():
-  cached = node("decode", "--kv-memory", "64M", "--max-seqs", "4")
-  plain = node("decode", "--kv-memory", "64M", "--max-seqs", "4", "--no-prefix-cache")
+  procs = {"prefill": node("prefill"), "d1": node("decode", "--kv-memory", "64M", "--max-seqs", "4"),
+           "d2": node("decode", "--kv-memory", "64M", "--max-seqs", "4"),
+           "plain": node("decode", "--kv-memory", "64M", "--max-seqs", "4", "--no-prefix-cache")}
   routers = []
   try:
-    for n in (cached, plain):
-      routers.append(r := StoreRouter("--decode", n.address))
-      r.wait_ready(nodes_up=1)
-    yield routers
+    routers.append(StoreRouter("--prefill", procs["prefill"].address, "--decode", procs["d1"].address, "--decode", procs["d2"].address))
+    routers.append(StoreRouter("--decode", procs["plain"].address))
+    routers[0].wait_ready(nodes_up=3)
+    routers[1].wait_ready(nodes_up=1)
+    yield (*routers, procs)
   finally:
-    for p in routers + [cached, plain]: p.stop()
+    for p in [*routers, *procs.values()]: p.stop()
+
+def holder(router) -> str | None:
+  """The decode node whose heartbeat shows cached blocks, once the router has one (None after 30 s)."""
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline:
+    held = [n["address"] for n in router.request("GET", "/ready")[2]["nodes"] if n["up"] and n.get("cached_blocks")]
+    if held: return held[0]
+    time.sleep(0.2)
+  return None
 
 def complete(router, ids: list[int], n: int) -> tuple[list[int], dict]:
   status, _, obj = router.request("POST", "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": n, "temperature": 0,
@@ -35,20 +49,29 @@ def complete(router, ids: list[int], n: int) -> tuple[list[int], dict]:
   assert status == 200, obj
   return obj["choices"][0]["token_ids"], obj["usage"]
 
-def test_multi_turn_chat_hits_the_cache_and_gives_the_no_cache_tokens(store):
-  cached, plain = store
-  conversation = [(i * 7 + 3) % 250 + 1 for i in range(150)]      # a "system prompt"
-  for turn in range(4):
-    conversation += [(turn * 13 + j) % 250 + 1 for j in range(12)]   # the user's turn
+def turns(cached, plain, conversation: list[int], first: int, n: int) -> list[int]:
+  for turn in range(first, first + n):
+    conversation = conversation + [(turn * 13 + j) % 250 + 1 for j in range(12)]   # the user's turn
     got, usage = complete(cached, conversation, 8)
     want, usage0 = complete(plain, conversation, 8)
     assert got == want, f"turn {turn}"
     assert usage0["prompt_tokens_details"]["cached_tokens"] == 0
-    # every full block of the last turn's KV (its prompt and all but its last token) is cached: 16-token blocks
-    assert usage["prompt_tokens_details"]["cached_tokens"] == (0 if turn == 0 else (len(conversation) - 12 - 1) // 16 * 16), turn
+    if turn > first:   # every full block of the last turn's KV (its prompt and all but its last token) is cached: 16-token blocks
+      assert usage["prompt_tokens_details"]["cached_tokens"] == (len(conversation) - 12 - 1) // 16 * 16, turn
     conversation += got
+    if turn == first: assert holder(cached) is not None, "no decode node reports the first turn's blocks"
+  return conversation
+
+def test_multi_turn_chat_lands_on_its_cache_and_gives_the_no_cache_tokens(store):
+  cached, plain, procs = store
+  conversation = turns(cached, plain, [(i * 7 + 3) % 250 + 1 for i in range(150)], 0, 4)   # a 150-token "system prompt", 4 turns
+  node_of = {procs[k].address: k for k in ("d1", "d2")}
+  where = node_of[holder(cached)]
+  assert cached.metric("tinyhet:node_requests_total", node=procs[where].address, role="prefill+decode") == 3   # turns 2-4, there
+  assert cached.metric("tinyhet:node_requests_total", role="prefill") == 1                                    # turn 1 only
   assert cached.metric("tinyhet:prefix_cache_hits_total") > 0 and cached.metric("tinyhet:prefix_cache_queries_total") > 0
   assert plain.metric("tinyhet:prefix_cache_hits_total") == 0
+  LAST["conversation"] = conversation
 
 def test_default_chat_request_on_a_64_mib_pool(store):
   """No max_tokens: the request asks for the rest of a 131,072-token context; the pool holds 16,384 tokens. It is admitted
@@ -67,3 +90,13 @@ def test_default_chat_request_on_a_64_mib_pool(store):
       if chunks == 4: break
   c.close()
   assert chunks == 4
+
+def test_kill9_of_the_node_holding_the_prefix_costs_only_its_cache(store):
+  """The decode node holding the conversation dies; the next turn completes on the other one, recomputed from the start."""
+  cached, plain, procs = store
+  conversation = LAST.get("conversation") or turns(cached, plain, [5] * 100, 10, 1)
+  victim = {procs[k].address: k for k in ("d1", "d2")}[holder(cached)]
+  procs[victim].kill9()
+  ids = conversation + [9] * 12
+  got, usage = complete(cached, ids, 8)
+  assert got == complete(plain, ids, 8)[0] and usage["prompt_tokens_details"]["cached_tokens"] == 0

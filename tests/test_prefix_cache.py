@@ -84,7 +84,7 @@ def test_a_finished_prompt_is_found_again_and_evicted_only_when_needed():
   assert bm.cached_length(1) == 0
   bm.deallocate(1, prompt)
   assert bm.num_cached == 2 and bm.num_free == 6  # cached blocks are free: evicted when the pool needs them
-  bm.allocate(2, 13, prompt + [10, 11, 12])
+  bm.allocate(2, 13, [*prompt, 10, 11, 12])
   assert bm.cached_length(2) == 8 and bm.block_table(2)[:2] == [0, 1]
   bm.deallocate(2)
   bm.allocate(3, 8, prompt[:8])                    # the last token is computed: a whole-block prompt hits one block less

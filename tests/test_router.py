@@ -156,3 +156,25 @@ def test_heartbeats_bring_nodes_up_and_another_model_keeps_them_out():
   assert not d.up and d.reason == "EOF" and not c.ready()
   page = c.metrics.exposition().decode()
   assert f'tinyhet:node_up{{node="{d.address}",role="decode"}} 0.0' in page and "tinyhet:kv_cache_usage_perc" in page
+
+def test_kv_aware_routing_follows_the_cached_prefix():
+  """Heartbeat summaries of cached block hashes: a conversation's next turn goes to the node holding its prefix (unless that
+  node is far busier), needs fewer new blocks there, and is prefilled there when only a short suffix is left; a node that
+  went away takes its cache with it."""
+  from tinyhet.kv.block_manager import block_hashes
+  ids = list(range(1, 161))                              # 10 blocks of 16
+  holder, other, p = state("decode", running=2), state("decode", running=1), state("prefill")
+  c = cluster(holder, other, p)
+  c._beat(holder, {**holder.status, "cached_hashes": block_hashes(ids[:144], 16, "m")})   # 9 blocks cached
+  assert holder.cached_tokens(ids) == 144 and other.cached_tokens(ids) == 0
+  assert holder.cached_tokens(ids[:100] + [0] * 60) == 96                              # the chain stops at the first other block
+  node, blocks = c._admit(len(ids), 8, ids)
+  assert node is holder and blocks == 11 - 9                                           # (160 + 8) tokens: 11 blocks, 9 cached
+  c._release(node, blocks)
+  assert c._choose_prefill(holder, len(ids), 8, holder.cached_tokens(ids)) is None     # a 16-token suffix: prefilled there
+  assert c._choose_prefill(holder, len(ids), 8, 32) is p                               # mostly uncached: the prefill node
+  c._beat(holder, {**holder.status, "running": 8})                                     # full, the other idle: the load wins
+  c._beat(other, {**other.status, "running": 0})
+  assert c._admit(len(ids), 8, ids)[0] is other
+  c._beat(holder, {**holder.status, "cached_hashes": "junk"})                         # a bad summary is no summary
+  assert holder.cached_tokens(ids) == 0

@@ -125,6 +125,7 @@ class BlockManager:
     for b in hit:                             # taken before _take may evict: a hit block is never its own eviction's victim
       if self.ref_counts[b] == 0: del self.cached_free[b]
       self.ref_counts[b] += 1
+      self.hash_block[h] = self.hash_block.pop(h := self.block_hash[b])   # newest last: what a heartbeat's summary shows
     self.tables[seq_id] = hit + self._take(self.blocks_needed(n_tokens) - len(hit), f"sequence {seq_id} ({n_tokens} tokens)")
     self.lengths[seq_id] = n_tokens
     if token_ids is not None and self.prefix_cache:

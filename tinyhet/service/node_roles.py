@@ -43,6 +43,16 @@ def stream_submitted(decode, conn, seq):
     yield {"done": True, "preemptions": seq.num_preemptions, "cached_tokens": seq.extra.get("cached_tokens", 0)}
   finally: decode._detach(conn.state.get("seqs", {}), seq)
 
+SUMMARY_HASHES = 1024      # block hashes a heartbeat carries at most: the newest cached (16,384 tokens of 16-token blocks)
+
+def cached_summary(bm) -> list[int]:
+  """The newest SUMMARY_HASHES block hashes the node holds, for KV-aware routing: read without the lock (another thread may
+  change the map meanwhile: then read again; a summary a moment stale is what a heartbeat is anyway)."""
+  for _ in range(5):
+    try: return list(bm.hash_block)[-SUMMARY_HASHES:]
+    except RuntimeError: continue
+  return []
+
 def decode_status(decode) -> dict:
   # read without decode.cond: a `both` node's batching loop can hold it while it waits for the model (a long prefill), and a
   # heartbeat must not wait that long; a count a moment stale is what a heartbeat is anyway
@@ -50,7 +60,8 @@ def decode_status(decode) -> dict:
   return {"model": decode.model_id, "kv_blocks": s.capacity, "free_blocks": bm.num_free, "block_size": decode.cache.block_size,
           "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
           "max_context": decode.model.cfg.max_context, "cached_blocks": bm.num_cached, "prefix_queried_tokens": bm.queried_tokens,
-          "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache}
+          "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache,
+          "cached_hashes": cached_summary(bm)}
 
 class ServiceExtras:
   """Heartbeats and decode.submit on a decode node; with role `both`, a PrefillNode sharing its model, on its own thread."""

@@ -21,10 +21,13 @@ connections (client gone, node lost) frees its reservation and sequence on the d
 from __future__ import annotations
 import itertools, secrets, threading, time
 from dataclasses import dataclass, field
+from tinyhet.kv.block_manager import block_hashes
 from tinyhet.service import heartbeat
 from tinyhet.runtime.control import ControlClient, ControlError
 
 MAX_ATTEMPTS = 5           # node losses one request survives
+OVERLAP_WEIGHT = 1.0       # a prompt wholly cached on a node outweighs one max_seqs-worth of decode load there
+LOCAL_SUFFIX_SHARE = 0.25  # a decode node holding all but this share of a prompt prefills the rest itself (no prefill node)
 HEADROOM_TOKENS = 16       # admission holds the prompt and this many new tokens; decode grows from there (a full pool preempts)
 
 class Overloaded(RuntimeError):
@@ -52,6 +55,7 @@ class Node:
   assigned: int = 0                           # this router's requests decoding here (heartbeats lag; this does not)
   recent: list = field(default_factory=list)  # (monotonic time, blocks) of admissions the last heartbeat may not show yet
   clients: set = field(default_factory=set)   # requests' control connections to this node
+  cached: frozenset = frozenset()             # block hashes of its prefix cache, as its last heartbeat summarized them
   @property
   def can_decode(self) -> bool: return self.role in ("decode", "both")
   @property
@@ -60,6 +64,15 @@ class Node:
   def free_blocks(self) -> int:
     s = self.status
     return min(s.get("free_blocks", 0) - sum(b for _, b in self.recent), s.get("kv_blocks", 0) - self.reserved_blocks)
+  def cached_tokens(self, ids: list[int]) -> int:
+    """Prompt tokens this node's prefix cache would give ids, from its heartbeat's summary (the block manager's rule: a chain
+    of full blocks, at most up to the last token)."""
+    if not self.cached or not ids: return 0
+    bs, n = self.status.get("block_size", 16), 0
+    for h in block_hashes(ids, bs, self.status.get("model", ""), (len(ids) - 1) // bs):
+      if h not in self.cached: break
+      n += bs
+    return n
   def decode_load(self) -> float:
     s = self.status
     return max(s.get("running", 0) + s.get("waiting", 0) + s.get("incoming", 0), self.assigned) / max(1, s.get("max_seqs", 1))
@@ -116,6 +129,8 @@ class Cluster:
         node.up, node.reason = False, f"serves {beat.get('model')!r}, this router {self.model_id!r}: start every node with the same --model"
       else: node.up, node.reason = True, ""
       node.status = beat
+      hashes = beat.get("cached_hashes")
+      node.cached = frozenset(h for h in hashes[:4096] if isinstance(h, int)) if isinstance(hashes, list) else frozenset()
       shown = time.monotonic() - 2 * self.hb_interval      # a beat arriving now was made after these reservations landed
       node.recent = [(t, b) for t, b in node.recent if t > shown]
       self.cond.notify_all()
@@ -156,24 +171,28 @@ class Cluster:
     with self.cond: return min((n.status["max_context"] for n in self.nodes.values() if n.up and "max_context" in n.status), default=None)
 
   def describe(self) -> list[dict]:
-    with self.cond: return [{"address": n.address, "role": n.role, "up": n.up, "reason": n.reason, **n.status} for n in self.nodes.values()]
+    with self.cond:   # a node's cache summary stays out (a thousand hashes)
+      return [{"address": n.address, "role": n.role, "up": n.up, "reason": n.reason, **{k: v for k, v in n.status.items() if k != "cached_hashes"}}
+              for n in self.nodes.values()]
 
   # ---- choosing nodes
-  def _admit(self, prompt_tokens: int, new_tokens: int = 0) -> tuple[Node, int]:
+  def _admit(self, prompt_tokens: int, new_tokens: int = 0, ids: list[int] | None = None) -> tuple[Node, int]:
     """A decode-capable node with room for the prompt and a little headroom (admission by need: a sequence grows a block at
     a time, and a full pool evicts cached blocks, then preempts), and the blocks now counted there for the request (release
     them after). Without room anywhere the request waits in the queue, unless max_queue requests wait already; a prompt no
-    pool holds is a BadRequest."""
+    pool holds is a BadRequest. KV-aware: with the prompt's ids, a node whose prefix cache holds more of it scores better
+    (Dynamo's overlap score: the cached share of the prompt against the decode load), and needs its blocks less the hit."""
     tokens = prompt_tokens + min(new_tokens, HEADROOM_TOKENS)
     with self.cond:
       deadline, queued = time.monotonic() + self.queue_timeout, False
       try:
         while True:
           up = [n for n in self.nodes.values() if n.up and n.can_decode]
-          fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens)]
+          hit = {n: n.cached_tokens(ids) if ids else 0 for n in up}
+          fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n])]
           if fits:
-            node = min(fits, key=lambda n: (n.decode_load(), -n.free_blocks()))
-            node.reserved_blocks += (need := node.blocks_for(tokens))
+            node = min(fits, key=lambda n: (n.decode_load() - OVERLAP_WEIGHT * hit[n] / max(1, prompt_tokens), -n.free_blocks()))
+            node.reserved_blocks += (need := node.blocks_for(tokens) - node.blocks_for(hit[node]))
             node.recent.append((time.monotonic(), need))
             node.assigned += 1
             return node, need
@@ -201,11 +220,14 @@ class Cluster:
   def _gauge_waiting(self):
     if self.metrics is not None: self.metrics.waiting.set(self.waiting)
 
-  def _choose_prefill(self, decode: Node, prompt_len: int, output_len: int) -> Node | None:
-    """The node to prefill on, or None: the decode node prefills for itself."""
+  def _choose_prefill(self, decode: Node, prompt_len: int, output_len: int, cached: int = 0) -> Node | None:
+    """The node to prefill on, or None: the decode node prefills for itself. cached: prompt tokens in the decode node's
+    prefix cache; where they leave at most LOCAL_SUFFIX_SHARE of the prompt, the decode node prefills only the rest itself
+    (a prefill node would compute the whole prompt and send it all: pulling the cached prefix is not built)."""
     with self.cond:
       others = [n for n in self.nodes.values() if n.up and n.can_prefill and n is not decode]
       if not others: return None
+      if cached and prompt_len - cached <= LOCAL_SUFFIX_SHARE * prompt_len: return None
       best = min(others, key=Node.prefill_load)
       if decode.role == "both" and decode.prefill_load() <= best.prefill_load(): return None
       queue_s, local_queue_s = best.prefill_load() * self.prefill_s_per_token, decode.prefill_load() * self.prefill_s_per_token
@@ -232,7 +254,7 @@ class Cluster:
       left = req.max_tokens - len(req.generated)
       if left <= 0: return "length"
       ids = req.prompt_ids + req.generated          # after a lost node: what the client has seen becomes prompt
-      decode, blocks = self._admit(len(ids), left)
+      decode, blocks = self._admit(len(ids), left, ids)
       try: self._attempt(req, decode, ids, left)
       except Cancelled: return "cancelled"
       except _NodeLost as e:
@@ -278,7 +300,7 @@ class Cluster:
     sampling = dict(temperature=req.temperature, top_p=req.top_p)
     ctl = self._open(req, decode, "decode node lost")
     try:
-      prefill = self._choose_prefill(decode, len(ids), left)
+      prefill = self._choose_prefill(decode, len(ids), left, decode.cached_tokens(ids))
       try:
         if prefill is None:
           self._count(decode, "prefill+decode")
