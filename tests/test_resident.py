@@ -63,6 +63,8 @@ def test_second_run_reuses_the_resident_process(tmp_path):
     assert second.returncode == 0, second.stderr
     b = json.loads(second.stdout)
     assert b["resident"] == {"pid": pid, "runs": 2} and b["generated_ids"] == a["generated_ids"] and len(a["generated_ids"]) == 4
+    # the resident decode node kept the first run's blocks: the second prefills only the uncached suffix, there
+    assert a["cached_tokens"] == 0 and b["cached_tokens"] >= len(b["prompt_ids"]) - 16, (a["cached_tokens"], b["cached_tokens"], len(b["prompt_ids"]))
     (sock_path,) = (tmp_path / "tinyhet" / "run").glob("*.sock")
     for bad in (b"not json\n", b'{"argv": "a string"}\n', b"[1, 2]\n", b'{"argv": ["--max-tokens", "zero"]}\n'):
       with socket.socket(socket.AF_UNIX) as s:

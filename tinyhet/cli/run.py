@@ -66,8 +66,11 @@ def report(args, out: dict):
 
 def table(r: dict) -> str:
   rows = [("prompt tokens", f"{len(r['prompt_ids'])}"), ("generated tokens", f"{len(r['generated_ids'])}"),
-          ("TTFT", f"{r['ttft_s']:.3f} s (prefill on {r['prefill_device']}" + (", until every layer landed)" if r["transport"] != "none" else ")"))]
-  if r["transport"] != "none":
+          ("TTFT", f"{r['ttft_s']:.3f} s " + ("(the uncached suffix prefilled on the decode node)" if r.get("cached_tokens") else
+                   f"(prefill on {r['prefill_device']}" + (", until every layer landed)" if r["transport"] != "none" else ")")))]
+  if r.get("cached_tokens"):
+    rows.append(("cached tokens", f"{r['cached_tokens']} of the prompt's were in the decode node's prefix cache: it prefilled the rest"))
+  if not r["transport"].startswith("none"):
     rows += [("KV moved", f"{r['kv_bytes'] / 2**20:.2f} MiB over {r['transport']}, {r['transfer_gbps']:.3f} GB/s over the "
                           f"{1e3 * r['transfer_s']:.1f} ms it was moving; last layer landed {1e3 * r['kv_tail_s']:.1f} ms after the first token")]
     if "overhead_s" in r:

@@ -111,7 +111,8 @@ class Session:
       ids, st = client.generate(prompt_ids, args.max_tokens, stop_ids=tok.stop_ids, on_token=on_token, progress=progress, **sampling)
       result = {"ttft_s": st.ttft_s, "prefill_s": st.prefill_s, "kv_bytes": st.kv_bytes, "transfer_s": st.transfer_s,
                 "transfer_gbps": st.transfer_gbps, "kv_tail_s": st.kv_tail_s, "landed_clock": st.landed_clock,
-                "decode_tok_s": st.decode_tok_s, "transport": st.transport, "preemptions": st.preemptions, "prefill_device": f"HET ({backend})",
+                "decode_tok_s": st.decode_tok_s, "transport": st.transport, "preemptions": st.preemptions,
+                "cached_tokens": st.cached_tokens, "prefill_device": f"HET ({backend})",
                 "decode_device": f"MESH on {client.ctl.peer}", "total_s": time.perf_counter() - t0,
                 "timeline": [vars(t) for t in st.timeline]}
       if args.overhead:

@@ -13,6 +13,8 @@ from tinyhet.model.sampling import Sampler
 from tinyhet.runtime.control import ControlClient
 from tinyhet.runtime.wire import host_id
 
+LOCAL_SUFFIX_SHARE = 0.25   # as the router's: a decode node holding all but this share of a prompt prefills the rest itself
+
 class DecodeClient:
   """A prefill node's handle on one decode node: checks the model matches, then runs requests against it."""
   def __init__(self, node: LocalNode, address: str, model: Llama, model_id: str = "", transport: str | None = None,
@@ -34,6 +36,11 @@ class DecodeClient:
     progress(layers done) as each prefill layer finishes."""
     stats = GenerationStats(prompt_tokens=len(prompt_ids), transport=self.peer.transport)
     t0 = time.perf_counter()
+    # a decode node holding most of the prompt prefills the rest itself (the prefill node pulling the prefix is not built)
+    if self.info.get("prefix_cache") and self.info.get("submit") and not return_logits:
+      cached = self.ctl.call("decode.lookup", prompt_ids=list(prompt_ids))["cached_tokens"]
+      if cached and len(prompt_ids) - cached <= LOCAL_SUFFIX_SHARE * len(prompt_ids):
+        return self._submit(prompt_ids, max_new_tokens, temperature, top_p, seed, stop_ids, on_token, stats, t0)
     r = self.ctl.call("decode.reserve", prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
     sender = KVSender(self.endpoint, self.peer, r, self.model.cfg, self.kv_dtype, self.buffers)
 
@@ -68,6 +75,21 @@ class DecodeClient:
     theirs = done.get("landed_at") if self.info.get("host") == host_id() else None
     transfer_figures(stats, t0, t_first, sender.computed, sender.writer.posted, {l: t.finished for l, t in transfers.items()},
                      sum(t.nbytes for t in transfers.values()), {int(l): x for l, x in theirs.items()} if theirs else None)
+    return out, stats
+
+  def _submit(self, prompt_ids, max_new_tokens, temperature, top_p, seed, stop_ids, on_token, stats, t0):
+    """The decode node prefills (the uncached suffix only) and decodes: decode.submit; no KV moves."""
+    out: list[int] = []
+    sampler = Sampler(temperature, top_p, seed)
+    for item in self.ctl.stream("decode.submit", prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, seed=sampler.seed, stop_ids=list(stop_ids)):
+      if "token" in item:
+        if not out: stats.ttft_s = stats.prefill_s = time.perf_counter() - t0
+        out.append(item["token"])
+        if on_token is not None: on_token(item["token"])
+      elif item.get("done"): stats.preemptions, stats.cached_tokens = item.get("preemptions", 0), item.get("cached_tokens", 0)
+    stats.decode_tokens = max(0, len(out) - 1)
+    stats.transport = "none (prefilled on the decode node)"
     return out, stats
 
   def close(self):

@@ -32,6 +32,7 @@ class GenerationStats:
   decode_tok_s: float = 0.0
   transport: str = ""
   preemptions: int = 0
+  cached_tokens: int = 0            # prompt tokens the decode node had cached (it then prefilled only the rest itself, no transfer)
   staging_waits: int = 0            # times prefill waited for a staging buffer (all in flight); layers on a GPU only
   handoff_s: float = 0.0            # time the prefill thread spent handing layers off (packing, copying or staging, queueing)
   timeline: list[LayerTimes] = field(default_factory=list)

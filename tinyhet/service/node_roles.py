@@ -33,6 +33,7 @@ def install_submit(decode) -> None:
     return stream_submitted(decode, conn, seq)
 
   decode.node.endpoint.handle("decode.submit", serve_submit)
+  decode.can_submit = True
 
 def stream_submitted(decode, conn, seq):
   """Every token of a submitted sequence, as the batching loop samples it. It yields None while it waits (the control

@@ -1,0 +1,101 @@
+"""`tinyhet bench prefix`: a multi-turn chat through the router (1 prefill node + 1 decode node) with the decode node's prefix
+cache on, against the same cluster with `--no-prefix-cache` (the baseline), in one run.
+
+One conversation: a system prompt (~1,500 tokens), then 8 turns of a ~60-token user message and a 32-token greedy reply; each
+turn sends the whole conversation so far, as a chat client does. Per turn and configuration: TTFT (streamed), the prompt's
+tokens, the cached tokens (usage.prompt_tokens_details), the tokens computed again, and whether the greedy tokens equal the
+baseline's. Pulled tokens and bytes are 0: the prefill node's one-sided read of a cached prefix is not built; with the cache
+the router sends a turn whose prefix the decode node holds to that node, which prefills the suffix alone (KV-aware routing).
+A warm-up conversation (other tokens, same lengths) runs first in each configuration (tinygrad compiles per shape).
+"""
+from __future__ import annotations
+import argparse, http.client, json, sys, time
+from tinyhet.bench.serve import Proc
+
+def stream_turn(address: str, body: dict) -> tuple[float, list[int], dict]:
+  """(TTFT in seconds, the ids, the usage) of one streamed completion."""
+  host, port = address.rsplit(":", 1)
+  c = http.client.HTTPConnection(host, int(port), timeout=900)
+  t0 = time.perf_counter()
+  c.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}),
+            headers={"Content-Type": "application/json"})
+  r = c.getresponse()
+  if r.status != 200: raise RuntimeError(f"router answered {r.status}: {r.read()[:300]!r}")
+  ttft, ids, usage = 0.0, [], {}
+  for line in r:
+    if not line.startswith(b"data: {"): continue
+    obj = json.loads(line[6:])
+    if "error" in obj: raise RuntimeError(obj["error"]["message"])
+    if obj.get("usage"): usage = obj["usage"]
+    new = obj["choices"][0].get("token_ids", []) if obj.get("choices") else []
+    if new and not ids: ttft = time.perf_counter() - t0
+    ids += new
+  c.close()
+  return ttft, ids, usage
+
+def conversation(address: str, model: str, args, salt: int, vocab: int) -> list[dict]:
+  ids = [(salt * 7919 + j * 104729) % (vocab - 300) + 256 for j in range(args.system_tokens)]
+  rows = []
+  for turn in range(args.turns):
+    ids = ids + [(salt * 31 + turn * 977 + j * 7901) % (vocab - 300) + 256 for j in range(args.turn_tokens)]
+    ttft, out, usage = stream_turn(address, {"model": model, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0})
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    rows.append({"turn": turn + 1, "prompt_tokens": len(ids), "ttft_s": round(ttft, 4), "cached_tokens": cached, "pulled_tokens": 0,
+                 "pulled_bytes": 0, "recomputed_tokens": len(ids) - cached, "pull_share_of_ttft": 0.0, "tokens": out})
+    ids = ids + out
+  return rows
+
+def run_config(cache: bool, args) -> list[dict]:
+  model_args = ["--model", args.model] if args.model else []
+  procs = []
+  try:
+    procs.append(Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args))
+    procs.append(Proc("node", "--role", "decode", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args,
+                      *([] if cache else ["--no-prefix-cache"])))
+    router = Proc("serve", "--listen", "127.0.0.1:0", "--prefill", procs[0].info["address"], "--decode", procs[1].info["address"], *model_args)
+    procs.append(router)
+    address, model = router.info["address"], router.info["model"]
+    deadline = time.monotonic() + 300
+    while True:
+      host, port = address.rsplit(":", 1)
+      c = http.client.HTTPConnection(host, int(port), timeout=10)
+      c.request("GET", "/ready")
+      if c.getresponse().status == 200: break
+      if time.monotonic() > deadline: raise RuntimeError("the router did not become ready")
+      time.sleep(0.2)
+    vocab = 256 if (args.model or "").startswith("random:") else 49152
+    conversation(address, model, args, salt=2, vocab=vocab)                 # warm-up: compiles and captures
+    rows = conversation(address, model, args, salt=1, vocab=vocab)
+    if not args.json: print(f"  cache {'on' if cache else 'off'}: done", file=sys.stderr, flush=True)
+    return rows
+  finally:
+    for p in procs[::-1]: p.stop()
+
+def table(out: dict) -> str:
+  lines = [f"model {out['model']}, {out['system_tokens']}-token system prompt, {out['turns']} turns of {out['turn_tokens']} tokens, "
+           f"{out['max_tokens']} new tokens each, greedy; 1 prefill + 1 decode node; baseline: --no-prefix-cache",
+           "", f"{'turn':>4}{'prompt':>8}{'TTFT off':>10}{'TTFT on':>10}{'on/off':>8}{'cached':>8}{'pulled':>8}{'recomputed':>11}{'same tokens':>12}"]
+  for off, on in zip(out["off"], out["on"]):
+    same = "yes" if on["tokens"] == off["tokens"] else "NO"
+    lines.append(f"{on['turn']:>4}{on['prompt_tokens']:>8}{off['ttft_s']:>9.3f}s{on['ttft_s']:>9.3f}s{on['ttft_s'] / off['ttft_s']:>7.2f}x"
+                 f"{on['cached_tokens']:>8}{on['pulled_tokens']:>8}{on['recomputed_tokens']:>11}{same:>12}")
+  later = [(a["ttft_s"], b["ttft_s"]) for a, b in zip(out["off"][1:], out["on"][1:])]
+  if later: lines += ["", f"turns 2-{len(out['on'])}: TTFT with the cache {sum(b for _, b in later) / sum(a for a, _ in later):.2f}x of without "
+                          "(sums); pulled bytes 0 (the pull is not built)"]
+  return "\n".join(lines)
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="tinyhet bench prefix", description=__doc__.splitlines()[0])
+  ap.add_argument("--json", action="store_true")
+  ap.add_argument("--model", default=None, help="a model every node loads (default: the embedded SmolLM2)")
+  ap.add_argument("--system-tokens", type=int, default=1500)
+  ap.add_argument("--turn-tokens", type=int, default=60)
+  ap.add_argument("--turns", type=int, default=8)
+  ap.add_argument("--max-tokens", type=int, default=32)
+  ap.add_argument("--kv-memory", default="256M")
+  args = ap.parse_args(argv)
+  out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "system_tokens": args.system_tokens, "turns": args.turns,
+         "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens, "off": run_config(False, args), "on": run_config(True, args)}
+  out["same_tokens"] = all(a["tokens"] == b["tokens"] for a, b in zip(out["off"], out["on"]))
+  print(json.dumps(out) if args.json else table(out))
+  return 0 if out["same_tokens"] else 1
