@@ -9,7 +9,7 @@ the router sends a turn whose prefix the decode node holds to that node, which p
 A warm-up conversation (other tokens, same lengths) runs first in each configuration (tinygrad compiles per shape).
 """
 from __future__ import annotations
-import argparse, http.client, json, sys, time
+import argparse, http.client, json, os, secrets, sys, time
 from tinyhet.bench.serve import Proc
 
 def stream_turn(address: str, body: dict) -> tuple[float, list[int], dict]:
@@ -34,10 +34,11 @@ def stream_turn(address: str, body: dict) -> tuple[float, list[int], dict]:
   return ttft, ids, usage
 
 def conversation(address: str, model: str, args, salt: int, vocab: int) -> list[dict]:
-  ids = [(salt * 7919 + j * 104729) % (vocab - 300) + 256 for j in range(args.system_tokens)]
+  lo = 1 if vocab <= 256 else 256        # token ids past the byte-level ones (a random model's ids are all bytes)
+  ids = [(salt * 7919 + j * 104729) % (vocab - 2 * lo) + lo for j in range(args.system_tokens)]
   rows = []
   for turn in range(args.turns):
-    ids = ids + [(salt * 31 + turn * 977 + j * 7901) % (vocab - 300) + 256 for j in range(args.turn_tokens)]
+    ids = ids + [(salt * 31 + turn * 977 + j * 7901) % (vocab - 2 * lo) + lo for j in range(args.turn_tokens)]
     ttft, out, usage = stream_turn(address, {"model": model, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0})
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     rows.append({"turn": turn + 1, "prompt_tokens": len(ids), "ttft_s": round(ttft, 4), "cached_tokens": cached, "pulled_tokens": 0,
@@ -45,14 +46,21 @@ def conversation(address: str, model: str, args, salt: int, vocab: int) -> list[
     ids = ids + out
   return rows
 
-def run_config(cache: bool, args) -> list[dict]:
+def run_config(cache: bool, args, both: bool = False) -> list[dict]:
+  """The conversation on 1 prefill + 1 decode node (with or without the cache); both: one `--role both` node instead, the
+  same system prompt sent twice (the repeat's TTFT against the first's)."""
   model_args = ["--model", args.model] if args.model else []
   procs = []
   try:
-    procs.append(Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args))
-    procs.append(Proc("node", "--role", "decode", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args,
-                      *([] if cache else ["--no-prefix-cache"])))
-    router = Proc("serve", "--listen", "127.0.0.1:0", "--prefill", procs[0].info["address"], "--decode", procs[1].info["address"], *model_args)
+    if both:
+      procs.append(Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args))
+      flags = ["--both", procs[0].info["address"]]
+    else:
+      procs.append(Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args))
+      procs.append(Proc("node", "--role", "decode", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args,
+                        *([] if cache else ["--no-prefix-cache"])))
+      flags = ["--prefill", procs[0].info["address"], "--decode", procs[1].info["address"]]
+    router = Proc("serve", "--listen", "127.0.0.1:0", *flags, *model_args)
     procs.append(router)
     address, model = router.info["address"], router.info["model"]
     deadline = time.monotonic() + 300
@@ -64,6 +72,11 @@ def run_config(cache: bool, args) -> list[dict]:
       if time.monotonic() > deadline: raise RuntimeError("the router did not become ready")
       time.sleep(0.2)
     vocab = 256 if (args.model or "").startswith("random:") else 49152
+    if both:   # the same long prompt twice (after a warm-up pair with other tokens): the repeat prefills its last block's tokens only
+      one = argparse.Namespace(**{**vars(args), "turns": 1})
+      conversation(address, model, one, salt=4, vocab=vocab)
+      conversation(address, model, one, salt=4, vocab=vocab)
+      return [conversation(address, model, one, salt=3, vocab=vocab)[0], conversation(address, model, one, salt=3, vocab=vocab)[0]]
     conversation(address, model, args, salt=2, vocab=vocab)                 # warm-up: compiles and captures
     rows = conversation(address, model, args, salt=1, vocab=vocab)
     if not args.json: print(f"  cache {'on' if cache else 'off'}: done", file=sys.stderr, flush=True)
@@ -82,6 +95,12 @@ def table(out: dict) -> str:
   later = [(a["ttft_s"], b["ttft_s"]) for a, b in zip(out["off"][1:], out["on"][1:])]
   if later: lines += ["", f"turns 2-{len(out['on'])}: TTFT with the cache {sum(b for _, b in later) / sum(a for a, _ in later):.2f}x of without "
                           "(sums); pulled bytes 0 (the pull is not built)"]
+  if out.get("both"):
+    a, b = out["both"]
+    same = "yes" if a["tokens"] == b["tokens"] else "NO"
+    lines.append(f"one --role both node, the same {a['prompt_tokens']}-token prompt twice: TTFT {a['ttft_s']:.3f} s, "
+                 f"then {b['ttft_s']:.3f} s "
+                 f"({b['ttft_s'] / a['ttft_s']:.2f}x; {b['cached_tokens']} tokens cached; same tokens: {same})")
   return "\n".join(lines)
 
 def main(argv=None) -> int:
@@ -93,9 +112,13 @@ def main(argv=None) -> int:
   ap.add_argument("--turns", type=int, default=8)
   ap.add_argument("--max-tokens", type=int, default=32)
   ap.add_argument("--kv-memory", default="256M")
+  ap.add_argument("--no-both", action="store_true", help="skip the `both` node's repeated prompt")
   args = ap.parse_args(argv)
+  os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))    # the nodes and the router it starts share it
   out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "system_tokens": args.system_tokens, "turns": args.turns,
-         "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens, "off": run_config(False, args), "on": run_config(True, args)}
-  out["same_tokens"] = all(a["tokens"] == b["tokens"] for a, b in zip(out["off"], out["on"]))
+         "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens, "off": run_config(False, args), "on": run_config(True, args),
+         "both": None if args.no_both else run_config(True, args, both=True)}
+  out["same_tokens"] = all(a["tokens"] == b["tokens"] for a, b in zip(out["off"], out["on"])) and \
+    (out["both"] is None or out["both"][0]["tokens"] == out["both"][1]["tokens"])
   print(json.dumps(out) if args.json else table(out))
   return 0 if out["same_tokens"] else 1

@@ -300,7 +300,7 @@ class Cluster:
     sampling = dict(temperature=req.temperature, top_p=req.top_p)
     ctl = self._open(req, decode, "decode node lost")
     try:
-      prefill = self._choose_prefill(decode, len(ids), left, decode.cached_tokens(ids))
+      prefill = self._choose_prefill(decode, len(ids), left, self._cached(ctl, decode, ids))
       try:
         if prefill is None:
           self._count(decode, "prefill+decode")
@@ -338,6 +338,19 @@ class Cluster:
       self.metrics.kv_bytes.inc(p["kv_bytes"])
       self.metrics.kv_seconds.observe(p["transfer_s"])
     return p
+
+  def _cached(self, ctl: ControlClient, node: Node, ids: list[int]) -> int:
+    """The prompt tokens the decode node holds: its heartbeat's summary, or, where that shows less (a turn that ended a moment
+    ago, before the next beat), the node's own answer (decode.lookup: one round trip, asked only when a prefill node could
+    take the request instead)."""
+    cached = node.cached_tokens(ids)
+    if cached < len(ids) - node.status.get("block_size", 16) and node.status.get("prefix_cache") and self._prefill_nodes(node):
+      try: cached = max(cached, int(ctl.call("decode.lookup", prompt_ids=ids)["cached_tokens"]))
+      except Exception: pass                  # an older node without lookup, or a failing one: the summary's figure
+    return cached
+
+  def _prefill_nodes(self, decode: Node) -> bool:
+    with self.cond: return any(n.up and n.can_prefill and n is not decode for n in self.nodes.values())
 
   def _done(self, req: Request, node: Node, item: dict, prompt_tokens: int):
     """A decode stream's last item: the prefix cache's hit (a decode node that prefilled for itself) and its preemptions."""
