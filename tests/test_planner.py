@@ -2,11 +2,13 @@
 import dataclasses, json, pathlib, subprocess, sys, tomllib
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
-from tinyhet.catalog import DEVICES, MODELS, Device, Link, PlanError, find_model
-from tinyhet.cluster_file import ClusterFileError, load_cluster, parse_cluster
-from tinyhet.planner import best, disaggregation_threshold, main, predict, route
-from tinyhet.calibration import BOUNDS, Row, fit
-from tinyhet.roofline import (Node, decode_context, decode_step_parts, decode_step_time, decode_time, kv_transfer_exposed, max_batch,
+from tinyhet.planner.catalog import DEVICES, MODELS, Device, Link, PlanError, find_model
+from tinyhet.planner.cluster_file import ClusterFileError, load_cluster, parse_cluster
+from tinyhet.cli.plan import main
+from tinyhet.planner.plan import best, disaggregation_threshold, predict, route
+from tinyhet.planner.calibration import BOUNDS, Row, fit
+from tinyhet.planner.roofline import (Node, decode_context, decode_step_parts, decode_step_time, decode_time, kv_transfer_exposed,
+                                      max_batch,
                               prefill_flops, prefill_parts, prefill_time)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -167,7 +169,7 @@ def test_one_end_to_end_figure_stays_in_bounds_and_reproduces_itself_or_says_so(
   if got.warnings: assert len(got.warnings) == 1 and "e2e" in got.warnings[0] and "n would need" in got.warnings[0]
 
 def _two_nodes(a: Node, b: Node, link: Link):
-  from tinyhet.cluster_file import Cluster
+  from tinyhet.planner.cluster_file import Cluster
   links = {("a", "b"): link} | {(n.name, n.name): link for n in (a, b) if n.replicas > 1}
   return Cluster((a, b), links)
 
@@ -412,5 +414,5 @@ def test_cli_subprocess_serving_json_and_no_tinygrad():
   # same bandwidth, 5.6x the compute: the MI300X prefills, MI308Xs decode (and may help prefill)
   assert "mi300x" in plan["prefill"] and "mi300x" not in plan["decode"] and plan["decode"] and all(u.startswith("mi308x") for u in plan["decode"])
   assert plan["goodput_rps"] >= max(c["goodput_rps"] for c in doc["configurations"]) * 0.99
-  probe = "import sys, tinyhet.planner; sys.exit('tinygrad' in sys.modules)"
+  probe = "import sys, tinyhet.planner.plan; sys.exit('tinygrad' in sys.modules)"
   assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0  # the planner loads without tinygrad

@@ -1,13 +1,13 @@
-"""A loaded server's throughput in closed form (tinyhet/loaded.py) against the simulation, and MoE models in the catalog:
+"""A loaded server's throughput in closed form (tinyhet/planner/loaded.py) against the simulation, and MoE models in the catalog:
 compute by active parameters, weights by all of them, KV by the model's own layout, expert parallelism's all-to-all."""
 import dataclasses
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
-from tinyhet.catalog import DEVICES, MODELS, Device, Link
-from tinyhet.loaded import colocated_batch, colocated_throughput, decode_rate, disaggregated_throughput, prefill_rate
-from tinyhet.roofline import (Node, all_to_all_time, allreduce_time, cannot_hold, comm_time, decode_context, decode_step_parts, decode_step_time,
-                              prefill_flops)
-from tinyhet.servesim import Unit, alone_throughput, simulate
+from tinyhet.planner.catalog import DEVICES, MODELS, Device, Link
+from tinyhet.planner.loaded import colocated_batch, colocated_throughput, decode_rate, disaggregated_throughput, prefill_rate
+from tinyhet.planner.roofline import (Node, all_to_all_time, allreduce_time, cannot_hold, comm_time, decode_context, decode_step_parts,
+                                      decode_step_time, prefill_flops)
+from tinyhet.planner.servesim import Unit, alone_throughput, simulate
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DENSE = [MODELS[m] for m in ("llama-3-8b", "opt-13b", "smollm2-135m")]
@@ -47,7 +47,9 @@ def test_a_disaggregated_pair_never_serves_more_than_its_closed_form(p, d, model
   assume(not cannot_hold(d, model, prompt_len + output_len) and not cannot_hold(p, model, prompt_len))
   ceiling = disaggregated_throughput([p], [d], model, prompt_len, output_len, LINK)
   out = simulate([Unit("p", p, "prefill"), Unit("d", d, "decode")], model, prompt_len, output_len, lambda a, b: LINK, concurrency=256, requests=600)
-  assert out.throughput_tok_s <= ceiling * 1.05  # within what one run's window counts
+  # within what one run's window counts: a prefill pass's burst of first tokens (up to 8,192 tokens' worth of prompts) at
+  # the window's edge is up to ~6% of a 600-request run (it thins out with longer runs)
+  assert out.throughput_tok_s <= ceiling * 1.08
   assert ceiling <= output_len * min(prefill_rate(p, model, prompt_len), decode_rate(d, model, prompt_len, output_len)) * (1 + 1e-9)
 
 def test_disaggregation_removes_the_interference_a_colocated_server_pays():

@@ -4,11 +4,11 @@ or, for a known miss, the wider bound the table gives with its cause; a predicti
 gets worse than the table says fails."""
 import dataclasses, math, pathlib
 import pytest
-from tinyhet.catalog import MODELS
-from tinyhet.cluster_file import load_cluster, parse_cluster
-from tinyhet.roofline import decode_context, decode_step_time, prefill_time
-from tinyhet.servesim import SLO, Unit, max_goodput, simulate
-from tinyhet.serving import _requests, plan_serving
+from tinyhet.planner.catalog import MODELS
+from tinyhet.planner.cluster_file import load_cluster, parse_cluster
+from tinyhet.planner.roofline import decode_context, decode_step_time, prefill_time
+from tinyhet.planner.servesim import SLO, Unit, max_goodput, simulate
+from tinyhet.planner.serving import _requests, plan_serving
 
 def err(predicted: float, published: float) -> float: return predicted / published - 1
 
@@ -139,7 +139,7 @@ def test_splitwise_h100_from_the_a100_efficiencies_and_spec_sheets(splitwise):
 EXO_FILE = pathlib.Path(__file__).resolve().parents[1] / "examples/clusters/spark_m3ultra.toml"
 
 def test_exo_mixed_spark_prefill_mac_decode_from_the_alone_figures():
-  from tinyhet.planner import predict
+  from tinyhet.planner.plan import predict
   cluster = load_cluster(EXO_FILE)
   pred = predict(cluster, "llama-3.1-8b", 8192, 32)
   plan, mac = pred.plan.configuration, next(c for c in pred.configurations if c.name == "mac alone")

@@ -4,13 +4,13 @@ never lowers the predicted throughput. Both planners are checked: one request at
 load (serving.plan_serving, the simulation, at the most each configuration sustains)."""
 import dataclasses
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
-from tinyhet.catalog import MODELS, Device, Link
-from tinyhet.cluster_file import Cluster
-from tinyhet.loaded import decode_rate, prefill_rate
-from tinyhet.planner import predict
-from tinyhet.roofline import Node, cannot_hold, prefill_parts
-from tinyhet.servesim import SLO
-from tinyhet.serving import plan_serving
+from tinyhet.planner.catalog import MODELS, Device, Link
+from tinyhet.planner.cluster_file import Cluster
+from tinyhet.planner.loaded import decode_rate, prefill_rate
+from tinyhet.planner.plan import predict
+from tinyhet.planner.roofline import Node, cannot_hold, prefill_parts
+from tinyhet.planner.servesim import SLO
+from tinyhet.planner.serving import plan_serving
 
 RULES = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 SIMULATED = settings(RULES, max_examples=8)  # each example simulates a dozen configurations
