@@ -6,6 +6,7 @@ import dataclasses
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from tinyhet.planner.catalog import MODELS, Device, Link
 from tinyhet.planner.cluster_file import Cluster
+from tinyhet.planner.configurations import alone, assignments, balanced, disaggregated, work
 from tinyhet.planner.loaded import decode_rate, prefill_rate
 from tinyhet.planner.plan import predict
 from tinyhet.planner.roofline import Node, cannot_hold, prefill_parts
@@ -48,7 +49,9 @@ def equal_bandwidth_pairs(draw):
   k = draw(st.floats(1.5, 10))
   more = {"fp16": k * poor.device.flops["fp16"]}
   rich = dataclasses.replace(poor, name="rich", device=dataclasses.replace(poor.device, name="rich-dev", flops=more))
-  model, prompt_len, output_len = draw(st.sampled_from(SMALL_MODELS)), draw(st.integers(256, 8192)), draw(st.integers(16, 512))
+  # not SmolLM2: thousands of requests/s, where one simulated run's overloaded measurement moves by more than the gap
+  model = draw(st.sampled_from(SMALL_MODELS[:3]))
+  prompt_len, output_len = draw(st.integers(256, 8192)), draw(st.integers(16, 512))
   assume(not cannot_hold(poor, model, prompt_len + output_len))
   compute, memory, _ = prefill_parts(poor, model, prompt_len)
   assume(compute / poor.compute_eff > 1.2 * memory / poor.bandwidth_eff)  # the prompt is compute-bound: more compute prefills it sooner
@@ -62,16 +65,16 @@ def _inverted(prefill, decode) -> bool:
 @given(equal_bandwidth_pairs())
 def test_with_equal_bandwidth_the_device_with_more_compute_never_decodes_while_the_other_prefills(case):
   cluster, model, prompt_len, output_len = case
+  # The rule follows from the physics when the poor server decodes more requests/s than it prefills: then sending its
+  # prompts to it (and decodes to the rich one) sustains no more, and starts every request later. Past that (long
+  # outputs, decode batches grown compute-bound) the rich server decoding can sustain more at an end-to-end time within
+  # 1%, and the planner may choose it (README: sanity rules). And when the compute shows in what each prefills: a small
+  # model over 8 accelerators is bound by its all-reduces.
+  rich, poor = cluster.node("rich"), cluster.node("poor")
+  assume(prefill_rate(poor, model, prompt_len) <= 0.9 * decode_rate(poor, model, prompt_len, output_len))
+  assume(prefill_rate(rich, model, prompt_len) > 1.3 * prefill_rate(poor, model, prompt_len))
   plan = predict(cluster, model, prompt_len, output_len).plan.configuration
   assert plan.kind != "disaggregated" or not _inverted(plan.prefill, plan.decode), plan.name
-  # Under load the rule follows from the physics when the poor server decodes at least as many requests/s as it
-  # prefills: then sending its prompts to it (and decodes to the rich one) sustains no more, and starts every request
-  # later. Past that (long outputs, decode batches grown compute-bound) the rich server decoding can be the faster
-  # plan, and the planner may say so (README: sanity rules).
-  # (And when the compute shows in what each prefills: a small model over 8 accelerators is bound by its all-reduces.)
-  rich, poor = cluster.node("rich"), cluster.node("poor")
-  assume(prefill_rate(poor, model, prompt_len) <= decode_rate(poor, model, prompt_len, output_len))
-  assume(prefill_rate(rich, model, prompt_len) > 1.3 * prefill_rate(poor, model, prompt_len))
   c = plan_serving(cluster, model, prompt_len, output_len, slo=SLO()).chosen
   assert not _inverted(c.prefill, c.decode), c.name
 
@@ -105,8 +108,15 @@ def _doubled(cluster: Cluster) -> Cluster:
 @given(clusters())
 def test_doubling_every_devices_compute_never_lowers_the_predicted_throughput(case):
   cluster, model, prompt_len, output_len = case
-  most = lambda c: max(x.throughput_tok_s or 0 for x in predict(c, model, prompt_len, output_len).configurations)
-  assert most(_doubled(cluster)) >= most(cluster)
+  def most(c: Cluster) -> float:  # the most any configuration sustains: every assignment, each node alone, round-robin
+    works = {n.name: work(n, model, prompt_len, output_len) for n in c.nodes}
+    every = [disaggregated(c, model, prompt_len, output_len, 0.0, works, a) for a in assignments(c, works)]
+    every += [alone(w, 0.0, output_len) for w in works.values()] + [balanced(list(works.values()), 0.0, output_len)]
+    return max(x.throughput_tok_s or 0 for x in every if x)
+  assert most(_doubled(cluster)) >= most(cluster) * (1 - 1e-6)  # equal where a link bounds it, up to rounding
+  # the plan (the lowest end-to-end time; within 1% of it, the one that sustains more) is never slower
+  e2e = lambda c: predict(c, model, prompt_len, output_len).plan.configuration.e2e_s
+  assert e2e(_doubled(cluster)) <= 1.01 * e2e(cluster)
 
 @SIMULATED
 @given(clusters(most=2))
