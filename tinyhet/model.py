@@ -81,7 +81,7 @@ def small_config(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, voc
 
 # ---- weights ---------------------------------------------------------------------------------------------------------------
 
-Matrix = Tensor | PackedWeight   # a float Tensor, or GGUF blocks dequantized inside the kernels that read them
+Matrix = Tensor | PackedWeight   # a float Tensor, or GGUF blocks (bfloat16 bits: BF16Weight) converted inside the kernels that read them
 
 @dataclass
 class LayerWeights:
@@ -168,8 +168,9 @@ def linear(x: Tensor, w: Matrix) -> Tensor:
     return qmm.quant_matmul(x, w.blocks, w.ggml_type, w.shape, threads)   # HET on a CPU, MESH: the hand-written kernel
   if isinstance(w, PackedWeight):
     # a few rows: dequantized inside the matmul kernel, reading only the blocks; many rows (prefill): dequantized once into a
-    # temporary float32 copy, since inside the matmul every block would be dequantized again for each tile of rows
-    w = w.dequantize() if rows <= MATVEC_MAX_ROWS else w.dequantize().contiguous()
+    # temporary float32 copy, since inside the matmul every block would be dequantized again for each tile of rows. bfloat16
+    # widens with one shift (tinyhet.bf16_weight), cheap enough to repeat per tile: no copy
+    w = w.dequantize() if rows <= MATVEC_MAX_ROWS or w.block_size == 1 else w.dequantize().contiguous()
   O, K = w.shape
   if rows <= MATVEC_MAX_ROWS and K % MATVEC_LANES == 0:
     xs = x.reshape(*x.shape[:-1], 1, K // MATVEC_LANES, MATVEC_LANES)                # (..., 1, K/L, L)
