@@ -14,6 +14,7 @@ from tinyhet.bf16_weight import BF16, BF16Weight, bf16_to_float
 from tinyhet.model import LayerWeights, LlamaConfig, LlamaWeights
 from tinyhet.model_files import Progress, WeightsError, expected_shapes, keep_layers
 from tinyhet.packed import PackedWeight
+from tinyhet.tokenizer import GGUF_TOKENIZERS
 
 GGUF_LAYER_NAMES = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "ffn_norm": "ffn_norm",
                     "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
@@ -21,7 +22,6 @@ NORMS = ("attn_norm", "ffn_norm")
 GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 18: "IQ3_XXS",
                    21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 30: "BF16", 39: "MXFP4", 41: "Q1_0"}
 FLOAT_TYPES = (0, 1, BF16)                    # F32, F16, BF16: what a norm vector may be stored as
-GGUF_TOKENIZERS = ("gpt2", "llama")           # byte-level BPE (Llama 3, SmolLM2) and SentencePiece (Llama 2, Mistral)
 
 @dataclasses.dataclass(frozen=True)
 class GGUFTensorInfo:
