@@ -1,6 +1,6 @@
 """x @ W.T with W in GGUF blocks (Q4_0, Q4_1, Q8_0), as one hand-written C kernel for HET on a CPU and MESH.
 
-Why not tinygrad's own kernel: for the lazy dequantization in tinyhet/packed.py, tinygrad renders scalar C (one byte load
+Why not tinygrad's own kernel: for the lazy dequantization in tinyhet/model/packed.py, tinygrad renders scalar C (one byte load
 and a select per nibble), which reads the blocks at 1.5-2 GB/s on one core where the memory gives 10-20; BEAM search and
 three other formulations were no faster (measured; README "Every core"). Decode is that matrix-vector product, so it set
 the decode node's speed. This kernel widens 16 quants at a time to float lanes, dequantizes them in registers and
@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses, functools, math
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
-from tinyhet.packed import BLOCK_BYTES, Q4_0, Q4_1, Q8_0
+from tinyhet.model.packed import BLOCK_BYTES, Q4_0, Q4_1, Q8_0
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
 MT_MAX = 8               # rows of x per tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
 

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 import llama_numpy as ref
-from tinyhet.bf16_weight import BF16Weight
-from tinyhet.model import DenseKVCache, Llama, RopeScaling, rope_frequencies, small_config
-from tinyhet.weights import WeightsError, hf_config, load_gguf, load_hf, load_model, model_nbytes
+from tinyhet.model.bf16_weight import BF16Weight
+from tinyhet.model.layers import rope_frequencies
+from tinyhet.model.llama import DenseKVCache, Llama, RopeScaling, small_config
+from tinyhet.model.weights import WeightsError, hf_config, load_gguf, load_hf, load_model, model_nbytes
 
 PROMPT = [3, 17, 99, 5, 9, 71, 42, 7]
 TEMPLATE = "{% for m in messages %}<t1>{{ m['role'] }}:{{ m['content'] }}<t2>{% endfor %}{% if add_generation_prompt %}<t1>assistant:{% endif %}"
@@ -22,10 +23,10 @@ def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
 
 def tokenizer_json(d, vocab_size: int):
   """A tokenizer.json for the <tN> vocabulary the GGUF writer uses (the same tokens, matched whole)."""
-  from tinyhet.tokenizer import Tokenizer
+  from tinyhet.model.tokenizer import Tokenizer
   cfg = small_config(n_layers=1, vocab_size=vocab_size)
   ref.write_gguf(cfg, ref.random_hf_weights(cfg), d / "v.gguf")
-  from tinyhet.weights import read_gguf
+  from tinyhet.model.weights import read_gguf
   Tokenizer.from_gguf_metadata(read_gguf(d / "v.gguf").metadata).tok.save(str(d / "tokenizer.json"))
   (d / "v.gguf").unlink()
 
