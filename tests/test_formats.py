@@ -8,7 +8,7 @@ from tinygrad import Tensor, dtypes
 import llama_numpy as ref
 from tinyhet.model.bf16_weight import BF16Weight
 from tinyhet.model.layers import rope_frequencies
-from tinyhet.model.llama import DenseKVCache, Llama, RopeScaling, small_config
+from tinyhet.model.llama import DenseKVCache, Llama, RopeScaling, random_weights, small_config
 from tinyhet.model.weights import WeightsError, hf_config, load_gguf, load_hf, load_model, model_nbytes
 
 PROMPT = [3, 17, 99, 5, 9, 71, 42, 7]
@@ -167,3 +167,11 @@ def test_llama2_style_gguf_with_a_sentencepiece_vocabulary_loads_and_runs(tmp_pa
   del r
   for call in (lambda: model_nbytes(tmp_path / "bert.gguf"), lambda: load_model(tmp_path / "bert.gguf", "CPU", quiet=True)):
     with pytest.raises(WeightsError, match="tokenizer.ggml.model 'bert.*supported: gpt2.*llama"): call()
+
+def test_random_bf16_weights_are_bf16_bits_of_the_float_ones():
+  cfg = small_config(n_layers=1)
+  w16 = random_weights(cfg, dtype=dtypes.bfloat16, seed=3)
+  w32 = random_weights(cfg, seed=3)
+  assert isinstance(w16.layers[0].wq, BF16Weight) and w16.layers[0].wq.nbytes() == 2 * w16.layers[0].wq.shape[0] * w16.layers[0].wq.shape[1]
+  np.testing.assert_array_equal(w16.layers[0].w_down.dequantize().numpy(), ref.bf16_round(w32.layers[0].w_down.numpy()))
+  assert np.isfinite(last_logits(cfg, w16)).all()

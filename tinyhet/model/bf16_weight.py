@@ -28,6 +28,11 @@ def float_to_bf16_bits(x) -> np.ndarray:
   rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
   return np.where(np.isnan(np.asarray(x, np.float32)), np.uint16(0x7FC0), rounded)
 
+def round_to_bf16(x: Tensor) -> Tensor:
+  """float32 Tensor -> uint16 bfloat16 bits, rounded to nearest even (NaN not handled: for generated weights), lazy."""
+  u = x.float().bitcast(dtypes.uint32)
+  return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).cast(dtypes.uint16)
+
 class BF16Weight(PackedWeight):
   """A matrix of bfloat16 weights: `blocks` is a uint16 Tensor (rows, cols) of their bits."""
 
