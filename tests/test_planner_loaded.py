@@ -7,7 +7,7 @@ from tinyhet.planner.catalog import DEVICES, MODELS, Device, Link
 from tinyhet.planner.loaded import colocated_batch, colocated_throughput, decode_rate, disaggregated_throughput, prefill_rate
 from tinyhet.planner.roofline import (Node, all_to_all_time, allreduce_time, cannot_hold, comm_time, decode_context, decode_step_parts,
                                       decode_step_time, prefill_flops)
-from tinyhet.planner.servesim import Unit, alone_throughput, simulate
+from tinyhet.planner.servesim import Unit, simulate
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DENSE = [MODELS[m] for m in ("llama-3-8b", "opt-13b", "smollm2-135m")]
@@ -21,10 +21,12 @@ def servers(draw):
 @FAST
 @given(servers(), st.sampled_from(DENSE), st.integers(64, 4096), st.integers(16, 512), st.integers(1, 64))
 def test_a_loaded_colocated_server_matches_its_simulation(node, model, prompt_len, output_len, clients):
-  # the closed form and the simulation of one colocated server (prompts stall the running batch) at a closed loop
+  # the closed form and the simulation of one colocated server (prompts stall the running batch) at a closed loop, run
+  # long enough that its measured window holds many turns of the batch (alone_throughput's shorter runs, used for
+  # nothing here, come out up to ~15% low at a few turns)
   assume(not cannot_hold(node, model, prompt_len + output_len))
-  simulated = alone_throughput(node, model, prompt_len, output_len, concurrency=clients)
-  assert colocated_throughput(node, model, prompt_len, output_len, concurrency=clients) == pytest.approx(simulated, rel=0.15)
+  out = simulate([Unit("x", node, "both")], model, prompt_len, output_len, lambda a, b: LINK, concurrency=clients, requests=max(1500, 30 * clients))
+  assert colocated_throughput(node, model, prompt_len, output_len, concurrency=clients) == pytest.approx(out.throughput_tok_s, rel=0.05)
 
 @FAST
 @given(servers(), st.sampled_from(DENSE), st.integers(64, 8192), st.integers(16, 1024), st.one_of(st.none(), st.integers(1, 512)))
@@ -46,10 +48,10 @@ def test_a_disaggregated_pair_never_serves_more_than_its_closed_form(p, d, model
   p, d = dataclasses.replace(p, name="p"), dataclasses.replace(d, name="d")
   assume(not cannot_hold(d, model, prompt_len + output_len) and not cannot_hold(p, model, prompt_len))
   ceiling = disaggregated_throughput([p], [d], model, prompt_len, output_len, LINK)
-  out = simulate([Unit("p", p, "prefill"), Unit("d", d, "decode")], model, prompt_len, output_len, lambda a, b: LINK, concurrency=256, requests=600)
-  # within what one run's window counts: a prefill pass's burst of first tokens (up to 8,192 tokens' worth of prompts) at
-  # the window's edge is up to ~6% of a 600-request run (it thins out with longer runs)
-  assert out.throughput_tok_s <= ceiling * 1.08
+  out = simulate([Unit("p", p, "prefill"), Unit("d", d, "decode")], model, prompt_len, output_len, lambda a, b: LINK, concurrency=256, requests=4000)
+  # within what one run's window counts: a prefill pass's burst of first tokens (up to 8,192 tokens' worth of prompts)
+  # at the window's edge, ~6% of a 600-request run, is under 2% of this one
+  assert out.throughput_tok_s <= ceiling * 1.02
   assert ceiling <= output_len * min(prefill_rate(p, model, prompt_len), decode_rate(d, model, prompt_len, output_len)) * (1 + 1e-9)
 
 def test_disaggregation_removes_the_interference_a_colocated_server_pays():
