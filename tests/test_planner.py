@@ -140,7 +140,7 @@ def test_moe_reads_its_active_experts_for_one_token_and_all_for_many(extra):
 
 efficiencies = st.floats(BOUNDS[0] * 1.01, BOUNDS[1] * 0.99)
 
-@FAST
+@settings(FAST, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(nodes(), models, st.integers(16, 1 << 15), st.integers(1, 2048), efficiencies, efficiencies)
 def test_calibration_recovers_the_efficiencies_that_made_the_times(node, model, prompt_len, output_len, e_c, e_b):
   truth = dataclasses.replace(node, compute_eff=e_c, bandwidth_eff=e_b)

@@ -22,11 +22,14 @@ def servers(draw):
 @given(servers(), st.sampled_from(DENSE), st.integers(64, 4096), st.integers(16, 512), st.integers(1, 64))
 def test_a_loaded_colocated_server_matches_its_simulation(node, model, prompt_len, output_len, clients):
   # the closed form and the simulation of one colocated server (prompts stall the running batch) at a closed loop, run
-  # long enough that its measured window holds many turns of the batch (alone_throughput's shorter runs, used for
-  # nothing here, come out up to ~15% low at a few turns)
+  # long enough that its measured window holds many turns of the batch (alone_throughput's shorter runs come out up to
+  # ~15% low at a few turns). The clients' prompts share prefill passes as they happen to arrive together: the
+  # simulation lies between the closed form with one prompt per pass and with every prompt of a turn in one pass
   assume(not cannot_hold(node, model, prompt_len + output_len))
   out = simulate([Unit("x", node, "both")], model, prompt_len, output_len, lambda a, b: LINK, concurrency=clients, requests=max(1500, 30 * clients))
-  assert colocated_throughput(node, model, prompt_len, output_len, concurrency=clients) == pytest.approx(out.throughput_tok_s, rel=0.05)
+  apart = colocated_throughput(node, model, prompt_len, output_len, concurrency=clients, prompts_per_pass=1)
+  together = colocated_throughput(node, model, prompt_len, output_len, concurrency=clients)
+  assert apart * 0.97 <= out.throughput_tok_s <= together * 1.03
 
 @FAST
 @given(servers(), st.sampled_from(DENSE), st.integers(64, 8192), st.integers(16, 1024), st.one_of(st.none(), st.integers(1, 512)))

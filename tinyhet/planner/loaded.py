@@ -30,9 +30,10 @@ def colocated_batch(node: Node, model: Model, prompt_len: int, output_len: int, 
   return max(1, min(b, concurrency) if concurrency else b)
 
 def colocated_throughput(node: Node, model: Model, prompt_len: int, output_len: int, concurrency: int | None = None,
-                         rate: float | None = None, chunked: bool = False) -> float:
+                         rate: float | None = None, chunked: bool = False, prompts_per_pass: int | None = None) -> float:
   """Output tokens/s of one replica of `node` serving whole requests under load (module docstring); at a `rate` of
-  requests/s below what it sustains, the rate's tokens."""
+  requests/s below what it sustains, the rate's tokens. Without chunking a prefill pass takes `prompts_per_pass` prompts
+  (default: as many as the batch turns over, up to the token budget: the most; 1: the least, prompts arriving apart)."""
   b, context = colocated_batch(node, model, prompt_len, output_len, concurrency), decode_context(prompt_len, output_len)
   steps = max(output_len - 1, 1)
   if chunked:
@@ -43,7 +44,7 @@ def colocated_throughput(node: Node, model: Model, prompt_len: int, output_len: 
     step = at_efficiency(node, (compute, memory, comm_time(node, model, b + prompt_tokens)))
     cap = b * output_len / (steps * step)
   else:
-    k = max(1, min(b, PREFILL_TOKEN_BUDGET // prompt_len))
+    k = prompts_per_pass or max(1, min(b, PREFILL_TOKEN_BUDGET // prompt_len))
     cap = b * output_len / (b * prefill_batch_time(node, model, k, prompt_len) / k + (output_len - 1) * decode_step_time(node, model, b, context))
   return min(cap, rate * output_len) if rate else cap
 
