@@ -12,6 +12,7 @@ def _is_num(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x,
 
 def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[int], chat: bool) -> dict:
   model = body.get("model")
+  if model is None: model = model_id      # the router serves one model: leaving it out means that one (as vLLM's and llama.cpp's servers do)
   if not isinstance(model, str): raise ApiError(f"'model' must be a string: {model_id!r} (GET /v1/models lists it)", "model")
   if model != model_id:
     raise ApiError(f"the model {model[:100]!r} does not exist here; this server serves {model_id!r}", "model", 404, "model_not_found")

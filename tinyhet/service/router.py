@@ -157,13 +157,14 @@ class Cluster:
     with self.cond: return [{"address": n.address, "role": n.role, "up": n.up, "reason": n.reason, **n.status} for n in self.nodes.values()]
 
   # ---- choosing nodes
-  def _admit(self, tokens: int) -> tuple[Node, int]:
+  def _admit(self, tokens: int, cancelled: threading.Event | None = None) -> tuple[Node, int]:
     """A decode-capable node with room for `tokens`, and the blocks now held there for the request (release them after).
-    Without room anywhere the request waits in the queue, unless max_queue requests wait already."""
+    Without room anywhere the request waits in the queue, unless max_queue requests wait already; Cancelled once `cancelled` is set."""
     with self.cond:
       deadline, queued = time.monotonic() + self.queue_timeout, False
       try:
         while True:
+          if cancelled is not None and cancelled.is_set(): raise Cancelled()
           up = [n for n in self.nodes.values() if n.up and n.can_decode]
           fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens)]
           if fits:
@@ -228,7 +229,8 @@ class Cluster:
       left = req.max_tokens - len(req.generated)
       if left <= 0: return "length"
       ids = req.prompt_ids + req.generated          # after a lost node: what the client has seen becomes prompt
-      decode, blocks = self._admit(len(ids) + left)
+      try: decode, blocks = self._admit(len(ids) + left, req.cancelled)
+      except Cancelled: return "cancelled"
       try: self._attempt(req, decode, ids, left)
       except Cancelled: return "cancelled"
       except _NodeLost as e:
