@@ -64,6 +64,7 @@ class DecodeNode:
     self.pool_regions = [_pool_region(self.cache.pool_buffer(layer)) for layer in range(cfg.n_layers)]   # exposed per reservation
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
     self.seq_ids = itertools.count(1)
+    self.live_ids: set[int] = set()         # ids handed out and not yet detached: new_seq_id skips them when the counter wraps
     self.landed: dict[int, set[int]] = {}   # seq_id -> layers whose notice arrived
     self.engine = DecodeEngine(model, self.cache)   # the jitted decode step; it holds PAD_SEQ's block
     self.stopped = False
@@ -93,17 +94,21 @@ class DecodeNode:
     _check_timeout(timeout)
     if writer is not None and (not isinstance(writer, str) or not 0 < len(writer.encode()) <= 200):
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
-    seq = Sequence(next(self.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
+    seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens)
     # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
     seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer if writer is None else writer)
     deadline = time.monotonic() + timeout
     with self.cond:
-      self.scheduler.check_fits(seq)
-      while not self.scheduler.reserve_incoming(seq):            # admission waits for blocks (or a free batch slot)
-        if (left := deadline - time.monotonic()) <= 0:
-          raise TimeoutError(f"the KV pool stayed full for {timeout} s ({self.cache.block_manager.num_free} blocks free, "
-                             f"{self.cache.block_manager.blocks_needed(seq.num_tokens)} needed)")
-        self.cond.wait(left)
+      try:
+        self.scheduler.check_fits(seq)
+        while not self.scheduler.reserve_incoming(seq):            # admission waits for blocks (or a free batch slot)
+          if (left := deadline - time.monotonic()) <= 0:
+            raise TimeoutError(f"the KV pool stayed full for {timeout} s ({self.cache.block_manager.num_free} blocks free, "
+                               f"{self.cache.block_manager.blocks_needed(seq.num_tokens)} needed)")
+          self.cond.wait(left)
+      except BaseException:
+        self.live_ids.discard(seq.seq_id)
+        raise
       self.landed[seq.seq_id] = set()
       blocks = self.cache.block_manager.block_table(seq.seq_id)
     # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
@@ -171,6 +176,17 @@ class DecodeNode:
     self._detach(conn.state["seqs"], seq)
     return {}
 
+  def new_seq_id(self) -> int:
+    """An id for a new sequence: the counter modulo MAX_SEQ_ID (the notice's field), skipping ids a live sequence still holds
+    (one reserved, running, held for its writer, or not yet detached from its connection)."""
+    with self.cond:
+      for _ in range(MAX_SEQ_ID):
+        sid = next(self.seq_ids) % MAX_SEQ_ID
+        if sid not in self.live_ids and sid not in self.limbo and sid not in self.cache.block_manager:
+          self.live_ids.add(sid)
+          return sid
+    raise RuntimeError(f"all {MAX_SEQ_ID} sequence ids are in use")
+
   def _attach(self, conn, seq: Sequence):
     if (seqs := conn.state.get("seqs")) is None:   # one cleanup per connection, not one per request: bookkeeping stays flat
       seqs = conn.state["seqs"] = {}
@@ -178,7 +194,9 @@ class DecodeNode:
     seqs[seq.seq_id] = seq
 
   def _detach(self, seqs: dict, seq: Sequence):
-    if seqs.pop(seq.seq_id, None) is not None: self._drop(seq)
+    if seqs.pop(seq.seq_id, None) is not None:
+      self._drop(seq)
+      with self.cond: self.live_ids.discard(seq.seq_id)
 
   def _drop(self, seq: Sequence):
     """The sequence leaves the node. Its descriptors go first (tcp: no byte lands after that); its blocks go back to the

@@ -16,14 +16,13 @@ from tinyhet.service import heartbeat
 
 def install_submit(decode) -> None:
   from tinyhet.engine.checks import check_prompt
-  from tinyhet.kv.notices import MAX_SEQ_ID
   from tinyhet.model.sampling import Sampler
   from tinyhet.engine.scheduler import Sequence
 
   def serve_submit(conn, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                    stop_ids: list[int] | None = None):
     check_prompt(decode.model.cfg, prompt_ids, max_new_tokens)
-    seq = Sequence(next(decode.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
+    seq = Sequence(decode.new_seq_id(), list(prompt_ids), max_new_tokens)
     seq.extra.update(queue=queue.SimpleQueue(), sampler=Sampler(float(temperature), float(top_p), seed), want_logits=False,
                      stop_ids=set(stop_ids if stop_ids is not None else decode.stop_ids))
     with decode.cond:

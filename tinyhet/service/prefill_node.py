@@ -12,7 +12,7 @@ reconnects to the decode node and resends every layer once, after prefill. A job
 gave the reservation up) stops before its next write is posted, so no bytes land in blocks that may belong to another sequence by then.
 """
 from __future__ import annotations
-import queue, select, socket, threading, time
+import queue, select, socket, threading, time  # select.poll: select.select raises for a descriptor >= 1024
 from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
 from tinyhet.kv.sender import KVSender, SendBuffers
@@ -39,8 +39,11 @@ class Job:
   def caller_gone(self) -> bool:
     if self.sock is None: return False
     try:
-      readable, _, _ = select.select([self.sock], [], [], 0)
-      return bool(readable) and self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+      p = select.poll()
+      p.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+      events = p.poll(0)
+      if any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in events): return True
+      return bool(events) and self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (OSError, ValueError): return True
 
 class PrefillNode:
