@@ -137,3 +137,76 @@ def test_request_waiting_for_kv_room_is_cancelled_when_its_client_goes(nodes, mo
   assert router.metric("tinyhet:request_success_total") == done, "a request whose client left was served"
   status, obj = call(router, "POST", "/v1/completions", {"prompt": prompt(5), "max_tokens": 2}, auth)
   assert status == 200, obj
+
+def ref_logprobs(model, ids: list[int]):
+  """log-softmax of every position's logits over ids, in this process (float64)."""
+  import numpy as np
+  from tinygrad import Tensor, dtypes
+  from tinyhet.model.llama import DenseKVCache
+  m, T = model[0], len(ids)
+  logits = m.forward(Tensor([ids], dtype=dtypes.int32, device=m.device), Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(m.device),
+                     DenseKVCache(m.cfg, 1, T, dtypes.float16, m.device), all_rows=True).numpy()[0].astype(np.float64)
+  return logits - logits.max(1, keepdims=True) - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True))
+
+def test_logprobs_read_by_the_openai_client(nodes, model):
+  openai = pytest.importorskip("openai")
+  for name in ("router", "keyed"):                 # disaggregated (the prefill node samples the first token), and a `both` node's own prefill
+    client = openai.OpenAI(base_url=f"http://{nodes[name].address}/v1", api_key=KEYS[0], max_retries=0)
+    ids, n = prompt(7), 6
+    want = reference(model, ids, n)
+    lp = ref_logprobs(model, ids + want)
+    out = client.completions.create(model=model[1], prompt=ids, max_tokens=n, temperature=0, logprobs=2)
+    got = out.choices[0].logprobs
+    assert len(got.token_logprobs) == n and got.tokens == [bytes([t]).decode(errors="replace") for t in want]
+    for i, t in enumerate(want):
+      assert abs(got.token_logprobs[i] - lp[len(ids) - 1 + i, t]) < 2e-2, (i, got.token_logprobs[i], lp[len(ids) - 1 + i, t])
+      assert max(got.top_logprobs[i].values()) == pytest.approx(got.token_logprobs[i]) and len(got.top_logprobs[i]) <= 2   # greedy: the top one
+    assert got.text_offset == sorted(got.text_offset) and "".join(got.tokens) == out.choices[0].text
+    chunks = list(client.completions.create(model=model[1], prompt=ids, max_tokens=n, temperature=0, logprobs=2, stream=True))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(got.token_logprobs, abs=1e-5)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=model[1], messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob and c.logprob <= 0 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(bytes(c.bytes).decode(errors="replace") == c.token for c in content)
+    stream = list(client.chat.completions.create(model=model[1], messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
+                                                 stream=True))
+    got_stream = [x for c in stream if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [(x.token, round(x.logprob, 4)) for x in got_stream] == [(x.token, round(x.logprob, 4)) for x in content]
+    plain = client.chat.completions.create(model=model[1], messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    # echo: the prompt's own logprobs, from the node that prefilled it (lm-evaluation-harness's loglikelihood request)
+    echo = client.completions.create(model=model[1], prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    e = echo.choices[0]
+    assert e.text.startswith(bytes(ids).decode()) and len(e.logprobs.token_logprobs) == len(ids) + 1 and e.logprobs.token_logprobs[0] is None
+    assert e.logprobs.token_logprobs[1:len(ids)] == pytest.approx([lp[i, ids[i + 1]] for i in range(len(ids) - 1)], abs=2e-2)
+    assert e.logprobs.text_offset[:3] == [0, 1, 2]
+
+def test_sampling_options_on_the_nodes(nodes, model):
+  router, ids = nodes["router"], prompt(8)
+  def ask(**kw):
+    status, obj = call(router, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 6, "return_token_ids": True, **kw})
+    assert status == 200, obj
+    return obj["choices"][0]["token_ids"]
+  assert ask(temperature=0, logit_bias={"65": 100}) == [65] * 6
+  greedy = reference(model, ids, 6)
+  assert ask(temperature=1.0, top_k=1, seed=3) == greedy and ask(temperature=1.5, min_p=1.0, seed=4) == greedy
+  for opts in ({"frequency_penalty": 2.0}, {"presence_penalty": 1.5}, {"repetition_penalty": 1.8},
+               {"presence_penalty": -1.0, "logit_bias": {"9": 3}}):
+    want = model[0].reference_generate(ids, 6, options={k: v for k, v in opts.items()})
+    assert ask(temperature=0, **opts) == want, opts
+  sampled = dict(temperature=0.9, top_p=0.8, top_k=20, min_p=0.05, frequency_penalty=0.5, seed=11)
+  want = model[0].reference_generate(ids, 6, temperature=0.9, top_p=0.8, seed=11, options=dict(top_k=20, min_p=0.05, frequency_penalty=0.5))
+  assert ask(**sampled) == want
+  for field, value in (("n", 2), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("top_k", -2),
+                       ("min_p", 1.5), ("presence_penalty", 3), ("repetition_penalty", 0), ("logit_bias", {"999": 1}),
+                       ("logit_bias", {"5": 101}),
+                       ("logprobs", 6), ("echo", 1), ("best_of", 3)):
+    status, obj = call(router, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 2, field: value})
+    assert status == 400 and obj["error"]["param"] == field, (field, obj)
+  for field, value in (("top_logprobs", 21), ("logprobs", 3), ("tools", [{"type": "function"}])):
+    status, obj = call(router, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value})
+    assert status == 400 and obj["error"]["param"] == field, (field, obj)

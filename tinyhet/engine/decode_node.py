@@ -31,7 +31,7 @@ from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
 from tinyhet.runtime.arena import Region
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
-from tinyhet.model.sampling import Sampler
+from tinyhet.model.sampling import Sampler, sample_batch
 from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus
 
 TICK = 0.5                # seconds: how often a waiting stream lets the control channel look for a cancel or a departed client
@@ -47,6 +47,13 @@ def queued_tokens(seq: Sequence):
     if isinstance(tok, Exception): raise tok
     if tok is None: return
     yield tok
+
+def token_item(tok) -> dict:
+  """A queued token as the generate stream sends it: an id, or (id, logprob, top alternatives) when logprobs were asked for;
+  ("prompt", entries): the prompt's own logprobs (tinyhet.engine.prompt_logprobs), before the first token."""
+  if isinstance(tok, tuple) and tok[0] == "prompt": return {"prompt_logprobs": tok[1]}
+  if isinstance(tok, tuple): return {"token": tok[0], "logprob": tok[1], "top_logprobs": tok[2]}
+  return {"token": tok}
 
 def _check_timeout(timeout):
   if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:
@@ -120,7 +127,7 @@ class DecodeNode:
     return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                      stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False):
+                      stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None):
     seq = conn.state.get("seqs", {}).get(seq_id) if is_int(seq_id) else None
     if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
     if "sampler" in seq.extra: raise ValueError(f"sequence {seq_id} is already generating")
@@ -130,7 +137,7 @@ class DecodeNode:
     _check_timeout(timeout)
     # raises on NaN, inf, negative or tiny temperatures, top_p outside (0, 1] and a bad seed; the prefill node's seed
     # continues its stream, since each draw depends on (seed, position) only
-    sampler = Sampler(temperature, top_p, seed)
+    sampler = Sampler(temperature, top_p, seed, **(options or {}))     # options: tinyhet.model.sampling.OPTIONS, checked there
     seq.extra.update(sampler=sampler, first_token=first_token, want_logits=bool(return_logits),
                      stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids))
     return self._stream(conn, seq, timeout)
@@ -157,8 +164,9 @@ class DecodeNode:
         if tok is None:
           yield None
           continue
-        marks.append(time.perf_counter())
-        yield {"token": tok}
+        item = token_item(tok)
+        if "token" in item: marks.append(time.perf_counter())
+        yield item
       last = seq.extra.get("last_logits")
       yield {"done": True, "decode_tokens": len(marks), "decode_s": time.perf_counter() - t_ready, "decode_tok_s": decode_rate(marks),
              "first_token_wait_s": marks[0] - t_ready if marks else 0.0, "preemptions": seq.num_preemptions,
@@ -279,22 +287,28 @@ class DecodeNode:
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
+        # the whole batch sampled at once, without the lock (reservations and notices go on meanwhile): the step's sequences
+        # keep their blocks and tokens until this thread postprocesses them
+        draws = None if logits is None else sample_batch(logits[:len(batch)], [s.extra["sampler"] for s in batch], [s.num_tokens for s in batch],
+                                                         [s.token_ids for s in batch])     # num_tokens: the new token's position
         with self.cond:
           live = [s for s in batch if not s.extra.get("cancelled")]
           if logits is None: finished = list(live)
           else:
             new, failed = {}, []
-            for i, s in enumerate(live):
-              try: new[s.seq_id] = s.extra["sampler"](logits[batch.index(s)], s.num_tokens)     # the new token's position
-              except ValueError as e:              # non-finite logits: that sequence fails, with the reason; the node goes on
-                s.extra["queue"].put(ValueError(f"sequence {s.seq_id} stopped: {e}"))
+            for s in live:
+              d = draws[batch.index(s)]
+              if isinstance(d, ValueError):        # non-finite logits: that sequence fails, with the reason; the node goes on
+                s.extra["queue"].put(ValueError(f"sequence {s.seq_id} stopped: {d}"))
                 failed.append(s)
+              else: new[s.seq_id] = d
               if s.extra.get("want_logits"): s.extra["last_logits"] = logits[batch.index(s)].copy()   # the logits behind the newest token
             ok = [s for s in live if s.seq_id in new]
-            finished = self.scheduler.postprocess(ok, [new[s.seq_id] for s in ok]) + failed
+            finished = self.scheduler.postprocess(ok, [new[s.seq_id].token for s in ok]) + failed
             for s in ok:
-              s.extra["queue"].put(new[s.seq_id])
-              if new[s.seq_id] in s.extra["stop_ids"] and s not in finished: finished.append(s)
+              d = new[s.seq_id]
+              s.extra["queue"].put(d.token if d.logprob is None else (d.token, d.logprob, d.top))
+              if d.token in s.extra["stop_ids"] and s not in finished: finished.append(s)
           for s in batch:
             if (s in finished or s.extra.get("cancelled")) and s.status is SequenceStatus.RUNNING: self.scheduler.finish(s)
           for s in finished: s.extra["queue"].put(None)
@@ -305,7 +319,12 @@ class DecodeNode:
     """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
     to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
     from tinyhet.engine.prefill import prefill_logits
-    return prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
+    logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
+    if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):    # a submitted one's first prefill
+      from tinyhet.engine.prompt_logprobs import prompt_logprobs
+      s.extra["prompt_sent"] = True
+      s.extra["queue"].put(("prompt", prompt_logprobs(self.model, s.token_ids, n, self.cache.kv_dtype)))
+    return logits
 
   def close(self):
     self.stopped = True

@@ -14,6 +14,7 @@ thread each; a client that goes away cancels its request and the nodes free what
 from __future__ import annotations
 import asyncio, hmac, json, threading, time, uuid
 from tinyhet.service.api_schema import ApiError, parse_chat, parse_completion
+from tinyhet.service.logprobs import LogprobFormatter
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None,
                    headers: dict | None = None):
@@ -112,8 +113,10 @@ class Service:
       except Exception as e: return self._failure(e)
     finally: watch.cancel()
     if reason == "cancelled": return error_response(499, "the client went away", "cancelled")
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason} if chat else
-              {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+    lps = run.lp.entries(run.prompt_items() + run.items) if p["logprobs"] is not None else None
+    if p["echo"]: text = run.prompt_text + text
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps, "finish_reason": reason} if chat else
+              {"index": 0, "text": text, "logprobs": lps, "finish_reason": reason})
     if p["return_token_ids"]: choice["token_ids"] = ids
     return JSONResponse({"id": run.id, "object": "chat.completion" if chat else "text_completion", "created": run.created,
                          "model": self.model_id, "choices": [choice], "usage": run.usage()})
@@ -142,12 +145,23 @@ class Running:
     self.pending: list = []
     self.t0, self.t_last, self.n_tokens = time.perf_counter(), None, 0
     self.decoder, self.text, self.sent, self.stopped = svc.tok.stream_decoder(), "", 0, False
-    self.req = Request(p["prompt_ids"], p["max_tokens"], self._emit, p["temperature"], p["top_p"], p["seed"], list(svc.tok.stop_ids))
+    self.req = Request(p["prompt_ids"], p["max_tokens"], self._emit, p["temperature"], p["top_p"], p["seed"], list(svc.tok.stop_ids),
+                       options=p["options"])
+    self.items: list = []                   # (token, logprobs) of the tokens counted, for the logprobs of the reply
+    self.prompt_text = svc.tok.decode(p["prompt_ids"]) if p["echo"] else ""
+    self.lp = LogprobFormatter(svc.tok, p["chat"], 0 if p["echo"] and p["logprobs"] is not None else len(self.prompt_text))
     self.m.prompt_tokens.inc(len(p["prompt_ids"]))
     self.m.running.inc()
     threading.Thread(target=self._work, name="tinyhet-request", daemon=True).start()
 
-  def _emit(self, token: int): self.loop.call_soon_threadsafe(self.events.put_nowait, ("token", token, time.perf_counter()))
+  def prompt_items(self) -> list:
+    """With echo and logprobs: the prompt's (token, logprobs), the first token's None, as the node that prefilled computed them."""
+    if not (self.p["echo"] and self.p["logprobs"] is not None): return []
+    got = self.req.prompt_logprobs or []
+    return [(t, got[i] if i < len(got) else None) for i, t in enumerate(self.p["prompt_ids"])]
+
+  def _emit(self, token: int, logprobs: dict | None = None):
+    self.loop.call_soon_threadsafe(self.events.put_nowait, ("token", token, time.perf_counter(), logprobs))
 
   def _work(self):
     try: event = ("done", self.svc.cluster.run(self.req))
@@ -159,9 +173,10 @@ class Running:
     if self.pending: return self.pending.pop(0)
     return await self.events.get()
 
-  def _token(self, token: int, t: float) -> str:
+  def _token(self, token: int, t: float, logprobs: dict | None = None) -> str:
     """Account for one token; the text it adds that may be sent now (held back while it could begin a stop string)."""
     if self.stopped: return ""              # tokens already on their way when a stop string ended the answer
+    self.items.append((token, logprobs))
     self.m.generation_tokens.inc()
     if self.t_last is None: self.m.ttft.observe(t - self.t0)
     else: self.m.itl.observe(t - self.t_last)
@@ -194,17 +209,19 @@ class Running:
   async def collect(self) -> tuple[str, list[int], str]:
     while True:
       ev = await self.next_event()
-      if ev[0] == "token": self._token(ev[1], ev[2])
+      if ev[0] == "token": self._token(ev[1], ev[2], ev[3])
       elif ev[0] == "error": raise ev[1]
       else:
         if not self.stopped: self.text += self.decoder.flush()
         self._release(final=True)
         return self.text, self.req.generated[:self.n_tokens], self._finish(ev[1])
 
-  def _chunk(self, chat: bool, piece: str | None, reason: str | None, ids: list[int] | None = None, first: bool = False) -> str:
+  def _chunk(self, chat: bool, piece: str | None, reason: str | None, ids: list[int] | None = None, first: bool = False,
+             items: list | None = None) -> str:
+    lps = self.lp.entries(items) if items and self.p["logprobs"] is not None else None
     if chat: choice = {"index": 0, "delta": ({"role": "assistant", "content": ""} if first else {"content": piece} if piece is not None else {}),
-                       "logprobs": None, "finish_reason": reason}
-    else: choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
+                       "logprobs": lps, "finish_reason": reason}
+    else: choice = {"index": 0, "text": piece or "", "logprobs": lps, "finish_reason": reason}
     if ids is not None and self.p["return_token_ids"]: choice["token_ids"] = ids
     obj = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": self.created, "model": self.svc.model_id,
            "choices": [choice]}
@@ -214,11 +231,15 @@ class Running:
   async def sse(self, chat: bool):
     try:
       if chat: yield self._chunk(chat, None, None, first=True)
+      elif self.p["echo"] and self.prompt_text: yield self._chunk(chat, self.prompt_text, None, items=self.prompt_items())
       while True:
         ev = await self.next_event()
         if ev[0] == "token":
-          piece = self._token(ev[1], ev[2])
-          if piece or self.p["return_token_ids"]: yield self._chunk(chat, piece, None, [ev[1]])
+          counted = len(self.items)
+          piece = self._token(ev[1], ev[2], ev[3])
+          items = self.items[counted:]
+          if piece or self.p["return_token_ids"] or (items and self.p["logprobs"] is not None):
+            yield self._chunk(chat, piece, None, [ev[1]], items=items)
         elif ev[0] == "error":
           err = {"error": {"message": f"the request failed after it started: {ev[1]}", "type": "server_error", "param": None, "code": None}}
           yield f"data: {json.dumps(err)}\n\n"
