@@ -33,7 +33,8 @@ def test_greedy_without_options_is_the_argmax_and_logprobs_match_float64():
   x = logits.astype(np.float64)
   lp = x - x.max(1, keepdims=True) - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True))
   assert [d.token for d in draws] == list(np.argmax(logits, 1))
-  assert all(abs(d.logprob - lp[i, d.token]) < 1e-5 and [t for t, _ in d.top] == list(np.argsort(-lp[i], kind="stable")[:5]) for i, d in enumerate(draws))
+  for i, d in enumerate(draws):
+    assert abs(d.logprob - lp[i, d.token]) < 1e-5 and [t for t, _ in d.top] == list(np.argsort(-lp[i], kind="stable")[:5])
 
 @pytest.mark.parametrize("top_p, top_k, min_p", [(0.999, 0, 0.0), (0.5, 0, 0.0), (1.0, 1500, 0.0), (1.0, 0, 0.5), (0.9, 2000, 0.01)])
 def test_the_cut_among_candidates_is_the_full_sorts(top_p, top_k, min_p):
