@@ -155,14 +155,18 @@ def kept_sets(p: np.ndarray, samplers: list[Sampler]) -> list:
   K = min(V, max(CANDIDATES, max(samplers[i].top_k for i in rows)))
   sub = p[rows]
   cand = np.argpartition(-sub, K - 1, axis=1)[:, :K] if K < V else np.broadcast_to(np.arange(V), sub.shape)
+  full = []
   for r, i in enumerate(rows):
     c = cand[r]
     order = c[np.lexsort((c, -sub[r, c]))]          # most likely first, lowest id on ties
     keep = _keep(sub[r, order], samplers[i], V, float(sub[r].sum(dtype=np.float64)))
-    if keep < 0 or (K < V and sub[r, order[keep - 1]] <= sub[r, order[-1]]):   # the cut lies past the candidates, or ties cross it
-      order = np.lexsort((np.arange(V), -sub[r]))
-      keep = _keep(sub[r, order], samplers[i], V, 1.0)
-    out[i] = np.sort(order[:keep])
+    if keep < 0 or (K < V and sub[r, order[keep - 1]] <= sub[r, order[-1]]): full.append(r)   # the cut lies past the candidates, or ties cross it
+    else: out[i] = np.sort(order[:keep])
+  if full:                                          # those rows sorted whole, at once (a stable sort: lowest id first on ties)
+    orders = np.argsort(-sub[full], axis=1, kind="stable")
+    for j, r in enumerate(full):
+      keep = _keep(sub[r, orders[j]], samplers[rows[r]], V, 1.0)
+      out[rows[r]] = np.sort(orders[j, :keep])
   return out
 
 def _keep(sorted_p: np.ndarray, s: Sampler, V: int, row_total: float) -> int:
