@@ -210,3 +210,28 @@ def test_sampling_options_on_the_nodes(nodes, model):
   for field, value in (("top_logprobs", 21), ("logprobs", 3), ("tools", [{"type": "function"}])):
     status, obj = call(router, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value})
     assert status == 400 and obj["error"]["param"] == field, (field, obj)
+
+def test_stop_strings_end_the_sequence_on_the_decode_node(nodes, model):
+  """decode.submit with a stop string on a real node: the node ends the sequence at the token that completes it (its blocks
+  freed then), instead of decoding to max_new_tokens for the router to cut."""
+  from tinyhet.config import load_config
+  from tinyhet.runtime.control import ControlClient, ControlError
+  from tinyhet.runtime.transport import Endpoint
+  from test_service import TOKEN
+  ids = prompt(9)
+  ref = reference(model, ids, 40)
+  k = next(i for i in range(3, 40) if 32 < ref[i] < 127)            # a printable ASCII byte a few tokens in
+  stop = chr(ref[k])
+  n = next(j + 1 for j in range(40) if stop in bytes(ref[:j + 1]).decode(errors="replace"))
+  ep = Endpoint("test-stopper", token=TOKEN, config=load_config(env={}))
+  ctl = ControlClient(ep, nodes["both"].address)
+  try:
+    items = list(ctl.stream("decode.submit", prompt_ids=ids, max_new_tokens=40, temperature=0.0, stop=[stop]))
+    assert [i["token"] for i in items if "token" in i] == ref[:n] and items[-1].get("done")
+    with pytest.raises(ControlError, match="stop"): list(ctl.stream("decode.submit", prompt_ids=ids, max_new_tokens=4, stop=[""]))
+  finally:
+    ctl.close()
+    ep.close()
+  status, obj = call(nodes["router"], "POST", "/v1/completions", {"prompt": ids, "max_tokens": 40, "temperature": 0, "stop": [stop],
+                                                                  "return_token_ids": True})
+  assert status == 200 and obj["choices"][0]["finish_reason"] == "stop" and obj["choices"][0]["token_ids"] == ref[:n], obj

@@ -79,6 +79,7 @@ class DecodeNode:
     self.limbo: dict[int, Sequence] = {}    # released before all layers landed while its writer may still copy (shm, verbs)
     self.rejected_notices = 0
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
+    self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
     self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
@@ -127,7 +128,8 @@ class DecodeNode:
     return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                      stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None):
+                      stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,
+                      stop: list[str] | None = None):
     seq = conn.state.get("seqs", {}).get(seq_id) if is_int(seq_id) else None
     if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
     if "sampler" in seq.extra: raise ValueError(f"sequence {seq_id} is already generating")
@@ -140,6 +142,7 @@ class DecodeNode:
     sampler = Sampler(temperature, top_p, seed, **(options or {}))     # options: tinyhet.model.sampling.OPTIONS, checked there
     seq.extra.update(sampler=sampler, first_token=first_token, want_logits=bool(return_logits),
                      stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids))
+    self.set_stop_strings(seq, stop)
     return self._stream(conn, seq, timeout)
 
   def _stream(self, conn, seq: Sequence, timeout: float):
@@ -156,7 +159,7 @@ class DecodeNode:
       with self.cond:
         del self.landed[seq.seq_id]
         first = seq.extra["first_token"]
-        done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"]
+        done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"] or self._hits_stop(seq, first)
         if done and seq.status is SequenceStatus.RUNNING: self.scheduler.finish(seq)
         self.cond.notify_all()
       marks: list[float] = []
@@ -183,6 +186,21 @@ class DecodeNode:
     if writes_done is True: seq.extra["writes_done"] = True
     self._detach(conn.state["seqs"], seq)
     return {}
+
+  def set_stop_strings(self, seq: Sequence, stop) -> None:
+    """Stop strings (a request's `stop`) end the sequence here, its blocks freed at once, as a stop id does. Matched on the
+    text decoded from the tokens generated on this node (the first token included)."""
+    if stop is None: return
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and 0 < len(x) <= 200 for x in stop):
+      raise ValueError(f"stop must be a list of at most 4 non-empty strings of at most 200 characters, got {str(stop)[:80]!r}")
+    if stop and self.tokenizer is None: raise ValueError("this decode node has no tokenizer to match stop strings: leave stop out")
+    if stop: seq.extra.update(stop_strings=stop, stop_decoder=self.tokenizer.stream_decoder(), stop_tail="")
+
+  def _hits_stop(self, seq: Sequence, token: int) -> bool:
+    if not (stops := seq.extra.get("stop_strings")): return False
+    tail = seq.extra["stop_tail"] + seq.extra["stop_decoder"].push(token)
+    seq.extra["stop_tail"] = tail[-max(len(x) for x in stops):]       # enough to find a stop string that spans tokens
+    return any(x in tail for x in stops)
 
   def new_seq_id(self) -> int:
     """An id for a new sequence: the counter modulo MAX_SEQ_ID (the notice's field), skipping ids a live sequence still holds
@@ -308,7 +326,7 @@ class DecodeNode:
             for s in ok:
               d = new[s.seq_id]
               s.extra["queue"].put(d.token if d.logprob is None else (d.token, d.logprob, d.top))
-              if d.token in s.extra["stop_ids"] and s not in finished: finished.append(s)
+              if (d.token in s.extra["stop_ids"] or self._hits_stop(s, d.token)) and s not in finished: finished.append(s)
           for s in batch:
             if (s in finished or s.extra.get("cancelled")) and s.status is SequenceStatus.RUNNING: self.scheduler.finish(s)
           for s in finished: s.extra["queue"].put(None)

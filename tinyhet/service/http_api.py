@@ -146,7 +146,7 @@ class Running:
     self.t0, self.t_last, self.n_tokens = time.perf_counter(), None, 0
     self.decoder, self.text, self.sent, self.stopped = svc.tok.stream_decoder(), "", 0, False
     self.req = Request(p["prompt_ids"], p["max_tokens"], self._emit, p["temperature"], p["top_p"], p["seed"], list(svc.tok.stop_ids),
-                       options=p["options"])
+                       options=p["options"], stop=list(p["stop"]))
     self.items: list = []                   # (token, logprobs) of the tokens counted, for the logprobs of the reply
     self.prompt_text = svc.tok.decode(p["prompt_ids"]) if p["echo"] else ""
     self.lp = LogprobFormatter(svc.tok, p["chat"], 0 if p["echo"] and p["logprobs"] is not None else len(self.prompt_text))

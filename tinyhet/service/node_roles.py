@@ -20,11 +20,16 @@ def install_submit(decode) -> None:
   from tinyhet.engine.scheduler import Sequence
 
   def serve_submit(conn, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                   stop_ids: list[int] | None = None, options: dict | None = None):
+                   stop_ids: list[int] | None = None, options: dict | None = None, stop: list[str] | None = None):
     check_prompt(decode.model.cfg, prompt_ids, max_new_tokens)
+    sampler = Sampler(temperature, top_p, seed, **(options or {}))      # a bad setting fails before an id is taken
     seq = Sequence(decode.new_seq_id(), list(prompt_ids), max_new_tokens)
-    seq.extra.update(queue=queue.SimpleQueue(), sampler=Sampler(temperature, top_p, seed, **(options or {})), want_logits=False,
+    seq.extra.update(queue=queue.SimpleQueue(), sampler=sampler, want_logits=False,
                      stop_ids=set(stop_ids if stop_ids is not None else decode.stop_ids))
+    try: decode.set_stop_strings(seq, stop)     # before the sequence joins the batch
+    except ValueError:
+      with decode.cond: decode.live_ids.discard(seq.seq_id)
+      raise
     with decode.cond:
       decode.scheduler.add(seq)            # the batching loop prefills it when its blocks fit (first come, first served)
       decode.cond.notify_all()

@@ -78,6 +78,7 @@ class Request:
   seed: int | None = None
   stop_ids: list[int] = field(default_factory=list)
   options: dict = field(default_factory=dict)     # the nodes' further sampling options (tinyhet.model.sampling.OPTIONS)
+  stop: list[str] = field(default_factory=list)   # stop strings: the decode node ends the sequence at one (the HTTP side cuts the text)
   prompt_logprobs: list | None = None             # the prompt's own logprobs, from the node that prefilled it (options["prompt_logprobs"])
   generated: list[int] = field(default_factory=list)
   cancelled: threading.Event = field(default_factory=threading.Event)
@@ -287,7 +288,8 @@ class Cluster:
       try:
         if prefill is None:
           self._count(decode, "prefill+decode")
-          stream = ctl.stream("decode.submit", prompt_ids=ids, max_new_tokens=left, seed=req.seed, stop_ids=req.stop_ids, **sampling)
+          stream = ctl.stream("decode.submit", prompt_ids=ids, max_new_tokens=left, seed=req.seed, stop_ids=req.stop_ids,
+                              **({"stop": req.stop} if req.stop else {}), **sampling)
         else:
           # the prefill node writes the KV: the reservation's blocks open to it, not to this router (tcp checks every frame)
           r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=left, timeout=self.queue_timeout, writer=prefill.status.get("node"))
@@ -299,7 +301,7 @@ class Cluster:
         self._count(decode, "decode")
         gen = {**sampling, "options": {k: v for k, v in sampling["options"].items() if k != "prompt_logprobs"}}   # the prefill's part
         try: stream = ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=p["first_token"], seed=p["seed"],
-                                 stop_ids=req.stop_ids, timeout=30.0, **gen)
+                                 stop_ids=req.stop_ids, timeout=30.0, **({"stop": req.stop} if req.stop else {}), **gen)
         except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       try:
         for item in stream:
