@@ -88,6 +88,7 @@ def serve(args, stop: threading.Event) -> int:
     return 2
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids,
                       prefix_cache=not args.no_prefix_cache)
+  decode.tokenizer = tok                 # stop strings end sequences on the node
   from tinyhet.service.node_roles import ServiceExtras
   extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
   try:
