@@ -11,7 +11,7 @@ from tinygrad import Tensor, Device
 
 def start_peer() -> tuple[subprocess.Popen, str]:
   """A second node in another process: it only serves its MESH memory."""
-  code = "import sys, tinyhet; print(tinyhet.service.http_api(), flush=True); sys.stdin.read()"
+  code = "import sys, tinyhet; print(tinyhet.serve(), flush=True); sys.stdin.read()"
   proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                           env={**os.environ, "TINYHET_NODE": "peer0"})
   return proc, proc.stdout.readline().strip()

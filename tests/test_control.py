@@ -1,4 +1,4 @@
-"""The control channel against bad input, with a real node in another process (tinyhet.service.http_api())."""
+"""The control channel against bad input, with a real node in another process (tinyhet.serve())."""
 import os, socket, struct, subprocess, sys
 import pytest
 from tinyhet.config import load_config
@@ -11,7 +11,7 @@ TOKEN = "ctl-token"
 @pytest.fixture(scope="module")
 def node():
   env = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_NODE": "ctlnode", "TINYHET_ARENA_BYTES": "64M"}
-  proc = subprocess.Popen([sys.executable, "-c", "import sys, tinyhet; print(tinyhet.service.http_api(), flush=True); sys.stdin.read()"],
+  proc = subprocess.Popen([sys.executable, "-c", "import sys, tinyhet; print(tinyhet.serve(), flush=True); sys.stdin.read()"],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
   yield proc.stdout.readline().strip()
   proc.stdin.close()

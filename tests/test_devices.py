@@ -87,7 +87,7 @@ def test_remote_memory_errors_and_cleanup():
   code = """
 import os, subprocess, sys, numpy as np, tinyhet
 from tinygrad import Tensor
-peer = subprocess.Popen([sys.executable, "-c", "import sys, tinyhet; print(tinyhet.service.http_api(), flush=True); sys.stdin.read()"],
+peer = subprocess.Popen([sys.executable, "-c", "import sys, tinyhet; print(tinyhet.serve(), flush=True); sys.stdin.read()"],
                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "TINYHET_NODE": "p1"})
 tinyhet.connect("p1", peer.stdout.readline().strip())
 r = Tensor(np.arange(8, dtype=np.float32), device="MESH").to("MESH:p1").realize()

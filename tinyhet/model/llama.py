@@ -114,6 +114,9 @@ def random_weights(cfg: LlamaConfig, device: str | None = None, dtype: DType = d
   Tensor.manual_seed(seed)
   def lin(o, i):
     if packed is not None: return PackedWeight.random(o, i, packed, device)
+    if dtype == dtypes.bfloat16:   # as its bits: tinygrad's bfloat16 kernels do not compile with clang < 15 (tinyhet.model.bf16_weight)
+      from tinyhet.model.bf16_weight import BF16Weight, round_to_bf16
+      return BF16Weight(round_to_bf16(Tensor.uniform(o, i, low=-math.sqrt(3 / i), high=math.sqrt(3 / i), device=device)), (o, i)).realize()
     return Tensor.uniform(o, i, low=-math.sqrt(3 / i), high=math.sqrt(3 / i), device=device, dtype=dtype).realize()
   def norm(n): return Tensor.uniform(n, low=0.8, high=1.2, device=device).realize()
   qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
