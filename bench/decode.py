@@ -82,6 +82,9 @@ class LlamaCppEngine:
     cp.n_ctx, cp.n_seq_max, cp.kv_unified = max_context * max_batch, max_batch, True
     cp.n_batch = cp.n_ubatch = max(512, max_batch)
     cp.n_threads = cp.n_threads_batch = threads
+    # flash attention (tinyhet's prefill and decode attention are tiled too): on unless --flash-attn says otherwise
+    cp.flash_attn_type = {"on": L.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": L.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+                          "auto": L.LLAMA_FLASH_ATTN_TYPE_AUTO}[os.environ.get("TINYHET_BENCH_FLASH_ATTN", "on")]
     self.ctx = L.llama_init_from_model(self.model, cp)
     if not self.ctx: raise RuntimeError("llama.cpp could not create a context")
     self.mem, self.n_vocab = L.llama_get_memory(self.ctx), L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--batches", default="1,4,16,64")
   ap.add_argument("--prompts", default="100,1000", help="prefill lengths")
   ap.add_argument("--context", type=int, default=100, help="tokens in each sequence's KV during the decode rows")
+  ap.add_argument("--flash-attn", choices=("on", "off", "auto"), default="on", help="llama.cpp's flash attention (default on)")
   ap.add_argument("--steps", type=int, default=16, help="decode steps per round")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--engines", default="tinyhet,llama.cpp,torch")
@@ -204,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.quick: args.batches, args.prompts, args.steps, args.rounds = "1,4", "100", 8, 2
   threads = args.threads or configured_threads()
   os.environ["TINYHET_CPU_THREADS"] = str(threads)
+  os.environ["TINYHET_BENCH_FLASH_ATTN"] = args.flash_attn         # the child processes read it
   configured_threads.cache_clear()
   batches, prompts = [int(b) for b in args.batches.split(",")], [int(p) for p in args.prompts.split(",")]
   from tinyhet.model.weights import embedded_model_path
@@ -238,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
       row["read_share"] = step_bytes * row["decode_tok_s"] / row["batch"] / (gbps * 1e9) if step_bytes else None
       rows.append(row)
   out = {"threads": threads, "read_gbps": gbps, "model": model, "context": args.context, "llama_cpp": llama_cpp_build(),
+         "flash_attn": args.flash_attn,
          "skipped": skipped, "rows": rows}
   if args.json: print(json.dumps(out))
   else: print(table(out))
@@ -262,7 +268,7 @@ def table(out: dict) -> str:
     pick = lambda e, k: next(r[k] for r in rows if r["engine"] == e and r["decode_tok_s"] and r["batch"] == b)
     line(f"decode batch {b} tok/s", lambda e: pick(e, "decode_tok_s"), lambda v: f"{v:.1f}")
     line("  read share", lambda e: pick(e, "read_share"), lambda v: f"{v:.0%}")
-  if out["llama_cpp"]: lines.append(f"llama.cpp: {out['llama_cpp']}")
+  if out["llama_cpp"]: lines.append(f"llama.cpp: {out['llama_cpp']}, flash attention {out.get('flash_attn', 'on')}")
   lines += [f"{k}: skipped, {v}" for k, v in out["skipped"].items()]
   return "\n".join(lines)
 
