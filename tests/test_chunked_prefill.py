@@ -38,10 +38,12 @@ def test_chunk_plan():
     with pytest.raises(ValueError): chunk_plan(*bad)
 
 @pytest.mark.parametrize("chunk", [16, 37])
-@settings(max_examples=2, deadline=None)
-@given(T=st.integers(40, 120), seed=st.integers(0, 1000))
+@settings(max_examples=1, deadline=None)
+@given(T=st.integers(97, 111), seed=st.integers(0, 1000))
 def test_chunks_give_the_unchunked_logits_and_kv(llama, chunk, T, seed):
-  # one capture per (chunk, pool blocks): T varies the pool, so hypothesis keeps to a few examples
+  # one capture per (chunk, pool blocks): every T here pads to 7 blocks of 16 at both chunk lengths (112 and 111 positions),
+  # so runs share their captures (the last chunk's length, its pads, and the block count vary); one example per run: each
+  # costs a dense reference's compile
   ids = ids_of(T, seed)
   got, got_kv = chunked(llama, ids, chunk)
   want, want_kv = dense(llama, ids)
