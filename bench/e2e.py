@@ -66,12 +66,13 @@ def main(argv=None) -> int:
   ap.add_argument("--json", action="store_true")
   ap.add_argument("--quick", action="store_true", help="prompts of 100 and 1000 tokens, 32 new tokens, 2 rounds")
   ap.add_argument("--model", default=None)
-  ap.add_argument("--prompt-lens", default=None, help="comma list (default 100,1000,2000)")
+  ap.add_argument("--prompt-lens", default=None,
+                  help="comma list (default 100,1000,2000,4096,8000: 8,000 leaves SmolLM2's 8,192 room for new tokens)")
   ap.add_argument("--new-tokens", type=int, default=None)
   ap.add_argument("--rounds", type=int, default=None, help="timed rounds per prompt length, best of them kept (default 3, --quick 2)")
   ap.add_argument("--transports", default="shm,tcp", help="comma list (default shm,tcp)")
   args = ap.parse_args(argv)
-  lens = [int(x) for x in (args.prompt_lens or ("100,1000" if args.quick else "100,1000,2000")).split(",")]
+  lens = [int(x) for x in (args.prompt_lens or ("100,1000" if args.quick else "100,1000,2000,4096,8000")).split(",")]
   new = args.new_tokens or (32 if args.quick else 64)
   rounds = args.rounds or (2 if args.quick else 3)
   if rounds < 1 or new < 1 or min(lens) < 1: ap.error("--rounds, --new-tokens and every prompt length must be at least 1")

@@ -13,11 +13,21 @@ tried), 0.47 ms transposed.
 Rows: a query row has its own block table row and context length (the number of cached tokens it attends to, including the
 ones just stored). A decode batch of B sequences is B rows; T tokens of one sequence are T rows sharing one block table.
 
-Two kernels: paged_scores writes S[r, h, j] = q.K[j] / sqrt(head_dim) (-inf past the row's length), paged_softmax_pv takes
-the row maximum, then sums exp(S - max) * V[j] and divides by the sum of the weights. Softmax is float32; K and V are read in
-the pool dtype and cast to float32.
+One kernel, flash-decoding: each (row, kv head) is cut along its context into `splits` parts (blocks [p * per, (p + 1) * per),
+per = ceil(max_blocks / splits)); a part walks its blocks keeping a running max m, weight sum l and weighted V sum per head
+(online softmax: per block the scores q.K in registers, the new max, exp(old max - new max) rescaling l and the V sum), and
+writes those three; merge_splits rescales every part to the overall max and divides. So a batch-1 step at 32K tokens reads its
+KV with every thread (the parts of one row run side by side), and nothing the size of the context is kept: the scratch is the
+partials, (rows, n_heads, splits, head_dim + 2) float32. A masked slot scores NEG (finite: a part with no valid token ends with
+m = NEG, l = 0 and weighs exp(NEG - m) = 0 in the merge). Softmax is float32; K and V are read in the pool dtype and cast.
+Measured on this 2-core EPYC (shared with other jobs, best of 22 TinyJit calls, SmolLM2's 3 kv heads x 3 x 64, fp16, block 16)
+against the two-kernel form it replaced (scores into a (rows, heads, cap * block) scratch, then softmax and V):
+  batch 1, 32K tokens: 8.5-15.7 (two runs) -> 8.9 ms (1 thread) / 9.7 ms (2 parts);  batch 1, 4K: 0.46 -> 0.20 / 0.31 ms
+  batch 16, 4K: 23.8 -> 7.9 ms
+(the 2-part runs wait on the slower of two threads of a machine loaded ~4x over; the single-kernel form gains by reading K and V
+once per block while they are in cache.)
 
-JIT: both kernels loop over the first `max_blocks` entries of each block table. max_blocks is either a bound tinygrad Variable
+JIT: the kernel loops over the first `max_blocks` entries of each block table. max_blocks is either a bound tinygrad Variable
 named MAX_BLOCKS_VAR (symbolic: one compile serves every length; pass the bound Variable into the TinyJit-ed function) or an
 int (bucketed: one compile and one JIT capture per bucket; the padded blocks are computed, then masked). Measured with
 `tinyhet bench kv --compare-jit` (one layer of SmolLM2-135M's shape, 16 rows each growing by one token per step from <64 to
@@ -36,6 +46,7 @@ from tinygrad.dtype import AddrSpace
 from tinygrad.helpers import NUM_CPU_THREADS
 from tinygrad.uop.ops import AxisType, KernelInfo
 
+NEG = -1e30   # the score of a masked slot and the start of a running max: finite, so exp(NEG - NEG) is 1, not NaN
 MAX_BLOCKS_VAR = "kv_max_blocks"  # the Variable that bounds the block loop: the longest row's number of blocks
 
 def max_blocks_var(cap: int) -> UOp:
@@ -47,13 +58,23 @@ def _block_loop_end(max_blocks: int | UOp, cap: int) -> int | UOp:
   return max_blocks if isinstance(max_blocks, int) else UOp.variable(MAX_BLOCKS_VAR, 1, cap, param=True)
 
 def _threads(sizes: tuple[int, ...]) -> tuple[Opt, ...]:
-  # split the first outer loop whose size the thread count divides across CPU threads (tinygrad's THREAD opt). Opt axes
-  # count the kernel's loops in order, without the loops of size 1 (tinygrad drops them)
+  # split the first outer loop whose size the thread count divides across CPU threads (tinygrad's THREAD opt), trying the
+  # most parts first: as many as there are threads where a loop allows. Opt axes count the kernel's loops in order, without
+  # the loops of size 1 (tinygrad drops them)
   loops = [s for s in sizes if s > 1]
-  for n in range(min(NUM_CPU_THREADS.value, 8), 1, -1):
+  for n in range(NUM_CPU_THREADS.value, 1, -1):
     for axis, size in enumerate(loops):
       if size % n == 0: return (Opt(OptOps.THREAD, axis, n),)
   return ()
+
+def decode_splits(rows: int, n_kv: int, cap: int, threads: int | None = None) -> int:
+  """How many parts paged_attention cuts each row's context into: 1 where rows x kv heads already give every thread a
+  part (a multiple of the thread count, or at least 4 per thread), else the thread count (so batch 1 at a long context reads
+  its KV with every thread), at most the block-table width."""
+  t = NUM_CPU_THREADS.value if threads is None else threads
+  work = rows * n_kv
+  if t <= 1 or work % t == 0 or work >= 4 * t: return 1
+  return max(1, min(t, cap))
 
 def _launch(fxn, outs: list[Tensor], ins: list[Tensor], max_blocks: int | UOp | None = None) -> list[Tensor]:
   srcs = [t.uop for t in outs + ins]
@@ -80,63 +101,91 @@ def kv_scatter(pool: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, positio
 
   return _launch(kernel, [pool], [k.contiguous(), v.contiguous(), block_tables, positions])[0]
 
-def paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens: Tensor, max_blocks: int | UOp) -> Tensor:
+def paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens: Tensor, max_blocks: int | UOp,
+                    splits: int | None = None) -> Tensor:
   """Attention of q (R, n_heads, head_dim) over each row's cached tokens 0..context_lens[r]-1.
   pool: (num_blocks, 2, n_kv, block_size * head_dim) in the module's layout; block_tables: (R, cap) int32 whose first
   max_blocks entries are valid block ids (pad with any valid id: padded slots are masked and their bytes never reach the
   result); context_lens: (R,) int32, 1 <= context_lens[r] <= max_blocks * block_size; max_blocks: int, or the bound
   Variable from max_blocks_var(cap). Grouped-query: head h reads kv head h // (n_heads // n_kv). Returns (R, n_heads,
-  head_dim) float32; softmax in float32, scale 1/sqrt(head_dim)."""
+  head_dim) float32; softmax in float32, scale 1/sqrt(head_dim).
+  splits: how many parts each row's context is cut into (flash-decoding; default `decode_splits`): part p takes blocks
+  [p * ceil(max_blocks / splits), ...), keeps a running max, weight sum and weighted V sum, and `merge_splits` combines
+  the parts. The only scratch is those partials, (R, n_heads, splits, head_dim + 2) float32, whatever the length."""
   R, H, D = q.shape
   _, _, KV, X = pool.shape
   if H % KV or X % D: raise ValueError(f"paged_attention: n_heads {H} must be a multiple of n_kv_heads {KV}, pool tile {X} of head_dim {D}")
   BS, cap, g = X // D, block_tables.shape[1], H // KV
+  P = decode_splits(R, KV, cap) if splits is None else splits
+  if not 1 <= P <= cap: raise ValueError(f"paged_attention: splits must be in 1..{cap} (the block-table width), got {P}")
   scale = 1.0 / math.sqrt(D)
-  opts = _threads((R, KV))
+  opts = _threads((R, KV, P))
 
-  def scores(S: UOp, q: UOp, pool: UOp, bt: UOp, n: UOp) -> UOp:
+  def partial(O: UOp, ML: UOp, q: UOp, pool: UOp, bt: UOp, n: UOp) -> UOp:
     pf = pool.flatten()
-    r, kvh, jb, gi = UOp.range(R, 0), UOp.range(KV, 1), UOp.range(_block_loop_end(max_blocks, cap), 2), UOp.range(g, 3)
-    kbase = (bt[r, jb].cast(dtypes.weakint) * 2 * KV + kvh) * X      # K tile (d, t) of block jb, kv head kvh
-    acc = UOp.placeholder((BS,), dtypes.float, 0, addrspace=AddrSpace.REG)
-    t0 = UOp.range(BS, 4)
-    acc = acc.after(r, kvh, jb, gi)[t0].set(0.0, end=t0)
-    d, t = UOp.range(D, 5, AxisType.REDUCE), UOp.range(BS, 6)
-    acc = acc.after(d)[t].set(acc.after(d, t)[t] + q[r, kvh * g + gi, d] * pf[kbase + d * BS + t].cast(dtypes.float), end=(t, d))
-    t2 = UOp.range(BS, 7)
-    j = jb * BS + t2
-    val = (j < n[r].cast(dtypes.weakint)).where(acc[t2] * scale, -math.inf)
-    return S[r, kvh * g + gi, j].store(val).end(t2).end(r, kvh, jb, gi).sink(arg=KernelInfo(name="paged_scores", opts_to_apply=opts))
-
-  def softmax_pv(O: UOp, S: UOp, pool: UOp, bt: UOp, n: UOp) -> UOp:
-    pf = pool.flatten()
-    r, kvh = UOp.range(R, 0), UOp.range(KV, 1)
+    r, kvh, p = UOp.range(R, 0), UOp.range(KV, 1), UOp.range(P, 2)
     nr = n[r].cast(dtypes.weakint)
-    # pass 1: row maximum of S per head of the group
-    m = UOp.placeholder((g,), dtypes.float, 0, addrspace=AddrSpace.REG)
-    gi0 = UOp.range(g, 2)
-    m = m.after(r, kvh)[gi0].set(-math.inf, end=gi0)
-    j1, gi1 = UOp.range(_block_loop_end(max_blocks, cap) * BS, 3, AxisType.REDUCE), UOp.range(g, 4)
-    m = m.after(j1)[gi1].set(m.after(j1, gi1)[gi1].maximum(S[r, kvh * g + gi1, j1]), end=(gi1, j1))
-    # pass 2: weights e = exp(S - max), their sum l, and acc = sum e * V over the row's tokens
-    acc = UOp.placeholder((g * D,), dtypes.float, 1, addrspace=AddrSpace.REG)
-    l = UOp.placeholder((g,), dtypes.float, 2, addrspace=AddrSpace.REG)
-    gi5, d5, gi6 = UOp.range(g, 5), UOp.range(D, 6), UOp.range(g, 7)
-    acc = acc.after(r, kvh)[gi5 * D + d5].set(0.0, end=(gi5, d5))
-    l = l.after(r, kvh)[gi6].set(0.0, end=gi6)
-    jb, t = UOp.range(_block_loop_end(max_blocks, cap), 8, AxisType.REDUCE), UOp.range(BS, 9, AxisType.REDUCE)
-    j = jb * BS + t
-    vbase = ((bt[r, jb].cast(dtypes.weakint) * 2 + 1) * KV + kvh) * X + t * D   # V row t of block jb, kv head kvh
-    gi, d = UOp.range(g, 10), UOp.range(D, 11)
-    e = (S[r, kvh * g + gi, j] - m[gi]).exp()
-    l = l.after(jb, t, gi)[gi].set(l.after(jb, t, gi)[gi] + e)
-    # where, not a multiply by a zero weight: a padded slot may hold stale bytes (even NaN) that must not reach the sum
-    contrib = (j < nr).where(e * pf[vbase + d].cast(dtypes.float), 0.0)
-    acc = acc.after(l, d)[gi * D + d].set(acc.after(l, d)[gi * D + d] + contrib, end=(d, gi, t, jb))
-    gi3, d3 = UOp.range(g, 12), UOp.range(D, 13)
-    out = O[r, kvh * g + gi3, d3].store(acc[gi3 * D + d3] / l.after(acc)[gi3])
-    return out.end(gi3, d3).end(r, kvh).sink(arg=KernelInfo(name="paged_softmax_pv", opts_to_apply=opts))
+    m = UOp.placeholder((g,), dtypes.float, 0, addrspace=AddrSpace.REG)       # running max (scaled scores) per head of the group
+    l = UOp.placeholder((g,), dtypes.float, 1, addrspace=AddrSpace.REG)       # running sum of the weights
+    acc = UOp.placeholder((g * D,), dtypes.float, 2, addrspace=AddrSpace.REG)  # running sum of weight * V
+    s = UOp.placeholder((g * BS,), dtypes.float, 3, addrspace=AddrSpace.REG)   # one block's scores, then its weights
+    mx = UOp.placeholder((g,), dtypes.float, 4, addrspace=AddrSpace.REG)      # the block's new running max
+    cr = UOp.placeholder((g,), dtypes.float, 5, addrspace=AddrSpace.REG)      # exp(old max - new max): rescales l and acc
+    i3, i4, i5, i6 = UOp.range(g, 3), UOp.range(g, 4), UOp.range(g, 5), UOp.range(D, 6)
+    m = m.after(r, kvh, p)[i3].set(NEG, end=i3)
+    l = l.after(r, kvh, p)[i4].set(0.0, end=i4)
+    acc = acc.after(r, kvh, p)[i5 * D + i6].set(0.0, end=(i5, i6))
+    per = (_block_loop_end(max_blocks, cap) + (P - 1)) // P                    # blocks per part
+    jl = UOp.range(per, 7, AxisType.REDUCE)
+    jb = p * per + jl
+    blk = bt[r, (jb < cap).where(jb, cap - 1)].cast(dtypes.weakint)          # past the table (the last part's tail): masked anyway
+    kbase, vbase = (blk * 2 * KV + kvh) * X, ((blk * 2 + 1) * KV + kvh) * X
+    # scores of the block: s[gi, t] = q[gi] . K[:, t], vector lanes over t (the K tile is (d, t))
+    g8, t8 = UOp.range(g, 8), UOp.range(BS, 9)
+    s = s.after(m, l, acc, jl)[g8 * BS + t8].set(0.0, end=(g8, t8))
+    d10, g11, t12 = UOp.range(D, 10, AxisType.REDUCE), UOp.range(g, 11), UOp.range(BS, 12)
+    qk = q[r, kvh * g + g11, d10] * pf[kbase + d10 * BS + t12].cast(dtypes.float)
+    s = s.after(d10, g11)[g11 * BS + t12].set(s.after(d10, g11, t12)[g11 * BS + t12] + qk, end=(t12, g11, d10))
+    # the new running max over the block's valid tokens
+    g13 = UOp.range(g, 13)
+    mx = mx.after(s, g13)[g13].set(m.after(s)[g13], end=g13)
+    g14, t15 = UOp.range(g, 14), UOp.range(BS, 15, AxisType.REDUCE)
+    valid15 = jb * BS + t15 < nr
+    mx = mx.after(g14, t15)[g14].set(mx.after(g14, t15)[g14].maximum(valid15.where(s[g14 * BS + t15] * scale, NEG)), end=(t15, g14))
+    # weights of the block (0 where masked), the rescale of the old sums, and the new max kept
+    g16, t17 = UOp.range(g, 16), UOp.range(BS, 17)
+    s = s.after(mx, g16)[g16 * BS + t17].set((jb * BS + t17 < nr).where((s.after(mx)[g16 * BS + t17] * scale - mx[g16]).exp(), 0.0), end=(g16, t17))
+    g18 = UOp.range(g, 18)
+    cr = cr.after(mx, g18)[g18].set((m.after(mx)[g18] - mx[g18]).exp(), end=g18)
+    g19 = UOp.range(g, 19)
+    m = m.after(cr, g19)[g19].set(mx.after(cr)[g19], end=g19)
+    g20, t21 = UOp.range(g, 20), UOp.range(BS, 21, AxisType.REDUCE)
+    l = l.after(s, cr, g20)[g20].set(l.after(s, cr, g20)[g20] * cr[g20], end=g20)
+    g22 = UOp.range(g, 22)
+    l = l.after(g22, t21)[g22].set(l.after(g22, t21)[g22] + s[g22 * BS + t21], end=(t21, g22))
+    g23, d24 = UOp.range(g, 23), UOp.range(D, 24)
+    acc = acc.after(s, cr, g23, d24)[g23 * D + d24].set(acc.after(s, cr, g23, d24)[g23 * D + d24] * cr[g23], end=(g23, d24))
+    # acc += weight * V row t; where, not a multiply by a zero weight: a masked slot may hold stale bytes (even NaN)
+    t25, g26, d27 = UOp.range(BS, 25, AxisType.REDUCE), UOp.range(g, 26), UOp.range(D, 27)
+    # (the weight outside the where: inside it, clang left this loop scalar)
+    contrib = s[g26 * BS + t25] * (jb * BS + t25 < nr).where(pf[vbase + t25 * D + d27].cast(dtypes.float), 0.0)
+    # the last update of the block ends the block loop; it comes after the block's m and l updates, so all three end with it
+    acc = acc.after(m, l, t25, g26, d27)[g26 * D + d27].set(acc.after(m, l, t25, g26, d27)[g26 * D + d27] + contrib, end=(d27, g26, t25, jl))
+    g28, d29, g30 = UOp.range(g, 28), UOp.range(D, 29), UOp.range(g, 30)
+    st_o = O[r, kvh * g + g28, p, d29].store(acc[g28 * D + d29]).end(g28, d29)
+    st_m = UOp.group(ML[r, kvh * g + g30, p, 0].store(m.after(acc)[g30]), ML[r, kvh * g + g30, p, 1].store(l.after(acc)[g30])).end(g30)
+    return UOp.group(st_o, st_m).end(r, kvh, p).sink(arg=KernelInfo(name="paged_attention_part", opts_to_apply=opts))
 
   q = q.float().contiguous()
-  S = _launch(scores, [Tensor.empty(R, H, cap * BS, dtype=dtypes.float, device=q.device)], [q, pool, block_tables, context_lens], max_blocks)[0]
-  return _launch(softmax_pv, [Tensor.empty(R, H, D, dtype=dtypes.float, device=q.device)], [S, pool, block_tables, context_lens], max_blocks)[0]
+  dev = q.device
+  O, ML = _launch(partial, [Tensor.empty(R, H, P, D, dtype=dtypes.float, device=dev), Tensor.empty(R, H, P, 2, dtype=dtypes.float, device=dev)],
+                  [q, pool, block_tables, context_lens], max_blocks)
+  return merge_splits(O, ML)
+
+def merge_splits(O: Tensor, ML: Tensor) -> Tensor:
+  """Combine flash-decoding partials: O (R, H, P, D) unnormalized sums of weight * V, ML (R, H, P, 2) each part's running
+  max and weight sum (a part with no valid token: max NEG, sum 0) -> (R, H, D). Each part's weights are rescaled to the
+  overall max: out = sum_p exp(m_p - m) O_p / sum_p exp(m_p - m) l_p."""
+  m, l = ML[..., 0], ML[..., 1]
+  w = (m - m.max(-1, keepdim=True)).exp()                                   # (R, H, P): 0 for an empty part
+  return ((w.unsqueeze(-1) * O).sum(2) / (w * l).sum(-1).unsqueeze(-1)).contiguous()

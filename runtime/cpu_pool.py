@@ -7,10 +7,13 @@ goes to C in one call, so a decode step of hundreds of kernels costs one ctypes 
 (about a microsecond between cores of one socket), not a Python round trip per kernel. Kernels that were not split run on
 the caller alone while the workers wait.
 
-Workers spin briefly between kernels (the next split kernel usually comes within microseconds), then sleep on a futex, so
-an idle pool costs no CPU; the caller, waiting for the parts of a kernel, yields its CPU after a short spin, so a worker
-descheduled by another process gets to finish. The pool is process-wide; a thread that finds it busy (another thread is running kernels on it)
-runs its kernel's parts itself, one after another, instead of waiting.
+A kernel of k parts runs on min(k, N) threads: the caller and workers 1..k-1, each woken through a word of its own (one cache
+line per worker), so a small kernel does not wake, and wait on, every worker of a big node. Workers spin briefly between
+kernels (the next split kernel usually comes within microseconds), then sleep on their futex, so an idle pool costs no
+CPU; the caller, waiting for the parts of a kernel, yields its CPU after a short spin, so a worker descheduled by another
+process gets to finish. Worker i is pinned to the i-th CPU (mod their count) of the process's affinity mask when the pool
+starts (the caller, thread 0, is left where it is). The pool is process-wide; a thread that finds it busy (another thread
+is running kernels on it) runs its kernel's parts itself, one after another, instead of waiting.
 
 The C source is compiled once with the same compiler tinygrad uses (clang) and cached under ~/.cache/tinyhet.
 """
@@ -45,13 +48,19 @@ typedef void (*k63)(%(types)s);
 
 static struct {
   int n;                                  /* threads, the caller included */
-  _Atomic uint32_t gen;                   /* bumped once per split kernel: workers start on a new value */
-  _Atomic int done, sleepers, quit;
+  int active;                             /* threads the current kernel runs on: min(its parts, n) */
+  _Atomic int done, quit;
   const cmd_t *cur;
   pthread_mutex_t busy;
   pthread_t tid[1024];
   long spin;
 } P = {.busy = PTHREAD_MUTEX_INITIALIZER};
+
+/* One cache line per worker: its own generation word (bumped when a kernel has a part for it) and sleep flag, so a kernel
+   of k parts wakes k - 1 workers, not all of them; wakes counts the kernels a worker took (tests read it). */
+typedef struct { _Atomic uint32_t gen; _Atomic int sleeping; _Atomic long wakes; char pad[48]; } slot_t;
+static slot_t W[1024];
+static int cpus[1024], ncpus;             /* the affinity mask's CPUs: worker i is pinned to cpus[i %% ncpus] */
 
 /* Every argument travels as a 64-bit integer, as tinygrad's ctypes call passes them. The x86-64 and AArch64 calling
    conventions let a caller pass more arguments than the callee reads, so one 63-argument call shape serves every kernel. */
@@ -75,39 +84,53 @@ static inline void relax(void) {
    finished command for a new one. */
 static struct { int id; uint32_t gen; } start_args[1024];
 
+static void pin(int id) {
+  if (ncpus <= 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpus[id %% ncpus], &set);
+  pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
 static void *worker(void *arg) {
   int id = ((typeof(start_args[0]) *)arg)->id;
   uint32_t seen = ((typeof(start_args[0]) *)arg)->gen;
   char name[16];
   snprintf(name, sizeof name, "tinyhet-cpu-%%d", id);
   pthread_setname_np(pthread_self(), name);
+  pin(id);
+  slot_t *me = &W[id];
   for (;;) {
     uint32_t g;
     long spins = 0;
-    while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
+    while ((g = atomic_load_explicit(&me->gen, memory_order_acquire)) == seen) {
       if (++spins < P.spin) { relax(); continue; }
-      atomic_fetch_add(&P.sleepers, 1);
-      syscall(SYS_futex, (uint32_t *)&P.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
-      atomic_fetch_sub(&P.sleepers, 1);
+      atomic_store(&me->sleeping, 1);      /* seq_cst: pairs with run_split's bump of gen, then its load of sleeping */
+      syscall(SYS_futex, (uint32_t *)&me->gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+      atomic_store(&me->sleeping, 0);
       spins = 0;
     }
     seen = g;
     if (atomic_load(&P.quit)) return NULL;
+    atomic_fetch_add_explicit(&me->wakes, 1, memory_order_relaxed);
     const cmd_t *c = P.cur;
-    for (int t = id; t < c->parts; t += P.n) run_part(c, t);
+    for (int t = id; t < c->parts; t += P.active) run_part(c, t);
     atomic_fetch_add_explicit(&P.done, 1, memory_order_acq_rel);
   }
 }
 
-/* Starts threads until there are n in all (the caller counts as one); a pool only grows. Returns the count. */
-int pool_start(int n, long spin) {
-  if (n < 1 || n > 1024) return -1;
+/* Starts threads until there are n in all (the caller counts as one); a pool only grows. Returns the count. cpu_list[0..k):
+   the CPUs to pin worker i to (cpu_list[i %% k]; the caller, thread 0, is not pinned); k = 0: no pinning. */
+int pool_start(int n, long spin, const int *cpu_list, int k) {
+  if (n < 1 || n > 1024 || k < 0 || k > 1024) return -1;
   pthread_mutex_lock(&P.busy);              /* no kernel is running while the thread count changes */
   if (P.n < 1) P.n = 1;
   P.spin = spin;
+  for (int i = 0; i < k; i++) cpus[i] = cpu_list[i];
+  ncpus = k;
   for (; P.n < n; P.n++) {
     start_args[P.n].id = P.n;
-    start_args[P.n].gen = atomic_load(&P.gen);      /* cannot move: bumped only under `busy`, which this holds */
+    start_args[P.n].gen = atomic_load(&W[P.n].gen);   /* cannot move: bumped only under `busy`, which this holds */
     if (pthread_create(&P.tid[P.n], NULL, worker, &start_args[P.n]) != 0) break;
   }
   pthread_mutex_unlock(&P.busy);
@@ -115,13 +138,17 @@ int pool_start(int n, long spin) {
 }
 
 static void run_split(const cmd_t *c) {
+  int active = c->parts < P.n ? c->parts : P.n;
   P.cur = c;
+  P.active = active;
   atomic_store_explicit(&P.done, 0, memory_order_relaxed);
-  atomic_fetch_add(&P.gen, 1);                                  /* seq_cst: pairs with a worker's sleepers increment */
-  if (atomic_load(&P.sleepers) > 0) syscall(SYS_futex, (uint32_t *)&P.gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-  for (int t = 0; t < c->parts; t += P.n) run_part(c, t);
+  for (int i = 1; i < active; i++) {                            /* only the workers this kernel has parts for */
+    atomic_fetch_add(&W[i].gen, 1);                             /* seq_cst: pairs with the worker's sleeping store */
+    if (atomic_load(&W[i].sleeping)) syscall(SYS_futex, (uint32_t *)&W[i].gen, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+  }
+  for (int t = 0; t < c->parts; t += active) run_part(c, t);
   /* a worker that lost its CPU to another process finishes only when it runs again: yield rather than spin it out */
-  for (long spins = 0; atomic_load_explicit(&P.done, memory_order_acquire) < P.n - 1; spins++) {
+  for (long spins = 0; atomic_load_explicit(&P.done, memory_order_acquire) < active - 1; spins++) {
     if (spins < 4096) relax(); else sched_yield();
   }
 }
@@ -139,6 +166,7 @@ int pool_run(const cmd_t *cmds, int n) {
 }
 
 int pool_threads(void) { return P.n; }
+long pool_wakes(int id) { return id > 0 && id < P.n ? atomic_load(&W[id].wakes) : -1; }
 """ % {"max_args": MAX_ARGS, "types": _TYPES, "args": _ARGS}
 
 def _cache_dir() -> Path:
@@ -158,22 +186,30 @@ def _compile() -> ctypes.CDLL:
       except subprocess.CalledProcessError as e: raise RuntimeError(f"compiling the CPU worker pool failed: {e.stderr.strip()}") from None
       os.replace(out, lib)     # atomic: a concurrent process sees the whole library or none
   dll = ctypes.CDLL(str(lib))
-  dll.pool_start.argtypes, dll.pool_start.restype = [ctypes.c_int, ctypes.c_long], ctypes.c_int
+  dll.pool_start.argtypes, dll.pool_start.restype = [ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_int], ctypes.c_int
+  dll.pool_wakes.argtypes, dll.pool_wakes.restype = [ctypes.c_int], ctypes.c_long
   dll.pool_run.argtypes, dll.pool_run.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
   dll.pool_threads.restype = ctypes.c_int
   return dll
 
 class CpuPool:
   """The process's worker pool: `threads` threads in all (the caller's included)."""
-  def __init__(self, threads: int, spin: int = 4000):
-    self.lib, self.spin, self.threads = _compile(), spin, 0
+  def __init__(self, threads: int, spin: int = 4000, pin: bool = True):
+    self.lib, self.spin, self.threads, self.pin = _compile(), spin, 0, pin
     self.grow(threads)
 
   def grow(self, threads: int) -> int:
     """Start threads until there are `threads` in all (fewer if the OS refuses one); a pool never shrinks."""
     if not 1 <= threads <= 1024: raise ValueError(f"a CPU pool has 1 to 1024 threads, not {threads}")
-    if threads > self.threads: self.threads = self.lib.pool_start(threads, self.spin)
+    if threads > self.threads:
+      cpus = sorted(os.sched_getaffinity(0)) if self.pin and hasattr(os, "sched_getaffinity") else []
+      arr = (ctypes.c_int * max(1, len(cpus)))(*cpus)
+      self.threads = self.lib.pool_start(threads, self.spin, ctypes.addressof(arr), len(cpus))
     return self.threads
+
+  def wakes(self, worker: int) -> int:
+    """How many split kernels worker (1..threads-1) has taken part in: a kernel of k parts wakes workers 1..k-1 only."""
+    return self.lib.pool_wakes(worker)
 
   def run(self, cmds: ctypes.Array, n: int | None = None) -> bool:
     """Run the first n Commands of cmds in order (all by default); True if the pool was busy and they ran serially."""

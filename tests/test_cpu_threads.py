@@ -1,7 +1,7 @@
 """The multi-threaded CPU runtime of HET (on a CPU) and MESH: kernels split over N threads give exactly one thread's results,
 for every kernel shape the model uses (prefill, batched paged decode under TinyJit, packed weights), and the configured
 thread count is what runs."""
-import os, subprocess, sys, textwrap
+import json, os, subprocess, sys, textwrap
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -193,3 +193,43 @@ def test_busy_pool_runs_a_second_callers_parts_itself(part_fn):
   for t in ts: t.join(60)
   assert not errors and not any(t.is_alive() for t in ts)
   assert sum(serial) > 0, "the two callers never met: the busy path was not exercised"
+
+def test_a_kernel_wakes_only_the_workers_it_has_parts_for(part_fn):
+  from tinyhet.runtime.cpu_pool import cpu_pool
+  pool = cpu_pool(4)
+  before = [pool.wakes(i) for i in range(1, pool.threads)]
+  out = np.zeros(2, np.int64)
+  for _ in range(20): pool.run(launch(part_fn[1], out, 2, 2000))         # 2 parts: the caller and worker 1
+  after = [pool.wakes(i) for i in range(1, pool.threads)]
+  assert after[0] - before[0] == 20 and after[1:] == before[1:], (before, after)
+  out = np.zeros(pool.threads, np.int64)
+  pool.run(launch(part_fn[1], out, pool.threads, 2000))                  # as many parts as threads: every worker once
+  assert [pool.wakes(i) for i in range(1, pool.threads)] == [a + 1 for a in after]
+  assert pool.wakes(0) == -1 and pool.wakes(pool.threads) == -1
+
+def test_workers_are_pinned_one_per_cpu_of_the_affinity_mask():
+  # a fresh process (the pool is process-wide): each tinyhet-cpu-i thread's affinity is the one CPU cpus[i % len(cpus)]
+  code = ("import os, json; from tinyhet.runtime.cpu_pool import cpu_pool; p = cpu_pool(3); cpus = sorted(os.sched_getaffinity(0)); r = {}\n"
+          "for t in os.listdir('/proc/self/task'):\n"
+          "  name = open(f'/proc/self/task/{t}/comm').read().strip()\n"
+          "  if name.startswith('tinyhet-cpu-'): r[name] = sorted(os.sched_getaffinity(int(t)))\n"
+          "print(json.dumps([cpus, r]))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  cpus, threads = json.loads(out.stdout.strip().splitlines()[-1])
+  assert threads == {f"tinyhet-cpu-{i}": [cpus[i % len(cpus)]] for i in (1, 2)}, (cpus, threads)
+
+@pytest.mark.parametrize("threads, want", [(2, 2), (24, 24), (64, 64), (192, 192)])
+def test_kernels_split_into_as_many_parts_as_threads_past_tinygrads_32(monkeypatch, threads, want):
+  # compiled for `threads` (as on a big node), launched on this machine's pool: tinygrad alone gives 2, 16, 32, 32 parts;
+  # more_parts redoes the split (9 x 2^22 elements: after the heuristic's upcast by 3, every one of these divides the loop)
+  from tinygrad import Context
+  parts = []
+  launch = cpu_threads.PoolProgram.__call__
+  def recording(self, *bufs, global_size=(1, 1, 1), **kw):
+    parts.append(int(global_size[0]))
+    return launch(self, *bufs, global_size=global_size, **kw)
+  monkeypatch.setattr(cpu_threads.PoolProgram, "__call__", recording)
+  a = Tensor.empty(9 * 1024, 4096, device="MESH").realize()
+  with Context(NUM_CPU_THREADS=threads): (a * 2 + 1).realize()
+  assert parts == [want]

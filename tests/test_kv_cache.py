@@ -27,7 +27,8 @@ def test_prefill_on_the_decode_node_is_causal_and_chunks_rows(monkeypatch):
   rng = np.random.default_rng(0)
   cache, kv = random_cache(rng, [11])              # 11 cached tokens, then 20 more in one forward
   for _ in range(20): cache.block_manager.append_slot(0)
-  monkeypatch.setattr(kv_cache, "SCRATCH_BYTES", 7 * H * cache.cap * cache.block_size * 4)   # 20 rows go in chunks of 7
+  splits = kv_cache.decode_splits(20, N_KV, cache.cap)
+  monkeypatch.setattr(kv_cache, "SCRATCH_BYTES", 7 * H * splits * (D + 2) * 4)   # 20 rows go in chunks of 7
   assert cache.begin_step([0], n_tokens=20).tolist() == [list(range(11, 31))]
   q = rng.standard_normal((1, 20, H, D)).astype(np.float32)
   k, v = rng.standard_normal((1, 20, N_KV, D)).astype(np.float32), rng.standard_normal((1, 20, N_KV, D)).astype(np.float32)

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from tinygrad import GlobalCounters, Tensor, dtypes
 from tinyhet.kernels.kv_pack import pack_kv, unpack_kv
-from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_attention
+from tinyhet.kernels.paged_attention import decode_splits, kv_scatter, max_blocks_var, paged_attention
 
 D, ROWS, MAX_LEN = 64, 5, 300
 
@@ -48,6 +48,57 @@ def test_paged_attention_matches_dense_reference(block_size, group, seed, length
   max_blocks = max_blocks_var(cap).bind(max(-(-n // block_size) for n in lengths))
   out = paged_attention(Tensor(q), Tensor(pool), Tensor(tables), Tensor(np.array(lengths, np.int32)), max_blocks).numpy()
   for r in range(ROWS): np.testing.assert_allclose(out[r], dense_reference(q[r], ks[r], vs[r]), atol=2e-5, rtol=1e-4)
+
+def random_rows(rng, lengths: list[int], block_size: int, n_kv: int, cap: int):
+  """A NaN-filled pool holding one random sequence per length in scattered blocks: (pool, tables, ks, vs)."""
+  num_blocks = len(lengths) * cap + 3
+  pool, tables = nan_pool(num_blocks, n_kv, block_size), np.zeros((len(lengths), cap), np.int32)
+  ids, ks, vs = rng.permutation(num_blocks), [], []
+  for r, n in enumerate(lengths):
+    nb = -(-n // block_size)
+    tables[r, :nb], ids = ids[:nb], ids[nb:]
+    ks.append(rng.standard_normal((n, n_kv, D)).astype(np.float16)); vs.append(rng.standard_normal((n, n_kv, D)).astype(np.float16))
+    for p in range(n): put_token(pool, tables[r, p // block_size], p % block_size, ks[r][p], vs[r][p])
+  return pool, tables, ks, vs
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 38])
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), lengths=st.lists(st.integers(1, MAX_LEN), min_size=2, max_size=2))
+def test_split_context_matches_dense_reference(splits, seed, lengths):
+  # flash-decoding: each row's context cut into `splits` parts, merged; 38 = every block its own part (most parts past a
+  # short row's end: no valid token, weight 0 in the merge); one compile per split count serves every length
+  rng, bs, n_kv, group = np.random.default_rng(seed), 8, 2, 3
+  cap = -(-MAX_LEN // bs)
+  pool, tables, ks, vs = random_rows(rng, lengths, bs, n_kv, cap)
+  q = rng.standard_normal((2, n_kv * group, D)).astype(np.float32)
+  max_blocks = max_blocks_var(cap).bind(max(-(-n // bs) for n in lengths))
+  out = paged_attention(Tensor(q), Tensor(pool), Tensor(tables), Tensor(np.array(lengths, np.int32)), max_blocks, splits=splits).numpy()
+  for r in range(2): np.testing.assert_allclose(out[r], dense_reference(q[r], ks[r], vs[r]), atol=2e-5, rtol=1e-4)
+
+def test_split_counts_and_bad_splits():
+  assert decode_splits(1, 8, 2048, threads=192) == 192        # batch 1: the context cut across every thread
+  assert decode_splits(1, 8, 100, threads=192) == 100         # never more parts than blocks
+  assert decode_splits(16, 8, 2048, threads=64) == 1          # 128 (row, kv head) pairs already give 64 threads two each
+  assert decode_splits(1, 3, 2048, threads=2) == 2            # SmolLM2 at batch 1: 3 pairs do not divide over 2 threads
+  assert decode_splits(3, 3, 2048, threads=2) == 1            # 9 pairs: over 4 a thread, the uneven last one costs little
+  assert decode_splits(5, 3, 2048, threads=1) == 1
+  q, pool = Tensor.zeros(1, 2, D), Tensor.zeros(4, 2, 1, 8 * D, dtype=dtypes.float16)
+  table, lens = Tensor.zeros(1, 4, dtype=dtypes.int32), Tensor([3], dtype=dtypes.int32)
+  for bad in (0, 5):
+    with pytest.raises(ValueError, match="splits"): paged_attention(q, pool, table, lens, 1, splits=bad)
+
+def test_scratch_does_not_grow_with_max_context():
+  # a 20-token row in a table wide enough for Llama-3.1's 131K context: the kernel moves its KV and the partials, not a
+  # (heads, 131K) score row (the two-kernel form wrote and read 9 x 131K float32 here: ~9.4 MB)
+  rng, bs, n_kv, cap = np.random.default_rng(5), 16, 3, 131072 // 16
+  pool, tables, ks, vs = random_rows(rng, [20], bs, n_kv, 2)
+  tables = np.pad(tables, ((0, 0), (0, cap - 2)))
+  q = rng.standard_normal((1, n_kv * 3, D)).astype(np.float32)
+  args = [Tensor(x).realize() for x in (q, pool, tables, np.array([20], np.int32))]
+  GlobalCounters.reset()
+  out = paged_attention(*args, max_blocks_var(cap).bind(2), splits=2).numpy()
+  assert GlobalCounters.global_mem < 256 << 10, GlobalCounters.global_mem
+  np.testing.assert_allclose(out[0], dense_reference(q[0], ks[0], vs[0]), atol=2e-5, rtol=1e-4)
 
 def tinygrad_has(dtype) -> bool:
   try: return Tensor([1.5]).cast(dtype).realize().cast(dtypes.float32).item() == 1.5

@@ -172,3 +172,28 @@ def test_gpu_check_table_shows_every_section():
   for want in ("NVIDIA H200", "NV does not open here", "overhead +0.010 s", "copy on the prefill thread", "70B shapes, 2 layers",
                "2 staging buffers page-locked", "staged 2 / slow 0.210 s", "PASS"):
     assert want in text, want
+
+def test_a_senders_device_layers_leave_through_the_ring_without_a_host_region():
+  """KVSender with K, V in device memory (the PYTHON emulator) sends every layer through the ring and never allocates the
+  n_layers x layer host region that host-memory layers are packed into; with K, V in host memory it does."""
+  from tinyhet.kv.sender import KVSender, SendBuffers
+  from tinyhet.model.llama import small_config
+  from tinyhet.runtime.descriptor import RegionDescriptor
+  cfg, bs, n_tokens = small_config(n_layers=3, dim=KVH * D * 2, n_heads=2 * KVH, n_kv_heads=KVH), 4, 10
+  kv = layers_kv(cfg.n_layers, n_tokens, seed=4)
+  nb = -(-n_tokens // bs)
+  block = 2 * KVH * bs * D * 2
+  want = expected(kv, bs)
+  for device, host_made in (("PYTHON", False), ("MESH", True)):
+    pools = [RegionDescriptor("decode", l, 4096, 0, 0, nb * block).to_hex() for l in range(cfg.n_layers)]
+    reservation = {"seq_id": 1, "blocks": list(range(nb)), "pools": pools, "block_bytes": block, "block_size": bs}
+    slow = SlowTransport(np.zeros(cfg.n_layers * nb * block, np.uint8))
+    buffers = SendBuffers(local_node(), 2)
+    sender = KVSender(slow, None, reservation, cfg, dtypes.float16, buffers)
+    sender._spans = lambda layer, region, offset: [Span(region, offset + i * block, None, (layer * nb + i) * block, block) for i in range(nb)]
+    for layer, (k, v) in enumerate(kv):
+      sender.send(layer, Tensor(k, device=device).realize(), Tensor(v, device=device).realize())
+    sender.finish(30)
+    assert (buffers.host_region is not None) == host_made, device
+    np.testing.assert_array_equal(slow.dest, want, err_msg=device)
+    buffers.free()

@@ -99,3 +99,46 @@ class PoolGraph(GraphRunner):
 def use_pool(device) -> None:
   """Give a tinygrad CPU device (HET on a CPU, MESH) the pool's runtime and graph."""
   device.runtime_t, device.graph = PoolProgram, PoolGraph
+  wide_thread_split()       # kernels for it may split into more than tinygrad's 32 parts
+
+TINYGRAD_MAX_PARTS = 32   # the largest split tinygrad's heuristic tries (codegen/opt/heuristic.py: threads in [32, 16, 12, ...])
+
+def more_parts(k, split_k, ops_per_part: int = 128 << 10):
+  """tinygrad's heuristic split k (copied before it ran: k) into at most 32 parts, trying only 32, 16, 12, 8, 6, 5, 4, 3, 2;
+  where that is fewer than the threads (its renderer's global_max, NUM_CPU_THREADS at compile time), redo its last step
+  with the most parts n <= threads that divide a loop and keep >= 128K operations each, its own rule (24 threads: 24
+  parts, not 16; 64: 64, not 32). Returns the kernel to use."""
+  from tinygrad.codegen.opt import KernelOptError, Opt, OptOps
+  from tinygrad.helpers import prod
+  from tinygrad.uop.ops import AxisType, resolve
+  ren = split_k.ren
+  if not (ren.has_threads and ren.global_max): return split_k
+  threads, opts = ren.global_max[0], list(split_k.applied_opts)
+  have = opts[-1].arg if opts and opts[-1].op is OptOps.THREAD else 1
+  if have >= threads: return split_k
+  base = opts[:-1] if have > 1 else opts
+  try:
+    kk = k.copy()
+    for o in base: kk.apply_opt(o)
+  except KernelOptError: return split_k
+  for n in range(threads, have, -1):
+    if resolve(prod(kk.full_shape) // ops_per_part < n): continue
+    for axis in kk.axes_of(AxisType.WEAK):
+      if kk.full_shape[axis] % n: continue
+      try:
+        out = kk.copy()
+        out.apply_opt(Opt(OptOps.THREAD, axis, n))
+        return out
+      except KernelOptError: break
+  return split_k
+
+@functools.cache
+def wide_thread_split() -> None:
+  """Install more_parts around tinygrad's hand_coded_optimizations (postrange imports it by name when it optimizes a kernel,
+  so the module attribute is the hook); once per process."""
+  from tinygrad.codegen.opt import heuristic
+  original = heuristic.hand_coded_optimizations
+  def hand_coded_optimizations(k):
+    before = k.copy()
+    return more_parts(before, original(k))
+  heuristic.hand_coded_optimizations = hand_coded_optimizations

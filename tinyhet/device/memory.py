@@ -26,6 +26,9 @@ class LocalNode:
     with self.lock:
       if name not in self.arenas:
         self.arenas[name] = arena = Arena(self.config.arena_bytes, f"{self.name}-{name}", self.config.hugepages)
+        if self.config.numa == "interleave":       # before any page is touched: where they land is decided at first touch
+          from tinyhet.runtime.numa import interleave
+          interleave(arena.base, arena.size)
         if self._endpoint is not None: self._endpoint.register(arena)
       return self.arenas[name]
 

@@ -22,9 +22,9 @@ from tinygrad.device import Buffer
 from tinygrad.dtype import DType
 from tinygrad.helpers import ceildiv
 from tinyhet.kv.block_manager import BlockManager
-from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_attention
+from tinyhet.kernels.paged_attention import decode_splits, kv_scatter, max_blocks_var, paged_attention
 
-SCRATCH_BYTES = 256 << 20   # attention keeps (rows, n_heads, max_seq_len) float32 scores: rows past this go in chunks
+SCRATCH_BYTES = 256 << 20   # attention keeps (rows, n_heads, splits, head_dim + 2) float32 partials, whatever the length: rows past this go in chunks
 
 def create_pool(num_blocks: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: DType, device: str = "CPU") -> Tensor:
   """One layer's block pool: a realized, zeroed buffer of shape (num_blocks, 2, n_kv_heads, block_size * head_dim) on device.
@@ -124,10 +124,11 @@ class PagedKVCache:
     pos = positions.reshape(R).cast(dtypes.int32)
     pool = kv_scatter(self.pools[layer], k.reshape(R, self.n_kv_heads, D), v.reshape(R, self.n_kv_heads, D), tables, pos)
     q, n = q.reshape(R, H, D), (pos + 1).contiguous()
-    chunk = max(1, SCRATCH_BYTES // (H * self.cap * self.block_size * 4))
-    if R <= chunk: return paged_attention(q, pool, tables, n, max_blocks).reshape(B, T, H, D)
-    # T > 1 (a recompute): rows in chunks so the score scratch stays bounded
-    outs = [paged_attention(q[i:i + chunk], pool, tables[i:i + chunk], n[i:i + chunk], max_blocks) for i in range(0, R, chunk)]
+    splits = decode_splits(R, self.n_kv_heads, self.cap)   # flash-decoding: a short batch's context is cut across the threads
+    chunk = max(1, SCRATCH_BYTES // (H * splits * (D + 2) * 4))
+    if R <= chunk: return paged_attention(q, pool, tables, n, max_blocks, splits).reshape(B, T, H, D)
+    # T > 1 (a recompute): rows in chunks so the partials stay bounded
+    outs = [paged_attention(q[i:i + chunk], pool, tables[i:i + chunk], n[i:i + chunk], max_blocks, splits) for i in range(0, R, chunk)]
     return Tensor.cat(*outs).reshape(B, T, H, D)
 
   # ***** bytes, for transports and tests *****

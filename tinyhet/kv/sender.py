@@ -160,15 +160,24 @@ class KVSender:
     self.kv_dtype, self.buffers = kv_dtype, buffers
     self.layer_bytes = len(self.blocks) * self.block_bytes
     self.writer = LayerWriter(endpoint, peer, before_post)
-    # (layers, blocks, 2, KVH, block_size*D): the pools' bytes. Rows past the prompt (pads) only reach the slack of the last
-    # block, which the decode node masks until its own tokens overwrite it.
-    self.host: Region | None = buffers.host(cfg.n_layers * self.layer_bytes) if kv_dtype.fmt is not None else None
-    self.stage = None if self.host is None else np.frombuffer(self.host.view(0, cfg.n_layers * self.layer_bytes), np.dtype(kv_dtype.fmt)) \
-      .reshape(cfg.n_layers, len(self.blocks), 2, cfg.n_kv_heads, self.block_size * cfg.head_dim)    # the region may be larger (kept)
+    # host region and stage: made on the first layer whose K, V are in host memory (HET on a CPU), never where the layers
+    # are in device memory and leave through the staging ring (that region is n_layers x layer bytes: 10 GiB for 32K tokens of 70B)
+    self.cfg, self.host, self.stage = cfg, None, None
     self.ring = buffers.ring(self.layer_bytes)
     self.keep: list[Tensor] = []              # K, V or packed layers stay alive until their writes have landed
     self.computed: dict[int, float] = {}      # when each layer's K, V were handed over (perf_counter)
     self.handoff_s = 0.0                      # time the prefill thread spent in send()
+
+  def host_stage(self) -> Region:
+    """The host region every layer packed on the host goes to, (layers, blocks, 2, KVH, block_size*D): the pools' bytes
+    (self.stage, a numpy view), made on first use. Rows past the prompt (pads) only reach the slack of the last block, which
+    the decode node masks until its own tokens overwrite it."""
+    if self.host is None:
+      cfg, nbytes = self.cfg, self.cfg.n_layers * self.layer_bytes
+      self.host = self.buffers.host(nbytes)
+      self.stage = np.frombuffer(self.host.view(0, nbytes), np.dtype(self.kv_dtype.fmt)) \
+        .reshape(cfg.n_layers, len(self.blocks), 2, cfg.n_kv_heads, self.block_size * cfg.head_dim)    # the region may be larger (kept)
+    return self.host
 
   @property
   def staging_waits(self) -> int: return self.ring.waits if self.ring is not None else 0
@@ -188,9 +197,9 @@ class KVSender:
   def _hand_off(self, layer: int, k: Tensor, v: Tensor):
     if self.writer.error is not None: return
     notify = notice_value(self.seq_id, layer)
-    if self.stage is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
+    if self.kv_dtype.fmt is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
       self.keep.extend((k, v))              # K, V in host memory: the writer thread packs them into the host region
-      self.writer.post(layer, self._spans(layer, self.host, layer * self.layer_bytes), notify,
+      self.writer.post(layer, self._spans(layer, self.host_stage(), layer * self.layer_bytes), notify,
                        functools.partial(pack_kv_host, ka, va, self.stage[layer]))
       return
     packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()

@@ -63,11 +63,12 @@ class Replay:
   the inputs of one signature (same shapes, dtypes, devices: `signature`) do not need."""
   def __init__(self, fn): self.jit = TinyJit(fn)
 
-  def __call__(self, *inputs: Tensor):
+  def __call__(self, *inputs: Tensor, **variables):
     bases = [t.uop.base for t in inputs]
     # before the capture, or an input that is not a plain buffer (a realized tensor still behind its last computation): TinyJit's own call
-    if self.jit.captured is None or any(b.op is not Ops.BUFFER for b in bases): return self.jit(*inputs)
-    return self.jit.captured(bases, {})
+    if self.jit.captured is None or any(b.op is not Ops.BUFFER for b in bases): return self.jit(*inputs, **variables)
+    # bound Variables (a chunk's block count) by name, as TinyJit passes them
+    return self.jit.captured(bases, {var.expr: val for var, val in (u.unbind() for u in variables.values())})
 
 class LayerJit:
   """The two captured halves of a prefill layer for one prompt length and KV dtype, per weight signature."""

@@ -128,6 +128,10 @@ def random_weights(cfg: LlamaConfig, device: str | None = None, dtype: DType = d
 
 LAYER_JIT_MAX_T = 1024   # prefills up to this length replay captured layers (tinyhet.model.layer_jit); longer ones are kernel-bound
 
+def _config_chunk() -> int:
+  from tinyhet.config import load_config
+  return load_config().prefill_chunk
+
 # ---- KV cache ----------------------------------------------------------------------------------------------------------------
 
 class KVCache(Protocol):
@@ -179,6 +183,7 @@ class Llama:
   def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, device: str | None = None):
     if len(weights.layers) != cfg.n_layers: raise ValueError(f"config has {cfg.n_layers} layers, weights have {len(weights.layers)}")
     self.cfg, self.w = cfg, weights
+    self.prefill_chunk = 0   # prompts longer than this prefill in chunks of it (tinyhet.model.chunked_prefill); 0 = the config's prefill_chunk
     self.device = weights.tok_embeddings.device if device is None else device
     self.rope_cos, self.rope_sin = rope_tables(cfg, cfg.max_context, self.device)   # (max_context, head_dim/2)
 
@@ -257,6 +262,10 @@ class Llama:
   def _prefill(self, tokens: Tensor, on_layer, cache: KVCache | None, kv_dtype: DType | None, n_valid: int | None = None, progress=None) -> Tensor:
     kv_dtype = cache.kv_dtype if cache is not None else (kv_dtype or dtypes.float16)
     T = tokens.shape[1]
+    chunk = self.prefill_chunk or _config_chunk()
+    if cache is None and T > chunk:                # a long prompt: chunks through a paged pool, tiled attention (no (T, T) scores)
+      from tinyhet.model.chunked_prefill import chunked_prefill
+      return chunked_prefill(self, tokens, chunk, kv_dtype, on_layer, progress, n_valid)
     if cache is None and T <= LAYER_JIT_MAX_T:     # the prompt's own K, V only: every layer replays one capture
       from tinyhet.model.layer_jit import layer_jit
       return layer_jit(self, T, kv_dtype).prefill(tokens, on_layer, progress, n_valid or T)

@@ -1,0 +1,105 @@
+"""Chunked prefill (tinyhet.model.chunked_prefill): a prompt in chunks over paged pools gives the unchunked prefill's logits,
+K, V and greedy tokens; it continues from K, V already in pools (a cached prefix); Llama.prefill takes it past the chunk
+length; and its memory stays weights + KV + O(chunk x width) where the dense path needed (heads, T, T) float32 scores."""
+import json, os, subprocess, sys
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+import tinyhet  # noqa: F401  (HET, MESH)
+from tinygrad import Tensor, dtypes
+from tinyhet.model.chunked_prefill import chunk_plan, chunked_prefill, prompt_pools
+from tinyhet.model.llama import DenseKVCache, Llama, random_weights, small_config
+
+@pytest.fixture(scope="module")
+def llama():
+  cfg = small_config(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=256, max_context=256)
+  return Llama(cfg, random_weights(cfg, device="MESH", seed=3), "MESH")
+
+def ids_of(T: int, seed: int = 0) -> list[int]: return [int(t) for t in np.random.default_rng(seed).integers(0, 256, T)]
+
+def dense(llama, ids, T=None):
+  """The unchunked reference: one forward through a dense cache of the prompt; on_layer's K, V."""
+  kv = {}
+  logits = llama.prefill(Tensor([ids], dtype=dtypes.int32, device="MESH"), on_layer=lambda l, k, v: kv.setdefault(l, (k.numpy(), v.numpy())),
+                         cache=DenseKVCache(llama.cfg, 1, len(ids), device="MESH"))
+  return logits.numpy(), kv
+
+def chunked(llama, ids, chunk, **kw):
+  kv = {}
+  logits = chunked_prefill(llama, Tensor([ids], dtype=dtypes.int32, device="MESH"), chunk, dtypes.float16,
+                           on_layer=lambda l, k, v: kv.setdefault(l, (k.numpy(), v.numpy())), **kw)
+  return logits.numpy(), kv
+
+def test_chunk_plan():
+  assert chunk_plan(100, 32) == [(0, 32), (32, 32), (64, 32), (96, 4)]
+  assert chunk_plan(64, 32, start=10) == [(10, 32), (42, 32)]
+  assert chunk_plan(5, 512) == [(0, 5)]
+  for bad in ((0, 32), (10, 0), (10, 32, -1)):
+    with pytest.raises(ValueError): chunk_plan(*bad)
+
+@pytest.mark.parametrize("chunk", [16, 37])
+@settings(max_examples=1, deadline=None)
+@given(T=st.integers(97, 111), seed=st.integers(0, 1000))
+def test_chunks_give_the_unchunked_logits_and_kv(llama, chunk, T, seed):
+  # one capture per (chunk, pool blocks): every T here pads to 7 blocks of 16 at both chunk lengths (112 and 111 positions),
+  # so runs share their captures (the last chunk's length, its pads, and the block count vary); one example per run: each
+  # costs a dense reference's compile
+  ids = ids_of(T, seed)
+  got, got_kv = chunked(llama, ids, chunk)
+  want, want_kv = dense(llama, ids)
+  np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
+  assert got.argmax() == want.argmax()
+  for l in want_kv:
+    for a, b in zip(got_kv[l], want_kv[l]):
+      assert a.shape == (T, 2, 16)
+      np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+def test_continues_from_kv_already_in_the_pools(llama):
+  # the first 40 tokens' K, V in pools (as a cached prefix would be), then the other 60 against them: the whole prompt's logits
+  ids = ids_of(100, 7)
+  pools, nb = prompt_pools(llama, 128, dtypes.float16)
+  table = list(range(nb))[::-1]                                     # blocks in any order
+  chunked_prefill(llama, Tensor([ids[:40]], dtype=dtypes.int32), 32, dtypes.float16, pools=pools, table=table)
+  got = chunked_prefill(llama, Tensor([ids[40:]], dtype=dtypes.int32), 32, dtypes.float16, pools=pools, table=table, start=40).numpy()
+  np.testing.assert_allclose(got, dense(llama, ids)[0], rtol=1e-3, atol=1e-4)
+  with pytest.raises(ValueError, match="pools"): chunked_prefill(llama, Tensor([ids[40:]], dtype=dtypes.int32), 32, dtypes.float16, start=40)
+  with pytest.raises(ValueError, match="cover"):
+    chunked_prefill(llama, Tensor([ids], dtype=dtypes.int32), 32, dtypes.float16, pools=pools, table=table[:4])
+
+def test_llama_prefill_chunks_past_the_chunk_length_and_tokens_match(llama):
+  ids = ids_of(70, 11)
+  llama.prefill_chunk = 32
+  try:
+    padded = llama.prefill(Tensor([ids + [0] * 6], dtype=dtypes.int32, device="MESH"), n_valid=70).numpy()   # a padded prompt, as a node sends
+    assert "_chunk_jits" in llama.__dict__
+    tokens = llama.reference_generate(ids, 6, jit=False)                  # the unchunked forward + dense-cache decode
+  finally: llama.prefill_chunk = 0
+  want = dense(llama, ids)[0]
+  np.testing.assert_allclose(padded, want, rtol=1e-3, atol=1e-4)
+  assert int(padded.argmax()) == tokens[0]
+
+MEASURE = r"""
+import json, resource, sys, numpy as np, tinyhet
+from tinygrad import Tensor, dtypes
+from tinyhet.model.llama import Llama, random_weights, small_config
+T, chunk = int(sys.argv[1]), int(sys.argv[2])
+cfg = small_config(n_layers=2, dim=128, n_heads=8, n_kv_heads=2, hidden_dim=256, vocab_size=512, max_context=T)
+m = Llama(cfg, random_weights(cfg, device="MESH"), "MESH")
+m.prefill_chunk = chunk
+ids = Tensor(np.random.default_rng(0).integers(0, 512, (1, T)).astype(np.int32), device="MESH").realize()
+m.prefill(Tensor(ids.numpy()[:, :chunk + 16], device="MESH")).numpy()          # compile the captures' kernels (a 2-chunk prompt)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+m.prefill(ids).numpy()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"added": peak - base, "kv": T * cfg.kv_bytes_per_token(dtypes.float16)}))
+"""
+
+@pytest.mark.slow
+def test_an_8k_prompt_stays_within_kv_plus_chunk_memory(tmp_path):
+  # 8,192 tokens, 8 heads: the dense path's scores alone were 8 x 8192^2 x 4 B = 2 GiB a layer. Chunked: the pools (the KV,
+  # 4 MiB here) + the chunk's activations and partials + the capture's buffers (small at width 128), in a fresh process
+  out = subprocess.run([sys.executable, "-c", MEASURE, "8192", "512"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TINYHET_CPU_THREADS": "2"})
+  assert out.returncode == 0, out.stderr[-2000:]
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert r["added"] < r["kv"] + (64 << 20), r

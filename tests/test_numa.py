@@ -1,0 +1,38 @@
+"""NUMA placement (runtime/numa.py, config numa): node lists parsed (bad ones refused), an interleave policy set on an arena
+before its pages are touched (as /proc/self/numa_maps shows it), the node of each touched page (move_pages), the config
+option. This machine has one NUMA node: the policy and the page queries are real, the spread over nodes is not seen."""
+import ctypes
+import pytest
+from tinyhet.config import ConfigError, load_config
+from tinyhet.runtime import numa
+from tinyhet.runtime.arena import Arena
+
+def test_node_lists():
+  assert numa.parse_node_list("0") == [0] and numa.parse_node_list("0-3\n") == [0, 1, 2, 3] and numa.parse_node_list("0,2-3") == [0, 2, 3]
+  for bad in ("x", "3-1", "0-", "-1", "1,a"):
+    with pytest.raises(ValueError): numa.parse_node_list(bad)
+  assert numa.online_nodes() and all(n >= 0 for n in numa.online_nodes())
+
+def test_interleave_sets_the_arena_policy_and_pages_land_on_its_nodes():
+  a = Arena(8 << 20, "numa-test", hugepages=False)
+  assert numa.policy_of(a.base) == "default"
+  numa.interleave(a.base, a.size)
+  nodes = numa.online_nodes()
+  assert numa.policy_of(a.base) == "interleave:" + (str(nodes[0]) if len(nodes) == 1 else f"{nodes[0]}-{nodes[-1]}")
+  assert set(numa.page_nodes(a.base, 4 << 12)) == {-2}                 # not touched yet: no pages
+  ctypes.memset(a.base, 1, 1 << 20)
+  got = numa.page_nodes(a.base, 1 << 20)
+  assert set(got) <= set(nodes) and (len(nodes) == 1 or len(set(got)) > 1), got
+  with pytest.raises(ValueError): numa.interleave(a.base, a.size, nodes=[])
+  with pytest.raises(OSError): numa.interleave(a.base + 1, 4096)       # not page-aligned: the kernel's EINVAL
+
+def test_the_config_option(tmp_path):
+  assert load_config(env={}).numa == "off" and load_config(env={"TINYHET_NUMA": "interleave"}).numa == "interleave"
+  with pytest.raises(ConfigError, match="not built yet"): load_config(env={"TINYHET_NUMA": "replicate"})
+  with pytest.raises(ConfigError, match="numa"): load_config(env={"TINYHET_NUMA": "sockets"})
+
+def test_a_node_with_numa_interleave_interleaves_its_arenas():
+  from tinyhet.device.memory import LocalNode
+  node = LocalNode(load_config(env={"TINYHET_NUMA": "interleave", "TINYHET_ARENA_BYTES": "16M"}))
+  assert numa.policy_of(node.arena("MESH").base).startswith("interleave:")
+  assert numa.policy_of(LocalNode(load_config(env={"TINYHET_ARENA_BYTES": "16M"})).arena("MESH").base) == "default"
