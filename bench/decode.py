@@ -17,16 +17,8 @@ stall one round on a shared machine).
 from __future__ import annotations
 import argparse, json, math, os, subprocess, sys, time
 import numpy as np
+from tinyhet.bench.prompts import filler_ids
 from tinyhet.bench.torch_llama import TorchLlama
-
-FILLER = ("The history of astronomy is long. Early observers tracked the motions of the Sun, the Moon and the planets, "
-          "built calendars from them, and argued about the shape of the heavens. ")
-
-def prompt_ids(tok, n: int) -> list[int]:
-  """Exactly n token ids of filler text (a benchmark prompt: no chat template, so every engine gets the same ids)."""
-  ids = tok.encode(FILLER * (2 + n // 20), add_special=False)
-  while len(ids) < n: ids = ids + ids
-  return ids[:n]
 
 def best_rate(fn, work: int, rounds: int) -> float:
   best = math.inf
@@ -40,20 +32,17 @@ class TinyhetEngine:
   name = "tinyhet"
   def __init__(self, path, threads: int, max_batch: int, max_context: int):
     import tinyhet  # noqa: F401  (HET and MESH)
-    from tinygrad import TinyJit
-    from tinyhet.cpu_threads import configured_threads
-    from tinyhet.decode_node import PAD_SEQ
-    from tinyhet.kv_cache import PagedKVCache
-    from tinyhet.weights import load_model
+    from tinyhet.device.cpu_threads import configured_threads
+    from tinyhet.engine.decode_engine import DecodeEngine
+    from tinyhet.kv.paged_cache import PagedKVCache
+    from tinyhet.model.weights import load_model
     if configured_threads() != threads: raise SystemExit(f"tinyhet runs {configured_threads()} threads: set TINYHET_CPU_THREADS={threads}")
     self.het, self.tok = load_model(path, device="HET", max_context=max_context, quiet=True, packed=True)
     self.mesh, _ = load_model(path, device="MESH", max_context=max_context, quiet=True, packed=True)
     cfg = self.mesh.cfg
     blocks = (max_batch + 1) * -(-max_context // 16) + 2
     self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, blocks, 16, "float16", device="MESH", max_seq_len=max_context)
-    self.cache.block_manager.allocate(PAD_SEQ, 1)
-    self.pad, self.steps = PAD_SEQ, {}
-    self.jit = lambda: TinyJit(lambda t, p, **kv: self.mesh.forward(t, p, self.cache).realize())
+    self.engine = DecodeEngine(self.mesh, self.cache)     # the decode node's step: bucketed, padded, one capture per bucket
     w = self.mesh.w
     self.weight_bytes = w.nbytes() - (0 if w.output is w.tok_embeddings else w.tok_embeddings.nbytes())   # rows of the embedding only
     self.kv_token_bytes = cfg.kv_bytes_per_token()
@@ -64,21 +53,13 @@ class TinyhetEngine:
 
   def decode(self, batch: int, context: int, steps: int) -> tuple[float, int]:
     """(seconds for `steps` decode steps of `batch` sequences at `context` tokens, bytes one step reads)."""
-    from tinyhet.cpu_threads import kernel_threads
-    from tinyhet.decode_node import batch_bucket
     bm, ids = self.cache.block_manager, list(range(batch))
     for i in ids: bm.allocate(i, context)
-    bucket = batch_bucket(batch)
-    step = self.steps.setdefault(bucket, self.jit())
-    tokens = [[1]] * batch
+    tokens = [1] * batch
     def one():
       nonlocal tokens
       for i in ids: bm.append_slot(i)
-      positions = self.cache.begin_step(ids + [self.pad] * (bucket - batch), 1)
-      with kernel_threads("MESH"):
-        logits = step(*self.cache.step_inputs(np.array(tokens + [[0]] * (bucket - batch), dtype=np.int32), positions),
-                      **self.cache.jit_kwargs()).numpy()
-      tokens = [[int(t)] for t in logits[:batch].argmax(-1)]
+      tokens = [int(t) for t in self.engine.step(ids, tokens).argmax(-1)]
     try:
       for _ in range(3): one()          # TinyJit: run, capture, replay
       t0 = time.perf_counter()
@@ -171,8 +152,8 @@ def llama_cpp_build() -> str:
 
 def make_engine(name: str, path, threads: int, max_batch: int, max_context: int):
   """One engine and the tokenizer, in this process."""
-  from tinyhet.tokenizer import Tokenizer
-  from tinyhet.weights import gguf_config, read_gguf
+  from tinyhet.model.tokenizer import Tokenizer
+  from tinyhet.model.weights import gguf_config, read_gguf
   g = read_gguf(path)
   tok, kv_token_bytes = Tokenizer.from_gguf_metadata(g.metadata), gguf_config(g).kv_bytes_per_token()
   if name == "tinyhet": return TinyhetEngine(path, threads, max_batch, max_context), tok
@@ -182,7 +163,7 @@ def make_engine(name: str, path, threads: int, max_batch: int, max_context: int)
     return e, tok
   if name == "torch":
     import tinyhet  # noqa: F401  (MESH)
-    from tinyhet.weights import load_model
+    from tinyhet.model.weights import load_model
     model, _ = load_model(path, device="MESH", max_context=max_context, quiet=True, packed=True)
     return TorchEngine(model, threads, max_batch, max_context), tok
   raise SystemExit(f"tinyhet bench decode: unknown engine {name!r} (tinyhet, llama.cpp, torch)")
@@ -190,7 +171,7 @@ def make_engine(name: str, path, threads: int, max_batch: int, max_context: int)
 def measure(e, tok, prompts: list[int], batches: list[int], context: int, steps: int, rounds: int, log) -> list[dict]:
   rows = []
   for n in prompts:
-    prompt = prompt_ids(tok, n)
+    prompt = filler_ids(tok, n)
     e.prefill(prompt)                              # compiles, warms caches
     rows.append({"engine": e.name, "batch": 1, "prompt_tokens": n, "prefill_tok_s": best_rate(lambda: e.prefill(prompt), n, rounds),
                  "decode_tok_s": None, "step_bytes": None})
@@ -206,7 +187,7 @@ def measure(e, tok, prompts: list[int], batches: list[int], context: int, steps:
   return rows
 
 def main(argv: list[str] | None = None) -> int:
-  from tinyhet.cpu_threads import configured_threads
+  from tinyhet.device.cpu_threads import configured_threads
   ap = argparse.ArgumentParser(prog="tinyhet bench decode", description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct, Q4_1)")
   ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: tinyhet's, TINYHET_CPU_THREADS or every CPU)")
@@ -225,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
   os.environ["TINYHET_CPU_THREADS"] = str(threads)
   configured_threads.cache_clear()
   batches, prompts = [int(b) for b in args.batches.split(",")], [int(p) for p in args.prompts.split(",")]
-  from tinyhet.weights import embedded_model_path
+  from tinyhet.model.weights import embedded_model_path
   path = embedded_model_path() if args.model is None else args.model
   max_context = max(max(prompts), args.context + 3 + args.steps * args.rounds) + 16
   log = (lambda m: None) if args.json and not args.one_engine else (lambda m: print(m, file=sys.stderr, flush=True))
@@ -263,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
   return 0
 
 def gguf_name(path) -> str:
-  from tinyhet.weights import gguf_config, read_gguf
+  from tinyhet.model.weights import gguf_config, read_gguf
   return gguf_config(read_gguf(path)).name
 
 def table(out: dict) -> str:

@@ -13,14 +13,7 @@ Each prompt length runs once untimed on every path to compile its kernels (tinyg
 from __future__ import annotations
 import argparse, json, os, secrets, statistics, sys, time
 import numpy as np
-
-FILLER = ("The history of the sea is the history of the people who crossed it: traders and fishermen, explorers and "
-          "mapmakers, each leaving notes about currents, winds and the stars they steered by. ")
-
-def prompt_of(tok, n_tokens: int) -> list[int]:
-  ids: list[int] = []
-  while len(ids) < n_tokens: ids += tok.encode(FILLER, add_special=False)
-  return ids[:n_tokens]
+from tinyhet.bench.prompts import filler_ids
 
 def steady_tok_s(marks: list[float]) -> float:
   """Decode tokens/s from token arrival times, past the first few (a TinyJit step is captured on its first two calls)."""
@@ -33,7 +26,7 @@ def say(msg: str):
 def measure_length(model, clients: dict, engine, ids: list[int], new: int, rounds: int) -> tuple[list[dict], dict]:
   """One prompt length: (one row per transport with the overhead figures, the decode figures of this length).
   clients: transport -> DecodeClient; engine: a LocalEngine on the model's device."""
-  from tinyhet.prefill import prefill_bucket, ttft_no_transfer
+  from tinyhet.engine.prefill import prefill_bucket, ttft_no_transfer
   kv_dtype = next(iter(clients.values())).kv_dtype
   n = len(ids)
   say(f"{n}-token prompt: compiling (disaggregated over {', '.join(clients)}, no transfer, single device)")
@@ -84,7 +77,7 @@ def main(argv=None) -> int:
   if rounds < 1 or new < 1 or min(lens) < 1: ap.error("--rounds, --new-tokens and every prompt length must be at least 1")
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))
   sys.setswitchinterval(1e-3)      # transport threads get the GIL sooner from the busy prefill thread
-  from tinyhet.run import LocalDecodeNode
+  from tinyhet.cli.run import LocalDecodeNode
   child = LocalDecodeNode(argparse.Namespace(kv_memory="1G", model=args.model, quiet=True, float_weights=False))
   try: out = measure(args, lens, new, rounds, child)
   finally: child.close()
@@ -95,10 +88,10 @@ def main(argv=None) -> int:
 def measure(args, lens, new, rounds, child) -> dict:
   import tinyhet  # noqa: F401
   from tinyhet.bench.membw import read_gbps
-  from tinyhet.local_engine import LocalEngine
-  from tinyhet.memory import local_node
-  from tinyhet.prefill import DecodeClient
-  from tinyhet.weights import load_model, model_name
+  from tinyhet.engine.local_engine import LocalEngine
+  from tinyhet.device.memory import local_node
+  from tinyhet.engine.client import DecodeClient
+  from tinyhet.model.weights import load_model, model_name
   model, tok = load_model(args.model, device="HET", quiet=True, packed=True)
   address = child.address()
   clients = {t: DecodeClient(local_node(), address, model, model_name(args.model), t) for t in args.transports.split(",")}
@@ -110,7 +103,7 @@ def measure(args, lens, new, rounds, child) -> dict:
   rows, decode = [], []
   try:
     for n in lens:
-      r, d = measure_length(model, clients, engine, prompt_of(tok, n), new, rounds)
+      r, d = measure_length(model, clients, engine, filler_ids(tok, n), new, rounds)
       d["decode_tok_s"]["bandwidth_bound"] = round(bw * 1e9 / (w_bytes + kv_per_token * (n + new // 2)), 2)
       rows += r
       decode.append(d)

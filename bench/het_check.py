@@ -10,7 +10,7 @@ import argparse, json, sys, time
 import numpy as np
 
 def buffer_address(opaque) -> int:
-  from tinyhet.memory import address_of
+  from tinyhet.device.memory import address_of
   if hasattr(opaque, "va_addr"): return int(opaque.va_addr)      # HCQ buffers (CPU, NV, AMD)
   if hasattr(opaque, "value"): return int(opaque.value)          # CUDA device pointers
   if isinstance(opaque, memoryview): return address_of(opaque)   # tinygrad's PYTHON emulator
@@ -19,7 +19,7 @@ def buffer_address(opaque) -> int:
 def het_span() -> tuple[int, int]:
   """[start, end) of HET's registered memory."""
   from tinygrad import Device
-  from tinyhet.memory import local_node
+  from tinyhet.device.memory import local_node
   alloc = Device["HET"].allocator
   if getattr(alloc, "arena_buf", None) is not None: return buffer_address(alloc.arena_buf), buffer_address(alloc.arena_buf) + alloc.arena_bytes
   arena = local_node().arenas["HET"]
@@ -70,8 +70,8 @@ def main(argv=None) -> int:
   import gc
   import tinyhet  # noqa: F401  (installs HET and MESH)
   from tinygrad import Tensor, Device, dtypes
-  from tinyhet.memory import local_node
-  from tinyhet.devices import resolve_backend
+  from tinyhet.device.memory import local_node
+  from tinyhet.device.backend import resolve_backend
   backend = resolve_backend(local_node().config.het_backend)
   rng = np.random.default_rng(0)
   sizes = (3, 8) if args.quick else (7, 64, 256)

@@ -29,8 +29,8 @@ def workload(n: int, rng) -> list[tuple[int, int]]:
 def simulate(requests: list[tuple[int, int]], num_blocks: int, block_size: int, max_num_seqs: int, quiet: bool, name: str) -> dict:
   """Run the workload through Scheduler over a pool of num_blocks blocks (all requests arrive at once, no EOS). Returns
   mean utilization and mean running sequences over the steps, the number of steps and of preemptions."""
-  from tinyhet.block_manager import BlockManager
-  from tinyhet.scheduler import Scheduler, Sequence
+  from tinyhet.kv.block_manager import BlockManager
+  from tinyhet.engine.scheduler import Scheduler, Sequence
   s = Scheduler(BlockManager(num_blocks, block_size), max_num_seqs=max_num_seqs, max_num_batched_tokens=1 << 30)
   for i, (p, o) in enumerate(requests): s.add(Sequence(i, [1] * p, max_new_tokens=o))
   utils, running, steps, done, t0 = [], [], 0, 0, time.perf_counter()
@@ -139,7 +139,7 @@ def compare_jit(shape: tuple[int, int, int, int], block_size: int, rows: int, ma
   import numpy as np
   from tinygrad import Device, Tensor, TinyJit, dtypes
   from tinygrad.engine import realize
-  from tinyhet.block_manager import BlockManager
+  from tinyhet.kv.block_manager import BlockManager
   from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_attention
   _, H, KV, D = shape
   BS, cap = block_size, math.ceil(max_len / block_size)

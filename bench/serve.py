@@ -120,7 +120,7 @@ def main(argv=None) -> int:
   args.max_tokens = args.max_tokens or 32
   levels = [int(x) for x in args.concurrency.split(",")]
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))      # the processes started here share it
-  from tinyhet import service_model
+  from tinyhet.model import spec as service_model
   rows = run_config("disaggregated", args, levels) + run_config("both", args, levels)
   out = {"model": service_model.model_id(args.model), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rows": rows}
   print(json.dumps(out) if args.json else table(out))

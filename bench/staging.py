@@ -1,5 +1,5 @@
 """`tinyhet bench staging`: layers leaving device memory no transport sends from (HET on a GPU without GPUDirect), with
-and without the asynchronous staging buffers (tinyhet.staging), in one run.
+and without the asynchronous staging buffers (tinyhet.device.gpu_staging), in one run.
 
 The "device" is tinygrad's own CPU device (--device; CUDA on a GPU machine): its memory is not registered, so each packed
 layer must be copied to registered host memory before a transport can send it, as from a GPU. The model is by default a
@@ -46,14 +46,14 @@ def say(msg: str): print(msg, file=sys.stderr, flush=True)
 RANDOM = dict(n_layers=8, dim=256, n_heads=8, n_kv_heads=8, hidden_dim=512, vocab_size=512)
 
 def random_model(device: str, max_context: int):
-  from tinyhet.model import Llama, random_weights, small_config
+  from tinyhet.model.llama import Llama, random_weights, small_config
   cfg = small_config(**RANDOM, max_context=max_context, name="bench-random")
   return Llama(cfg, random_weights(cfg, device=device, seed=5), device)
 
 class RandomDecodeNode:
   """A decode node process serving random_model (the same weights: tinygrad's RNG with the same seed)."""
-  CODE = ("import json, sys, threading, tinyhet\nfrom tinyhet.bench.staging import random_model\nfrom tinyhet.decode_node import DecodeNode\n"
-          "from tinyhet.memory import local_node\nnode = local_node()\n"
+  CODE = ("import json, sys, threading, tinyhet\nfrom tinyhet.bench.staging import random_model\nfrom tinyhet.engine.decode_node import DecodeNode\n"
+          "from tinyhet.device.memory import local_node\nnode = local_node()\n"
           "decode = DecodeNode(random_model('MESH', {ctx}), node, kv_blocks={blocks}, block_size=16, max_num_seqs=2, model_id='bench-random')\n"
           "print(json.dumps({{'address': node.serve()}}), flush=True)\nstop = threading.Event()\n"
           "threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()\ndecode.run(stop)\n")
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
   sys.setswitchinterval(1e-3)
   if args.model is None: child = RandomDecodeNode(args.prompt_tokens)
   else:
-    from tinyhet.run import LocalDecodeNode
+    from tinyhet.cli.run import LocalDecodeNode
     path = None if args.model == "smollm2" else args.model
     child = LocalDecodeNode(argparse.Namespace(kv_memory="1G", model=path, quiet=True, float_weights=False))
   try: out = measure(args, buffers, child)
@@ -108,11 +108,12 @@ def main(argv=None) -> int:
 
 def measure(args, buffers, child) -> dict:
   import tinyhet  # noqa: F401
-  from tinyhet.bench.e2e import prompt_of
-  from tinyhet.memory import local_node
-  from tinyhet.prefill import DecodeClient, ttft_no_transfer
-  from tinyhet.staging import pinned_buffers
-  from tinyhet.weights import load_model, model_name
+  from tinyhet.bench.prompts import filler_ids
+  from tinyhet.device.memory import local_node
+  from tinyhet.engine.client import DecodeClient
+  from tinyhet.engine.prefill import ttft_no_transfer
+  from tinyhet.device.gpu_staging import pinned_buffers
+  from tinyhet.model.weights import load_model, model_name
   import numpy as np
   if args.model is None:
     name = "random Llama (8 layers, dim 256, 8 KV heads)"
@@ -123,7 +124,7 @@ def measure(args, buffers, child) -> dict:
     name = model_id = model_name(path)
     say(f"loading {name} onto {args.device}")
     model, tok = load_model(path, device=args.device, quiet=True, packed=True)
-    ids = prompt_of(tok, args.prompt_tokens)
+    ids = filler_ids(tok, args.prompt_tokens)
   address = child.address()
   clients = {}
   for link in ("full", "slow"):

@@ -10,11 +10,12 @@ class TorchLlama:
   def __init__(self, cfg, weights, max_context: int, batch: int = 1):
     import torch
     self.torch, self.cfg = torch, cfg
-    from tinyhet.packed import PackedWeight
+    from tinyhet.model.packed import PackedWeight
     t = lambda x: torch.from_numpy(np.ascontiguousarray((x.dequantize() if isinstance(x, PackedWeight) else x.float()).numpy()))
     self.emb, self.norm, self.out = t(weights.tok_embeddings), t(weights.norm), None
     self.out = self.emb if weights.output is weights.tok_embeddings else t(weights.output)
-    from tinyhet.model import LayerWeights, rope_frequencies
+    from tinyhet.model.layers import rope_frequencies
+    from tinyhet.model.llama import LayerWeights
     self.layers = [{f.name: t(getattr(lw, f.name)) for f in dataclasses.fields(LayerWeights)} for lw in weights.layers]
     freqs = torch.from_numpy(rope_frequencies(cfg)).float()
     self.freqs_cis = torch.polar(torch.ones(max_context, len(freqs)), torch.outer(torch.arange(max_context).float(), freqs))

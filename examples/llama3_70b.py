@@ -39,8 +39,8 @@ def parse_args(argv):
 
 def weights_nbytes(args) -> int:
   """Bytes the weights take on a device, before loading them: for sizing the registered arena that holds them."""
-  from tinyhet.model import PRESETS
-  from tinyhet.weights import model_nbytes
+  from tinyhet.model.llama import PRESETS
+  from tinyhet.model.weights import model_nbytes
   if args.model: return model_nbytes(args.model, packed=True)
   cfg = dataclasses.replace(PRESETS[args.preset], n_layers=args.layers or 2)
   return int(cfg.n_params() * {"q4_0": 18 / 32, "q8_0": 34 / 32, "float16": 2, "float32": 4}[args.weights])
@@ -57,10 +57,10 @@ def size_arena(args, kv_bytes: int = 0):
 def build_model(args, device: str = "HET"):
   """(Llama, Tokenizer or None): loaded from a checkpoint, or random weights of the preset's shapes."""
   from tinygrad import dtypes
-  from tinyhet.model import PRESETS, Llama, random_weights
-  from tinyhet.packed import Q4_0, Q8_0
+  from tinyhet.model.llama import PRESETS, Llama, random_weights
+  from tinyhet.model.packed import Q4_0, Q8_0
   if args.model:
-    from tinyhet.weights import load_model
+    from tinyhet.model.weights import load_model
     return load_model(args.model, device, n_layers=args.layers, max_context=args.context, packed=True)
   cfg = dataclasses.replace(PRESETS[args.preset], n_layers=args.layers or 2, max_context=args.context)
   form = args.weights
@@ -73,7 +73,7 @@ def build_model(args, device: str = "HET"):
 def checkpoint_layers(path: str) -> int:
   """How many layers the whole checkpoint has (--layers may keep fewer)."""
   import pathlib
-  from tinyhet.weights import gguf_config, hf_config, read_gguf
+  from tinyhet.model.weights import gguf_config, hf_config, read_gguf
   return (hf_config(pathlib.Path(path)) if pathlib.Path(path).is_dir() else gguf_config(read_gguf(path))).n_layers
 
 def run_prefill_decode(model, prompt_ids: list[int], n_decode: int, kv_dtype) -> dict:
@@ -86,8 +86,8 @@ def run_prefill_decode(model, prompt_ids: list[int], n_decode: int, kv_dtype) ->
 
 def run_disaggregated(model, prompt_ids: list[int], n_decode: int, address: str, args) -> dict:
   """Prefill on HET, each layer's K, V written into the decode node's blocks as soon as it exists; decode there."""
-  from tinyhet.memory import local_node
-  from tinyhet.prefill import DecodeClient
+  from tinyhet.device.memory import local_node
+  from tinyhet.engine.client import DecodeClient
   client = DecodeClient(local_node(), address, model, model_id(args))
   marks: list[float] = []
   tokens, st = client.generate(prompt_ids, n_decode + 1, on_token=lambda _: marks.append(time.perf_counter()))
@@ -101,9 +101,9 @@ def kv_pool_bytes(cfg, args, kv_dtype) -> int:
 def serve_decode(args) -> int:
   """--role decode: this script as the decode node, with the same model on MESH."""
   from tinygrad import dtypes
-  from tinyhet.decode_node import DecodeNode, kv_blocks_for
-  from tinyhet.memory import local_node
-  from tinyhet.model import PRESETS
+  from tinyhet.engine.decode_node import DecodeNode, kv_blocks_for
+  from tinyhet.device.memory import local_node
+  from tinyhet.model.llama import PRESETS
   cfg0 = dataclasses.replace(PRESETS[args.preset], n_layers=args.layers or 2) if args.random_weights else None
   size_arena(args, kv_pool_bytes(cfg0, args, getattr(dtypes, args.kv_dtype)) if cfg0 else 8 << 30)
   model, _ = build_model(args, "MESH")
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args, address: str | None) -> int:
   from tinygrad import dtypes
-  from tinyhet.model import PRESETS
+  from tinyhet.model.llama import PRESETS
   kv_dtype = getattr(dtypes, args.kv_dtype)
   if args.random_weights and args.prompt_tokens + args.decode_tokens + 1 > args.context:
     print(f"--context {args.context} is shorter than --prompt-tokens + --decode-tokens", file=sys.stderr)

@@ -3,7 +3,7 @@ prefill node's part by hand (reserve, write layers, generate) with its own name,
 import json, os, subprocess, sys
 import numpy as np
 from tinyhet.config import load_config
-from tinyhet.decode_node import notice_value
+from tinyhet.kv.notices import notice_value
 from tinyhet.runtime.arena import Arena
 from tinyhet.runtime.control import ControlClient
 from tinyhet.runtime.descriptor import RegionDescriptor

@@ -1,6 +1,6 @@
 import pytest
 from hypothesis import given, settings, strategies as st
-from tinyhet.block_manager import BlockManager, PoolFull
+from tinyhet.kv.block_manager import BlockManager, PoolFull
 
 class Model:
   """A BlockManager plus what its blocks should hold: every stored token gets a unique label, written into a fake pool at its

@@ -2,7 +2,7 @@
 import argparse, json, math, os, subprocess, sys
 import pytest
 from hypothesis import given, strategies as st
-from tinyhet.cli import host_port, int_in, number_in
+from tinyhet.cli.common import host_port, int_in, number_in
 
 def tinyhet(*args, env=None):
   e = {**{k: v for k, v in os.environ.items() if not k.startswith("TINYHET_")}, "TINYHET_KEEP_ALIVE": "0"}

@@ -1,10 +1,10 @@
-"""A cluster file's node addresses and roles (tinyhet.cluster_nodes): what `tinyhet serve --cluster FILE` routes to. The
+"""A cluster file's node addresses and roles (tinyhet.planner.cluster_nodes): what `tinyhet serve --cluster FILE` routes to. The
 router started from such a file, with real nodes: test_service.py."""
 import pathlib, subprocess, sys, tomllib
 import pytest
 from hypothesis import given, strategies as st
-from tinyhet.cluster_file import ClusterFileError, load_cluster, parse_cluster, read_toml
-from tinyhet.cluster_nodes import ROLES, check_address, serving_nodes
+from tinyhet.planner.cluster_file import ClusterFileError, load_cluster, parse_cluster, read_toml
+from tinyhet.planner.cluster_nodes import ROLES, check_address, serving_nodes
 
 ROOT = pathlib.Path(__file__).parent.parent
 TWO = """

@@ -8,11 +8,11 @@ from hypothesis import given, settings, strategies as st
 import tinyhet  # noqa: F401  (HET and MESH)
 from tinygrad import Device, Tensor, TinyJit, dtypes
 from tinygrad.engine.realize import runtime_cache
-from tinyhet import cpu_threads
+from tinyhet.device import cpu_threads
 from tinyhet.config import ConfigError, load_config
-from tinyhet.kv_cache import PagedKVCache
-from tinyhet.model import Llama, random_weights, small_config
-from tinyhet.packed import Q4_1
+from tinyhet.kv.paged_cache import PagedKVCache
+from tinyhet.model.llama import Llama, random_weights, small_config
+from tinyhet.model.packed import Q4_1
 
 @pytest.fixture
 def threads(monkeypatch):
@@ -99,7 +99,7 @@ HONOURED = textwrap.dedent("""
   import os, sys, time, json
   import tinyhet
   from tinygrad import Device, Tensor
-  from tinyhet import cpu_threads
+  from tinyhet.device import cpu_threads
   def workers():
     tasks = [t for t in os.listdir('/proc/self/task') if open(f'/proc/self/task/{t}/comm').read().startswith('tinyhet-cpu')]
     return {t: int(open(f'/proc/self/task/{t}/schedstat').read().split()[0]) for t in tasks}   # ns on a CPU

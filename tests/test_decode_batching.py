@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 import tinyhet  # noqa: F401
-from tinyhet.decode_node import BATCH_BUCKETS, DecodeNode, batch_bucket
-from tinyhet.memory import local_node
-from tinyhet.model import Llama, random_weights, small_config
-from tinyhet.sampling import Sampler
-from tinyhet.scheduler import Sequence
+from tinyhet.engine.decode_engine import BATCH_BUCKETS, batch_bucket
+from tinyhet.engine.decode_node import DecodeNode
+from tinyhet.device.memory import local_node
+from tinyhet.model.llama import Llama, random_weights, small_config
+from tinyhet.model.sampling import Sampler
+from tinyhet.engine.scheduler import Sequence
 
 @given(st.integers(1, 1000))
 def test_bucket_holds_the_batch_and_pads_little(n):
@@ -45,5 +46,5 @@ def test_shrinking_batch_decodes_the_reference_tokens_with_one_capture_per_bucke
   finally: decode.close()
   t.join(5)
   assert got == want
-  assert set(decode.steps) <= {1, 2, 4, 8}, f"decode steps captured for batches {sorted(decode.steps)}, not buckets"
+  assert set(decode.engine.steps) <= {1, 2, 4, 8}, f"decode steps captured for batches {sorted(decode.engine.steps)}, not buckets"
   assert decode.cache.block_manager.num_used == 1, "every sequence's blocks came back (one block stays with the padding rows)"

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
-from tinyhet.decode_node import notice_value
+from tinyhet.kv.notices import notice_value
 from tinyhet.runtime import wire
 from tinyhet.runtime.control import ChannelBroken, ControlClient, ControlError
 from tinyhet.runtime.wire import HEADER, MAGIC, PIECE

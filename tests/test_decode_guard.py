@@ -3,7 +3,7 @@ isolated from each other, notices checked, blocks reused only when no write can 
 cancellation, and a long-lived connection whose bookkeeping stays flat."""
 import math, time
 import pytest
-from tinyhet.decode_node import notice_value
+from tinyhet.kv.notices import notice_value
 from tinyhet.runtime.control import ControlError
 from tinyhet.runtime.transport import TransportError
 from decode_util import Writer, clean_request, generate, kv_bytes

@@ -3,8 +3,8 @@ import numpy as np, pytest
 from hypothesis import given, settings, strategies as st
 import tinyhet
 from tinygrad import Tensor, dtypes
-from tinyhet.devices import region_of
-from tinyhet.memory import local_node
+from tinyhet.device.backend import region_of
+from tinyhet.device.memory import local_node
 
 ROOT = pathlib.Path(__file__).parent.parent
 NP = {dtypes.float32: np.float32, dtypes.float16: np.float16, dtypes.int32: np.int32}

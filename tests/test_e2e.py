@@ -5,11 +5,12 @@ import numpy as np, pytest
 from hypothesis import given, settings, strategies as hst
 import tinyhet  # noqa: F401
 from tinygrad import Tensor, dtypes
-from tinyhet.memory import local_node
-from tinyhet.model import Llama, DenseKVCache, small_config, random_weights
-from tinyhet.local_engine import LocalEngine
-from tinyhet.prefill import DecodeClient, GenerationStats, busy_time, transfer_figures
-from tinyhet.prefill_node import PrefillNode
+from tinyhet.device.memory import local_node
+from tinyhet.model.llama import Llama, DenseKVCache, small_config, random_weights
+from tinyhet.engine.local_engine import LocalEngine
+from tinyhet.engine.client import DecodeClient
+from tinyhet.engine.prefill import GenerationStats, busy_time, transfer_figures
+from tinyhet.service.prefill_node import PrefillNode
 from tinyhet.runtime.control import ControlClient
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -18,9 +19,9 @@ SMALL = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_s
 
 DECODE_NODE = """
 import hashlib, json, sys, threading, tinyhet
-from tinyhet.decode_node import DecodeNode
-from tinyhet.memory import local_node
-from tinyhet.model import Llama, small_config, random_weights
+from tinyhet.engine.decode_node import DecodeNode
+from tinyhet.device.memory import local_node
+from tinyhet.model.llama import Llama, small_config, random_weights
 cfg = small_config(**{small})
 w = random_weights(cfg, device="MESH", seed=7)
 model = Llama(cfg, w, "MESH")
@@ -85,7 +86,7 @@ def test_disaggregated_equals_single_device(small, transport, prompt_len, new):
   assert stats.ttft_s == pytest.approx(max(stats.prefill_s, max(t.landed_s for t in tl))) and stats.ttft_s >= stats.prefill_s
 
 def test_one_client_serves_a_shorter_prompt_after_a_longer_one(small):
-  """A client keeps its host region between requests (tinyhet.kv_send.SendBuffers): a request smaller than the one that
+  """A client keeps its host region between requests (tinyhet.kv.sender.SendBuffers): a request smaller than the one that
   sized it packs into its first bytes. Both equal the single-device tokens."""
   model, address = small
   client = DecodeClient(local_node(), address, model, "small-random", "shm")
@@ -128,7 +129,7 @@ def test_prefill_goes_on_while_a_layer_write_is_slow(small):
 @pytest.fixture(scope="module")
 def unregistered(small):
   """The same model on tinygrad's own CPU device, whose memory no transport sends from (as a GPU's without GPUDirect):
-  its layers leave through the staging buffers (tinyhet.staging)."""
+  its layers leave through the staging buffers (tinyhet.device.gpu_staging)."""
   cfg = small_config(**SMALL)
   return Llama(cfg, random_weights(cfg, device="CPU", seed=7), "CPU")
 
@@ -165,7 +166,7 @@ def test_staged_prefill_waits_only_when_every_buffer_is_in_flight(small, unregis
 
 @pytest.mark.parametrize("n_buffers", [0, 2])
 def test_service_prefill_node_sends_layers_from_device_memory(small, unregistered, n_buffers):
-  """The service's prefill node (tinyhet.prefill_node), asked over its control port as the router asks it, with its model
+  """The service's prefill node (tinyhet.service.prefill_node), asked over its control port as the router asks it, with its model
   in memory no transport sends from: through N staging buffers (0: copied on the prefill thread), the decode node goes on
   with the tokens one device gives."""
   model, address = small
@@ -241,7 +242,7 @@ def test_sampling_continues_the_same_random_stream(small):
 def test_decode_node_refuses_another_model(small):
   model, address = small
   other = Llama(small_config(**{**SMALL, "n_layers": 3}), random_weights(small_config(**{**SMALL, "n_layers": 3}), device="HET", seed=1), "HET")
-  from tinyhet.prefill import IncompatibleDecodeNode
+  from tinyhet.engine.checks import IncompatibleDecodeNode
   with pytest.raises(IncompatibleDecodeNode, match="same --model"): DecodeClient(local_node(), address, other, "other", "tcp")
 
 def test_bad_requests_get_clear_errors(small):

@@ -3,9 +3,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from tinygrad import Tensor, TinyJit
 from tinygrad.engine import realize
-from tinyhet import kv_cache
+from tinyhet.kv import paged_cache as kv_cache
 from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
-from tinyhet.kv_cache import PagedKVCache
+from tinyhet.kv.paged_cache import PagedKVCache
 from test_paged_attention import dense_reference
 
 D, N_KV, GROUP, N_LAYERS = 32, 2, 4, 2
@@ -94,8 +94,7 @@ def test_block_bytes_through_a_device_copy_match_the_zero_copy_view(monkeypatch)
   assert cache.read_block_bytes(1, block) == new and cache.read_block_bytes(1, neighbour) == before
 
 def test_pools_on_mesh_give_the_same_attention_as_on_cpu():
-  pytest.importorskip("tinyhet.devices", reason="the MESH device (tinyhet.devices) is not in this tree yet")
-  import tinyhet.devices  # noqa: F401  (registers MESH)
+  import tinyhet.device.backend  # noqa: F401  (registers MESH)
   outs = []
   for device in ("CPU", "MESH"):
     cache, _ = random_cache(np.random.default_rng(7), [9, 30], device=device)

@@ -2,9 +2,9 @@
 import json, os, subprocess, sys
 import numpy as np, pytest
 from tinygrad import Tensor, dtypes
-from tinyhet.devices import region_of
+from tinyhet.device.backend import region_of
 from tinyhet.kernels.kv_pack import pack_kv
-from tinyhet.memory import local_node
+from tinyhet.device.memory import local_node
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Span
 
@@ -12,10 +12,10 @@ LAYERS, KVH, D, BLOCKS = 2, 2, 8, 24
 
 DECODE_SIDE = """
 import json, sys, numpy as np, tinyhet
-from tinyhet.devices import region_of
-from tinyhet.kv_cache import PagedKVCache
+from tinyhet.device.backend import region_of
+from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.kernels.kv_pack import unpack_kv
-from tinyhet.memory import local_node
+from tinyhet.device.memory import local_node
 node = local_node()
 cache = PagedKVCache({layers}, {kvh}, {d}, {blocks}, {bs}, "float16", device="MESH", max_seq_len=512)
 bm = cache.block_manager

@@ -1,13 +1,13 @@
-"""Prefill through captured layers (tinyhet.layer_jit) gives the numbers of the layer-by-layer path through a dense cache:
+"""Prefill through captured layers (tinyhet.model.layer_jit) gives the numbers of the layer-by-layer path through a dense cache:
 the logits, and every layer's K and V as on_layer sees them; the K, V handed out stay intact while later layers and later
 prompts run (they are sent from those buffers); the captures kept are bounded."""
 import numpy as np
 import pytest
 import tinyhet  # noqa: F401  (HET)
 from tinygrad import Tensor, dtypes
-from tinyhet import layer_jit
-from tinyhet.model import DenseKVCache, Llama, random_weights, small_config
-from tinyhet.packed import Q4_1
+from tinyhet.model import layer_jit
+from tinyhet.model.llama import DenseKVCache, Llama, random_weights, small_config
+from tinyhet.model.packed import Q4_1
 
 @pytest.fixture(scope="module")
 def llama():
@@ -61,7 +61,7 @@ def test_layers_stored_in_other_types_get_captures_of_their_own():
   those layers replay captures of their own (a capture made on layer 0's shapes failed on them), and the numbers are the
   dense path's. Layers of one signature share one capture per half."""
   import dataclasses
-  from tinyhet.packed import PackedWeight, Q8_0
+  from tinyhet.model.packed import PackedWeight, Q8_0
   cfg = small_config(n_layers=4, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=160, vocab_size=300, max_context=64)
   w = random_weights(cfg, device="MESH", seed=9, packed=Q4_1)
   for l in (1, 3):

@@ -85,7 +85,7 @@ def test_node_stops_on_sigterm_to_its_process_group(tmp_path):
 
 STUCK = """
 import signal, sys, threading, time
-from tinyhet.cli import exit_after_signal
+from tinyhet.cli.common import exit_after_signal
 signal.signal(signal.SIGTERM, lambda *_: threading.Event().wait())      # a cleanup that never ends
 exit_after_signal(7, grace=float(sys.argv[1]))
 print("ready", flush=True)

@@ -5,10 +5,11 @@ from hypothesis import given, settings, strategies as st
 from tinygrad import Tensor, dtypes
 from tinygrad.helpers import GlobalCounters
 import llama_numpy as ref
-from tinyhet.model import (LLAMA3_70B, LLAMA3_8B, LLAMA31_70B, SMOLLM2_135M, DenseKVCache, LayerWeights, Llama, LlamaWeights, RopeScaling,
-                           rope_frequencies, small_config)
-from tinyhet.sampling import Sampler
-from tinyhet.weights import HF_LAYER_NAMES, hf_rows_to_interleaved
+from tinyhet.model.layers import rope_frequencies
+from tinyhet.model.llama import (LLAMA3_70B, LLAMA3_8B, LLAMA31_70B, SMOLLM2_135M, DenseKVCache, LayerWeights, Llama, LlamaWeights, RopeScaling,
+                                 small_config)
+from tinyhet.model.sampling import Sampler
+from tinyhet.model.weights import HF_LAYER_NAMES, hf_rows_to_interleaved
 
 def model_from_hf(cfg, w: dict[str, np.ndarray]) -> Llama:
   """The tinygrad model on the numpy reference's weights (Hugging Face layout, Q/K rows permuted back for interleaved RoPE)."""
@@ -100,7 +101,7 @@ def test_prefill_calls_on_layer_in_order_before_the_next_layer(tiny):
   between = [b - a for a, b in zip(counts, counts[1:])]
   assert counts[0] > 0 and min(between) >= 5 and max(between[:-1]) - min(between[:-1]) <= 2, between
   # the K, V handed over are the ones a cache holds after a plain forward, and the logits are forward's: layer 0's bit for
-  # bit; later layers' within a float16 rounding step (prefill replays captured layers, tinyhet.layer_jit, whose kernels fuse
+  # bit; later layers' within a float16 rounding step (prefill replays captured layers, tinyhet.model.layer_jit, whose kernels fuse
   # RoPE apart from the attention: the float32 sums round differently in the last bit, which can move a float16 K or V by one)
   cache = DenseKVCache(cfg, 1, T, dtypes.float16)
   fwd = m.forward(ids(*PROMPT), Tensor([list(range(T))], dtype=dtypes.int32), cache).numpy()
@@ -220,7 +221,7 @@ def test_reference_generate_resumes_a_sampled_stream():
 
 @pytest.fixture(scope="module")
 def smollm2():
-  from tinyhet.weights import load_model
+  from tinyhet.model.weights import load_model
   return load_model(device="CPU", max_context=512, quiet=True)
 
 # recorded once from reference_generate on the embedded SmolLM2-135M-Instruct Q4_1 (greedy, float16 KV)
@@ -252,8 +253,8 @@ def test_smollm2_layerwise_prefill_then_decode_from_its_kv(smollm2):
 
 @pytest.mark.parametrize("packed", [None, 2, 3, 8])   # float32, Q4_0, Q4_1, Q8_0
 def test_random_weights_run_and_packed_equal_their_float_copy(packed):
-  from tinyhet.model import random_weights
-  from tinyhet.packed import PackedWeight
+  from tinyhet.model.llama import random_weights
+  from tinyhet.model.packed import PackedWeight
   cfg = small_config()
   w = random_weights(cfg, "CPU", packed=packed, seed=4)
   deq = lambda m: m.dequantize().realize() if isinstance(m, PackedWeight) else m

@@ -83,7 +83,7 @@ def test_kv_scatter_writes_only_its_slots():
   np.testing.assert_array_equal(pool.numpy(), expect)
 
 def test_pack_then_copy_spans_gives_dense_attention():
-  from tinyhet.kv_cache import PagedKVCache
+  from tinyhet.kv.paged_cache import PagedKVCache
   rng = np.random.default_rng(3)
   bs, n_kv, group, n_layers = 8, 2, 3, 2
   cache = PagedKVCache(n_layers, n_kv, D, num_blocks=40, block_size=bs, max_seq_len=256)

@@ -2,10 +2,12 @@
 import dataclasses, json, pathlib, subprocess, sys, tomllib
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
-from tinyhet.catalog import DEVICES, MODELS, Device, Link, PlanError, find_model
-from tinyhet.cluster_file import ClusterFileError, load_cluster, parse_cluster
-from tinyhet.planner import best, disaggregation_threshold, main, predict, route
-from tinyhet.roofline import (Node, calibrated, decode_context, decode_step_parts, decode_step_time, decode_time, kv_transfer_exposed, max_batch,
+from tinyhet.planner.catalog import DEVICES, MODELS, Device, Link, PlanError, find_model
+from tinyhet.planner.cluster_file import ClusterFileError, load_cluster, parse_cluster
+from tinyhet.cli.plan import main
+from tinyhet.planner.plan import best, disaggregation_threshold, predict, route
+from tinyhet.planner.roofline import (Node, calibrated, decode_context, decode_step_parts, decode_step_time, decode_time, kv_transfer_exposed,
+                                      max_batch,
                               prefill_flops, prefill_parts, prefill_time)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -150,7 +152,7 @@ def test_one_end_to_end_figure_moves_one_resource_and_reproduces_itself(node, mo
   assert got.compute_eff == 1 or got.bandwidth_eff == 1  # never both scaled alike by one figure
 
 def _two_nodes(a: Node, b: Node, link: Link):
-  from tinyhet.cluster_file import Cluster
+  from tinyhet.planner.cluster_file import Cluster
   links = {("a", "b"): link} | {(n.name, n.name): link for n in (a, b) if n.replicas > 1}
   return Cluster((a, b), links)
 
@@ -385,5 +387,5 @@ def test_cli_subprocess_serving_json_and_no_tinygrad():
   plan = next(c for c in doc["configurations"] if c["name"] == doc["plan"]["name"])
   assert plan["prefill"] == ["mi300x"] and plan["decode"] == ["mi308x"]  # same bandwidth, 5.6x the compute: the MI300X prefills
   assert plan["goodput_rps"] >= max(c["goodput_rps"] for c in doc["configurations"]) * 0.99
-  probe = "import sys, tinyhet.planner; sys.exit('tinygrad' in sys.modules)"
+  probe = "import sys, tinyhet.planner.plan; sys.exit('tinygrad' in sys.modules)"
   assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0  # the planner loads without tinygrad

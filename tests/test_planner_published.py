@@ -3,11 +3,11 @@ predicts figures that are not inputs. Where the prediction misses the 20% target
 achieves (and the README's error table gives the error and its cause); no bound here is set to pass by construction."""
 import dataclasses, math, pathlib
 import pytest
-from tinyhet.catalog import MODELS
-from tinyhet.cluster_file import load_cluster, parse_cluster
-from tinyhet.roofline import decode_context, decode_step_time, prefill_time
-from tinyhet.servesim import SLO, Unit, max_goodput, simulate
-from tinyhet.serving import _requests, plan_serving
+from tinyhet.planner.catalog import MODELS
+from tinyhet.planner.cluster_file import load_cluster, parse_cluster
+from tinyhet.planner.roofline import decode_context, decode_step_time, prefill_time
+from tinyhet.planner.servesim import SLO, Unit, max_goodput, simulate
+from tinyhet.planner.serving import _requests, plan_serving
 
 def err(predicted: float, published: float) -> float: return predicted / published - 1
 

@@ -3,9 +3,9 @@ token machines (a disaggregated figure), predicted from the single-machine calib
 (examples/clusters/splitwise_dgx.toml). README: the error table."""
 import dataclasses, pathlib
 import pytest
-from tinyhet.cluster_file import load_cluster
-from tinyhet.servesim import SLO
-from tinyhet.serving import plan_serving
+from tinyhet.planner.cluster_file import load_cluster
+from tinyhet.planner.servesim import SLO
+from tinyhet.planner.serving import plan_serving
 
 # Splitwise (Patel et al., ISCA 2024, arXiv 2311.18677), §6.2, iso-power throughput-optimized clusters: the power of 40
 # DGX-H100s, or of 70 DGX-A100s. "For Splitwise cluster designs under the coding trace, Splitwise-AA provisions 55 prompt

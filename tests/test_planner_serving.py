@@ -3,12 +3,13 @@ serving throughput, the router's pd_split, and tinyhet plan's serving mode."""
 import dataclasses, json, math, pathlib
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from tinyhet.catalog import DEVICES, MODELS, Device, Link, PlanError
-from tinyhet.cluster_file import Cluster, ClusterFileError, load_cluster, parse_cluster
-from tinyhet.planner import main, pd_split
-from tinyhet.roofline import Node, decode_context, decode_step_time, prefill_time
-from tinyhet.servesim import SLO, Unit, alone_throughput, simulate
-from tinyhet.serving import assignments, evaluate, plan_serving
+from tinyhet.planner.catalog import DEVICES, MODELS, Device, Link, PlanError
+from tinyhet.planner.cluster_file import Cluster, ClusterFileError, load_cluster, parse_cluster
+from tinyhet.cli.plan import main
+from tinyhet.planner.plan import pd_split
+from tinyhet.planner.roofline import Node, decode_context, decode_step_time, prefill_time
+from tinyhet.planner.servesim import SLO, Unit, alone_throughput, simulate
+from tinyhet.planner.serving import assignments, evaluate, plan_serving
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXO = ROOT / "examples/clusters/spark_m3ultra.toml"

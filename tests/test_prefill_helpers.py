@@ -1,6 +1,6 @@
 from hypothesis import given, strategies as st
-from tinyhet.prefill import busy_time, prefill_bucket
-from tinyhet.decode_node import notice_value, split_notice, MAX_SEQ_ID, LAYER_BITS
+from tinyhet.engine.prefill import busy_time, prefill_bucket
+from tinyhet.kv.notices import notice_value, split_notice, MAX_SEQ_ID, LAYER_BITS
 
 @given(st.integers(1, 200_000))
 def test_prefill_bucket(n):
@@ -27,7 +27,7 @@ def test_notice_values_round_trip(seq_id, layer):
 def test_long_prefill_shows_progress_short_one_stays_quiet(capsys):
   """prefill_progress: nothing while a prefill is young; past the threshold, a line per quarter of the layers with the rate."""
   import time
-  from tinyhet.prefill import prefill_progress
+  from tinyhet.engine.prefill import prefill_progress
   quiet = prefill_progress(100, 8, after_s=10.0)
   for layer in range(1, 9): quiet(layer)
   assert capsys.readouterr().err == ""

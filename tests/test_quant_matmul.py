@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 import tinyhet  # noqa: F401  (MESH)
 from tinygrad import Tensor
 from tinyhet.kernels import quant_matmul as qmm
-from tinyhet.packed import Q4_0, Q4_1, Q8_0, PackedWeight
+from tinyhet.model.packed import Q4_0, Q4_1, Q8_0, PackedWeight
 
 @settings(max_examples=14, deadline=None)
 @given(ggml_type=st.sampled_from([Q4_0, Q4_1, Q8_0]), rows=st.sampled_from([1, 2, 3, 5, 8, 17]), out=st.sampled_from([1, 16, 33, 100]),
@@ -40,7 +40,7 @@ def test_unsupported_blocks_are_refused_in_words():
 
 def test_the_model_uses_it_on_the_pool_devices_only():
   from tinygrad.engine.realize import runtime_cache
-  from tinyhet.model import linear
+  from tinyhet.model.layers import linear
   w = PackedWeight.random(64, 64, Q4_1, device="MESH")
   linear(Tensor.randn(1, 64, device="MESH"), w).realize()
   assert any("qmatmul" in getattr(rt, "name", "") for rt in runtime_cache.values())

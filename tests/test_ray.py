@@ -5,7 +5,7 @@ replicas raised 1 -> 2 as a host joins, and that host leaving. Tokens are compar
 import json, os, socket, subprocess, sys, time
 import pytest
 from hypothesis import given, settings, strategies as st
-from tinyhet.ray_cluster import ROLES, check_counts, choose_host, parse_replicas
+from tinyhet.service.ray_cluster import ROLES, check_counts, choose_host, parse_replicas
 
 SPEC = "random:max_context=256"
 TOKEN = "ray-test-token"
@@ -78,8 +78,8 @@ def test_decode_goes_to_the_biggest_host_without_a_prefill_node():
 # ---- the router's nodes at run time (what the Ray controller calls), with real heartbeat endpoints
 
 def test_cluster_add_and_remove_nodes_at_run_time():
-  from tinyhet import heartbeat
-  from tinyhet.router import Cluster
+  from tinyhet.service import heartbeat
+  from tinyhet.service.router import Cluster
   from tinyhet.runtime.transport import Endpoint
   status = {"model": "m", "block_size": 16, "kv_blocks": 10, "free_blocks": 10, "running": 0, "waiting": 0, "incoming": 0, "max_seqs": 4}
   nodes = [Endpoint(f"n{i}", token="t") for i in range(2)]
@@ -113,7 +113,7 @@ def test_cluster_add_and_remove_nodes_at_run_time():
 
 def test_ray_missing_says_in_one_line_what_to_install():
   # sys.modules["ray"] = None is Python's own way to make `import ray` fail as if the package were absent
-  code = "import sys; sys.modules['ray'] = None; from tinyhet.cli import main; sys.exit(main(sys.argv[1:]))"
+  code = "import sys; sys.modules['ray'] = None; from tinyhet.cli.main import main; sys.exit(main(sys.argv[1:]))"
   p = subprocess.run([sys.executable, "-c", code, "serve", "--ray", "auto", "--replicas", "prefill=1,decode=1"], capture_output=True, text=True,
                      timeout=60)
   assert p.returncode != 0 and p.stdout == ""
@@ -147,7 +147,7 @@ PROMPTS, N = [[(i * 37 + j * 11) % 250 + 1 for j in range(10)] for i in range(4)
 @pytest.fixture(scope="module")
 def model():
   import tinyhet  # noqa: F401
-  from tinyhet import service_model
+  from tinyhet.model import spec as service_model
   return service_model.load(SPEC, "HET")[0]
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ def scenario(model):
 @pytest.mark.netns
 def test_ray_nodes_placed_by_resources_and_serving(scenario, model):
   from tinyhet.config import load_config
-  from tinyhet.decode_node import kv_blocks_for
+  from tinyhet.engine.decode_node import kv_blocks_for
   s, refs = scenario
   assert s["placement"] == {"prefill": s["hosts"]["head"], "decode": s["hosts"]["big"]}        # tinyhet_prefill / tinyhet_decode hosts
   cfg = load_config()

@@ -1,11 +1,11 @@
-"""The resident tinyhet behind `tinyhet run` (tinyhet.resident): later runs reuse the process the first one started (same
+"""The resident tinyhet behind `tinyhet run` (tinyhet.cli.resident): later runs reuse the process the first one started (same
 pid, the same greedy tokens), bad requests on its socket get an error and leave it serving, a client killed mid-generation
 stops its generation, `--stop` ends it and removes its socket; keep-alive durations and the options that pick a process."""
 import json, os, select, socket, subprocess, sys, time
 from types import SimpleNamespace
 import pytest
 from hypothesis import given, strategies as st
-from tinyhet import resident
+from tinyhet.cli import resident
 
 @given(n=st.integers(0, 10**6), unit=st.sampled_from(["", "s", "m", "h"]))
 def test_keep_alive_durations(n, unit):

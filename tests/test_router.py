@@ -3,7 +3,7 @@ and prefilled, the bounded queue, and planner.route's say over disaggregation. T
 import itertools, pathlib, threading, time
 import pytest
 from hypothesis import given, settings, strategies as st
-from tinyhet.router import BadRequest, Cluster, Node, Overloaded, Unavailable
+from tinyhet.service.router import BadRequest, Cluster, Node, Overloaded, Unavailable
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -90,7 +90,7 @@ def test_a_both_nodes_role_follows_queues_and_free_blocks():
   assert served() == (b, None)                       # and the other way round
 
 def test_planner_route_keeps_short_prompts_local():
-  from tinyhet.cluster_file import load_cluster
+  from tinyhet.planner.cluster_file import load_cluster
   d, p = state("decode"), state("prefill")
   c = cluster(d, p, planner=(load_cluster(ROOT / "examples/clusters/spark_m3ultra.toml"), "llama-3.1-8b"))
   assert c._choose_prefill(d, 60, 32) is None and c._choose_prefill(d, 8192, 32) is p
@@ -98,7 +98,7 @@ def test_planner_route_keeps_short_prompts_local():
 def test_cluster_file_roles_ask_the_cost_model_for_the_pair():
   """With the nodes named in the cluster file (their roles given), the planner's cost model decides for the picked pair:
   prefill on the prefill node and stream, or prefill where the request is decoded; a long prefill queue keeps it local."""
-  from tinyhet.cluster_file import load_cluster
+  from tinyhet.planner.cluster_file import load_cluster
   d, p = state("decode"), state("prefill")
   spark = load_cluster(ROOT / "examples/clusters/spark_m3ultra.toml")
   c = cluster(d, p, planner=(spark, "llama-3.1-8b"), names={p.address: "spark", d.address: "mac"})
@@ -112,7 +112,7 @@ def test_cluster_file_roles_ask_the_cost_model_for_the_pair():
   c = cluster(d, p, planner=(two, "llama-3.1-8b"), names={p.address: "gpu", d.address: "cpu"})
   p.status.update(queued_tokens=0)
   assert c._choose_prefill(d, 10, 32) is p
-  from tinyhet.planner import route
+  from tinyhet.planner.plan import route
   assert not any(route(two, "llama-3.1-8b", n, 32).disaggregate for n in (10, 8192))
 
 @settings(max_examples=200, deadline=None)
@@ -132,7 +132,7 @@ def test_admission_never_overcommits(nodes, requests):
   assert all(s.reserved_blocks == 0 and s.assigned == 0 for s in states) and c.waiting == 0
 
 def test_heartbeats_bring_nodes_up_and_another_model_keeps_them_out():
-  from tinyhet.service_metrics import Metrics
+  from tinyhet.service.metrics import Metrics
   d, other = state("decode", up=False), state("decode", up=False)
   c = cluster(d, other, metrics=Metrics())
   c._beat(d, {**d.status, "model": "m"})

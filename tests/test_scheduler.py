@@ -1,8 +1,8 @@
 import random
 import pytest
 from hypothesis import given, settings, strategies as st
-from tinyhet.block_manager import BlockManager
-from tinyhet.scheduler import RequestTooLarge, Scheduler, Sequence, SequenceStatus
+from tinyhet.kv.block_manager import BlockManager
+from tinyhet.engine.scheduler import RequestTooLarge, Scheduler, Sequence, SequenceStatus
 
 EOS = 2
 

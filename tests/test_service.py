@@ -98,7 +98,7 @@ class Router(Proc):
 def model():
   """The nodes' model in this process, for single-process reference runs."""
   import tinyhet  # noqa: F401
-  from tinyhet import service_model
+  from tinyhet.model import spec as service_model
   m, tok, model_id = service_model.load(SPEC, "HET")
   return m, model_id
 

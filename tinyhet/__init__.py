@@ -1,23 +1,23 @@
 """tinyhet: one LLM across unlike machines. Prefill on a compute-dense accelerator (device HET), decode on a big-memory
 CPU node (device MESH), KV cache streamed between them layer by layer over RDMA, TCP or shared memory.
 
-`import tinyhet` makes Device["HET"] and Device["MESH"] available in tinygrad (see tinyhet.devices)."""
+`import tinyhet` makes Device["HET"] and Device["MESH"] available in tinygrad (see tinyhet.device.backend)."""
 from __future__ import annotations
 import sys, types, weakref
 from tinyhet.config import Config, ConfigError, load_config
-from tinyhet.memory import local_node
+from tinyhet.device.memory import local_node
 
 def _install_devices():
   """tinygrad has no device registry: Device["X"] imports tinygrad.runtime.ops_x and takes its XDevice class. Put two small
-  modules under those names whose classes load tinyhet.devices (and tinygrad) only when a device is opened, so that
+  modules under those names whose classes load tinyhet.device.backend (and tinygrad) only when a device is opened, so that
   `import tinyhet` stays light."""
   for name in ("het", "mesh"):
     cls_name = f"{name.capitalize()}Device"
     def new(cls, device: str = name.upper(), cls_name=cls_name):
-      from tinyhet import devices
+      from tinyhet.device import backend as devices
       return getattr(devices, cls_name)(device)
-    mod = types.ModuleType(f"tinygrad.runtime.ops_{name}", f"tinyhet's {name.upper()} device (see tinyhet.devices)")
-    setattr(mod, cls_name, type(cls_name, (), {"__new__": new, "__doc__": f"Device[{name.upper()!r}], built by tinyhet.devices"}))
+    mod = types.ModuleType(f"tinygrad.runtime.ops_{name}", f"tinyhet's {name.upper()} device (see tinyhet.device.backend)")
+    setattr(mod, cls_name, type(cls_name, (), {"__new__": new, "__doc__": f"Device[{name.upper()!r}], built by tinyhet.device.backend"}))
     sys.modules.setdefault(mod.__name__, mod)
 
 _install_devices()
@@ -31,7 +31,7 @@ def register(t):
   Returns (tensor, descriptor): the tensor backed by registered memory, and the RegionDescriptor a peer can write into
   or read from. HET and MESH tensors are registered already; a CPU tensor is copied into a registered CPU arena."""
   from tinygrad import Tensor
-  from tinyhet import devices
+  from tinyhet.device import backend as devices
   node = local_node()
   dev = t.device if isinstance(t.device, str) else None
   if dev is None: raise ValueError("tinyhet.register takes a tensor on one device, not a sharded one")

@@ -1,3 +1,3 @@
 import sys
-from tinyhet.cli import main
+from tinyhet.cli.main import main
 sys.exit(main())

@@ -1,0 +1,146 @@
+"""`tinyhet node --role decode|prefill|both`: a node process (prefill and both: see tinyhet.service.node_roles). A decode node
+loads the model onto MESH, allocates the paged KV pool in registered memory, listens, and prints one JSON line
+{"address", "node", "kv_blocks", ...} on stdout once it is ready. Peers prove the shared token (TINYHET_TOKEN or the
+config file). Stop it with Ctrl-C, SIGTERM, or by closing its stdin (--stdin-stop: a node owned by a parent process, which
+also dies with that parent).
+"""
+from __future__ import annotations
+import json, os, signal, sys, threading, time
+
+from tinyhet.cli.common import ArgumentParser, exit_after_signal, exit_now, host_port, int_in
+
+MAX_SEQS = 4096           # --max-seqs at most: far past any batch one node decodes at once
+MAX_CONTEXT = 1 << 24     # --max-context: tokens
+
+def parse_args(argv):
+  ap = ArgumentParser(prog="tinyhet node", description=__doc__.splitlines()[0])
+  ap.add_argument("--role", choices=["decode", "prefill", "both"], required=True)
+  ap.add_argument("--listen", default="127.0.0.1:7470", type=host_port(listen=True), help="host:port to accept prefill nodes on (0: any port)")
+  ap.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct)")
+  ap.add_argument("--kv-memory", default="1G", help="KV pool size (all layers, K and V), e.g. 512M, 64G")
+  ap.add_argument("--max-seqs", type=int_in(1, MAX_SEQS), default=16, help=f"sequences decoded together at most (1 to {MAX_SEQS})")
+  ap.add_argument("--max-context", type=int_in(2, MAX_CONTEXT), default=None, help="cap the model's context (tokens) to bound memory")
+  ap.add_argument("--float-weights", action="store_true", help="dequantize a GGUF's weights to float32 (default: keep its quantized "
+                  "blocks and dequantize inside the matmul kernels, reading ~5x fewer bytes per token)")
+  ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns this node)")
+  ap.add_argument("--quiet", action="store_true")
+  args = ap.parse_args(argv)
+  from tinyhet.config import ConfigError, parse_bytes
+  try: parse_bytes(args.kv_memory, "--kv-memory")
+  except ConfigError as e: ap.error(str(e))
+  return args
+
+def die_with_parent():
+  """A node started by another tinyhet process (tinyhet run) must not outlive it: the kernel sends SIGTERM when the parent
+  dies (PR_SET_PDEATHSIG), and a parent that died before this call is noticed here."""
+  import ctypes
+  try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)     # PR_SET_PDEATHSIG = 1 (Linux)
+  except (OSError, AttributeError): pass
+  if (want := os.environ.get("TINYHET_PARENT_PID")) and os.getppid() != int(want): os._exit(1)
+
+class Stopped(Exception):
+  """SIGTERM: leave whatever the main thread is doing (loading, warming up, decoding) and shut down cleanly."""
+
+def _on_sigterm(stop: threading.Event):
+  def handler(*_):
+    if stop.is_set(): return                # the shutdown is under way; a second signal does not interrupt its cleanup
+    stop.set()
+    raise Stopped()
+  return handler
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, _on_sigterm(stop))
+  parent = os.getppid()
+  def orphaned() -> bool:
+    # the parent that owns this node (--stdin-stop) is gone: its death closed stdin (or sent SIGTERM) just before the
+    # kernel gave this process to another parent, so give that a moment
+    deadline = time.monotonic() + 0.5
+    while args.stdin_stop and time.monotonic() < deadline:
+      if os.getppid() != parent: return True
+      time.sleep(0.01)
+    return False
+  # a main thread stuck in a kernel or a C call still ends within a few seconds of SIGTERM; at once where the parent is gone
+  exit_after_signal(0, orphaned=orphaned)
+  if args.stdin_stop:
+    die_with_parent()
+    # stdin closing stops the node like SIGTERM does, whatever the main thread is doing (loading the model, say)
+    threading.Thread(target=lambda: (sys.stdin.read(), os.kill(os.getpid(), signal.SIGTERM)), daemon=True, name="tinyhet-stdin-stop").start()
+  try: code = serve(args, stop)
+  except (Stopped, KeyboardInterrupt): code = 0     # serve's own cleanup has run
+  exit_now(code)           # a prefill node's SIGTERM returns from serve: the compile workers may be gone too (see exit_now)
+
+def serve(args, stop: threading.Event) -> int:
+  if args.role == "prefill":
+    return main_prefill(args)
+  from tinyhet.config import load_config, parse_bytes
+  kv_bytes = parse_bytes(args.kv_memory, "--kv-memory")     # checked by parse_args, as --listen was
+  host, _, port = args.listen.rpartition(":")
+  node, model, tok, model_id = start(args.model, kv_bytes, args.max_context, args.quiet, packed=not args.float_weights)
+  from tinyhet.engine.decode_node import DecodeNode, kv_blocks_for
+  cfg = load_config()
+  try: blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
+  except ValueError as e:                    # the smallest pool depends on the model: known only once it is loaded
+    print(f"tinyhet node: --kv-memory {args.kv_memory}: {e}: give a bigger --kv-memory", file=sys.stderr)
+    return 2
+  decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids)
+  from tinyhet.service.node_roles import ServiceExtras
+  extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
+  try:
+    address = node.serve(host, int(port))
+    # capture the decode step before saying ready: a client's first request (and its TTFT) must not share the CPU with it
+    decode.warm_up()
+    print(json.dumps({"address": address, "node": node.name, "model": model_id, "kv_blocks": blocks, "block_size": cfg.kv_block_size,
+                      "transports": node.endpoint.transports, "role": args.role}), flush=True)
+    decode.run(stop, warm_up=False)
+  finally:
+    stop.set()
+    extras.close()
+    decode.close()
+    node.endpoint.close()
+  return 0
+
+def start(model_path, kv_bytes: int, max_context: int | None, quiet: bool, packed: bool = True):
+  """Size MESH's arena for the weights, the KV pool and activations, then load the model onto MESH."""
+  import tinyhet  # noqa: F401  (HET and MESH)
+  from tinyhet.config import load_config
+  from tinyhet.device.memory import LocalNode
+  import tinyhet.device.memory as memory
+  from tinyhet.model import spec as service_model
+  need = service_model.weights_nbytes(model_path, packed) + kv_bytes + (1 << 30)
+  cfg = load_config()
+  memory._node = node = LocalNode(load_config(arena_bytes=max(cfg.arena_bytes, need)))
+  model, tok, model_id = service_model.load(model_path, "MESH", max_context, quiet, packed)   # a file, or random: for tests
+  return node, model, tok, model_id
+
+def main_prefill(args) -> int:
+  """`tinyhet node --role prefill`: the model on HET, prefill.run, heartbeats; prints {"address", ...} once ready."""
+  host, _, port = args.listen.rpartition(":")
+  if not host or not port.isdigit():
+    print(f"tinyhet node: --listen {args.listen!r} is not host:port (e.g. 0.0.0.0:7471)", file=sys.stderr)
+    return 2
+  import tinyhet  # noqa: F401  (HET and MESH)
+  from tinyhet.service import heartbeat
+  from tinyhet.model import spec as service_model
+  from tinyhet.device.memory import local_node
+  from tinyhet.service.prefill_node import PrefillNode
+  node = local_node()
+  model, _, model_id = service_model.load(args.model, "HET", args.max_context, args.quiet, packed=not args.float_weights)
+  prefill = PrefillNode(model, node, model_id)
+  heartbeat.install(node.endpoint, "prefill", lambda: {**prefill.status(), "max_context": model.cfg.max_context})
+  try: address = node.serve(host, int(port))
+  except OSError as e:
+    print(f"tinyhet node: cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port", file=sys.stderr)
+    return 2
+  print(json.dumps({"address": address, "node": node.name, "model": model_id, "role": "prefill", "transports": node.endpoint.transports}), flush=True)
+  stop = threading.Event()
+  signal.signal(signal.SIGTERM, lambda *_: stop.set())
+  if args.stdin_stop: threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+  try: prefill.run(stop)
+  except KeyboardInterrupt: pass
+  prefill.close()
+  node.endpoint.close()
+  return 0
+
+if __name__ == "__main__": sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,31 @@
+"""What a node checks before it acts on a request from the network (a peer's control request: bad input is an error
+reply, never a crash): prompt ids and lengths, and that the decode node it is paired with serves the same model."""
+from __future__ import annotations
+
+class IncompatibleDecodeNode(RuntimeError):
+  """The decode node serves another model (or another KV layout) than this prefill node."""
+
+def is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
+
+def check_prompt(cfg, prompt_ids, max_new_tokens: int | None = None) -> None:
+  """prompt_ids is a non-empty list of the model's token ids; with max_new_tokens (a positive integer), prompt and new tokens
+  fit the model's context. ValueError saying which."""
+  if not isinstance(prompt_ids, list) or not prompt_ids or not all(is_int(t) and 0 <= t < cfg.vocab_size for t in prompt_ids):
+    raise ValueError(f"prompt_ids must be a non-empty list of token ids below {cfg.vocab_size}")
+  if max_new_tokens is None:
+    if len(prompt_ids) >= cfg.max_context: raise ValueError(f"a prompt of {len(prompt_ids)} tokens does not fit the context ({cfg.max_context})")
+    return
+  if not is_int(max_new_tokens) or max_new_tokens < 1: raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+  if len(prompt_ids) + max_new_tokens > cfg.max_context:
+    raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's context ({cfg.max_context})")
+
+SHAPE = ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "dim")   # what a decode node's KV blocks and logits depend on
+
+def check_compatible(cfg, model_id: str, info: dict, where: str) -> None:
+  """A decode node's decode.info reply `info` is for this model (its shape, and its id where both have one), else
+  IncompatibleDecodeNode naming both."""
+  mine = {k: getattr(cfg, k) for k in SHAPE}
+  theirs = {k: info.get("config", {}).get(k) for k in SHAPE}
+  if mine != theirs or (model_id and info.get("model") and model_id != info["model"]):
+    raise IncompatibleDecodeNode(f"decode node {where} serves {info.get('model') or 'a model'} {theirs}, this node has {model_id or 'a model'} "
+                                 f"{mine}: start every node with the same --model")

@@ -1,0 +1,76 @@
+"""A prefill node's handle on one decode node (`tinyhet run`, `tinyhet bench e2e`): reserve blocks there, prefill here with
+each layer's K, V written into them as soon as the layer exists (tinyhet.kv.sender), then stream the tokens the decode node
+generates, and say what the transfer cost (GenerationStats, from tinyhet.engine.prefill.transfer_figures)."""
+from __future__ import annotations
+import time
+from tinygrad import dtypes
+from tinyhet.device.memory import LocalNode
+from tinyhet.engine.checks import check_compatible
+from tinyhet.engine.prefill import GenerationStats, prefill_first_token, transfer_figures
+from tinyhet.kv.sender import KVSender, SendBuffers
+from tinyhet.model.llama import Llama
+from tinyhet.model.sampling import Sampler
+from tinyhet.runtime.control import ControlClient
+from tinyhet.runtime.wire import host_id
+
+class DecodeClient:
+  """A prefill node's handle on one decode node: checks the model matches, then runs requests against it."""
+  def __init__(self, node: LocalNode, address: str, model: Llama, model_id: str = "", transport: str | None = None,
+               staging_buffers: int | None = None):
+    self.node, self.model = node, model
+    self.ctl = ControlClient(node.endpoint, address)
+    self.info = self.ctl.call("decode.info")
+    check_compatible(model.cfg, model_id, self.info, f"{self.ctl.peer} at {address}")
+    self.peer = node.endpoint.connect(address, transport)
+    self.endpoint = node.endpoint            # what posts the layer writes (a benchmark may put a slower link in front of it)
+    self.kv_dtype = getattr(dtypes, self.info["kv_dtype"])
+    # layers packed in device memory no transport sends from (a GPU) leave through staging_buffers buffers (tinyhet.device.gpu_staging);
+    # 0 copies each one to host memory on the prefill thread (the synchronous baseline)
+    self.buffers = SendBuffers(node, node.config.staging_buffers if staging_buffers is None else staging_buffers)
+
+  def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
+               stop_ids: tuple[int, ...] = (), on_token=None, return_logits: bool = False, progress=None) -> tuple[list[int], GenerationStats]:
+    """Prefill here, decode there. on_token(id) sees each token as it arrives (the first one as soon as prefill ends);
+    progress(layers done) as each prefill layer finishes."""
+    stats = GenerationStats(prompt_tokens=len(prompt_ids), transport=self.peer.transport)
+    t0 = time.perf_counter()
+    r = self.ctl.call("decode.reserve", prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens)
+    sender = KVSender(self.endpoint, self.peer, r, self.model.cfg, self.kv_dtype, self.buffers)
+
+    done: dict = {}
+    try:
+      sampler = Sampler(temperature, top_p, seed)
+      first, logits = prefill_first_token(self.model, prompt_ids, sampler, self.kv_dtype, sender.send, progress)
+      t_first = time.perf_counter()
+      stats.prefill_s, stats.handoff_s = t_first - t0, sender.handoff_s
+      sender.check()                           # a failed write: the decode node would wait for that layer in vain
+      if on_token is not None: on_token(first)
+      out = [first]
+      # the decode node draws from the same (seed, position) stream: the same seed gives the tokens one device would give
+      for item in self.ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=first, temperature=temperature, top_p=top_p,
+                                  seed=sampler.seed, stop_ids=list(stop_ids), return_logits=return_logits):
+        if "token" in item:
+          out.append(item["token"])
+          if on_token is not None: on_token(item["token"])
+        elif item.get("done"):
+          done = item
+          stats.decode_tokens, stats.decode_tok_s, stats.preemptions = item["decode_tokens"], item["decode_tok_s"], item["preemptions"]
+          stats.last_logits = item.get("logits", logits.tolist() if return_logits and len(out) == 1 else None)
+    except BaseException:
+      settled = sender.abort()                 # the layers it keeps must outlive the writes reading them
+      # writes_done only when every posted write finished: otherwise a shm/verbs write may still land, and the node holds the blocks
+      try: self.ctl.call("decode.release", seq_id=r["seq_id"], writes_done=settled, reply_timeout=10)
+      except Exception: pass
+      raise
+    transfers = sender.finish(60)
+    stats.staging_waits = sender.staging_waits
+    # the decode node's notice times are on this clock only on this host (perf_counter is CLOCK_MONOTONIC there)
+    theirs = done.get("landed_at") if self.info.get("host") == host_id() else None
+    transfer_figures(stats, t0, t_first, sender.computed, sender.writer.posted, {l: t.finished for l, t in transfers.items()},
+                     sum(t.nbytes for t in transfers.values()), {int(l): x for l, x in theirs.items()} if theirs else None)
+    return out, stats
+
+  def close(self):
+    self.ctl.close()
+    self.peer.close()
+    self.buffers.free()

@@ -1,0 +1,305 @@
+"""The decode node: the model and a paged KV pool on MESH (registered memory), continuous batching, and the control
+requests a prefill node uses to hand it a sequence.
+
+A sequence arrives in three steps, each a control request (tinyhet.runtime.control):
+  decode.reserve   prompt ids, max_new_tokens -> a sequence id, its block table and per-layer pool descriptors of its own
+                   (tcp lets only the writer write, and only into these blocks; the writer is the reserving peer, or the node
+                   named by `writer`, as a router names its prefill node). The blocks are held (admission
+                   waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
+                   one transport write per layer, notification (seq_id << 8) | layer (counted only from the writer).
+  decode.generate  the first token (sampled by the prefill node) and sampling options (the prefill node's seed: draws depend on
+                   (seed, position) only, so the stream goes on where it began) -> once every layer's notice has
+                   arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
+                   (or the client leaving) stops it; however it ends, the sequence and its descriptors are gone after.
+  decode.release   give the sequence up (also done when the prefill node's connection closes). Blocks are reused only once
+                   no write into them can still land: at once over tcp (descriptors withdrawn, landing frames drained),
+                   over shm/verbs when every layer landed, the writer says its writes are done, or its connections close.
+A full pool never crashes the node: reservations wait, and a decode step that needs a block preempts the newest sequence,
+which is recomputed here later (its prompt and generated tokens prefilled again on this node).
+"""
+from __future__ import annotations
+import itertools, queue, threading, time
+from dataclasses import asdict
+import numpy as np
+from tinygrad import dtypes
+from tinyhet.device.backend import region_of
+from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, split_notice
+from tinyhet.kv.paged_cache import PagedKVCache
+from tinyhet.device.memory import LocalNode
+from tinyhet.engine.checks import check_prompt, is_int
+from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
+from tinyhet.runtime.arena import Region
+from tinyhet.model.llama import Llama
+from tinyhet.runtime.wire import host_id
+from tinyhet.model.sampling import Sampler
+from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus
+
+TICK = 0.5                # seconds: how often a waiting stream lets the control channel look for a cancel or a departed client
+
+def queued_tokens(seq: Sequence):
+  """A sequence's tokens as the batching loop queues them, until it is done; None every TICK while none comes (a stream
+  then lets the control channel look for a cancel or a departed client). A failed step's error is raised."""
+  while True:
+    try: tok = seq.extra["queue"].get(timeout=TICK)
+    except queue.Empty:
+      yield None
+      continue
+    if isinstance(tok, Exception): raise tok
+    if tok is None: return
+    yield tok
+
+def _check_timeout(timeout):
+  if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:
+    raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
+
+class DecodeNode:
+  def __init__(self, model: Llama, node: LocalNode, kv_blocks: int, block_size: int = 16, kv_dtype: str = "float16",
+               max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = ()):
+    cfg = model.cfg
+    if cfg.n_layers >= 1 << LAYER_BITS: raise ValueError(f"{cfg.n_layers} layers do not fit the {LAYER_BITS}-bit layer field of a notice")
+    self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
+    self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_blocks + 1, block_size, kv_dtype, device="MESH",   # +1: PAD_SEQ's
+                              max_seq_len=cfg.max_context)
+    self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs, capacity=kv_blocks)
+    self.pool_regions = [_pool_region(self.cache.pool_buffer(layer)) for layer in range(cfg.n_layers)]   # exposed per reservation
+    self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
+    self.seq_ids = itertools.count(1)
+    self.landed: dict[int, set[int]] = {}   # seq_id -> layers whose notice arrived
+    self.engine = DecodeEngine(model, self.cache)   # the jitted decode step; it holds PAD_SEQ's block
+    self.stopped = False
+    self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
+    self.limbo: dict[int, Sequence] = {}    # released before all layers landed while its writer may still copy (shm, verbs)
+    self.rejected_notices = 0
+    self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
+    ep = node.endpoint
+    for name in ("info", "reserve", "generate", "release"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
+    self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
+    self.notice_thread.start()
+
+  # ---- control requests
+  def _serve_info(self, conn) -> dict:
+    c, bm = self.model.cfg, self.cache.block_manager
+    with self.cond: open_seqs = len(self.scheduler.incoming) + len(self.scheduler.running) + len(self.scheduler.waiting)
+    return {"model": self.model_id, "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
+            "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
+            "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(), "host": host_id(),
+            # what a long-lived or misbehaving peer could make grow: the soak and fuzz tests watch these stay flat
+            "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
+            "rejected_notices": self.rejected_notices,
+            "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
+
+  def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, writer: str | None = None) -> dict:
+    check_prompt(self.model.cfg, prompt_ids, max_new_tokens)
+    _check_timeout(timeout)
+    if writer is not None and (not isinstance(writer, str) or not 0 < len(writer.encode()) <= 200):
+      raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
+    seq = Sequence(next(self.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
+    # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
+    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer if writer is None else writer)
+    deadline = time.monotonic() + timeout
+    with self.cond:
+      self.scheduler.check_fits(seq)
+      while not self.scheduler.reserve_incoming(seq):            # admission waits for blocks (or a free batch slot)
+        if (left := deadline - time.monotonic()) <= 0:
+          raise TimeoutError(f"the KV pool stayed full for {timeout} s ({self.cache.block_manager.num_free} blocks free, "
+                             f"{self.cache.block_manager.blocks_needed(seq.num_tokens)} needed)")
+        self.cond.wait(left)
+      self.landed[seq.seq_id] = set()
+      blocks = self.cache.block_manager.block_table(seq.seq_id)
+    # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
+    # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves
+    bb = self.cache.block_nbytes
+    seq.extra["descs"] = descs = [self.node.endpoint.expose(r, owner=seq.extra["owner"], allowed=[(b * bb, bb) for b in blocks])
+                                  for r in self.pool_regions]
+    self._attach(conn, seq)
+    return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size}
+
+  def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                      stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False):
+    seq = conn.state.get("seqs", {}).get(seq_id) if is_int(seq_id) else None
+    if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
+    if "sampler" in seq.extra: raise ValueError(f"sequence {seq_id} is already generating")
+    if not is_int(first_token) or not 0 <= first_token < self.model.cfg.vocab_size: raise ValueError(f"bad first_token {first_token!r}")
+    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(is_int(t) for t in stop_ids)):
+      raise ValueError(f"stop_ids must be a list of token ids, got {stop_ids!r}")
+    _check_timeout(timeout)
+    # raises on NaN, inf, negative or tiny temperatures, top_p outside (0, 1] and a bad seed; the prefill node's seed
+    # continues its stream, since each draw depends on (seed, position) only
+    sampler = Sampler(temperature, top_p, seed)
+    seq.extra.update(sampler=sampler, first_token=first_token, want_logits=bool(return_logits),
+                     stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids))
+    return self._stream(conn, seq, timeout)
+
+  def _stream(self, conn, seq: Sequence, timeout: float):
+    """The generate stream. It yields None while it waits (the control channel then checks for a cancel or a departed
+    client); however it ends, the sequence leaves the node and its connection."""
+    try:
+      deadline = time.monotonic() + timeout
+      while not seq.extra["layers"].wait(min(TICK, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+          n = len(self.landed.get(seq.seq_id, ()))
+          raise TimeoutError(f"sequence {seq.seq_id}: KV of {n} of {self.model.cfg.n_layers} layers arrived within {timeout} s")
+        yield None
+      t_ready = time.perf_counter()
+      with self.cond:
+        del self.landed[seq.seq_id]
+        first = seq.extra["first_token"]
+        done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"]
+        if done and seq.status is SequenceStatus.RUNNING: self.scheduler.finish(seq)
+        self.cond.notify_all()
+      marks: list[float] = []
+      for tok in (() if done else queued_tokens(seq)):
+        if tok is None:
+          yield None
+          continue
+        marks.append(time.perf_counter())
+        yield {"token": tok}
+      last = seq.extra.get("last_logits")
+      yield {"done": True, "decode_tokens": len(marks), "decode_s": time.perf_counter() - t_ready, "decode_tok_s": decode_rate(marks),
+             "first_token_wait_s": marks[0] - t_ready if marks else 0.0, "preemptions": seq.num_preemptions,
+             "landed_at": seq.extra.get("landed_at", {}),
+             **({"logits": last.tolist()} if last is not None else {})}
+    finally:
+      self._detach(conn.state.get("seqs", {}), seq)
+
+  def _serve_release(self, conn, seq_id: int, writes_done: bool = False) -> dict:
+    """Give a reserved sequence up. writes_done: the caller waited for every write it posted, so the blocks can be reused
+    at once; otherwise blocks whose layers did not all land stay held while the caller's shm/verbs connections are open."""
+    seq = conn.state.get("seqs", {}).get(seq_id) if is_int(seq_id) else None
+    if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
+    if writes_done is True: seq.extra["writes_done"] = True
+    self._detach(conn.state["seqs"], seq)
+    return {}
+
+  def _attach(self, conn, seq: Sequence):
+    if (seqs := conn.state.get("seqs")) is None:   # one cleanup per connection, not one per request: bookkeeping stays flat
+      seqs = conn.state["seqs"] = {}
+      conn.on_close(lambda: [self._detach(seqs, s) for s in list(seqs.values())])
+    seqs[seq.seq_id] = seq
+
+  def _detach(self, seqs: dict, seq: Sequence):
+    if seqs.pop(seq.seq_id, None) is not None: self._drop(seq)
+
+  def _drop(self, seq: Sequence):
+    """The sequence leaves the node. Its descriptors go first (tcp: no byte lands after that); its blocks go back to the
+    pool unless a writer that the node cannot fence (shm, verbs) may still be copying into them."""
+    for d in seq.extra.pop("descs", ()): self.node.endpoint.withdraw(d)
+    with self.cond:
+      if seq.status is SequenceStatus.INCOMING:
+        landed = len(self.landed.get(seq.seq_id, ()))
+        if landed < self.model.cfg.n_layers and not seq.extra.get("writes_done") and self.node.endpoint.one_sided.get(seq.extra["owner"]):
+          self.limbo[seq.seq_id] = seq       # freed when its last layers land or its writer's connections close (_notices)
+          return
+        self.scheduler.abort_incoming(seq)
+      elif seq in self.in_step:               # its blocks are being written by this step: the loop frees them after it
+        seq.extra["cancelled"] = True
+        return
+      elif seq.status is SequenceStatus.RUNNING: self.scheduler.finish(seq)
+      elif seq.status is SequenceStatus.WAITING and seq in self.scheduler.waiting: self.scheduler.waiting.remove(seq)
+      seq.status = SequenceStatus.FINISHED
+      self.landed.pop(seq.seq_id, None)
+      self.cond.notify_all()
+
+  # ---- threads
+  def _notices(self):
+    """Count each sequence's landed layers; the last one lets its generate request proceed. A notice counts only for a
+    layer the model has, from the peer that reserved the sequence."""
+    while not self.stopped:
+      try: self._notice(self.node.endpoint.wait_notice(timeout=TICK))
+      except TimeoutError: pass
+      if self.limbo: self._settle_limbo()
+
+  def _notice(self, n):
+    seq_id, layer = split_notice(n.value)
+    with self.cond:
+      seq, layers = self.scheduler.incoming.get(seq_id), self.landed.get(seq_id)
+      if seq is None or layers is None or layer >= self.model.cfg.n_layers or n.peer != seq.extra["owner"]:
+        self.rejected_notices += 1             # released, stale, or not this peer's to give
+        return
+      layers.add(layer)
+      seq.extra.setdefault("landed_at", {})[str(layer)] = n.time     # for the prefill node's transfer figures
+      if len(layers) < self.model.cfg.n_layers: return
+      if self.limbo.pop(seq_id, None) is None:
+        seq.extra["layers"].set()
+        return
+      self._free_limbo(seq)                  # a released sequence's writer finished: its blocks are free to reuse
+
+  def _settle_limbo(self):
+    with self.cond:
+      for seq in list(self.limbo.values()):
+        if not self.node.endpoint.one_sided.get(seq.extra["owner"]):   # its writer's connections closed: nothing more can land
+          del self.limbo[seq.seq_id]
+          self._free_limbo(seq)
+
+  def _free_limbo(self, seq: Sequence):
+    self.scheduler.abort_incoming(seq)
+    seq.status = SequenceStatus.FINISHED
+    self.landed.pop(seq.seq_id, None)
+    self.cond.notify_all()
+
+  def warm_up(self, batch_sizes=(1,)):
+    """Capture the jitted decode step for these batch buckets now, so the first request does not pay tinygrad's scheduling
+    and compiles. Requests that arrive meanwhile wait for the loop."""
+    self.engine.warm_up(batch_sizes, self.cond)
+
+  def run(self, stop: threading.Event, warm_up: bool = True):
+    """Continuous batching until stop is set: one decode step for every running sequence, or the recompute of preempted
+    ones. Call it from the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
+    if warm_up: self.warm_up()
+    while not self.stopped and not stop.is_set():
+      if self.between_steps is not None: self.between_steps()      # on this thread, without the lock (a `both` node's prefills)
+      with self.cond:
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+          self.cond.wait(0.5)
+          continue
+        self.in_step = set(seqs)
+      for batch in ([[s] for s in seqs] if is_prefill else [seqs]):    # a recompute runs each sequence at its own length
+        try:
+          if is_prefill: logits = self._prefill(batch[0])
+          else: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
+        except Exception as e:                 # a failed step fails its sequences, not the node
+          logits = None
+          for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
+        with self.cond:
+          live = [s for s in batch if not s.extra.get("cancelled")]
+          if logits is None: finished = list(live)
+          else:
+            new, failed = {}, []
+            for i, s in enumerate(live):
+              try: new[s.seq_id] = s.extra["sampler"](logits[batch.index(s)], s.num_tokens)     # the new token's position
+              except ValueError as e:              # non-finite logits: that sequence fails, with the reason; the node goes on
+                s.extra["queue"].put(ValueError(f"sequence {s.seq_id} stopped: {e}"))
+                failed.append(s)
+              if s.extra.get("want_logits"): s.extra["last_logits"] = logits[batch.index(s)].copy()   # the logits behind the newest token
+            ok = [s for s in live if s.seq_id in new]
+            finished = self.scheduler.postprocess(ok, [new[s.seq_id] for s in ok]) + failed
+            for s in ok:
+              s.extra["queue"].put(new[s.seq_id])
+              if new[s.seq_id] in s.extra["stop_ids"] and s not in finished: finished.append(s)
+          for s in batch:
+            if (s in finished or s.extra.get("cancelled")) and s.status is SequenceStatus.RUNNING: self.scheduler.finish(s)
+          for s in finished: s.extra["queue"].put(None)
+          self.cond.notify_all()
+      with self.cond: self.in_step = set()
+
+  def _prefill(self, s: Sequence) -> np.ndarray:
+    """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
+    to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
+    from tinyhet.engine.prefill import prefill_logits
+    return prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
+
+  def close(self):
+    self.stopped = True
+    with self.cond: self.cond.notify_all()
+    self.notice_thread.join(timeout=5)
+
+def _pool_region(buf) -> Region:
+  region, offset = region_of(buf)
+  return Region(region.arena, region.offset + offset, buf.nbytes)
+
+def kv_blocks_for(cfg, block_size: int, kv_dtype: str, kv_bytes: int) -> int:
+  """How many blocks a KV budget of kv_bytes holds (all layers, K and V)."""
+  per_block = PagedKVCache.bytes_per_block(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, getattr(dtypes, kv_dtype))
+  if kv_bytes < per_block: raise ValueError(f"a KV budget of {kv_bytes} bytes holds no block ({per_block} bytes each)")
+  return kv_bytes // per_block

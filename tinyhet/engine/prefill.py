@@ -1,0 +1,113 @@
+"""Prefill a prompt one layer at a time (Llama.prefill: captured layers, padded to a bucket), each layer's K, V handed to
+on_layer as soon as it exists, and sample the first token; and the figures of a transfer that ran beside it (GenerationStats,
+transfer_figures). The clients that send those layers: tinyhet.engine.client.DecodeClient (`tinyhet run`) and the service's
+prefill node (tinyhet.service.prefill_node)."""
+from __future__ import annotations
+import sys, time
+from dataclasses import dataclass, field
+import numpy as np
+from tinygrad import Tensor, dtypes
+from tinyhet.model.llama import Llama
+from tinyhet.model.sampling import Sampler
+
+@dataclass
+class LayerTimes:
+  """When one layer's KV went where, in seconds from the request's start."""
+  layer: int
+  computed_s: float       # its K, V realized on HET
+  posted_s: float         # packed and handed to the transport (by the writer thread)
+  landed_s: float         # every byte in the decode node's blocks: the receiver's notice or the writer's completion, whichever came first
+
+@dataclass
+class GenerationStats:
+  prompt_tokens: int = 0
+  ttft_s: float = 0.0               # request start -> first token sampled AND every layer landed (the decode node can go on)
+  prefill_s: float = 0.0            # request start -> first token sampled on HET
+  kv_bytes: int = 0                 # bytes written to the decode node (whole blocks, all layers)
+  transfer_s: float = 0.0           # time bytes were moving: the union over layers of [posted, landed]
+  transfer_gbps: float = 0.0        # kv_bytes / transfer_s
+  kv_tail_s: float = 0.0            # first token sampled -> last layer landed (0 when every layer landed before)
+  landed_clock: str = "writer"      # "receiver" when the decode node shares this host's clock and its notice times were used
+  decode_tokens: int = 0
+  decode_tok_s: float = 0.0
+  transport: str = ""
+  preemptions: int = 0
+  staging_waits: int = 0            # times prefill waited for a staging buffer (all in flight); layers on a GPU only
+  handoff_s: float = 0.0            # time the prefill thread spent handing layers off (packing, copying or staging, queueing)
+  timeline: list[LayerTimes] = field(default_factory=list)
+  last_logits: list[float] | None = None   # with return_logits: the logits the last token was sampled from
+
+def prefill_bucket(n: int) -> int:
+  """The padded prompt length: tinygrad compiles kernels per shape, so prompts share the kernels of their bucket. Buckets
+  grow with the length (steps of 16 tokens up to 255, then 1/8 to 1/16 of the length), so padding costs at most ~12%."""
+  step = max(16, 1 << max(0, n.bit_length() - 4))
+  return -(-n // step) * step
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+  """Length of the union of [start, end) intervals: how long at least one transfer was in flight."""
+  total, end = 0.0, float("-inf")
+  for a, b in sorted(intervals):
+    if b <= end: continue
+    total += b - max(a, end)
+    end = b
+  return total
+
+def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16, on_layer=None, progress=None) -> np.ndarray:
+  """Prefill the prompt padded to its bucket on the model's device: the logits (vocab,) of its last token. on_layer(l, k, v)
+  gets each layer's K, V (to send, or to store); progress(layers done), if given, as each layer finishes (see
+  prefill_progress)."""
+  padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
+  if progress is not None: progress(0)
+  return model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
+                       n_valid=len(prompt_ids), progress=progress).numpy()[0]
+
+def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, kv_dtype=dtypes.float16, on_layer=None,
+                        progress=None) -> tuple[int, np.ndarray]:
+  """prefill_logits, then the first token sampled from them: (token, logits). The disaggregated path passes on_layer to send
+  each layer; without it this is the same prefill with no transfer."""
+  logits = prefill_logits(model, prompt_ids, kv_dtype, on_layer, progress)
+  return sampler(logits, len(prompt_ids)), logits
+
+def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0, out=None):
+  """A progress callback for a long prefill: once it has run after_s seconds, a line on stderr at each quarter of the layers
+  (in place on a terminal, every layer): layers done and prompt tokens/s so far. Short prefills print nothing. progress(0)
+  marks the start of the prefill. out: where the lines go (default sys.stderr; any object with write, flush and isatty)."""
+  out = out or sys.stderr
+  t0, tty, shown = [time.perf_counter()], out.isatty(), [0]
+  def progress(done: int):
+    if done == 0:                                   # the prefill starts now (prefill_first_token says so)
+      t0[0] = time.perf_counter()
+      return
+    dt = time.perf_counter() - t0[0]
+    if dt < after_s: return
+    if not tty and done < n_layers and done < shown[0] + max(1, n_layers // 4): return
+    shown[0] = done
+    line = f"tinyhet: prefill: {done}/{n_layers} layers of {n_tokens} tokens, {n_tokens * done / n_layers / dt:.0f} tokens/s"
+    print(f"\r{line}" if tty else line, end="\n" if not tty or done == n_layers else "", file=out, flush=True)
+  return progress
+
+def ttft_no_transfer(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16) -> float:
+  """Seconds to the first token of the same padded prefill on the same device with no transfer: the baseline of the TTFT
+  overhead of disaggregation."""
+  t0 = time.perf_counter()
+  prefill_first_token(model, prompt_ids, Sampler(), kv_dtype)
+  return time.perf_counter() - t0
+
+def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed: dict[int, float], posted: dict[int, float],
+                     confirmed: dict[int, float], kv_bytes: int, receiver: dict[int, float] | None = None):
+  """Fill stats' TTFT, moving time, rate and per-layer timeline from perf_counter times per layer: computed (K, V realized),
+  posted (handed to the transport), confirmed (the writer learned the write finished) and, when the receiver shares this
+  clock, its notice times. A layer has landed at the earlier of confirmed and the receiver's notice: a shm copy ends before
+  the receiver reads its notice; a tcp write lands when the receiver says so, not when its ACK gets this busy process's
+  attention. The rate is over the time bytes were moving (the union of [posted, landed]), not over the time spent waiting."""
+  landed = dict(confirmed)
+  if receiver is not None and receiver.keys() == landed.keys():
+    landed = {l: min(landed[l], receiver[l]) for l in landed}
+    stats.landed_clock = "receiver"
+  last = max(landed.values())
+  stats.kv_bytes = kv_bytes
+  stats.ttft_s = max(t_first, last) - t0
+  stats.kv_tail_s = max(0.0, last - t_first)
+  stats.transfer_s = busy_time([(posted[l], landed[l]) for l in landed])
+  stats.transfer_gbps = kv_bytes / stats.transfer_s / 1e9 if stats.transfer_s > 0 else 0.0
+  stats.timeline = [LayerTimes(l, computed[l] - t0, posted[l] - t0, landed[l] - t0) for l in sorted(landed)]

@@ -1,0 +1,154 @@
+"""Continuous batching over a paged KV pool, in nano-vllm's manner: admission and preemption. Plain Python, no device.
+
+A step is either a prefill batch (waiting sequences admitted while their blocks fit) or a decode batch (every running
+sequence gets one token slot). A full pool never crashes and never truncates: admission waits for blocks (first come, first
+served), and a decode step that needs a block preempts the newest running sequence: its blocks are freed and it goes back to
+the front of the waiting queue, to be recomputed (prompt and generated tokens prefilled again) when blocks free up. A request
+that could not fit even in an empty pool is rejected when it is added, with one error naming its size and the pool's.
+
+Sequences prefilled elsewhere (disaggregated) arrive through reserve_incoming (blocks held before the prefill node starts
+writing), then commit_incoming when the transfer lands, or abort_incoming when it fails.
+
+Token accounting: after a step, a running sequence has KV for num_tokens - 1 tokens; its last token (just sampled) is the
+input of its next decode step, which stores its KV in the slot that schedule() appended.
+"""
+from __future__ import annotations
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from tinyhet.kv.block_manager import BlockManager
+
+class SequenceStatus(Enum):
+  WAITING = auto(); INCOMING = auto(); RUNNING = auto(); FINISHED = auto()  # noqa: E702
+
+class RequestTooLarge(ValueError):
+  """A request longer than the whole KV pool: no amount of waiting or preemption makes it fit."""
+
+@dataclass(eq=False)
+class Sequence:
+  seq_id: int
+  token_ids: list[int]            # prompt, then generated tokens
+  max_new_tokens: int
+  num_prompt_tokens: int = -1     # defaults to len(token_ids) at creation
+  status: SequenceStatus = SequenceStatus.WAITING
+  num_preemptions: int = 0
+  extra: dict = field(default_factory=dict)   # the engine's per-sequence state (sampling parameters, a reply channel)
+
+  def __post_init__(self):
+    if self.num_prompt_tokens < 0: self.num_prompt_tokens = len(self.token_ids)
+    if self.num_prompt_tokens < 1: raise ValueError(f"sequence {self.seq_id}: empty prompt")
+  @property
+  def num_tokens(self) -> int: return len(self.token_ids)
+  @property
+  def num_generated(self) -> int: return len(self.token_ids) - self.num_prompt_tokens
+  @property
+  def max_tokens(self) -> int: return self.num_prompt_tokens + self.max_new_tokens
+
+class Scheduler:
+  def __init__(self, block_manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 8192, eos: int | None = None,
+               capacity: int | None = None):
+    # zero would admit nothing, ever: every request would wait for good (a node started with --max-seqs 0 did)
+    if max_num_seqs < 1 or max_num_batched_tokens < 1:
+      raise ValueError(f"max_num_seqs and max_num_batched_tokens must be at least 1, got {max_num_seqs} and {max_num_batched_tokens}")
+    self.bm, self.max_num_seqs, self.max_num_batched_tokens, self.eos = block_manager, max_num_seqs, max_num_batched_tokens, eos
+    self.capacity = block_manager.num_blocks if capacity is None else capacity   # blocks sequences can have (the engine may keep some)
+    self.waiting: deque[Sequence] = deque()
+    self.running: deque[Sequence] = deque()
+    self.incoming: dict[int, Sequence] = {}
+    self.num_preemptions = 0
+
+  def is_finished(self) -> bool: return not self.waiting and not self.running and not self.incoming
+
+  def check_fits(self, seq: Sequence) -> None:
+    """Raise RequestTooLarge if seq at its longest (prompt + max_new_tokens) needs more blocks than the whole pool."""
+    need = self.bm.blocks_needed(seq.max_tokens)
+    if need > self.capacity:
+      raise RequestTooLarge(f"request {seq.seq_id}: {seq.max_tokens} tokens ({seq.num_prompt_tokens} prompt + {seq.max_new_tokens} new) "
+                            f"need {need} KV blocks of {self.bm.block_size} tokens, but the pool has {self.capacity} blocks "
+                            f"({self.capacity * self.bm.block_size} tokens): shorten the request or give the decode node a bigger KV pool")
+
+  def add(self, seq: Sequence) -> None:
+    """Queue a request for prefill on this node."""
+    self.check_fits(seq)
+    seq.status = SequenceStatus.WAITING
+    self.waiting.append(seq)
+
+  def schedule(self) -> tuple[list[Sequence], bool]:
+    """The next batch and whether it is a prefill. Prefill: admit waiting sequences in order while their blocks fit
+    (num_tokens of KV each). Otherwise decode: one new token slot per running sequence, preempting the newest running
+    sequences when a slot needs a block and none is free. An empty list means nothing can run until blocks free up."""
+    scheduled: list[Sequence] = []
+    batched = 0
+    while self.waiting and len(self.running) + len(self.incoming) < self.max_num_seqs:   # an incoming sequence will run here too
+      seq = self.waiting[0]
+      if scheduled and batched + seq.num_tokens > self.max_num_batched_tokens: break
+      if not self.bm.can_allocate(seq.num_tokens): break   # first come, first served: later requests wait too
+      self.bm.allocate(seq.seq_id, seq.num_tokens)
+      self.waiting.popleft()
+      seq.status = SequenceStatus.RUNNING
+      self.running.append(seq)
+      scheduled.append(seq)
+      batched += seq.num_tokens
+    if scheduled: return scheduled, True
+
+    while self.running:
+      seq = self.running.popleft()
+      while not self.bm.may_append(seq.seq_id):
+        if self.running: self.preempt(self.running.pop())
+        else:
+          self.preempt(seq)
+          break
+      else:
+        self.bm.append_slot(seq.seq_id)
+        scheduled.append(seq)
+    self.running.extendleft(reversed(scheduled))
+    return scheduled, False
+
+  def preempt(self, seq: Sequence) -> None:
+    """Free seq's blocks and queue it first for recompute."""
+    self.bm.deallocate(seq.seq_id)
+    seq.status = SequenceStatus.WAITING
+    seq.num_preemptions += 1
+    self.num_preemptions += 1
+    self.waiting.appendleft(seq)
+
+  def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+    """Append each sequence's sampled token; finish (and free) those that hit eos or max_new_tokens. Returns the finished."""
+    finished = []
+    for seq, tok in zip(seqs, token_ids, strict=True):
+      seq.token_ids.append(tok)
+      if (self.eos is not None and tok == self.eos) or seq.num_generated >= seq.max_new_tokens:
+        self.finish(seq)
+        finished.append(seq)
+    return finished
+
+  def finish(self, seq: Sequence) -> None:
+    """Stop a running sequence (done, or cancelled by its client) and free its blocks."""
+    self.running.remove(seq)
+    self.bm.deallocate(seq.seq_id)
+    seq.status = SequenceStatus.FINISHED
+
+  # ***** sequences prefilled on another node *****
+
+  def reserve_incoming(self, seq: Sequence) -> bool:
+    """Hold blocks for seq's prompt KV before a prefill node writes it; False (nothing held) when they do not fit now or
+    max_num_seqs sequences are already running or arriving."""
+    self.check_fits(seq)
+    if not self.bm.can_allocate(seq.num_tokens) or len(self.running) + len(self.incoming) >= self.max_num_seqs: return False
+    self.bm.reserve(seq.seq_id, seq.num_tokens)
+    seq.status = SequenceStatus.INCOMING
+    self.incoming[seq.seq_id] = seq
+    return True
+
+  def commit_incoming(self, seq: Sequence, first_token: int) -> bool:
+    """The prompt's KV landed and the prefill node sampled first_token: seq starts decoding here. Returns True when
+    first_token already finished it (eos, or max_new_tokens == 1) and its blocks were freed."""
+    self.bm.commit(self.incoming.pop(seq.seq_id).seq_id)
+    seq.status = SequenceStatus.RUNNING
+    self.running.append(seq)
+    return bool(self.postprocess([seq], [first_token]))
+
+  def abort_incoming(self, seq: Sequence) -> None:
+    """The transfer failed: give its blocks back. The caller decides whether to prefill seq again (add) or drop it."""
+    self.bm.release_reservation(self.incoming.pop(seq.seq_id).seq_id)
+    seq.status = SequenceStatus.WAITING

@@ -1,0 +1,191 @@
+"""The decode node's paged KV cache: per-layer block pools on a tinygrad device, a BlockManager, and update_and_attend (the
+model's KVCache protocol) over paged attention (kernels/paged_attention.py).
+
+Pool byte layout (per layer, one realized buffer that never moves): shape (num_blocks, 2, n_kv_heads, block_size * head_dim)
+in kv_dtype, so block b is the contiguous span [b * block_nbytes, (b + 1) * block_nbytes) holding its K tiles then its V tiles;
+inside, K is stored transposed per head ((head_dim, block_size)) and V row-major ((block_size, head_dim)). kernels/kv_pack.py
+packs a prefilled layer into exactly these bytes; block_spans gives where a sequence's blocks are (consecutive ids coalesce).
+
+A step, as the engine drives it:
+  seqs, is_prefill = scheduler.schedule()            # allocates / appends the token slots in the block manager
+  positions = cache.begin_step([s.seq_id for s in seqs], T)   # the step's block tables, in the batch's row order
+  model forward(tokens, positions) -> cache.update_and_attend(layer, q, k, v, positions) per layer
+Under TinyJit, give the jitted step **cache.jit_kwargs() (the bound block count) so one capture serves every length:
+  step = TinyJit(lambda tokens, positions, **kv: model.forward(tokens, positions, cache).realize())
+  logits = step(tokens, positions, **cache.jit_kwargs())
+"""
+from __future__ import annotations
+from collections.abc import Sequence
+import numpy as np
+from tinygrad import Tensor, UOp, dtypes
+from tinygrad.device import Buffer
+from tinygrad.dtype import DType
+from tinygrad.helpers import ceildiv
+from tinyhet.kv.block_manager import BlockManager
+from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_attention
+
+SCRATCH_BYTES = 256 << 20   # attention keeps (rows, n_heads, max_seq_len) float32 scores: rows past this go in chunks
+
+def create_pool(num_blocks: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: DType, device: str = "CPU") -> Tensor:
+  """One layer's block pool: a realized, zeroed buffer of shape (num_blocks, 2, n_kv_heads, block_size * head_dim) on device.
+  Every pool is made here, so the device that holds KV (MESH: registered memory) is chosen in one place."""
+  return Tensor.zeros(num_blocks, 2, n_kv_heads, block_size * head_dim, dtype=dtype, device=device).contiguous().realize()
+
+def _host_view(buf: Buffer) -> memoryview | None:
+  # zero-copy view of a host-memory buffer (CPU, MESH); None where the device needs a copy
+  return buf.as_memoryview(force_zero_copy=True) if hasattr(buf.allocator, "_as_buffer") else None
+
+def _write(buf: Buffer, offset: int, data: bytes | memoryview) -> None:
+  data = memoryview(data).cast("B")
+  if offset < 0 or offset + len(data) > buf.nbytes: raise IndexError(f"write of {len(data)} bytes at {offset} outside a {buf.nbytes}-byte buffer")
+  if (mv := _host_view(buf)) is not None: mv[offset:offset + len(data)] = data
+  else: buf.view(len(data), dtypes.uint8, offset).ensure_allocated().copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
+
+def _read(buf: Buffer, offset: int, nbytes: int) -> bytes:
+  if (mv := _host_view(buf)) is not None: return bytes(mv[offset:offset + nbytes])
+  return bytes(buf.view(nbytes, dtypes.uint8, offset).ensure_allocated().as_memoryview())
+
+class PagedKVCache:
+  """KV for many sequences of different, growing lengths, in fixed-size blocks of per-layer pools."""
+  def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int, block_size: int = 16,
+               kv_dtype: DType | str = dtypes.float16, device: str = "CPU", max_seq_len: int = 8192):
+    self.n_layers, self.n_kv_heads, self.head_dim, self.block_size = n_layers, n_kv_heads, head_dim, block_size
+    self.kv_dtype: DType = getattr(dtypes, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+    self.max_seq_len = max_seq_len
+    self.cap = ceildiv(max_seq_len, block_size)   # block-table width: the most blocks one sequence can hold
+    self.block_manager = BlockManager(num_blocks, block_size)
+    self.pools = [create_pool(num_blocks, n_kv_heads, head_dim, block_size, self.kv_dtype, device) for _ in range(n_layers)]
+    self.block_nbytes = 2 * n_kv_heads * block_size * head_dim * self.kv_dtype.itemsize
+    self._tables: dict[int, Tensor] = {}     # decode batch size -> (B, cap) int32, rewritten in place each step (fixed buffers for TinyJit)
+    self._inputs: dict[int, tuple[Tensor, Tensor]] = {}   # decode batch size -> its tokens and positions, (B, 1) int32, the same way
+    self._max_blocks = max_blocks_var(self.cap)
+    self._step: tuple[int, int, Tensor, UOp] | None = None   # (batch, tokens per sequence, tables, bound block count)
+
+  @staticmethod
+  def bytes_per_block(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, kv_dtype: DType) -> int:
+    """Bytes one block costs across all layers: size the pool as arena_bytes // this."""
+    return n_layers * 2 * n_kv_heads * block_size * head_dim * kv_dtype.itemsize
+
+  # ***** the model's KVCache protocol *****
+
+  def begin_step(self, seq_ids: Sequence[int], n_tokens: int = 1) -> np.ndarray:
+    """Set the batch of the next forward: row b of q/k/v/positions is seq_ids[b], each with n_tokens new tokens whose slots
+    the block manager already holds (Scheduler.schedule, or allocate / append_slot): the last n_tokens of each sequence.
+    Returns those positions, (B, n_tokens) int32, the positions to give the model. A position outside a sequence's blocks
+    would be stored in another sequence's block: pass these."""
+    tables = [self.block_manager.block_table(s) for s in seq_ids]
+    if not tables: raise ValueError("begin_step: empty batch")
+    ends = np.array([self.block_manager.length(s) for s in seq_ids], dtype=np.int32)
+    if (ends < n_tokens).any(): raise ValueError(f"begin_step: sequence {seq_ids[int(np.argmin(ends))]} holds fewer than n_tokens={n_tokens} tokens")
+    if (longest := max(len(t) for t in tables)) > self.cap:
+      raise ValueError(f"begin_step: a sequence holds {longest} blocks, more than max_seq_len {self.max_seq_len} allows; "
+                       "make the cache with a larger max_seq_len")
+    rows = np.zeros((len(tables), self.cap), dtype=np.int32)   # padding entries point at block 0: read, then masked
+    for i, t in enumerate(tables): rows[i, :len(t)] = t
+    rows = np.repeat(rows, n_tokens, axis=0)
+    buf = self._tables.get(len(rows)) if n_tokens == 1 else None
+    if buf is None:
+      buf = Tensor.zeros(len(rows), self.cap, dtype=dtypes.int32, device=self.pools[0].device).contiguous().realize()
+      # kept only for decode steps (one row per sequence: as many sizes as batch sizes), which TinyJit replays from fixed
+      # buffers; a recompute's rows are its length, which preemptions make unbounded, and it is not jitted
+      if n_tokens == 1: self._tables[len(rows)] = buf
+    _write(buf.uop.buffer, 0, rows.tobytes())
+    self._step = (len(tables), n_tokens, buf, self._max_blocks.bind(longest))
+    return ends[:, None] - n_tokens + np.arange(n_tokens, dtype=np.int32)[None]
+
+  def step_inputs(self, tokens, positions) -> tuple[Tensor, Tensor]:
+    """A decode step's tokens and positions, (B, 1) int32 each, as Tensors on the pool's device: written in place into
+    buffers kept per batch size, which a TinyJit-ed step reads as they are (a Tensor made from an array costs a transfer for
+    tinygrad to schedule: ~2.6 ms of Python each, measured, a third of a SmolLM2 decode step's kernels on 2 cores)."""
+    B = len(tokens)
+    bufs = self._inputs.get(B)
+    if bufs is None:
+      dev = self.pools[0].device
+      bufs = self._inputs[B] = tuple(Tensor.zeros(B, 1, dtype=dtypes.int32, device=dev).contiguous().realize() for _ in range(2))
+    for buf, a in zip(bufs, (tokens, positions)): _write(buf.uop.buffer, 0, np.ascontiguousarray(a, dtype=np.int32).reshape(B, 1).tobytes())
+    return bufs
+
+  def jit_kwargs(self) -> dict[str, UOp]:
+    """Keyword arguments to pass into a TinyJit-ed step: the bound block count (a Variable reaches a JIT only as an argument)."""
+    if self._step is None: raise RuntimeError("jit_kwargs: call begin_step first")
+    return {"kv_max_blocks": self._step[3]}
+
+  def update_and_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    """q: (B, T, n_heads, head_dim); k, v: (B, T, n_kv_heads, head_dim), post-RoPE, float32; positions: (B, T) int32, the
+    absolute positions of these tokens. Stores k, v (cast to kv_dtype) at those positions, then returns causal attention
+    of q over each sequence's cached tokens 0..position (including the ones just stored): (B, T, n_heads, head_dim) float32.
+    Softmax in float32, scale 1/sqrt(head_dim)."""
+    B, T, H, D = q.shape
+    if self._step is None or self._step[:2] != (B, T):
+      raise RuntimeError(f"update_and_attend: batch {(B, T)} was not announced; call begin_step(seq_ids, n_tokens={T}) before the forward")
+    _, _, tables, max_blocks = self._step
+    R = B * T
+    pos = positions.reshape(R).cast(dtypes.int32)
+    pool = kv_scatter(self.pools[layer], k.reshape(R, self.n_kv_heads, D), v.reshape(R, self.n_kv_heads, D), tables, pos)
+    q, n = q.reshape(R, H, D), (pos + 1).contiguous()
+    chunk = max(1, SCRATCH_BYTES // (H * self.cap * self.block_size * 4))
+    if R <= chunk: return paged_attention(q, pool, tables, n, max_blocks).reshape(B, T, H, D)
+    # T > 1 (a recompute): rows in chunks so the score scratch stays bounded
+    outs = [paged_attention(q[i:i + chunk], pool, tables[i:i + chunk], n[i:i + chunk], max_blocks) for i in range(0, R, chunk)]
+    return Tensor.cat(*outs).reshape(B, T, H, D)
+
+  # ***** bytes, for transports and tests *****
+
+  def pool_buffer(self, layer: int) -> Buffer:
+    """The realized buffer of a layer's pool (register it once with a transport; it never moves)."""
+    return self.pools[layer].uop.buffer
+
+  def block_spans(self, seq_id: int, layer: int) -> list[tuple[int, int]]:
+    """(byte offset inside the layer's pool buffer, nbytes) of seq_id's blocks in token order; consecutive blocks coalesce."""
+    if not 0 <= layer < self.n_layers: raise IndexError(f"layer {layer} out of range (the cache has {self.n_layers})")
+    spans: list[tuple[int, int]] = []
+    for b in self.block_manager.block_table(seq_id):
+      off = b * self.block_nbytes
+      if spans and spans[-1][0] + spans[-1][1] == off: spans[-1] = (spans[-1][0], spans[-1][1] + self.block_nbytes)
+      else: spans.append((off, self.block_nbytes))
+    return spans
+
+  def write_block_bytes(self, layer: int, block_id: int, data: bytes | memoryview) -> None:
+    """Overwrite one block of a layer with block_nbytes bytes in the pool layout (what a transport write does)."""
+    if len(memoryview(data).cast("B")) != self.block_nbytes: raise ValueError(f"a block is {self.block_nbytes} bytes, got {len(data)}")
+    _write(self.pool_buffer(layer), block_id * self.block_nbytes, data)
+
+  def read_block_bytes(self, layer: int, block_id: int) -> bytes:
+    return _read(self.pool_buffer(layer), block_id * self.block_nbytes, self.block_nbytes)
+
+  def write_sequence(self, seq_id: int, layer: int, packed: bytes | memoryview) -> None:
+    """Write a sequence's packed layer (kernels.kv_pack.pack_kv bytes) into its blocks, span by span."""
+    data, pos = memoryview(packed).cast("B"), 0
+    spans = self.block_spans(seq_id, layer)
+    if len(data) != sum(n for _, n in spans): raise ValueError(f"sequence {seq_id} holds {sum(n for _, n in spans)} bytes per layer, got {len(data)}")
+    for off, n in spans:
+      _write(self.pool_buffer(layer), off, data[pos:pos + n])
+      pos += n
+
+  def layer_storer(self, seq_id: int):
+    """on_layer(layer, k, v) for Llama.prefill: each layer's K, V (T, KVH, D) packed into the sequence's blocks as it exists,
+    the bytes a prefill node would send (rows past the blocks, a padded prompt's, only reach the last block's slack). With
+    numpy straight into the pool where K, V and the pool are host memory (no kernel), else with the pack kernel and a copy."""
+    from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
+    from tinyhet.kv.sender import host_array
+    blocks = self.block_manager.block_table(seq_id)
+    nbytes = len(blocks) * self.block_nbytes
+    def store(layer: int, k: Tensor, v: Tensor):
+      ka, va, pool = host_array(k), host_array(v), host_array(self.pools[layer])
+      if ka is None or va is None or pool is None:
+        packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
+        return self.write_sequence(seq_id, layer, packed.uop.buffer.as_memoryview()[:nbytes])
+      if blocks == list(range(blocks[0], blocks[0] + len(blocks))): pack_kv_host(ka, va, pool[blocks[0]:blocks[0] + len(blocks)])
+      else:
+        tmp = np.empty((len(blocks), *pool.shape[1:]), pool.dtype)
+        pack_kv_host(ka, va, tmp)
+        pool[blocks] = tmp
+    return store
+
+  def copy_block(self, src: int, dst: int) -> None:
+    """Copy block src to dst in every layer (BlockManager.fork's copy of a partial last block)."""
+    for layer in range(self.n_layers): self.write_block_bytes(layer, dst, self.read_block_bytes(layer, src))
+
+  def fork(self, parent: int, child: int) -> None:
+    """child shares parent's full blocks and gets a copy of its partial last block."""
+    if (copy := self.block_manager.fork(parent, child)) is not None: self.copy_block(*copy)

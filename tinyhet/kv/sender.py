@@ -1,0 +1,212 @@
+"""A request's K, V on their way from the prefill device into the decode node's reserved blocks, one layer at a time, while
+the next layer computes. Both prefill clients use it: DecodeClient (tinyhet run, tinyhet.engine.prefill) and PrefillNode (the
+service). The prefill thread only queues:
+
+  sender = KVSender(endpoint, peer, reservation, cfg, kv_dtype, buffers)
+  sender.send(layer, k, v)     prefill thread, as each layer's K, V exist; never raises a write's failure
+  sender.check()               raises the first write's failure, if one has failed so far
+  sender.finish(timeout)       every write posted and landed: {layer: Transfer}; raises the first failure
+  sender.abort()               after a failure: waits for what was posted; buffers a write may still read are never reused
+
+Where a layer's K, V lie decides how it leaves:
+  registered host memory (HET on the CPU)   the writer thread packs it (numpy, GIL released) into a host region and writes it
+  device memory no transport sends from     packed on the device, copied out through N staging buffers by the writer thread
+  (a GPU without GPUDirect RDMA)            (tinyhet.device.gpu_staging); with N = 0, copied on the prefill thread (the baseline)
+  registered device memory                  packed on the device, written from there
+"""
+from __future__ import annotations
+import functools, queue, threading, time
+import numpy as np
+from tinygrad import Tensor
+from tinygrad.uop.ops import Ops
+from tinyhet.kv.notices import notice_value
+from tinyhet.device.backend import NotRegistered, region_of
+from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
+from tinyhet.runtime.arena import Region
+from tinyhet.runtime.descriptor import RegionDescriptor
+from tinyhet.runtime.transport import Span, Transfer
+from tinyhet.device.gpu_staging import StagingRing, start_copy, unpin
+
+def host_array(t: Tensor) -> np.ndarray | None:
+  """A realized tensor's bytes in registered host memory as a numpy array (no copy), or None where they are elsewhere (a GPU)
+  or numpy has no such dtype."""
+  base = t.uop.base
+  if base.op is not Ops.BUFFER or t.dtype.fmt is None: return None
+  try: region, offset = region_of(base.buffer)
+  except NotRegistered: return None
+  if base.buffer.nbytes != t.nbytes(): return None
+  return np.frombuffer(region.view(offset, t.nbytes()), dtype=np.dtype(t.dtype.fmt)).reshape(t.shape)
+
+class LayerWriter:
+  """Fills and posts a request's layer writes from its own thread, so that prefill computes layer l+1 while layer l is
+  packed (numpy, which releases the GIL) or copied out of device memory (tinyhet.device.gpu_staging), and handed to the transport (a
+  shm write is a memcpy by the posting thread; a small tcp write is sent by it): the prefill thread only queues.
+  before_post(), if given, runs on the writer thread before each write is posted; what it raises fails the request there
+  (the service's prefill node checks that its caller still holds the reservation)."""
+  def __init__(self, endpoint, peer, before_post=None):
+    self.endpoint, self.peer, self.before_post = endpoint, peer, before_post
+    self.cancelled = False                            # abort(): queued writes are dropped, not posted
+    self.queue: queue.SimpleQueue = queue.SimpleQueue()
+    self.transfers: dict[int, Transfer] = {}
+    self.posted: dict[int, float] = {}
+    self.settled: dict[int, threading.Event] = {}     # set once a layer's write is posted, or failed to be
+    self.error: BaseException | None = None
+    self.thread = threading.Thread(target=self._loop, name="tinyhet-kv-writer", daemon=True)
+    self.thread.start()
+
+  def post(self, layer: int, spans: list[Span], notify: int, fill=None):
+    """Write spans with notify once fill(), if given, has filled their bytes (runs on the writer thread)."""
+    if self.error is not None: raise self.error
+    self.settled[layer] = threading.Event()
+    self.queue.put((layer, spans, notify, fill))
+
+  def landed(self, layer: int) -> bool:
+    """Whether layer's write has landed (False while it waits to be posted). Raises a failure."""
+    if self.error is not None: raise self.error
+    if (t := self.transfers.get(layer)) is None or not t.done(): return False
+    t.wait(0)                                        # raises the write's failure
+    return True
+
+  def wait_landed(self, layer: int, timeout: float = 60.0):
+    """Wait until layer's write has been posted and has landed; raises its failure, or TimeoutError saying which layer."""
+    if not self.settled[layer].wait(timeout): raise TimeoutError(f"the write of layer {layer} was not posted after {timeout} s")
+    if self.error is not None: raise self.error
+    self.transfers[layer].wait(timeout)
+
+  def _loop(self):
+    while (item := self.queue.get()) is not None:
+      layer, spans, notify, fill = item
+      try:
+        if self.error is not None or self.cancelled: continue    # a write failed: post nothing more, finish() raises it
+        if self.before_post is not None: self.before_post()
+        if fill is not None: fill()
+        self.posted[layer] = time.perf_counter()
+        self.transfers[layer] = self.endpoint.write(self.peer, spans, notify=notify)
+      except BaseException as e: self.error = e
+      finally: self.settled[layer].set()
+
+  def finish(self, timeout: float = 60.0, check: bool = True) -> dict[int, Transfer]:
+    """Stop the thread once every queued write is posted, then wait for each write to land. Raises the first failure."""
+    self.queue.put(None)
+    self.thread.join(timeout)
+    for t in self.transfers.values():
+      try: t.wait(timeout)
+      except Exception as e:
+        if self.error is None: self.error = e
+    if check and self.error is not None: raise self.error
+    return self.transfers
+
+def post_packed(writer: LayerWriter, layer: int, packed: Tensor, nbytes: int, spans_from, notify: int, ring: StagingRing | None) -> Tensor:
+  """Post the first nbytes of a layer packed on HET (realized): straight from its memory where that is registered; else, with a ring, through a
+  staging buffer the writer thread copies it into (tinyhet.device.gpu_staging); with no ring, copied to registered host memory here, on
+  the prefill thread (the synchronous baseline). spans_from(region, offset) gives the layer's spans from where its bytes
+  lie. Returns what must stay alive until the write has landed."""
+  try: region, offset = region_of(packed.uop.buffer)
+  except NotRegistered:
+    if ring is not None:
+      region = ring.take(layer, writer)
+      writer.post(layer, spans_from(region, 0), notify, start_copy(packed.uop.buffer, region, nbytes))
+      return packed
+    packed = packed.to("MESH").realize()
+    region, offset = region_of(packed.uop.buffer)
+  writer.post(layer, spans_from(region, offset), notify)
+  return packed
+
+class SendBuffers:
+  """Registered host memory a prefill client's requests send from, kept from one request to the next: one region for every
+  layer packed on the host, and n_staging buffers of one layer each for layers packed in device memory (0: none, the
+  synchronous copy)."""
+  def __init__(self, node, n_staging: int):
+    self.node, self.n_staging = node, n_staging
+    self.host_region: Region | None = None
+    self.staging: list[Region] = []
+
+  def host(self, nbytes: int) -> Region:
+    if self.host_region is None or self.host_region.nbytes < nbytes:
+      if self.host_region is not None: self.host_region.free()
+      self.host_region = self.node.arena("MESH").alloc(nbytes, align=4096)
+    return self.host_region
+
+  def ring(self, nbytes: int) -> StagingRing | None:
+    if self.n_staging == 0: return None
+    if not self.staging or self.staging[0].nbytes < nbytes:
+      self._free_staging()
+      pages = -(-nbytes // 4096) * 4096          # whole pages: a GPU driver pins them for its copy engine (tinyhet.device.gpu_staging)
+      self.staging = [self.node.arena("MESH").alloc(pages, align=4096) for _ in range(self.n_staging)]
+    return StagingRing(self.staging)
+
+  def forget(self):
+    """A write may still read these buffers (it neither landed nor failed in time): never hand them out again. Their arena
+    space stays taken; that is the price of not letting a late write read bytes of another request."""
+    self.host_region, self.staging = None, []
+
+  def _free_staging(self):
+    unpin(self.staging)
+    for r in self.staging: r.free()
+    self.staging = []
+
+  def free(self):
+    if self.host_region is not None: self.host_region.free()
+    self.host_region = None
+    self._free_staging()
+
+class KVSender:
+  """One request's layers into the blocks a decode node reserved for it (decode.reserve's reply: seq_id, blocks, pools,
+  block_bytes, block_size). Layer l's write notifies (seq_id << 8) | l."""
+  def __init__(self, endpoint, peer, reservation: dict, cfg, kv_dtype, buffers: SendBuffers, before_post=None):
+    r = reservation
+    self.seq_id, self.blocks, self.block_bytes, self.block_size = r["seq_id"], list(r["blocks"]), r["block_bytes"], r["block_size"]
+    self.pools = [RegionDescriptor.from_hex(h) for h in r["pools"]]
+    self.kv_dtype, self.buffers = kv_dtype, buffers
+    self.layer_bytes = len(self.blocks) * self.block_bytes
+    self.writer = LayerWriter(endpoint, peer, before_post)
+    # (layers, blocks, 2, KVH, block_size*D): the pools' bytes. Rows past the prompt (pads) only reach the slack of the last
+    # block, which the decode node masks until its own tokens overwrite it.
+    self.host: Region | None = buffers.host(cfg.n_layers * self.layer_bytes) if kv_dtype.fmt is not None else None
+    self.stage = None if self.host is None else np.frombuffer(self.host.view(0, cfg.n_layers * self.layer_bytes), np.dtype(kv_dtype.fmt)) \
+      .reshape(cfg.n_layers, len(self.blocks), 2, cfg.n_kv_heads, self.block_size * cfg.head_dim)    # the region may be larger (kept)
+    self.ring = buffers.ring(self.layer_bytes)
+    self.keep: list[Tensor] = []              # K, V or packed layers stay alive until their writes have landed
+    self.computed: dict[int, float] = {}      # when each layer's K, V were handed over (perf_counter)
+    self.handoff_s = 0.0                      # time the prefill thread spent in send()
+
+  @property
+  def staging_waits(self) -> int: return self.ring.waits if self.ring is not None else 0
+
+  def _spans(self, layer: int, region: Region, offset: int) -> list[Span]:
+    return [Span(region, offset + i * self.block_bytes, self.pools[layer], b * self.block_bytes, self.block_bytes) for i, b in enumerate(self.blocks)]
+
+  def send(self, layer: int, k: Tensor, v: Tensor):
+    """Queue layer's K, V (T, KVH, D), realized on the prefill device. After a write has failed, nothing more is posted:
+    check() or finish() raises that failure (the caller may send every layer again over a new link)."""
+    self.computed[layer] = t0 = time.perf_counter()
+    try: self._hand_off(layer, k, v)
+    except Exception:
+      if self.writer.error is None: raise
+    finally: self.handoff_s += time.perf_counter() - t0
+
+  def _hand_off(self, layer: int, k: Tensor, v: Tensor):
+    if self.writer.error is not None: return
+    notify = notice_value(self.seq_id, layer)
+    if self.stage is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
+      self.keep.extend((k, v))              # K, V in host memory: the writer thread packs them into the host region
+      self.writer.post(layer, self._spans(layer, self.host, layer * self.layer_bytes), notify,
+                       functools.partial(pack_kv_host, ka, va, self.stage[layer]))
+      return
+    packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
+    self.keep.append(post_packed(self.writer, layer, packed, self.layer_bytes, functools.partial(self._spans, layer), notify, self.ring))
+
+  def check(self):
+    if self.writer.error is not None: raise self.writer.error
+
+  def finish(self, timeout: float = 60.0) -> dict[int, Transfer]:
+    return self.writer.finish(timeout)
+
+  def abort(self, timeout: float = 30.0) -> bool:
+    """Stop after a failure, dropping the writes not posted yet; True when every posted write has finished (none can still
+    land in the decode node's blocks)."""
+    self.writer.cancelled = True
+    self.writer.finish(timeout, check=False)
+    settled = all(t.done() for t in self.writer.transfers.values())
+    if not settled: self.buffers.forget()
+    return settled

@@ -1,0 +1,145 @@
+"""Prefill one layer at a time without paying tinygrad's scheduler for every layer: each layer of a prompt of T tokens is
+the same two computations on other weights, so both are captured once with TinyJit, the layer's weights passed in as
+inputs, and replayed for every layer and every later prompt of that length (prompts are padded to a few lengths).
+
+Without it, each layer's realize() ran tinygrad's graph rewrites and scheduling again: measured ~80 ms of Python per layer
+of SmolLM2 at 32 tokens (2.7 s of a 2.9 s prefill), where the kernels took ~6 ms. That was the TTFT of a short prompt.
+
+  qkv     x, rope -> q; K and V assigned into per-layer buffers in the KV dtype (what the transfer sends: fresh buffers,
+          so a layer's K, V stay intact while they are sent and the next layers run)
+  finish  x, q, K, V -> the next x, assigned into one of two buffers used in turn (a replay writes its output buffer
+          again: the layer's input must not be that buffer)
+Attention inside the prompt is causal over the T positions, reading K and V back from the KV dtype, as the dense cache of
+the one-prompt path does. Layers whose weights differ in type or shape from layer 0's (a GGUF may store some in another
+type) get captures of their own: one pair per weight signature. Once captured, a half is replayed straight from its
+capture (`Replay`), without TinyJit's per-call work of re-deriving each input's view.
+"""
+from __future__ import annotations
+import dataclasses, sys
+from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad.dtype import DType
+from tinygrad.uop.ops import Ops
+from tinyhet.model.layers import attention
+from tinyhet.model.packed import PackedWeight
+
+QKV = ("attn_norm", "wq", "wk", "wv")                       # the weights each half reads (a capture's inputs are all used)
+FINISH = ("wo", "ffn_norm", "w_gate", "w_up", "w_down")
+
+def layer_tensors(w, names: tuple[str, ...]) -> list[Tensor]:
+  """Some of a layer's weights as Tensors (a packed matrix is its blocks), inputs of a captured half-layer."""
+  return [getattr(w, n).blocks if isinstance(getattr(w, n), PackedWeight) else getattr(w, n) for n in names]
+
+def layer_from(template, names: tuple[str, ...], tensors: tuple[Tensor, ...]):
+  """The LayerWeights `template` with the weights `names` replaced by `tensors` (in layer_tensors' order)."""
+  new = {}
+  for n, t in zip(names, tensors):
+    old = getattr(template, n)
+    new[n] = PackedWeight(t, old.shape, old.ggml_type) if isinstance(old, PackedWeight) else t
+  return dataclasses.replace(template, **new)
+
+KEEP = 4   # captures kept per model, the most recently used: each holds its intermediate buffers (the (T, T) scores among them)
+
+def layer_jit(model, T: int, kv_dtype: DType) -> LayerJit:
+  """The model's capture for prompts of T tokens (made on first use), most recently used last."""
+  jits = model.__dict__.setdefault("_layer_jits", {})
+  lj = jits.pop((T, kv_dtype), None) or LayerJit(model, T, kv_dtype)
+  jits[(T, kv_dtype)] = lj
+  while len(jits) > KEEP: jits.pop(next(iter(jits)))
+  return lj
+
+def allocated(t: Tensor) -> Tensor:
+  """An empty Tensor with its memory allocated: TinyJit takes only real buffers as inputs (an unallocated one is left out)."""
+  t.uop.buffer.ensure_allocated()
+  return t
+
+def signature(w, names: tuple[str, ...]) -> tuple:
+  """What a capture of a half-layer is specific to besides T: each weight's kind, type and shape. A GGUF may store a layer's
+  weight in another type than layer 0's (llama.cpp's Q4_K_M keeps some in Q6_K): such a layer gets captures of its own."""
+  return tuple((type(m).__name__, getattr(m, "ggml_type", None), tuple(m.shape), str(m.dtype)) for m in (getattr(w, n) for n in names))
+
+class Replay:
+  """One half-layer's TinyJit, called through TinyJit until it has captured, then replayed straight from its capture: TinyJit's
+  own call re-derives every input's view with a graph rewrite (~1-2 ms of Python a call, 60 calls a SmolLM2 prefill), which
+  the inputs of one signature (same shapes, dtypes, devices: `signature`) do not need."""
+  def __init__(self, fn): self.jit = TinyJit(fn)
+
+  def __call__(self, *inputs: Tensor):
+    bases = [t.uop.base for t in inputs]
+    # before the capture, or an input that is not a plain buffer (a realized tensor still behind its last computation): TinyJit's own call
+    if self.jit.captured is None or any(b.op is not Ops.BUFFER for b in bases): return self.jit(*inputs)
+    return self.jit.captured(bases, {})
+
+class LayerJit:
+  """The two captured halves of a prefill layer for one prompt length and KV dtype, per weight signature."""
+  def __init__(self, model, T: int, kv_dtype: DType):
+    self.model, self.T, self.kv_dtype, cfg = model, T, kv_dtype, model.cfg
+    self.allowed = Tensor.ones(T, T, dtype=dtypes.bool, device=model.device).tril().reshape(1, T, T).realize()   # causal
+    self.halves: dict[tuple, Replay] = {}
+    dev = model.device
+    # the prompt's ends, captured too: each cost ~5-16 ms of tinygrad scheduling per prefill (~10% of 100 tokens' TTFT)
+    positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(dev).realize()
+    self.rope = tuple(t.realize() for t in model.rope(positions))      # cos, sin of positions 0..T-1: the same every prompt
+    self.embed = Replay(lambda tokens, x_out: x_out.assign(model.embed(tokens)).realize())
+    self.logits = Replay(lambda x, row: model._logits(x[:, row]).realize())
+    self.rows: dict[int, Tensor] = {}          # n_valid -> the index of the prompt's last row, (1,) int32 on the device
+    self.q = allocated(Tensor.empty(1, T, cfg.n_heads, cfg.head_dim, device=dev))
+    self.x = [allocated(Tensor.empty(1, T, cfg.dim, device=dev)) for _ in range(2)]
+    self.kv = [self._new_kv() for _ in range(2 * cfg.n_layers)]      # a run's K and V (kv_buffers)
+
+  def half(self, layer: int, names: tuple[str, ...]) -> Replay:
+    """The capture of half `names` for this layer's weight signature, made with this layer as its template."""
+    model, kv_dtype, allowed, template = self.model, self.kv_dtype, self.allowed, self.model.w.layers[layer]
+    key = (names, signature(template, names))
+    if key in self.halves: return self.halves[key]
+    if names == QKV:
+      def qkv(x: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor, v_out: Tensor, *weights: Tensor):
+        q, k, v = model._qkv(0, x, (cos, sin), layer_from(template, QKV, weights))
+        Tensor.realize(q_out.assign(q), k_out.assign(k.cast(kv_dtype).reshape(k_out.shape)), v_out.assign(v.cast(kv_dtype).reshape(v_out.shape)))
+      self.halves[key] = Replay(qkv)
+    else:
+      def finish(x: Tensor, q: Tensor, k: Tensor, v: Tensor, x_out: Tensor, *weights: Tensor):
+        # K, V read back as float32 in their own kernels, as DenseKVCache does (float16 inside attention is slow scalar code)
+        k, v = k.reshape(1, *k.shape), v.reshape(1, *v.shape)
+        att = attention(q, k.float().contiguous(), v.float().contiguous(), allowed)
+        x_out.assign(model._finish_layer(0, x, att, layer_from(template, FINISH, weights))).realize()
+      self.halves[key] = Replay(finish)
+    return self.halves[key]
+
+  def kv_buffers(self) -> list[Tensor]:
+    """2 * n_layers buffers (T, KVH, D) for a run's K and V, the shape on_layer hands out (a view made per layer, k[0], cost
+    ~0.3 ms of tinygrad's Python each). They are handed out and must stay intact while anyone holds them, so a run reuses
+    the previous run's only where nothing but this list refers to them any more; making a Tensor costs ~0.4 ms of Python,
+    60 of them ~25 ms of a SmolLM2 prefill."""
+    for i in range(len(self.kv)):
+      if sys.getrefcount(self.kv[i]) > 2: self.kv[i] = self._new_kv()     # 2: this list and getrefcount's argument; more: held elsewhere
+    return self.kv
+
+  def _new_kv(self) -> Tensor:
+    cfg = self.model.cfg
+    return allocated(Tensor.empty(self.T, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=self.model.device))
+
+  def prefill(self, tokens: Tensor, on_layer, progress, n_valid: int) -> Tensor:
+    """tokens (1, T) int32 -> logits (1, vocab) of row n_valid - 1, every layer through the captures (see run). The logits
+    are the capture's output buffer: the next prefill of this length overwrites them."""
+    tokens = tokens.to(self.model.device).realize()
+    self.embed(tokens, self.x[1])                              # layer 0 then writes self.x[0] (run alternates the two)
+    x = self.run(self.x[1], self.rope, on_layer, progress)
+    if n_valid not in self.rows: self.rows[n_valid] = Tensor([n_valid - 1], dtype=dtypes.int32, device=self.model.device).realize()
+    return self.logits(x, self.rows[n_valid])
+
+  def run(self, x: Tensor, rope: tuple[Tensor, Tensor], on_layer, progress) -> Tensor:
+    """All layers on x (1, T, dim), realized; on_layer(l, k, v) with the layer's K, V (T, KVH, D) in the KV dtype as soon as
+    they exist. Returns the last layer's output (one of this object's two buffers: use it before the next run)."""
+    cfg = self.model.cfg
+    kv = self.kv_buffers()
+    cos, sin = rope
+    for l in range(cfg.n_layers):
+      w = self.model.w.layers[l]
+      k, v = kv[2 * l], kv[2 * l + 1]
+      self.half(l, QKV)(x, cos, sin, self.q, k, v, *layer_tensors(w, QKV))
+      if on_layer is not None: on_layer(l, k, v)
+      out = self.x[l % 2] if x is not self.x[l % 2] else self.x[(l + 1) % 2]
+      self.half(l, FINISH)(x, self.q, k, v, out, *layer_tensors(w, FINISH))
+      x = out
+      if progress is not None: progress(l + 1)
+    return x

@@ -1,0 +1,197 @@
+"""The router's HTTP API (`tinyhet serve`, started by tinyhet.cli.serve): OpenAI-compatible, on Starlette and uvicorn, in front of
+prefill and decode nodes.
+
+  POST /v1/completions, /v1/chat/completions   streaming (server-sent events, `data: [DONE]`, a usage chunk with
+                                               stream_options.include_usage) or not; `return_token_ids` (as in vLLM)
+                                               adds the generated token ids
+  GET  /v1/models, /health (200 while the router runs), /ready (200 once a decode node is up: a path from prefill to
+       decode exists, else 503), /metrics (Prometheus)
+Requests are checked here (4xx in OpenAI's error shape, saying what to change), then served by tinyhet.service.router.Cluster on a
+thread each; a client that goes away cancels its request and the nodes free what it held.
+"""
+from __future__ import annotations
+import asyncio, json, threading, time, uuid
+from tinyhet.service.api_schema import ApiError, parse_chat, parse_completion
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None,
+                   headers: dict | None = None):
+  from starlette.responses import JSONResponse
+  message = message.encode("utf-8", "backslashreplace").decode()       # a client's lone surrogates must not break the reply
+  return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status, headers=headers)
+
+class Service:
+  """The HTTP side: one Cluster, the tokenizer, the metrics."""
+  def __init__(self, cluster, tokenizer, model_id: str, metrics, retry_after_s: int = 1):
+    self.cluster, self.tok, self.model_id, self.metrics, self.retry_after_s = cluster, tokenizer, model_id, metrics, retry_after_s
+
+  def app(self):
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+    async def http_error(request, exc: HTTPException):
+      return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error", code=str(exc.status_code))
+    routes = [Route("/v1/completions", self.completions, methods=["POST"]), Route("/v1/chat/completions", self.chat, methods=["POST"]),
+              Route("/v1/models", self.models), Route("/health", self.health), Route("/ready", self.ready), Route("/metrics", self.metrics_page)]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+
+  # ---- plain pages
+  async def models(self, request):
+    from starlette.responses import JSONResponse
+    return JSONResponse({"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0, "owned_by": "tinyhet",
+                                                      "max_model_len": self.cluster.max_context()}]})
+
+  async def health(self, request):
+    from starlette.responses import JSONResponse
+    return JSONResponse({"status": "ok"})
+
+  async def ready(self, request):
+    from starlette.responses import JSONResponse
+    ok = self.cluster.ready()
+    return JSONResponse({"ready": ok, "nodes": self.cluster.describe()}, status_code=200 if ok else 503)
+
+  async def metrics_page(self, request):
+    from prometheus_client import CONTENT_TYPE_LATEST
+    from starlette.responses import Response
+    return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+  # ---- generation
+  async def completions(self, request): return await self._generate(request, chat=False)
+  async def chat(self, request): return await self._generate(request, chat=True)
+
+  async def _generate(self, request, chat: bool):
+    from starlette.responses import JSONResponse, StreamingResponse
+    try:
+      try: body = json.loads(await request.body())
+      except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ApiError(f"the body is not JSON: {e}") from None
+      p = (parse_chat if chat else parse_completion)(body, self.tok, self.model_id, self.cluster.max_context())
+    except ApiError as e:
+      self.metrics.rejected.labels(str(e.status)).inc()
+      return error_response(e.status, str(e), param=e.param, code=e.code)
+    run = Running(self, p)
+    first = await run.next_event()
+    if first[0] == "error": return self._failure(first[1])
+    run.pending.append(first)
+    if p["stream"]: return StreamingResponse(run.sse(chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try: text, ids, reason = await run.collect(request)
+    except Exception as e: return self._failure(e)
+    if reason == "cancelled": return error_response(499, "the client went away", "cancelled")
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason} if chat else
+              {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+    if p["return_token_ids"]: choice["token_ids"] = ids
+    return JSONResponse({"id": run.id, "object": "chat.completion" if chat else "text_completion", "created": run.created,
+                         "model": self.model_id, "choices": [choice], "usage": run.usage()})
+
+  def _failure(self, e: Exception):
+    """The HTTP answer for a request the cluster could not serve (before any byte of the reply was sent)."""
+    from tinyhet.service.router import BadRequest, Overloaded, Unavailable
+    retry = {"Retry-After": str(self.retry_after_s)}
+    status, kind, headers = {BadRequest: (400, "invalid_request_error", None), Overloaded: (503, "server_overloaded", retry),
+                             Unavailable: (503, "service_unavailable", retry)}.get(type(e), (500, "server_error", None))
+    self.metrics.rejected.labels(str(status)).inc()
+    return error_response(status, str(e), kind, headers=headers)
+
+class Running:
+  """One request in flight: its thread in the Cluster, the events it sends to the event loop, its text and metrics."""
+  def __init__(self, svc: Service, p: dict):
+    from tinyhet.service.router import Request
+    self.svc, self.p, self.m = svc, p, svc.metrics
+    self.id, self.created = f"{'chatcmpl' if p['chat'] else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
+    self.loop, self.events = asyncio.get_running_loop(), asyncio.Queue()
+    self.pending: list = []
+    self.t0, self.t_last, self.n_tokens = time.perf_counter(), None, 0
+    self.decoder, self.text, self.sent, self.stopped = svc.tok.stream_decoder(), "", 0, False
+    self.req = Request(p["prompt_ids"], p["max_tokens"], self._emit, p["temperature"], p["top_p"], p["seed"], list(svc.tok.stop_ids))
+    self.m.prompt_tokens.inc(len(p["prompt_ids"]))
+    self.m.running.inc()
+    threading.Thread(target=self._work, name="tinyhet-request", daemon=True).start()
+
+  def _emit(self, token: int): self.loop.call_soon_threadsafe(self.events.put_nowait, ("token", token, time.perf_counter()))
+
+  def _work(self):
+    try: event = ("done", self.svc.cluster.run(self.req))
+    except Exception as e: event = ("error", e)
+    finally: self.m.running.dec()
+    self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+  async def next_event(self):
+    if self.pending: return self.pending.pop(0)
+    return await self.events.get()
+
+  def _token(self, token: int, t: float) -> str:
+    """Account for one token; the text it adds that may be sent now (held back while it could begin a stop string)."""
+    if self.stopped: return ""              # tokens already on their way when a stop string ended the answer
+    self.m.generation_tokens.inc()
+    if self.t_last is None: self.m.ttft.observe(t - self.t0)
+    else: self.m.itl.observe(t - self.t_last)
+    self.t_last, self.n_tokens = t, self.n_tokens + 1
+    self.text += self.decoder.push(token)
+    return self._release()
+
+  def _release(self, final: bool = False) -> str:
+    stops = self.p["stop"]
+    hits = [i for s in stops if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0] if not self.stopped else []
+    if hits:                                # a stop string: the answer ends before the first one
+      self.text, self.stopped = self.text[:min(hits)], True
+      self.req.cancel()
+    hold = 0 if final or self.stopped else max((len(s) - 1 for s in stops), default=0)
+    out = self.text[self.sent:max(self.sent, len(self.text) - hold)]
+    self.sent += len(out)
+    return out
+
+  def _finish(self, reason: str) -> str:
+    if self.stopped: reason = "stop"
+    if reason != "cancelled":
+      self.m.e2e.observe(time.perf_counter() - self.t0)
+      self.m.finished.labels(reason).inc()
+    return reason
+
+  def usage(self) -> dict:
+    n = len(self.p["prompt_ids"])
+    return {"prompt_tokens": n, "completion_tokens": self.n_tokens, "total_tokens": n + self.n_tokens}
+
+  async def collect(self, request) -> tuple[str, list[int], str]:
+    while True:
+      try: ev = await asyncio.wait_for(self.next_event(), 0.5)
+      except asyncio.TimeoutError:
+        if await request.is_disconnected(): self.req.cancel()
+        continue
+      if ev[0] == "token": self._token(ev[1], ev[2])
+      elif ev[0] == "error": raise ev[1]
+      else:
+        if not self.stopped: self.text += self.decoder.flush()
+        self._release(final=True)
+        return self.text, self.req.generated[:self.n_tokens], self._finish(ev[1])
+
+  def _chunk(self, chat: bool, piece: str | None, reason: str | None, ids: list[int] | None = None, first: bool = False) -> str:
+    if chat: choice = {"index": 0, "delta": ({"role": "assistant", "content": ""} if first else {"content": piece} if piece is not None else {}),
+                       "logprobs": None, "finish_reason": reason}
+    else: choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
+    if ids is not None and self.p["return_token_ids"]: choice["token_ids"] = ids
+    obj = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": self.created, "model": self.svc.model_id,
+           "choices": [choice]}
+    if self.p["include_usage"]: obj["usage"] = None
+    return f"data: {json.dumps(obj)}\n\n"
+
+  async def sse(self, chat: bool):
+    try:
+      if chat: yield self._chunk(chat, None, None, first=True)
+      while True:
+        ev = await self.next_event()
+        if ev[0] == "token":
+          piece = self._token(ev[1], ev[2])
+          if piece or self.p["return_token_ids"]: yield self._chunk(chat, piece, None, [ev[1]])
+        elif ev[0] == "error":
+          err = {"error": {"message": f"the request failed after it started: {ev[1]}", "type": "server_error", "param": None, "code": None}}
+          yield f"data: {json.dumps(err)}\n\n"
+          break
+        else:
+          if not self.stopped: self.text += self.decoder.flush()
+          rest = self._release(final=True)
+          yield self._chunk(chat, rest if rest else (None if chat else ""), self._finish(ev[1]), [])
+          if self.p["include_usage"]:
+            usage = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": self.created,
+                     "model": self.svc.model_id, "choices": [], "usage": self.usage()}
+            yield f"data: {json.dumps(usage)}\n\n"
+          break
+      yield "data: [DONE]\n\n"
+    finally: self.req.cancel()          # the client went away mid-stream (or we are done): the nodes free what it held

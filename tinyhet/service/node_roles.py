@@ -1,0 +1,78 @@
+"""What a node process adds for the cluster service (`tinyhet serve`): heartbeats, `decode.submit`, and the `both` role of
+`tinyhet node` (the prefill role, `tinyhet.cli.node.main_prefill`, is a PrefillNode and heartbeats).
+
+  decode.submit  prompt ids, max_new_tokens, sampling options -> the decode node prefills the prompt itself (its batching
+                 loop's recompute path, on MESH) and streams every token, the first included. The router uses it for a
+                 prompt short enough to prefill where it is decoded, for a `both` node's own requests, and when no prefill
+                 node is left.
+  --role prefill the model on HET and a PrefillNode (tinyhet.service.prefill_node) answering prefill.run.
+  --role both    a decode node and a PrefillNode over one copy of the model on MESH: prefill jobs run on the batching
+                 loop's thread between its steps, and the router gives the node prefill or decode work from the queue
+                 lengths and free KV blocks its heartbeats report.
+"""
+from __future__ import annotations
+import queue
+from tinyhet.service import heartbeat
+
+def install_submit(decode) -> None:
+  from tinyhet.engine.checks import check_prompt
+  from tinyhet.kv.notices import MAX_SEQ_ID
+  from tinyhet.model.sampling import Sampler
+  from tinyhet.engine.scheduler import Sequence
+
+  def serve_submit(conn, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                   stop_ids: list[int] | None = None):
+    check_prompt(decode.model.cfg, prompt_ids, max_new_tokens)
+    seq = Sequence(next(decode.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
+    seq.extra.update(queue=queue.SimpleQueue(), sampler=Sampler(float(temperature), float(top_p), seed), want_logits=False,
+                     stop_ids=set(stop_ids if stop_ids is not None else decode.stop_ids))
+    with decode.cond:
+      decode.scheduler.add(seq)            # the batching loop prefills it when its blocks fit (first come, first served)
+      decode.cond.notify_all()
+    decode._attach(conn, seq)              # the connection closing drops it
+    return stream_submitted(decode, conn, seq)
+
+  decode.node.endpoint.handle("decode.submit", serve_submit)
+
+def stream_submitted(decode, conn, seq):
+  """Every token of a submitted sequence, as the batching loop samples it. It yields None while it waits (the control
+  channel then checks for a cancel or a departed client); however it ends, the sequence leaves the node."""
+  from tinyhet.engine.decode_node import queued_tokens
+  try:
+    for tok in queued_tokens(seq): yield None if tok is None else {"token": tok}
+    yield {"done": True, "preemptions": seq.num_preemptions}
+  finally: decode._detach(conn.state.get("seqs", {}), seq)
+
+def decode_status(decode) -> dict:
+  # read without decode.cond: a `both` node's batching loop can hold it while it waits for the model (a long prefill), and a
+  # heartbeat must not wait that long; a count a moment stale is what a heartbeat is anyway
+  bm, s = decode.cache.block_manager, decode.scheduler
+  return {"model": decode.model_id, "kv_blocks": s.capacity, "free_blocks": bm.num_free, "block_size": decode.cache.block_size,
+          "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
+          "max_context": decode.model.cfg.max_context}
+
+class ServiceExtras:
+  """Heartbeats and decode.submit on a decode node; with role `both`, a PrefillNode sharing its model, on its own thread."""
+  def __init__(self, decode, role: str):
+    from tinyhet.service.prefill_node import PrefillNode
+    install_submit(decode)
+    self.prefill = None
+    if role == "both":
+      # tinygrad may be used from one thread only (its compile cache is a sqlite connection bound to the thread that opened
+      # it, and its scheduler flips process-wide flags while it works), so prefill jobs run on the batching loop's thread:
+      # before each step the loop runs queued prefills (DecodeNode.between_steps), without its lock, so that this node's own
+      # control requests go on meanwhile.
+      self.prefill = PrefillNode(decode.model, decode.node, decode.model_id, on_job=lambda: self._wake(decode))
+      def prefill_first():                   # queued prefills before the next decode step; all of them while nothing decodes
+        if self.prefill.jobs.qsize():
+          self.prefill.run_one()
+          while self.prefill.jobs.qsize() and not (decode.scheduler.running or decode.scheduler.waiting): self.prefill.run_one()
+      decode.between_steps = prefill_first
+    heartbeat.install(decode.node.endpoint, role, lambda: {**decode_status(decode), **(self.prefill.status() if self.prefill else {})})
+
+  @staticmethod
+  def _wake(decode):
+    with decode.cond: decode.cond.notify_all()
+
+  def close(self):
+    if self.prefill is not None: self.prefill.close()

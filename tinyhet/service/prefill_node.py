@@ -1,0 +1,144 @@
+"""The prefill node: the model on HET, prefilling prompts for decode nodes it is told about, one at a time, in arrival order.
+
+One control request (tinyhet.runtime.control) does the whole job:
+  prefill.run   prompt ids, the decode node's address and the reservation it gave the router (decode.reserve's reply:
+                seq_id, blocks, pools, block_bytes, block_size), sampling options -> the prompt is prefilled one layer at a
+                time; each layer's K, V go to a writer thread (tinyhet.kv.sender) that packs them, or copies them out of a
+                GPU through staging buffers, and writes them into the reserved blocks (notification (seq_id << 8) | layer)
+                while the next layer computes; every write confirmed; the reply is the first token (sampled here), the seed it
+                was sampled with (the decode node continues the (seed, position) stream with it) and the figures.
+The router then sends decode.generate to the decode node on the connection that reserved. A transport error on a write
+reconnects to the decode node and resends every layer once, after prefill. A job whose caller has gone away (the router
+gave the reservation up) stops before its next write is posted, so no bytes land in blocks that may belong to another sequence by then.
+"""
+from __future__ import annotations
+import queue, select, socket, threading, time
+from dataclasses import dataclass, field
+from tinygrad import Tensor, dtypes
+from tinyhet.kv.sender import KVSender, SendBuffers
+from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible, check_prompt
+from tinyhet.engine.prefill import busy_time, prefill_first_token
+from tinyhet.runtime.control import ControlClient
+from tinyhet.runtime.transport import TransportError
+from tinyhet.model.sampling import Sampler
+
+class CallerGone(RuntimeError):
+  """The router closed the request's connection: the reservation is no longer ours to write."""
+
+@dataclass(eq=False)
+class Job:
+  prompt_ids: list[int]
+  decode: str
+  reservation: dict
+  sampling: dict
+  sock: socket.socket | None = None          # the caller's control connection, watched for a hang-up
+  done: threading.Event = field(default_factory=threading.Event)
+  result: dict | None = None
+  error: BaseException | None = None
+
+  def caller_gone(self) -> bool:
+    if self.sock is None: return False
+    try:
+      readable, _, _ = select.select([self.sock], [], [], 0)
+      return bool(readable) and self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError): return True
+
+class PrefillNode:
+  def __init__(self, model, node, model_id: str = "", transport: str | None = None, on_job=None, staging_buffers: int | None = None):
+    """on_job(): called when a job is queued (a `both` node wakes its batching loop, whose thread runs the jobs).
+    staging_buffers: default node.config.staging_buffers (tinyhet.kv.sender.SendBuffers)."""
+    self.model, self.node, self.model_id, self.transport, self.on_job = model, node, model_id, transport, on_job
+    self.jobs: queue.Queue[Job] = queue.Queue()
+    self.queued_tokens = 0                       # prompt tokens waiting or being prefilled: the router's measure of load
+    self.count_lock = threading.Lock()
+    self.served = 0
+    self.decoders: dict[str, tuple] = {}         # decode address -> (Peer, kv dtype)
+    # host memory the layers leave from, kept between jobs; a GPU's packed layers leave through config.staging_buffers of it
+    self.buffers = SendBuffers(node, node.config.staging_buffers if staging_buffers is None else staging_buffers)
+    node.endpoint.handle("prefill.run", self._serve_run)
+
+  def status(self) -> dict:
+    return {"queued": self.jobs.qsize(), "queued_tokens": self.queued_tokens, "prefills": self.served, "model": self.model_id}
+
+  def _serve_run(self, conn, prompt_ids: list[int], decode: str, reservation: dict, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, timeout: float = 600.0) -> dict:
+    cfg = self.model.cfg
+    check_prompt(cfg, prompt_ids)
+    need = ("seq_id", "blocks", "pools", "block_bytes", "block_size")
+    if not isinstance(reservation, dict) or any(k not in reservation for k in need):
+      raise ValueError(f"reservation must be decode.reserve's reply ({', '.join(need)})")
+    if len(reservation["pools"]) != cfg.n_layers:
+      raise IncompatibleDecodeNode(f"the reservation has {len(reservation['pools'])} layers, this model {cfg.n_layers}: same --model everywhere")
+    job = Job(list(prompt_ids), decode, reservation, dict(temperature=float(temperature), top_p=float(top_p), seed=seed), conn.sock)
+    with self.count_lock: self.queued_tokens += len(prompt_ids)
+    self.jobs.put(job)
+    if self.on_job is not None: self.on_job()
+    if not job.done.wait(timeout): raise TimeoutError(f"prefill of {len(prompt_ids)} tokens did not finish within {timeout} s")
+    if job.error is not None: raise job.error
+    return job.result
+
+  # ---- the model's thread
+  def run(self, stop: threading.Event):
+    """Prefill jobs in arrival order until stop is set. Call it from the thread that loaded the model."""
+    while not stop.is_set(): self.run_one(timeout=0.5)
+
+  def run_one(self, timeout: float = 0.0):
+    """Run the oldest queued job, if one arrives within timeout."""
+    try: job = self.jobs.get(timeout=timeout) if timeout > 0 else self.jobs.get_nowait()
+    except queue.Empty: return
+    try: job.result = self._prefill(job)
+    except BaseException as e: job.error = e
+    finally:
+      with self.count_lock:
+        self.queued_tokens -= len(job.prompt_ids)
+        self.served += 1
+      job.done.set()
+
+  def _decoder(self, address: str, fresh: bool = False):
+    if fresh and (old := self.decoders.pop(address, None)): old[0].close()
+    if address not in self.decoders:
+      ctl = ControlClient(self.node.endpoint, address)
+      try: info = ctl.call("decode.info", reply_timeout=10)
+      finally: ctl.close()
+      check_compatible(self.model.cfg, self.model_id, info, f"at {address}")
+      self.decoders[address] = (self.node.endpoint.connect(address, self.transport), getattr(dtypes, info["kv_dtype"]))
+    return self.decoders[address]
+
+  def _prefill(self, job: Job) -> dict:
+    if job.caller_gone(): raise CallerGone("the router went away before this prefill started")
+    r, t0 = job.reservation, time.perf_counter()
+    peer, kv_dtype = self._decoder(job.decode)
+    def still_wanted():                         # on the writer thread, before each layer's write is posted
+      if job.caller_gone(): raise CallerGone("the router gave the reservation up during prefill")
+    sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
+    kept: list[tuple[int, Tensor, Tensor]] = []   # every layer's K, V, for a resend over a new link
+
+    def send_layer(layer: int, k: Tensor, v: Tensor):
+      if isinstance(sender.writer.error, CallerGone): raise sender.writer.error    # stop prefilling for nobody
+      kept.append((layer, k, v))
+      sender.send(layer, k, v)
+
+    sampler = Sampler(job.sampling["temperature"], job.sampling["top_p"], job.sampling["seed"])
+    try:
+      first, _ = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer)
+      t_prefill = time.perf_counter()
+      try: transfers = sender.finish(60)
+      except (TransportError, TimeoutError, OSError):    # the link broke (mid-stream, or since the last job): a new one, every layer again
+        sender.abort()
+        if job.caller_gone(): raise CallerGone("the router gave the reservation up during the transfer") from None
+        peer, _ = self._decoder(job.decode, fresh=True)
+        sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
+        for layer, k, v in kept: sender.send(layer, k, v)
+        transfers = sender.finish(60)
+    except BaseException:
+      sender.abort()                            # kept layers and staging buffers outlive the writes that read them
+      raise
+    kv_bytes, transfer_s = sum(t.nbytes for t in transfers.values()), busy_time([(t.started, t.finished) for t in transfers.values()])
+    last = max(t.finished for t in transfers.values())
+    return {"first_token": int(first), "seed": sampler.seed, "prefill_s": t_prefill - t0, "kv_bytes": kv_bytes, "transfer_s": transfer_s,
+            "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0, "staging_waits": sender.staging_waits,
+            "node": self.node.name}
+
+  def close(self):
+    for peer, _ in self.decoders.values(): peer.close()
+    self.buffers.free()

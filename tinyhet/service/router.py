@@ -1,0 +1,319 @@
+"""The router's engine (`tinyhet serve`): which node prefills and which decodes each request, and what happens when one is
+lost. Blocking code, one thread per request; tinyhet.service.http_api puts the HTTP API in front of it.
+
+A request, end to end:
+  1. admit     pick a decode-capable node (role decode or both) whose KV pool has room for the whole request (free blocks
+               from its heartbeats, less what this router's requests hold there), the least loaded first. None has room:
+               wait in a bounded queue (past the bound, or past the queue timeout: Overloaded, HTTP 503 + Retry-After).
+  2. prefill   disaggregate or not: with a cluster file, the planner's cost model decides from the prompt's length (for two
+               nodes the file names, tinyhet.planner.plan.disaggregation_pays; else tinyhet.planner.plan.route); a `both`
+               decode node prefills for itself when its own queue is no longer than the best prefill node's; with no
+               prefill node up, the decode node prefills for itself (decode.submit). Disaggregated: decode.reserve on the
+               decode node, then prefill.run on the prefill-capable node with the least queued prompt tokens, which writes
+               each layer's KV into the reserved blocks and answers with the first token.
+  3. decode    decode.generate on the connection that reserved; tokens go to the client as they arrive.
+Recovery: a node is down when its heartbeat stream breaks or falls silent (tinyhet.service.heartbeat) or when a request's
+connection to it breaks; its in-flight requests then start over from step 1 with prompt + the tokens already sent as the
+new prompt, so the client sees one answer (the same tokens as a clean run, sampled ones too: every attempt draws from the
+request's (seed, position) stream) and never a token twice. Closing a request's
+connections (client gone, node lost) frees its reservation and sequence on the decode node.
+"""
+from __future__ import annotations
+import itertools, secrets, threading, time
+from dataclasses import dataclass, field
+from tinyhet.service import heartbeat
+from tinyhet.runtime.control import ControlClient, ControlError
+
+MAX_ATTEMPTS = 5           # node losses one request survives
+
+class Overloaded(RuntimeError):
+  """No KV room within the queue's bound or timeout: try again later (HTTP 503 with Retry-After)."""
+class BadRequest(ValueError):
+  """The request itself cannot be served (too long for any pool or context): HTTP 400."""
+class Unavailable(RuntimeError):
+  """The request could not complete: no node to serve it, or it lost too many nodes."""
+class Cancelled(Exception):
+  """The client went away."""
+class _NodeLost(Exception):
+  def __init__(self, reason: str, message: str):
+    super().__init__(message)
+    self.reason = reason
+
+@dataclass(eq=False)
+class Node:
+  address: str
+  role: str                                   # prefill | decode | both
+  up: bool = False
+  reason: str = "no heartbeat yet"
+  status: dict = field(default_factory=dict)  # the last heartbeat
+  reserved_blocks: int = 0                    # KV blocks this router's requests hold here (at their longest)
+  inflight_tokens: int = 0                    # prompt tokens this router sent here to prefill, not yet answered
+  assigned: int = 0                           # this router's requests decoding here (heartbeats lag; this does not)
+  recent: list = field(default_factory=list)  # (monotonic time, blocks) of admissions the last heartbeat may not show yet
+  clients: set = field(default_factory=set)   # requests' control connections to this node
+  @property
+  def can_decode(self) -> bool: return self.role in ("decode", "both")
+  @property
+  def can_prefill(self) -> bool: return self.role in ("prefill", "both")
+  def blocks_for(self, tokens: int) -> int: return -(-tokens // self.status.get("block_size", 16))
+  def free_blocks(self) -> int:
+    s = self.status
+    return min(s.get("free_blocks", 0) - sum(b for _, b in self.recent), s.get("kv_blocks", 0) - self.reserved_blocks)
+  def decode_load(self) -> float:
+    s = self.status
+    return max(s.get("running", 0) + s.get("waiting", 0) + s.get("incoming", 0), self.assigned) / max(1, s.get("max_seqs", 1))
+  def prefill_load(self) -> int:
+    """Prompt tokens ahead of a new prefill here; a `both` node's decode batch counts as a block's worth per sequence."""
+    s = self.status
+    busy = (s.get("running", 0) + s.get("waiting", 0)) * s.get("block_size", 16) if self.can_decode and self.role == "both" else 0
+    return s.get("queued_tokens", 0) + self.inflight_tokens + busy
+
+@dataclass(eq=False)
+class Request:
+  prompt_ids: list[int]
+  max_tokens: int
+  emit: object                                # emit(token id), called from the request's thread
+  temperature: float = 0.0
+  top_p: float = 1.0
+  seed: int | None = None
+  stop_ids: list[int] = field(default_factory=list)
+  generated: list[int] = field(default_factory=list)
+  cancelled: threading.Event = field(default_factory=threading.Event)
+  clients: set = field(default_factory=set)
+  attempts: int = 0
+
+  def push(self, token: int):
+    self.generated.append(token)
+    self.emit(token)
+
+  def cancel(self):
+    """From any thread: stop the request and close its connections (the nodes free what it held)."""
+    self.cancelled.set()
+    for c in list(self.clients): c.close()
+
+class Cluster:
+  def __init__(self, endpoint, nodes: dict[str, str], model_id: str, metrics=None, max_queue: int = 64, queue_timeout: float = 60.0,
+               planner=None, hb_interval: float = heartbeat.INTERVAL_S, hb_timeout: float = heartbeat.TIMEOUT_S, names: dict | None = None):
+    """nodes: address -> role. planner: (Cluster from a cluster file, catalog model name) for tinyhet.planner.plan.route, or None.
+    names: address -> the cluster file's node name, for the nodes the file gives an address."""
+    self.endpoint, self.model_id, self.metrics, self.planner, self.names = endpoint, model_id, metrics, planner, names or {}
+    self.max_queue, self.queue_timeout, self.hb_interval = max_queue, queue_timeout, hb_interval
+    self.nodes = {a: Node(a, r) for a, r in nodes.items()}
+    self.hb_timeout = hb_timeout                # for nodes added at run time (add_node)
+    self.cond = threading.Condition()
+    self.waiting = 0
+    self.prefill_s_per_token = 0.0              # an average of the prefills seen, for the planner's prefill_queue_s
+    self.ids = itertools.count(1)
+    self.watches = [heartbeat.Watch(endpoint, a, lambda b, n=n: self._beat(n, b), lambda why, n=n: self._lost(n, why), hb_interval, hb_timeout)
+                    for a, n in self.nodes.items()]
+
+  # ---- node state
+  def _beat(self, node: Node, beat: dict):
+    with self.cond:
+      if beat.get("model") != self.model_id:
+        node.up, node.reason = False, f"serves {beat.get('model')!r}, this router {self.model_id!r}: start every node with the same --model"
+      else: node.up, node.reason = True, ""
+      node.status = beat
+      shown = time.monotonic() - 2 * self.hb_interval      # a beat arriving now was made after these reservations landed
+      node.recent = [(t, b) for t, b in node.recent if t > shown]
+      self.cond.notify_all()
+    if self.metrics is not None:
+      self.metrics.node_up.labels(node.address, node.role).set(1 if node.up else 0)
+      if node.can_decode and beat.get("kv_blocks"): self.metrics.kv_usage.labels(node.address).set(1 - beat["free_blocks"] / beat["kv_blocks"])
+
+  def _lost(self, node: Node, why: str, close_clients: bool = True):
+    with self.cond:
+      was_up, node.up, node.reason = node.up, False, why
+      clients = list(node.clients) if close_clients else []
+    for c in clients: c.close()           # a silent node: its requests move on now instead of waiting for a socket timeout
+    if self.metrics is not None: self.metrics.node_up.labels(node.address, node.role).set(0)
+    if was_up: print(f"tinyhet serve: node {node.address} ({node.role}) is down: {why}", flush=True)
+
+  def add_node(self, address: str, role: str) -> None:
+    """A node that joined at run time (tinyhet.service.ray_cluster places them): watched and given requests from now on."""
+    with self.cond:
+      if address in self.nodes: return
+      node = self.nodes[address] = Node(address, role)
+      self.watches.append(heartbeat.Watch(self.endpoint, address, lambda b: self._beat(node, b), lambda why: self._lost(node, why),
+                                          self.hb_interval, self.hb_timeout))
+
+  def remove_node(self, address: str) -> Node | None:
+    """No new requests go to the node; those on it go on (its assigned and inflight_tokens say when they are done)."""
+    with self.cond:
+      node = self.nodes.pop(address, None)
+      gone = [w for w in self.watches if w.address == address]
+      self.watches = [w for w in self.watches if w.address != address]
+    for w in gone: w.close()
+    if node is not None and self.metrics is not None: self.metrics.node_up.labels(node.address, node.role).set(0)
+    return node
+
+  def ready(self) -> bool:
+    with self.cond: return any(n.up and n.can_decode for n in self.nodes.values())
+
+  def max_context(self) -> int | None:
+    with self.cond: return min((n.status["max_context"] for n in self.nodes.values() if n.up and "max_context" in n.status), default=None)
+
+  def describe(self) -> list[dict]:
+    with self.cond: return [{"address": n.address, "role": n.role, "up": n.up, "reason": n.reason, **n.status} for n in self.nodes.values()]
+
+  # ---- choosing nodes
+  def _admit(self, tokens: int) -> tuple[Node, int]:
+    """A decode-capable node with room for `tokens`, and the blocks now held there for the request (release them after).
+    Without room anywhere the request waits in the queue, unless max_queue requests wait already."""
+    with self.cond:
+      deadline, queued = time.monotonic() + self.queue_timeout, False
+      try:
+        while True:
+          up = [n for n in self.nodes.values() if n.up and n.can_decode]
+          fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens)]
+          if fits:
+            node = min(fits, key=lambda n: (n.decode_load(), -n.free_blocks()))
+            node.reserved_blocks += (need := node.blocks_for(tokens))
+            node.recent.append((time.monotonic(), need))
+            node.assigned += 1
+            return node, need
+          if up and all(n.blocks_for(tokens) > n.status.get("kv_blocks", 0) for n in up):
+            raise BadRequest(f"{tokens} tokens (prompt + max_tokens) need more KV blocks than any decode node has: lower max_tokens or "
+                             "shorten the prompt")
+          if not queued:
+            if self.waiting >= self.max_queue: raise Overloaded(f"every KV pool is full and {self.waiting} requests wait already")
+            queued, self.waiting = True, self.waiting + 1
+            self._gauge_waiting()
+          if (left := deadline - time.monotonic()) <= 0:
+            if not up: raise Unavailable("no decode node is up: " + "; ".join(f"{n.address}: {n.reason}" for n in self.nodes.values()))
+            raise Overloaded(f"every KV pool stayed full for {self.queue_timeout:g} s")
+          self.cond.wait(min(left, 0.5))
+      finally:
+        if queued:
+          self.waiting -= 1
+          self._gauge_waiting()
+
+  def _release(self, node: Node, blocks: int):
+    with self.cond:
+      node.reserved_blocks -= blocks
+      node.assigned -= 1
+      self.cond.notify_all()
+
+  def _gauge_waiting(self):
+    if self.metrics is not None: self.metrics.waiting.set(self.waiting)
+
+  def _choose_prefill(self, decode: Node, prompt_len: int, output_len: int) -> Node | None:
+    """The node to prefill on, or None: the decode node prefills for itself."""
+    with self.cond:
+      others = [n for n in self.nodes.values() if n.up and n.can_prefill and n is not decode]
+      if not others: return None
+      best = min(others, key=Node.prefill_load)
+      if decode.role == "both" and decode.prefill_load() <= best.prefill_load(): return None
+      queue_s, local_queue_s = best.prefill_load() * self.prefill_s_per_token, decode.prefill_load() * self.prefill_s_per_token
+    if self.planner is not None:
+      from tinyhet.planner.plan import disaggregation_pays, route
+      cluster, model = self.planner
+      p, d = self.names.get(best.address), self.names.get(decode.address)
+      try:
+        if p and d:     # both in the file, with their roles: the cost model for this pair
+          if not disaggregation_pays(cluster, cluster.model(model), p, d, prompt_len, queue_s, local_queue_s): return None
+        elif not route(cluster, model, prompt_len, output_len, prefill_queue_s=queue_s).disaggregate: return None
+      except Exception as e: print(f"tinyhet serve: the planner failed ({e}); disaggregating", flush=True)
+    return best
+
+  # ---- one request
+  def run(self, req: Request) -> str:
+    """Serve req to the end: 'stop' (a stop id), 'length' (max_tokens) or 'cancelled'. Raises Overloaded, BadRequest, Unavailable."""
+    # a sampled token's draw depends on (seed, position) only (tinyhet.model.sampling), so with one seed for every attempt a request
+    # that starts over on another node continues the stream it began; without a seed from the client, one of its own
+    if req.seed is None: req.seed = secrets.randbits(63)
+    while True:
+      if req.cancelled.is_set(): return "cancelled"
+      if req.generated and req.generated[-1] in req.stop_ids: return "stop"
+      left = req.max_tokens - len(req.generated)
+      if left <= 0: return "length"
+      ids = req.prompt_ids + req.generated          # after a lost node: what the client has seen becomes prompt
+      decode, blocks = self._admit(len(ids) + left)
+      try: self._attempt(req, decode, ids, left)
+      except Cancelled: return "cancelled"
+      except _NodeLost as e:
+        if req.cancelled.is_set(): return "cancelled"
+        req.attempts += 1
+        if self.metrics is not None: self.metrics.retries.labels(e.reason).inc()
+        if req.attempts >= MAX_ATTEMPTS: raise Unavailable(f"the request lost a node {req.attempts} times; last: {e}") from None
+        continue
+      finally: self._release(decode, blocks)
+      if req.generated and req.generated[-1] in req.stop_ids: return "stop"
+      return "length"
+
+  def _open(self, req: Request, node: Node, reason: str) -> ControlClient:
+    if req.cancelled.is_set(): raise Cancelled()
+    try: ctl = ControlClient(self.endpoint, node.address)
+    except Exception as e:
+      self._lost(node, f"cannot connect: {e}", close_clients=False)
+      raise _NodeLost(reason, f"{node.address}: {e}") from None
+    with self.cond:
+      node.clients.add(ctl)
+      req.clients.add(ctl)
+    if req.cancelled.is_set(): ctl.close()       # cancel() ran between the check and the registration
+    return ctl
+
+  def _close(self, req: Request, node: Node, ctl: ControlClient):
+    with self.cond:
+      node.clients.discard(ctl)
+      req.clients.discard(ctl)
+    ctl.close()
+
+  def _failed(self, req: Request, node: Node, e: Exception, reason: str) -> Exception:
+    """What a failed call means for the request: the exception to raise. reason: '<role> node lost', the metric's label."""
+    if req.cancelled.is_set(): return Cancelled()
+    if isinstance(e, ControlError):
+      msg = str(e)
+      if e.kind in ("RequestTooLarge", "ValueError"): return BadRequest(msg)      # the node's own words: the request is at fault
+      # the node answered, but the step failed (the KV did not arrive, the prefill could not reach the decode node): start over
+      return _NodeLost(reason.replace("node lost", "failed"), msg)
+    self._lost(node, f"{type(e).__name__}: {e}", close_clients=False)
+    return _NodeLost(reason, f"{node.address} ({node.role}) lost: {type(e).__name__}: {e}")
+
+  def _attempt(self, req: Request, decode: Node, ids: list[int], left: int):
+    sampling = dict(temperature=req.temperature, top_p=req.top_p)
+    ctl = self._open(req, decode, "decode node lost")
+    try:
+      prefill = self._choose_prefill(decode, len(ids), left)
+      try:
+        if prefill is None:
+          self._count(decode, "prefill+decode")
+          stream = ctl.stream("decode.submit", prompt_ids=ids, max_new_tokens=left, seed=req.seed, stop_ids=req.stop_ids, **sampling)
+        else:
+          # the prefill node writes the KV: the reservation's blocks open to it, not to this router (tcp checks every frame)
+          r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=left, timeout=self.queue_timeout, writer=prefill.status.get("node"))
+      except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
+      if prefill is not None:
+        p = self._prefill(req, prefill, decode, ids, r, sampling)
+        req.push(p["first_token"])
+        self._count(decode, "decode")
+        try: stream = ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=p["first_token"], seed=p["seed"],
+                                 stop_ids=req.stop_ids, timeout=30.0, **sampling)
+        except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
+      try:
+        for item in stream:
+          if "token" in item: req.push(item["token"])
+      except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
+    finally: self._close(req, decode, ctl)
+
+  def _prefill(self, req: Request, node: Node, decode: Node, ids: list[int], reservation: dict, sampling: dict) -> dict:
+    ctl = self._open(req, node, "prefill node lost")
+    with self.cond: node.inflight_tokens += len(ids)
+    try:
+      p = ctl.call("prefill.run", prompt_ids=ids, decode=decode.address, reservation=reservation, seed=req.seed, **sampling)
+    except Exception as e: raise self._failed(req, node, e, "prefill node lost") from None
+    finally:
+      self._close(req, node, ctl)
+      with self.cond: node.inflight_tokens -= len(ids)
+    self._count(node, "prefill")
+    self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * p["prefill_s"] / len(ids)
+    if self.metrics is not None:
+      self.metrics.kv_bytes.inc(p["kv_bytes"])
+      self.metrics.kv_seconds.observe(p["transfer_s"])
+    return p
+
+  def _count(self, node: Node, role: str):
+    if self.metrics is not None: self.metrics.node_work.labels(node.address, role).inc()
+
+  def close(self):
+    for w in self.watches: w.close()
