@@ -33,9 +33,10 @@ _SCALES = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K:
 # The fifth bits of Q5_0/Q5_1 (one 32-bit word, bit i for weight i) as 16 lanes: lanes 0-15 are weights 0-15, or 16-31.
 _QH5 = """  u32 qh; __builtin_memcpy(&qh, b + %(qh)d, 4); u8x16 q; __builtin_memcpy(&q, b + %(qs)d, 16);
   const u32x16 I = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; u32x16 h = (u32x16){0} + qh;
-  u32x16 q0 = __builtin_convertvector(q & 15, u32x16) | ((h >> I) & 1) << 4, q1 = __builtin_convertvector(q >> 4, u32x16) | ((h >> (I + 16)) & 1) << 4;"""
+  u32x16 q0 = __builtin_convertvector(q & 15, u32x16) | ((h >> I) & 1) << 4;
+  u32x16 q1 = __builtin_convertvector(q >> 4, u32x16) | ((h >> (I + 16)) & 1) << 4;"""
 
-# The K-quants' 6-bit scale and min of sub-block j (ggml's get_scale_min_k4; j is a constant in each unrolled copy).
+# The K-quants' 6-bit scale and min of sub-block j (ggml's get_scale_min_k4; j is a constant in each unrolled copy)
 _SCALE_MIN_K4 = """  const u8 *s = b + 4; int sc, mn;
   if (j < 4) { sc = s[j] & 63; mn = s[j + 4] & 63; }
   else { sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
