@@ -107,3 +107,46 @@ def dequantize_reference(blocks: np.ndarray, ggml_type: int, cols: int) -> np.nd
   from gguf import GGMLQuantizationType
   if ggml_type == F16: return blocks.view(np.float16).astype(np.float32).reshape(-1, cols)
   return dequantize(blocks, GGMLQuantizationType(ggml_type)).astype(np.float32).reshape(-1, cols)
+
+# The int8-activation kernels (quant_matmul's int8 mode) read sub-block j as 32 unsigned quants q (in x's order) and, for each
+# half of 16 weights, a scale s and an offset m with w = s q + m: the dot product with x rounded to int8 per block is then
+# integer (u8 x s8, VNNI's vpdpbusd), scaled once per half. The signed types are shifted to unsigned and the shift goes to m.
+_QH5_U8 = _QH5 + """
+  u8x16 a = __builtin_convertvector(q0, u8x16), c = __builtin_convertvector(q1, u8x16);"""
+_KQ_SCALES = """
+  *s0 = *s1 = d; *m0 = *m1 = -m;"""
+QUANTS = {
+  Q4_0: """  float d = h2f(b); u8x16 q; __builtin_memcpy(&q, b + 2, 16);
+  *q32 = cat16(q & 15, q >> 4); *s0 = *s1 = d; *m0 = *m1 = -8.0f * d;""",
+  Q4_1: """  float d = h2f(b), m = h2f(b + 2); u8x16 q; __builtin_memcpy(&q, b + 4, 16);
+  *q32 = cat16(q & 15, q >> 4); *s0 = *s1 = d; *m0 = *m1 = m;""",
+  Q5_0: "  float d = h2f(b);\n" + _QH5_U8 % {"qh": 2, "qs": 6} + """
+  *q32 = cat16(a, c); *s0 = *s1 = d; *m0 = *m1 = -16.0f * d;""",
+  Q5_1: "  float d = h2f(b), m = h2f(b + 2);\n" + _QH5_U8 % {"qh": 4, "qs": 8} + """
+  *q32 = cat16(a, c); *s0 = *s1 = d; *m0 = *m1 = m;""",
+  Q8_0: """  float d = h2f(b); u8x16 a, c; __builtin_memcpy(&a, b + 2, 16); __builtin_memcpy(&c, b + 18, 16);
+  *q32 = cat16(a ^ 0x80, c ^ 0x80); *s0 = *s1 = d; *m0 = *m1 = -128.0f * d;""",
+  Q4_K: _SCALE_MIN_K4 + """
+  u8x16 q0, q1; __builtin_memcpy(&q0, b + 16 + 32 * (j / 2), 16); __builtin_memcpy(&q1, b + 32 + 32 * (j / 2), 16);
+  if (j & 1) { q0 >>= 4; q1 >>= 4; } else { q0 &= 15; q1 &= 15; }
+  *q32 = cat16(q0, q1);""" + _KQ_SCALES,
+  Q5_K: _SCALE_MIN_K4 + """
+  u8x16 q0, q1, h0, h1;
+  __builtin_memcpy(&q0, b + 48 + 32 * (j / 2), 16); __builtin_memcpy(&q1, b + 64 + 32 * (j / 2), 16);
+  __builtin_memcpy(&h0, b + 16, 16); __builtin_memcpy(&h1, b + 32, 16);
+  if (j & 1) { q0 >>= 4; q1 >>= 4; } else { q0 &= 15; q1 &= 15; }
+  *q32 = cat16(q0 | ((h0 >> j) & 1) << 4, q1 | ((h1 >> j) & 1) << 4);""" + _KQ_SCALES,
+  Q6_K: """  const int n = j >> 2, k = j & 3;
+  const u8 *ql = b + 64 * n + (k & 1) * 32, *qh = b + 128 + 32 * n;
+  const signed char *sc = (const signed char *)(b + 192) + 8 * n + 2 * k;
+  float d = h2f(b + 208);
+  u8x16 l0, l1, h0, h1; __builtin_memcpy(&l0, ql, 16); __builtin_memcpy(&l1, ql + 16, 16);
+  __builtin_memcpy(&h0, qh, 16); __builtin_memcpy(&h1, qh + 16, 16);
+  if (k >> 1) { l0 >>= 4; l1 >>= 4; } else { l0 &= 15; l1 &= 15; }
+  *q32 = cat16(l0 | ((h0 >> (2 * k)) & 3) << 4, l1 | ((h1 >> (2 * k)) & 3) << 4);
+  *s0 = d * sc[0]; *s1 = d * sc[1]; *m0 = -32.0f * *s0; *m1 = -32.0f * *s1;""",
+}
+
+def supported_int8(ggml_type: int, cols: int) -> bool:
+  """The int8-activation kernel pairs sub-blocks: block types only (not F16/BF16), an even count of 32-weight sub-blocks."""
+  return ggml_type in QUANTS and supported(ggml_type, cols) and cols % 64 == 0

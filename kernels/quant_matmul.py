@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses, functools, math
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
-from tinyhet.kernels.quant_blocks import DEQUANT, LAYOUT, NAMES, supported
+from tinyhet.kernels.quant_blocks import DEQUANT, LAYOUT, NAMES, QUANTS, supported, supported_int8
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
 MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
 DECODE_MAX_M = 32        # rows of x up to which the decode kernel runs (measured crossover: 32-64 rows); past it, the tiled one
@@ -54,6 +54,7 @@ typedef u32 u32x16 __attribute__((vector_size(64)));
 #define PARTS %(parts)d
 #define TILED %(tiled)d
 #define KC %(KC)d
+#define INT8 %(int8)d
 #define NR 32                   /* weight rows in a panel of the tiled kernel: two 16-lane vectors */
 /* rows of x per tile, whose float32 accumulators must stay in registers: with AVX-512 (32 registers) 8, else fewer */
 #if defined(__AVX512F__)
@@ -209,12 +210,103 @@ INLINE void tiled(float *restrict out, const u8 *restrict w, const float *restri
   }
 }
 
+
+#if INT8
+/* int8 activations (off by default): each block of 32 of x rounded to int8 with scale max|x|/127, as llama.cpp's q8 blocks;
+   a weight sub-block's unsigned quants against them is an integer dot product (u8 x s8: vpdpbusd with AVX512-VNNI), scaled
+   per half of 16 weights; the offsets (w = s q + m) meet the sums of x's rounded halves */
+typedef signed char i8; typedef int i32x16 __attribute__((vector_size(64)));
+typedef u8 u8x32 __attribute__((vector_size(32))); typedef u8 u8x64 __attribute__((vector_size(64)));
+typedef signed char i8x64 __attribute__((vector_size(64))); typedef float f32x4 __attribute__((vector_size(16)));
+INLINE u8x32 cat16(u8x16 a, u8x16 b) { return __builtin_shufflevector(a, b, %(i32)s); }
+INLINE void qsub(const u8 *restrict b, const int j, u8x32 *q32, float *s0, float *s1, float *m0, float *m1) {
+%(quants)s
+}
+INLINE void qs(const u8 *restrict wr, int g, const int jj, u8x32 *q, float *s0, float *s1, float *m0, float *m1) {
+  qsub(wr + (size_t)(g * (NSTEP / NSUB) + jj / NSUB) * SBB, jj %% NSUB, q, s0, s1, m0, m1);
+}
+/* 16 lanes, lane i the sum of a[4i..4i+3] * b[4i..4i+3] */
+INLINE i32x16 dot4(u8x64 a, i8x64 b) {
+#if defined(__AVX512VNNI__)
+  return __builtin_ia32_vpdpbusd512((i32x16){0}, (i32x16)a, (i32x16)b);
+#else
+  i32x16 s = {0};
+#define WIDE(v, ...) __builtin_convertvector(__builtin_shufflevector(v, v, __VA_ARGS__), i32x16)
+#define LANE4(...) (WIDE(a, __VA_ARGS__) * WIDE(b, __VA_ARGS__))
+  s += LANE4(%(l0)s); s += LANE4(%(l1)s); s += LANE4(%(l2)s); s += LANE4(%(l3)s);
+  return s;
+#endif
+}
+INLINE f32x4 load4(const float *p) { f32x4 v; __builtin_memcpy(&v, p, 16); return v; }
+
+/* rows m0..m0+mt of x: int8 quants xq, per pair of blocks the scales as 16 lanes (8 each, as dot4's lanes fall), per half
+   block the float sum */
+INLINE void quantize_x(const float *restrict x, int m0, const int mt, i8 *restrict xq, f32x16 *restrict xd, float *restrict xs) {
+  for (int i = 0; i < mt; i++) {
+    float dxs[2];
+    for (int b = 0; b < NB; b++) {
+      const float *xb = x + (size_t)(m0 + i) * K + b * 32;
+      f32x16 lo = load16(xb), hi = load16(xb + 16);
+      float amax = 0.0f;
+      for (int l = 0; l < 16; l++) {
+        float a = lo[l] < 0 ? -lo[l] : lo[l], c = hi[l] < 0 ? -hi[l] : hi[l];
+        amax = a > amax ? a : amax; amax = c > amax ? c : amax;
+      }
+      float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      /* round to nearest even: adding 1.5 * 2^23 puts the integer in the low mantissa bits */
+      i32x16 ql = (i32x16)(lo * inv + 12582912.0f) - 0x4B400000, qh = (i32x16)(hi * inv + 12582912.0f) - 0x4B400000;
+      for (int l = 0; l < 16; l++) { xq[i * K + b * 32 + l] = (i8)ql[l]; xq[i * K + b * 32 + 16 + l] = (i8)qh[l]; }
+      /* the sums of the rounded x, not of x: an unsigned shift folded into m (Q8_0's 128, Q4_0's 8) then cancels exactly */
+      dxs[b & 1] = amax / 127.0f;
+      xs[i * NB * 2 + 2 * b] = hsum(__builtin_convertvector(ql, f32x16)) * dxs[b & 1];
+      xs[i * NB * 2 + 2 * b + 1] = hsum(__builtin_convertvector(qh, f32x16)) * dxs[b & 1];
+      if (b & 1) {
+        f32x16 d;
+        for (int l = 0; l < 16; l++) d[l] = dxs[l / 8];
+        xd[i * (NB / 2) + b / 2] = d;
+      }
+    }
+  }
+}
+
+INLINE void tile8(float *restrict out, const u8 *restrict w, const float *restrict x, int m0, const int mt, int r0, int r1) {
+  i8 xq[MT * K] __attribute__((aligned(64))); f32x16 xd[MT * (NB / 2)]; float xs[MT * NB * 2];
+  quantize_x(x, m0, mt, xq, xd, xs);
+  for (int r = r0; r < r1; r++) {
+    const u8 *wr = w + (size_t)r * ROWB;
+    f32x16 acc[MT]; f32x4 macc[MT];
+    for (int i = 0; i < MT; i++) { acc[i] = (f32x16){0}; macc[i] = (f32x4){0}; }
+    for (int g = 0; g < NB / NSTEP; g++) {
+#pragma clang loop unroll(full)
+      for (int jj = 0; jj < NSTEP; jj += 2) {
+        u8x32 qa, qb; float sa0, sa1, ma0, ma1, sb0, sb1, mb0, mb1;
+        qs(wr, g, jj, &qa, &sa0, &sa1, &ma0, &ma1);
+        qs(wr, g, jj + 1, &qb, &sb0, &sb1, &mb0, &mb1);
+        u8x64 q = __builtin_shufflevector(qa, qb, %(i64)s);
+        f32x16 W = {sa0, sa0, sa0, sa0, sa1, sa1, sa1, sa1, sb0, sb0, sb0, sb0, sb1, sb1, sb1, sb1};
+        f32x4 MN = {ma0, ma1, mb0, mb1};
+        const int p = (g * NSTEP + jj) / 2;
+        for (int i = 0; i < mt; i++) {
+          i8x64 xv; __builtin_memcpy(&xv, xq + i * K + p * 64, 64);
+          acc[i] += __builtin_convertvector(dot4(q, xv), f32x16) * (W * xd[i * (NB / 2) + p]);
+          macc[i] += MN * load4(xs + i * NB * 2 + 4 * p);
+        }
+      }
+    }
+    for (int i = 0; i < mt; i++) out[(size_t)(m0 + i) * N + r] = hsum(acc[i]) + ((macc[i][0] + macc[i][1]) + (macc[i][2] + macc[i][3]));
+  }
+}
+#define TILE tile8
+#else
+#define TILE tile
+#endif
+
 KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *restrict x, int core_id) {
   if (PARTS == 1) core_id = 0;   /* a one-part kernel is called without a core_id */
   int r0 = (int)((long)core_id * N / PARTS), r1 = (int)((long)(core_id + 1) * N / PARTS);
   if (TILED) { tiled(out, w, x, r0, r1); return; }
   int m0 = 0;
-  for (; m0 + MT <= M; m0 += MT) tile(out, w, x, m0, MT, r0, r1);
+  for (; m0 + MT <= M; m0 += MT) TILE(out, w, x, m0, MT, r0, r1);
   switch (M - m0) {   /* the last rows: a tile of their own count, so its accumulators are registers too */
 %(tails)s
   }
@@ -226,20 +318,27 @@ def kernel_parts(rows: int, threads: int) -> int:
   return max(1, min(threads, rows // MIN_ROWS_PER_PART))
 
 @functools.cache
-def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: bool | None = None) -> tuple[str, str]:
+def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: bool | None = None, int8: bool = False) -> tuple[str, str]:
   """(function name, C source) of the kernel for x (M, K) against W (N, K) in GGML type `ggml_type`, split in `parts` parts;
-  the tiled kernel past DECODE_MAX_M rows of x unless `tiled` says."""
+  the tiled kernel past DECODE_MAX_M rows of x unless `tiled` says. int8: x rounded to int8 per block of 32 and integer dot
+  products, in the decode kernel (where the type has it: quant_blocks.supported_int8; else the float kernel)."""
   if not supported(ggml_type, K): raise ValueError(f"no quantized matmul kernel for GGML type {ggml_type} with {K} columns")
   tiled = M > DECODE_MAX_M if tiled is None else tiled
-  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}"
+  # the 32-weight types pay for x's rounding more than the integer products save at a few rows (measured: 0.4-0.7x at one row,
+  # 1.1-1.3x at 16); the K-quants gain from one row on (1.3-1.6x at one, ~2x at 16)
+  int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
+  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{'_int8' if int8 else ''}"
   qb, sbb = LAYOUT[ggml_type]
   return name, _SOURCE % {"name": name, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled), "KC": KC,
-                          "tails": "\n".join(f"    case {i}: if ({i} < MT) tile(out, w, x, m0, {i}, r0, r1); break;" for i in range(1, MT_MAX)),
+                          "tails": "\n".join(f"    case {i}: if ({i} < MT) TILE(out, w, x, m0, {i}, r0, r1); break;" for i in range(1, MT_MAX)),
                           "micro_tails": "\n".join(f"        case {i}: if ({i} < MR) micro(out, wf, x, m0, {i}, n0, nr, k0, kc); break;"
                                                    for i in range(1, 8)),
-                          "dequant": DEQUANT[ggml_type]}
+                          "dequant": DEQUANT[ggml_type], "int8": int(int8), "quants": QUANTS.get(ggml_type, ""),
+                          "i32": ", ".join(map(str, range(32))), "i64": ", ".join(map(str, range(64))),
+                          **{f"l{k}": ", ".join(str(4 * i + k) for i in range(16)) for k in range(4)}}
 
-def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, int], threads: int, tiled: bool | None = None) -> Tensor:
+def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, int], threads: int, tiled: bool | None = None,
+                 int8: bool = False) -> Tensor:
   """x (..., K) float32 @ W.T, W (N, K) held as stored (`blocks`: a Tensor of its bytes, any dtype: uint8 GGUF blocks, or the
   float16/bfloat16 matrix itself) -> (..., N) float32, by the C kernels above split over `threads` parts (one core each, on
   a device whose runtime runs the parts side by side)."""
@@ -247,7 +346,7 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
   lead = x.shape[:-1]
   M = math.prod(int(s) for s in lead)
   parts = kernel_parts(N, threads)
-  name, src = kernel_source(ggml_type, M, N, K, parts, tiled)
+  name, src = kernel_source(ggml_type, M, N, K, parts, tiled, int8)
   xs = x.reshape(M, K).cast(dtypes.float32).contiguous()
   out = Tensor.empty(M, N, dtype=dtypes.float32, device=x.device)
 

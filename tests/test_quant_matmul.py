@@ -136,5 +136,41 @@ def test_kernels_call_nothing_outside_themselves(t):
   from tinygrad import Device
   from tinygrad.runtime.support.elf import elf_loader
   for rows, out, cols, parts in [(5, 1, 256, 1), (9, 1, 256, 1), (40, 1, 256, 1), (1, 1536, 768, 2), (40, 48, 512, 3), (100, 70, 1536, 2)]:
-    _, src = qmm.kernel_source(t, rows, out, cols, parts)
-    elf_loader(Device["MESH"].compiler.compile(src))   # raises on a relocation against a symbol it does not define
+    for int8 in ((False, True) if rows in (9, 1) and t != BF16 else (False,)):
+      _, src = qmm.kernel_source(t, rows, out, cols, parts, int8=int8)
+      elf_loader(Device["MESH"].compiler.compile(src))   # raises on a relocation against a symbol it does not define
+
+def rounded_to_int8(x: np.ndarray) -> np.ndarray:
+  """x rounded as the int8 mode rounds it: per block of 32, scale max|x|/127, nearest even."""
+  xb = x.reshape(x.shape[0], -1, 32)
+  amax = np.abs(xb).max(-1, keepdims=True)
+  inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+  return (np.round(xb * inv) * (amax / np.float32(127))).reshape(x.shape)
+
+INT8_TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
+
+@pytest.mark.parametrize("t", INT8_TYPES, ids=[NAMES[t] for t in INT8_TYPES])
+def test_int8_mode_is_the_exact_product_with_x_rounded_per_block(t):
+  # 9 rows: a full tile and a tail; past 8 rows the 32-weight types take the int8 kernel too
+  from tinyhet.kernels.quant_blocks import supported_int8
+  rng = np.random.default_rng(t)
+  cols = 512
+  b = random_blocks(50, cols, t, rng)
+  x = rng.standard_normal((9, cols), dtype=np.float32) * rng.uniform(0.1, 10, (9, 1)).astype(np.float32)
+  x[0, :32] = 0                                                  # an all-zero block: scale 0, no division by it
+  want = rounded_to_int8(x).astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
+  assert supported_int8(t, cols) and "_int8" in qmm.kernel_source(t, 9, 50, cols, 2, int8=True)[0]
+  got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (50, cols), 2, int8=True).numpy()
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+def test_int8_mode_is_off_by_default_and_chosen_by_the_environment(monkeypatch):
+  from tinyhet.model.layers import linear
+  rng = np.random.default_rng(0)
+  w = PackedWeight(Tensor(random_blocks(64, 256, Q4_K, rng), device="MESH"), (64, 256), Q4_K).realize()
+  x = Tensor(rng.standard_normal((1, 256), dtype=np.float32), device="MESH")
+  monkeypatch.delenv("TINYHET_INT8_ACTIVATIONS", raising=False)
+  assert not any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
+  monkeypatch.setenv("TINYHET_INT8_ACTIVATIONS", "1")
+  assert any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
+  # F16, BF16 and prefill-sized products have no int8 kernel: the float one, named as such
+  assert "_int8" not in qmm.kernel_source(F16, 1, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q4_K, 64, 64, 256, 1, int8=True)[0]

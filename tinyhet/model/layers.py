@@ -1,7 +1,7 @@
 """The pieces of the Llama forward pass (tinyhet.model.llama), each a function of tensors: RoPE, RMSNorm, the linear layer
 (dispatching a weight to the kernel for its stored form) and grouped-query attention. Shapes in each docstring."""
 from __future__ import annotations
-import math
+import math, os
 import numpy as np
 from tinygrad import Tensor, dtypes
 from tinyhet.device.cpu_threads import pool_threads
@@ -48,6 +48,13 @@ def stored_format(w: Matrix) -> int | None:
 
 _FLOAT_TYPES = {dtypes.float16: quant_blocks.F16, dtypes.bfloat16: quant_blocks.BF16}
 
+def int8_activations() -> bool:
+  """The int8-activation mode (off by default; TINYHET_INT8_ACTIVATIONS=1, `tinyhet run --int8-activations`): x rounded to int8
+  per block of 32 and integer dot products (VNNI where the CPU has it) against block-quantized weights in decode-sized
+  products, as llama.cpp does; prefill-sized products and float16/bfloat16 weights stay float32. Read when a kernel is chosen:
+  a captured step keeps the mode it was captured in."""
+  return os.environ.get("TINYHET_INT8_ACTIVATIONS", "0") not in ("", "0")
+
 def linear(x: Tensor, w: Matrix) -> Tensor:
   """x (..., in) @ w.T with w (out, in) in its stored dtype or blocks; the sum is float32.
   On HET (a CPU) and MESH, a weight in a form the hand-written kernels read (GGUF blocks Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K,
@@ -56,7 +63,7 @@ def linear(x: Tensor, w: Matrix) -> Tensor:
   independent accumulator chains instead of one serial chain of dependent adds (measured 2-5x faster on matrix-vector products)."""
   rows = math.prod(x.shape[:-1])
   if (t := stored_format(w)) is not None and (threads := pool_threads(x.device)):
-    return qmm.quant_matmul(x, w.blocks if isinstance(w, PackedWeight) else w, t, w.shape, threads)
+    return qmm.quant_matmul(x, w.blocks if isinstance(w, PackedWeight) else w, t, w.shape, threads, int8=int8_activations())
   if isinstance(w, PackedWeight):
     # a few rows: dequantized inside the matmul kernel, reading only the blocks; many rows (prefill): dequantized once into a
     # temporary float32 copy, since inside the matmul every block would be dequantized again for each tile of rows
