@@ -44,15 +44,16 @@ class TinyhetEngine:
     from tinyhet.model.weights import load_model
     if configured_threads() != threads: raise SystemExit(f"tinyhet runs {configured_threads()} threads: set TINYHET_CPU_THREADS={threads}")
     self.het, self.tok = load_model(path, device="HET", max_context=max_context, quiet=True, packed=True)
-    before = rss_bytes()
     self.mesh, _ = load_model(path, device="MESH", max_context=max_context, quiet=True, packed=True)
-    self.weights_resident = rss_bytes() - before      # the decode node's copy (this process also holds HET's for prefill)
     cfg = self.mesh.cfg
     blocks = (max_batch + 1) * -(-max_context // 16) + 2
     self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, blocks, 16, "float16", device="MESH", max_seq_len=max_context)
     self.engine = DecodeEngine(self.mesh, self.cache)     # the decode node's step: bucketed, padded, one capture per bucket
     w = self.mesh.w
     self.weight_bytes = w.nbytes() - (0 if w.output is w.tok_embeddings else w.tok_embeddings.nbytes())   # rows of the embedding only
+    # the decode node's weights as held (the arena is mapped ahead, so its RSS does not show them; this process also holds
+    # HET's copy for prefill): the bytes of every matrix and norm, stored form
+    self.weights_resident = w.nbytes()
     self.kv_token_bytes = cfg.kv_bytes_per_token()
 
   def prefill(self, prompt: list[int]) -> int:
@@ -183,8 +184,8 @@ def make_engine(name: str, path, threads: int, max_batch: int, max_context: int)
 
 def measure(e, tok, prompts: list[int], batches: list[int], context: int, steps: int, rounds: int, log) -> list[dict]:
   rows = measure_rates(e, tok, prompts, batches, context, steps, rounds, log)
-  # llama.cpp maps the file and reads weights as they are touched: its resident weights are counted after the rows ran
-  # (including its KV cache and compute buffers: an upper bound); tinyhet's MESH copy is counted at its load
+  # llama.cpp maps the file (its weights are the file's pages): its growth in resident memory over the rows is reported,
+  # weights, KV cache and compute buffers together (an upper bound); tinyhet's weights as held
   resident = getattr(e, "weights_resident", None) or (rss_bytes() - e.rss_before if hasattr(e, "rss_before") else None)
   rows.append({"engine": e.name, "batch": None, "prompt_tokens": None, "prefill_tok_s": None, "decode_tok_s": None, "step_bytes": None,
                "weights_resident": resident})
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
       if not p.exists(): raise SystemExit(f"tinyhet bench decode: no {fmt} file at {p}: run `make bench-setup`")
       log(f"{fmt}: {p}")
       runs[fmt] = dict(run_model(args, str(p), threads, gbps, log), file_bytes=p.stat().st_size)
+      log(json.dumps({fmt: runs[fmt]}))     # each format's rows as they come (a sweep takes minutes per format)
     out = {"threads": threads, "read_gbps": gbps, "context": args.context, "llama_cpp": llama_cpp_build(), "formats": runs}
     print(json.dumps(out) if args.json else format_table(out))
     return 0
@@ -292,7 +294,8 @@ def format_table(out: dict) -> str:
     return next((r[key] for r in rows if r["engine"] == e and r.get(key) is not None and all(r[k] == v for k, v in match.items())), None)
   for fmt, run in out["formats"].items():
     rows, cells = run["rows"], []
-    batches, prompts = sorted({r["batch"] for r in rows if r["decode_tok_s"]}), sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"]})
+    batches = sorted({r["batch"] for r in rows if r["decode_tok_s"]})
+    prompts = sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"] and r["engine"] != "tinyhet-int8"})
     for label, key, match in [(f"decode b{b}", "decode_tok_s", {"batch": b}) for b in batches] + \
                              [(f"prefill {n}", "prefill_tok_s", {"prompt_tokens": n}) for n in prompts]:
       t, l = pick(rows, "tinyhet", key, **match), pick(rows, "llama.cpp", key, **match)
