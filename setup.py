@@ -37,9 +37,10 @@ setup(
     # `tinyhet serve --ray`: the nodes as Ray actors (tinyhet.service.ray_cluster). Pinned: its actor and cluster_utils APIs move between
     # releases; 2.60.0 has a manylinux wheel for CPython 3.11 (79 MB; ~25 s to install uncached)
     "ray": [RAY],
-    # gguf: tests write GGUF files as llama.cpp does; openai: the router is tested with the OpenAI client, unchanged; ray: the
+    # gguf: tests write GGUF files as llama.cpp does; safetensors: they write Hugging Face checkpoints (bfloat16 among them) with the
+    # library transformers saves through; openai: the router is tested with the OpenAI client, unchanged; ray: the
     # tests of `tinyhet serve --ray` run a multi-node Ray cluster on one machine (they skip, naming the extra, without it)
-    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf", "openai", RAY],
+    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf", "safetensors", "openai", RAY],
   },
   entry_points={"console_scripts": ["tinyhet=tinyhet.cli.main:main"]},
 )

@@ -5,8 +5,13 @@ tokens, and the share of the machine's read bandwidth a decode step uses.
   tinyhet    prefill on HET (CPU), decode on MESH: the paged KV cache and one TinyJit capture per batch bucket, as the decode
              node runs them; the GGUF's quantized blocks read by the kernels; float16 KV
   llama.cpp  llama-cpp-python (pip install -e '.[bench]' compiles it; `make bench-setup` builds it as the README says) on the
-             same GGUF: one context with a sequence per batch row, float16 KV
-  torch      Meta's reference forward in PyTorch float32 (weights dequantized), a preallocated KV cache per batch row
+             same GGUF: one context with a sequence per batch row, each with KV cells of its own (kv_unified off, every
+             row prefilled itself), float16 KV, flash attention on; `llama.cpp-noflash` the same with it off
+  torch      Meta's reference forward in PyTorch bfloat16 (weights dequantized, then cast), scaled_dot_product_attention
+             with grouped-query heads, a preallocated KV cache written in place; `torch-f32` the same in float32;
+             `torch-compile` bfloat16 with the forward under torch.compile (not in the default list: inductor's compile
+             takes minutes on a small machine)
+The table's last column is tinyhet over the best other engine of that row.
 
 Decode rows run every sequence at a context of --context tokens (the KV is present, its values do not matter to the speed).
 read share = bytes one decode step reads (the weights it streams, plus every row's KV) / step time / the machine's read
@@ -79,7 +84,7 @@ class TinyhetEngine:
 
 class LlamaCppEngine:
   name = "llama.cpp"
-  def __init__(self, path, threads: int, max_batch: int, max_context: int):
+  def __init__(self, path, threads: int, max_batch: int, max_context: int, flash: bool = True):
     import llama_cpp as L
     self.L = L
     self._quiet = L.llama_log_callback(lambda level, text, user: None)    # llama.cpp logs every graph node: keep stderr for the figures
@@ -89,7 +94,10 @@ class LlamaCppEngine:
     self.model = L.llama_load_model_from_file(str(path).encode(), L.llama_model_default_params())
     if not self.model: raise RuntimeError(f"llama.cpp could not load {path}")
     cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_seq_max, cp.kv_unified = max_context * max_batch, max_batch, True
+    # every sequence its own cells (a stream per sequence), as a server running unrelated requests has them
+    cp.n_ctx, cp.n_seq_max, cp.kv_unified = max_context * max_batch, max_batch, False
+    cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    if not flash: self.name = "llama.cpp-noflash"
     cp.n_batch = cp.n_ubatch = max(512, max_batch)
     cp.n_threads = cp.n_threads_batch = threads
     self.ctx = L.llama_init_from_model(self.model, cp)
@@ -118,8 +126,7 @@ class LlamaCppEngine:
 
   def decode(self, batch: int, context: int, steps: int) -> tuple[float, int]:
     self.L.llama_memory_clear(self.mem, True)
-    self._run([(1, p, 0, p == context - 1) for p in range(context)])
-    for s in range(1, batch): self.L.llama_memory_seq_cp(self.mem, 0, s, -1, -1)
+    self._run([(1, p, s, p == context - 1) for s in range(batch) for p in range(context)])     # each row's own KV
     tokens, pos = [1] * batch, context
     def one():
       nonlocal tokens, pos
@@ -131,15 +138,17 @@ class LlamaCppEngine:
     return time.perf_counter() - t0, self.weight_bytes + batch * (context + 3 + steps) * self.kv_token_bytes
 
 class TorchEngine:
-  name = "torch"
-  def __init__(self, mesh_model, threads: int, max_batch: int, max_context: int):
+  def __init__(self, mesh_model, threads: int, max_batch: int, max_context: int, variant: str = "torch"):
     import torch
     torch.set_grad_enabled(False)
     torch.set_num_threads(threads)
-    self.torch, self.cfg = torch, mesh_model.cfg
-    self.tm = TorchLlama(mesh_model.cfg, mesh_model.w, max_context, batch=max_batch)
-    self.weight_bytes = 4 * (self.cfg.n_params() - (0 if self.cfg.tie_embeddings else self.cfg.vocab_size * self.cfg.dim))
-    self.kv_token_bytes = 2 * self.cfg.n_layers * self.cfg.n_kv_heads * self.cfg.head_dim * 4
+    self.name, self.torch, self.cfg = variant, torch, mesh_model.cfg
+    dtype = torch.float32 if variant == "torch-f32" else torch.bfloat16
+    self.tm = TorchLlama(mesh_model.cfg, mesh_model.w, max_context, batch=max_batch, dtype=dtype)
+    if variant == "torch-compile": self.tm.compile()
+    size = 4 if dtype == torch.float32 else 2
+    self.weight_bytes = size * (self.cfg.n_params() - (0 if self.cfg.tie_embeddings else self.cfg.vocab_size * self.cfg.dim))
+    self.kv_token_bytes = 2 * self.cfg.n_layers * self.cfg.n_kv_heads * self.cfg.head_dim * size
 
   def prefill(self, prompt: list[int]) -> int: return int(self.tm.forward(self.torch.tensor([prompt]), 0)[0].argmax())
 
@@ -147,7 +156,7 @@ class TorchEngine:
     tokens, pos = self.torch.ones(batch, 1, dtype=self.torch.long), context
     def one():
       nonlocal tokens, pos
-      tokens = self.tm.forward(tokens, pos).argmax(-1, keepdim=True)
+      tokens = self.tm.step(tokens, pos).argmax(-1, keepdim=True)
       pos += 1
     for _ in range(3): one()
     t0 = time.perf_counter()
@@ -171,16 +180,16 @@ def make_engine(name: str, path, threads: int, max_batch: int, max_context: int)
     e = TinyhetEngine(path, threads, max_batch, max_context)
     e.name = name
     return e, tok
-  if name == "llama.cpp":
-    e = LlamaCppEngine(path, threads, max_batch, max_context)
+  if name in ("llama.cpp", "llama.cpp-noflash"):
+    e = LlamaCppEngine(path, threads, max_batch, max_context, flash=name == "llama.cpp")
     e.kv_token_bytes = kv_token_bytes
     return e, tok
-  if name == "torch":
+  if name in ("torch", "torch-f32", "torch-compile"):
     import tinyhet  # noqa: F401  (MESH)
     from tinyhet.model.weights import load_model
     model, _ = load_model(path, device="MESH", max_context=max_context, quiet=True, packed=True)
-    return TorchEngine(model, threads, max_batch, max_context), tok
-  raise SystemExit(f"tinyhet bench decode: unknown engine {name!r} (tinyhet, llama.cpp, torch)")
+    return TorchEngine(model, threads, max_batch, max_context, name), tok
+  raise SystemExit(f"tinyhet bench decode: unknown engine {name!r} (tinyhet, llama.cpp, llama.cpp-noflash, torch, torch-f32, torch-compile)")
 
 def measure(e, tok, prompts: list[int], batches: list[int], context: int, steps: int, rounds: int, log) -> list[dict]:
   rows = measure_rates(e, tok, prompts, batches, context, steps, rounds, log)
@@ -221,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--context", type=int, default=100, help="tokens in each sequence's KV during the decode rows")
   ap.add_argument("--steps", type=int, default=16, help="decode steps per round")
   ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--engines", default="tinyhet,llama.cpp,torch", help="of tinyhet, tinyhet-int8 (int8 activations), llama.cpp, torch")
+  ap.add_argument("--engines", default="tinyhet,llama.cpp,llama.cpp-noflash,torch,torch-f32",
+                  help="of tinyhet, tinyhet-int8 (int8 activations), llama.cpp, llama.cpp-noflash, torch, torch-f32, torch-compile")
   ap.add_argument("--one-engine", action="store_true", help=argparse.SUPPRESS)   # a child process measuring one engine
   ap.add_argument("--quick", action="store_true", help="batches 1,4; prompt 100; 8 steps; 2 rounds")
   ap.add_argument("--json", action="store_true")
@@ -318,18 +328,20 @@ def gguf_name(path) -> str:
 def table(out: dict) -> str:
   rows, engines = out["rows"], list(dict.fromkeys(r["engine"] for r in out["rows"]))
   lines = [f"{out['model']}, {out['threads']} threads, read bandwidth {out['read_gbps']:.1f} GB/s; decode at a context of {out['context']} tokens"]
-  lines.append(f"{'':22}" + "".join(f"{e:>14}" for e in engines) + (f"{'tinyhet/llama.cpp':>19}" if "llama.cpp" in engines else ""))
-  def line(label, pick, fmt):
+  others = [e for e in engines if e != "tinyhet"]
+  lines.append(f"{'':22}" + "".join(f"{e:>18}" for e in engines) + (f"{'tinyhet/best':>14}" if "tinyhet" in engines and others else ""))
+  def line(label, pick, fmt, ratio: bool = True):
     vals = {e: pick(e) for e in engines}
-    ratio = f"{vals['tinyhet'] / vals['llama.cpp']:>18.2f}x" if "llama.cpp" in vals and vals.get("tinyhet") and vals["llama.cpp"] else ""
-    lines.append(f"{label:22}" + "".join(f"{fmt(vals[e]):>14}" for e in engines) + ratio)
+    best = max((vals[e] for e in others if vals[e]), default=None) if ratio else None
+    ratio = f"{vals['tinyhet'] / best:>13.2f}x" if best and vals.get("tinyhet") else ""
+    lines.append(f"{label:22}" + "".join(f"{fmt(vals[e]):>18}" for e in engines) + ratio)
   for n in sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"]}):
     rate = lambda e: next(r["prefill_tok_s"] for r in rows if r["engine"] == e and r["prefill_tok_s"] and r["prompt_tokens"] == n)
     line(f"prefill {n} tok/s", rate, lambda v: f"{v:.1f}")
   for b in sorted({r["batch"] for r in rows if r["decode_tok_s"]}):
     pick = lambda e, k: next(r[k] for r in rows if r["engine"] == e and r["decode_tok_s"] and r["batch"] == b)
     line(f"decode batch {b} tok/s", lambda e: pick(e, "decode_tok_s"), lambda v: f"{v:.1f}")
-    line("  read share", lambda e: pick(e, "read_share"), lambda v: f"{v:.0%}")
+    line("  read share", lambda e: pick(e, "read_share"), lambda v: f"{v:.0%}", ratio=False)
   res = {r["engine"]: r["weights_resident"] for r in rows if r.get("weights_resident")}
   if res: lines.append("resident weights MB  " + ", ".join(f"{e} {v / 1e6:.0f}" for e, v in res.items()))
   if out["llama_cpp"]: lines.append(f"llama.cpp: {out['llama_cpp']}")

@@ -1,7 +1,8 @@
 """`tinyhet bench transfer`: each transport between two processes against the baselines of the same run.
 
-Baselines: numpy memcpy of the same bytes in the same block size (for shm), a plain Python socket stream over loopback
-into a preallocated buffer (for tcp), and a plain socket send of 4 KiB (for the write-with-notification latency).
+Baselines: numpy memcpy of the same bytes in the same block size (for shm), plain Python socket streams over loopback
+into preallocated buffers, as many as tinyhet's tcp transport opens per peer (tcp_streams, default 4; for tcp), and a
+plain socket send of 4 KiB (for the write-with-notification latency).
 Latency is one way, to the receiver's notice, for the baseline and the transports alike: from the writer starting a send
 (or posting a write) to the receiving process holding all 4 KiB (the socket's last recv_into returned; the transport's
 notice delivered), both read from the host's one monotonic clock (perf_counter is CLOCK_MONOTONIC on Linux). Rounds are
@@ -36,18 +37,24 @@ def pin(cpu: int | None):
   which would make one run's figures incomparable. Throughput runs unpinned, using the cores as a real node would."""
   if len(ALL_CPUS) >= 2: os.sched_setaffinity(0, set(ALL_CPUS) if cpu is None else {ALL_CPUS[cpu]})
 
-def _raw_socket_server(port_queue, block: int, total: int, rounds: int, times_queue):
-  srv = socket.create_server(("127.0.0.1", 0))
-  port_queue.put(srv.getsockname()[1])
-  conn, _ = srv.accept()
-  conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-  buf = memoryview(bytearray(block))
-  got = 0
+def _receive(conn, block: int, total: int):
+  buf, got = memoryview(bytearray(block)), 0
   while got < total:
     k = conn.recv_into(buf[got % block:], block - got % block)
     if k == 0: return
     got += k
-  conn.sendall(b"k")
+
+def _raw_socket_server(port_queue, block: int, total: int, rounds: int, times_queue, streams: int = 1):
+  import threading
+  srv = socket.create_server(("127.0.0.1", 0), backlog=streams)
+  port_queue.put(srv.getsockname()[1])
+  conns = [srv.accept()[0] for _ in range(streams)]
+  for c in conns: c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  share = total // streams
+  readers = [threading.Thread(target=_receive, args=(c, block, share)) for c in conns]
+  for t in readers: t.start()
+  for t in readers: t.join()
+  conns[0].sendall(b"k")
   pin(1)
   conn, _ = srv.accept()      # the round trips on a fresh connection: a connection that just streamed a GiB answers slower
   conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -59,21 +66,31 @@ def _raw_socket_server(port_queue, block: int, total: int, rounds: int, times_qu
     conn.sendall(b"k")
   times_queue.put(arrived)
 
-def raw_socket(block: int, total: int) -> tuple[float, float]:
-  """(GB/s of a plain socket stream, median µs from starting a 4 KiB send to the receiver holding it), peer in another process."""
+def raw_socket(block: int, total: int, streams: int = 1) -> tuple[float, float]:
+  """(GB/s of `streams` plain socket streams together, each sending its share in its own thread, median µs from starting
+  a 4 KiB send to the receiver holding it), peer in another process."""
+  import threading
   ctx = multiprocessing.get_context("spawn")
   q, times = ctx.Queue(), ctx.Queue()
-  p = ctx.Process(target=_raw_socket_server, args=(q, block, total, LATENCY_ROUNDS, times), daemon=True)
+  p = ctx.Process(target=_raw_socket_server, args=(q, block, total, LATENCY_ROUNDS, times, streams), daemon=True)
   p.start()
   port = q.get(timeout=30)
-  sock = socket.create_connection(("127.0.0.1", port))
-  sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+  for sock in socks: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
   data = memoryview(bytearray(np.random.default_rng(0).integers(0, 256, block, dtype=np.uint8).tobytes()))
+  share = total // streams
+  def send(sock):
+    left = share
+    while left > 0:
+      sock.sendall(data[:min(block, left)])
+      left -= min(block, left)
   st = time.perf_counter()
-  for _ in range(total // block): sock.sendall(data)
-  sock.recv(1)
-  gbps = total / (time.perf_counter() - st) / 1e9
-  sock.close()
+  writers = [threading.Thread(target=send, args=(sock,)) for sock in socks]
+  for t in writers: t.start()
+  for t in writers: t.join()
+  socks[0].recv(1)
+  gbps = streams * share / (time.perf_counter() - st) / 1e9
+  for sock in socks: sock.close()
   pin(0)
   sock = socket.create_connection(("127.0.0.1", port))
   sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -149,10 +166,11 @@ def main(argv=None) -> int:
   region_bytes = min(total, 256 << 20)
   quiet = args.json
 
-  progress(f"baselines: memcpy and a raw socket, {total >> 20} MiB per block size", quiet)
+  progress(f"baselines: memcpy and raw sockets, {total >> 20} MiB per block size", quiet)
   src_np, dst_np = np.random.default_rng(1).integers(0, 256, region_bytes, dtype=np.uint8), np.ones(region_bytes, np.uint8)
   baselines = {b: {"memcpy_gbps": memcpy_gbps(b, total, src_np, dst_np)} for b in BLOCKS}
-  for b in BLOCKS: baselines[b]["socket_gbps"], baselines[b]["send_4k_us"] = raw_socket(b, total)
+  streams = load_config().tcp_streams         # the baseline opens as many streams as tinyhet's tcp transport does
+  for b in BLOCKS: baselines[b]["socket_gbps"], baselines[b]["send_4k_us"] = raw_socket(b, total, streams)
   del dst_np
 
   node = memory_node(region_bytes * len(BLOCKS) * len(transports) + (64 << 20))
@@ -177,7 +195,7 @@ def main(argv=None) -> int:
     lat_node.close()
   one_mib = baselines[1 << 20]
   out = {"baselines": {"memcpy_gbps": round(one_mib["memcpy_gbps"], 3), "socket_gbps": round(one_mib["socket_gbps"], 3),
-                       "socket_4k_us": round(statistics.median(b["send_4k_us"] for b in baselines.values()), 1),
+                       "socket_streams": streams, "socket_4k_us": round(statistics.median(b["send_4k_us"] for b in baselines.values()), 1),
                        "per_block": {str(b): {k: round(v, 3) for k, v in d.items()} for b, d in baselines.items()}},
          "results": results, "unavailable": skipped, "total_bytes": total}
   if args.json: print(json.dumps(out))
@@ -191,7 +209,7 @@ def table(out: dict) -> str:
     rows.append(f"{r['transport']:<10}{_size(r['block_bytes']):>8}{r['gbps']:>9.2f}{r['baseline']:>10}{base:>11.2f}{r['ratio_to_baseline']:>8.2f}"
                 f"{r['write_latency_us']:>13.1f}{r['latency_ratio_to_socket']:>8.2f}")
   rows.append(f"raw socket 4 KiB send to the receiver's notice: {out['baselines']['socket_4k_us']:.1f} µs (4K write: to the receiver's notice "
-              f"too); {out['total_bytes'] >> 20} MiB per row")
+              f"too); {out['total_bytes'] >> 20} MiB per row; the tcp baseline: {out['baselines']['socket_streams']} socket streams, as tinyhet's")
   rows += [f"{t}: unavailable ({why})" for t, why in out["unavailable"].items()]
   return "\n".join(rows)
 

@@ -77,6 +77,44 @@ def hf_config_json(cfg) -> dict:
                          "original_max_position_embeddings": s.original_max_context}
   return d
 
+def hf_config_json_v5(cfg, dtype: str = "float32") -> dict:
+  """config.json as transformers 5 writes it: rope_theta and the rope scaling inside rope_parameters, `dtype` for torch_dtype."""
+  d = {k: v for k, v in hf_config_json(cfg).items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  if (s := cfg.rope_scaling) is not None:
+    rope |= {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+             "original_max_position_embeddings": s.original_max_context}
+  return d | {"rope_parameters": rope, "dtype": dtype, "transformers_version": "5.0.0", "attention_bias": False, "mlp_bias": False,
+              "hidden_act": "silu", "attention_dropout": 0.0, "pretraining_tp": 1, "use_cache": True, "bos_token_id": 1, "eos_token_id": 2}
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+  """float32 -> bfloat16 bits (uint16), round to nearest even, as torch's .to(torch.bfloat16) rounds."""
+  u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+  return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+def bf16_round(a: np.ndarray) -> np.ndarray:
+  return (bf16_bits(a).astype(np.uint32) << 16).view(np.float32)
+
+def write_hf_v5(cfg, w: dict[str, np.ndarray], directory: pathlib.Path, dtype: str = "float32", shards: int = 2,
+                chat_template: str | None = None, generation_config: dict | None = None):
+  """A directory as transformers 5's save_pretrained writes it: safetensors shards written by the safetensors package (dtype
+  float32, float16 or bfloat16), model.safetensors.index.json, config.json with rope_parameters, chat_template.jinja and
+  generation_config.json."""
+  from safetensors import TensorSpec, serialize_file
+  directory.mkdir(parents=True, exist_ok=True)
+  names, weight_map = sorted(w), {}
+  for i in range(shards):
+    fn, arrays = f"model-{i + 1:05d}-of-{shards:05d}.safetensors", {}
+    for n in names[i::shards]:
+      arrays[n] = bf16_bits(w[n]) if dtype == "bfloat16" else np.ascontiguousarray(w[n], np.float16 if dtype == "float16" else np.float32)
+      weight_map[n] = fn
+    specs = {n: TensorSpec(dtype=dtype, shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes) for n, a in arrays.items()}
+    serialize_file(specs, str(directory / fn), metadata={"format": "pt"})
+  (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+  (directory / "config.json").write_text(json.dumps(hf_config_json_v5(cfg, dtype)))
+  if chat_template is not None: (directory / "chat_template.jinja").write_text(chat_template)
+  if generation_config is not None: (directory / "generation_config.json").write_text(json.dumps(generation_config))
+
 def write_hf(cfg, w: dict[str, np.ndarray], directory: pathlib.Path, shards: int = 2):
   """Safetensors shards + model.safetensors.index.json + config.json, as transformers' save_pretrained writes them."""
   from tinygrad import Tensor
@@ -100,10 +138,12 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "sel
               "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down"}
 
-def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "F32", tokens: list[str] | None = None, arch: str = "llama"):
+def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "F32", tokens: list[str] | None = None, arch: str = "llama",
+               sentencepiece: tuple[list[str], list[float], list[int]] | None = None, extra: dict[str, np.ndarray] | None = None):
   """A GGUF file the way llama.cpp's converter writes a Llama: metadata, Q/K rows permuted, names blk.N.*; quant is a GGML type
-  name gguf-py can quantize (F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), for 2-D weights only, as llama.cpp quantizes. Llama 3.1
-  rope scaling goes in as rope_freqs.weight."""
+  name gguf-py can quantize (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), for 2-D weights only, as llama.cpp quantizes. Llama 3.1
+  rope scaling goes in as rope_freqs.weight. sentencepiece: (tokens, scores, token types) of a Llama 2-style vocabulary
+  (tokenizer.ggml.model "llama") instead of a byte-level BPE one; extra: more tensors, as written."""
   import gguf
   from gguf.quants import quantize
   wr = gguf.GGUFWriter(str(path), arch)
@@ -120,8 +160,16 @@ def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "
   wr.add_rope_freq_base(cfg.rope_theta)
   wr.add_layer_norm_rms_eps(cfg.norm_eps)
   wr.add_vocab_size(cfg.vocab_size)
-  wr.add_tokenizer_model("gpt2")
-  wr.add_token_list(tokens if tokens is not None else [f"<t{i}>" for i in range(cfg.vocab_size)])
+  if sentencepiece is not None:
+    wr.add_tokenizer_model("llama")
+    wr.add_token_list(sentencepiece[0])
+    wr.add_token_scores(sentencepiece[1])
+    wr.add_token_types(sentencepiece[2])
+    wr.add_bos_token_id(1)
+    wr.add_eos_token_id(2)
+  else:
+    wr.add_tokenizer_model("gpt2")
+    wr.add_token_list(tokens if tokens is not None else [f"<t{i}>" for i in range(cfg.vocab_size)])
   qtype = gguf.GGMLQuantizationType[quant]
   def add(name, a):
     if a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32: wr.add_tensor(name, a.astype(np.float32))
@@ -136,6 +184,7 @@ def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "
       add(f"blk.{l}.{gg}.weight", a)
   add("output_norm.weight", w["model.norm.weight"])
   if "lm_head.weight" in w: add("output.weight", w["lm_head.weight"])
+  for name, a in (extra or {}).items(): wr.add_tensor(name, a)
   wr.write_header_to_file()
   wr.write_kv_data_to_file()
   wr.write_tensors_to_file()

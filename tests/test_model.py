@@ -170,11 +170,11 @@ def test_greedy_is_argmax(logits, seed):
 def test_top_p_keeps_the_smallest_sufficient_set(logits, temperature, top_p, seed):
   s = Sampler(temperature, top_p, seed)
   p = s.probabilities(logits)
-  assert math.isclose(p.sum(), 1.0, rel_tol=1e-9)
+  assert math.isclose(p.sum(), 1.0, rel_tol=1e-5)        # float32, as the batch sampler computes it
   full = Sampler(temperature, 1.0).probabilities(logits)
   kept = np.flatnonzero(p)
   assert full[kept].min() >= full[np.setdiff1d(np.arange(len(p)), kept)].max(initial=0)   # the most likely ones
-  assert full[kept].sum() >= top_p - 1e-9 and full[kept].sum() - full[kept].min() < top_p + 1e-9   # and no more than needed
+  assert full[kept].sum() >= top_p - 1e-5 and full[kept].sum() - full[kept].min() < top_p + 1e-5   # and no more than needed
   draws = [s(logits) for _ in range(5)]
   assert all(d in kept for d in draws) and draws == [t(logits) for t in [Sampler(temperature, top_p, seed)] for _ in range(5)]
 

@@ -6,7 +6,8 @@ from tinyhet.planner.catalog import DEVICES, MODELS, Device, Link, PlanError, fi
 from tinyhet.planner.cluster_file import ClusterFileError, load_cluster, parse_cluster
 from tinyhet.cli.plan import main
 from tinyhet.planner.plan import best, disaggregation_threshold, predict, route
-from tinyhet.planner.roofline import (Node, calibrated, decode_context, decode_step_parts, decode_step_time, decode_time, kv_transfer_exposed,
+from tinyhet.planner.calibration import BOUNDS, Row, fit
+from tinyhet.planner.roofline import (Node, decode_context, decode_step_parts, decode_step_time, decode_time, kv_transfer_exposed,
                                       max_batch,
                               prefill_flops, prefill_parts, prefill_time)
 
@@ -46,10 +47,17 @@ def exo(tmp_path):
   (p := tmp_path / "exo.toml").write_text(EXO)
   return load_cluster(p)
 
-def test_exo_single_device_rows_are_reproduced(exo):
+def test_exo_single_device_rows_are_reproduced_within_the_bounds(exo):
+  # EXO's prefill times ask ~101% (Spark) and ~103% (Mac) of the FLOP/s the catalog has for them (EXO's own estimates):
+  # the fit holds both at the 95% bound and says so in its residual; the decode rows are fitted exactly
   rows = {c.name: c for c in predict(exo, "llama-3.1-8b", 8192, 32).configurations}
-  assert rows["spark alone"].ttft_s == pytest.approx(1.47) and 32 * rows["spark alone"].tpot_s == pytest.approx(2.87)
-  assert rows["mac alone"].ttft_s == pytest.approx(5.57) and 32 * rows["mac alone"].tpot_s == pytest.approx(0.85)
+  errors = exo.calibration_errors
+  spark, mac = errors["calibration[0].prefill_s"], errors["calibration[1].prefill_s"]
+  assert rows["spark alone"].ttft_s == pytest.approx(1.47 * (1 + spark)) and 0 < spark < 0.08
+  assert rows["mac alone"].ttft_s == pytest.approx(5.57 * (1 + mac)) and 0 < mac < 0.09
+  assert 32 * rows["spark alone"].tpot_s == pytest.approx(2.87, rel=0.01) and 32 * rows["mac alone"].tpot_s == pytest.approx(0.85, rel=0.01)
+  assert exo.node("spark").compute_eff == exo.node("mac").compute_eff == pytest.approx(BOUNDS[1]) and not exo.warnings
+  assert "residual" in exo.calibration and "worst calibration[1].prefill_s" in exo.calibration
 
 def test_exo_plan_is_spark_prefill_mac_decode_within_15_percent(exo):
   plan = predict(exo, "llama-3.1-8b", 8192, 32).plan.configuration
@@ -63,9 +71,10 @@ def test_exo_needs_layerwise_overlap(exo):
   streamed = predict(exo, model, 8192, 32).plan.configuration
   after = next(c for c in predict(exo, model, 8192, 32, overlap=False).configurations if c.kind == "disaggregated")
   assert after.prefill == ("spark",) and after.decode == ("mac",)
-  assert 0.8 < after.ttft_s - 1.47 < 0.95             # sent after prefill, 1 GiB over 10 GbE adds ~0.86 s
+  spark = prefill_time(exo.node("spark"), model, 8192)
+  assert 0.8 < after.ttft_s - spark < 0.95            # sent after prefill, 1 GiB over 10 GbE adds ~0.86 s
   assert abs(after.ttft_s / 1.47 - 1) > 0.5           # ... and the prediction misses the published 1.47 s
-  assert streamed.ttft_s - 1.47 < 0.05                # streamed, only the last layer's 27 ms shows
+  assert streamed.ttft_s - spark < 0.05               # streamed, only the last layer's 27 ms shows
 
 def test_exo_short_prompts_stay_on_the_mac(exo):
   plan = predict(exo, "llama-3.1-8b", 8192, 32).plan
@@ -74,7 +83,7 @@ def test_exo_short_prompts_stay_on_the_mac(exo):
   short, long = route(exo, "llama-3.1-8b", threshold - 1, 32, plan), route(exo, "llama-3.1-8b", 8192, 32, plan)
   assert not short.disaggregate and short.decode_node == short.prefill_node == "mac"
   assert long.disaggregate and (long.prefill_node, long.decode_node) == ("spark", "mac")
-  assert long.disaggregated_s == pytest.approx(plan.configuration.e2e_s) and long.local_s == pytest.approx(5.57 + 0.85)
+  assert long.disaggregated_s == pytest.approx(plan.configuration.e2e_s) and long.local_s == pytest.approx(5.57 + 0.85, rel=0.08)
   assert route(exo, "llama-3.1-8b", 8192, 32, plan, prefill_queue_s=10).disaggregate is False  # a busy Spark: prefill locally
   with pytest.raises(PlanError, match="at least 1"): route(exo, "llama-3.1-8b", 0, 32, plan)
 
@@ -129,27 +138,35 @@ def test_moe_reads_its_active_experts_for_one_token_and_all_for_many(extra):
   assert r1.weights_touched(1 + extra) <= r1.weights_touched(2 + extra) <= r1.weight_bytes
   assert r1.weights_touched(100_000) == pytest.approx(r1.weight_bytes)
 
-@FAST
-@given(nodes(), models, st.integers(16, 1 << 15), st.integers(1, 2048), st.floats(0.05, 5), st.floats(0.05, 5))
+efficiencies = st.floats(BOUNDS[0] * 1.01, BOUNDS[1] * 0.99)
+
+@settings(FAST, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(nodes(), models, st.integers(16, 1 << 15), st.integers(1, 2048), efficiencies, efficiencies)
 def test_calibration_recovers_the_efficiencies_that_made_the_times(node, model, prompt_len, output_len, e_c, e_b):
   truth = dataclasses.replace(node, compute_eff=e_c, bandwidth_eff=e_b)
-  p_c, p_m, _ = prefill_parts(truth, model, prompt_len)
-  d_c, d_m, _ = decode_step_parts(truth, model, 1, decode_context(prompt_len, output_len))
+  p_c, p_m, p_x = prefill_parts(truth, model, prompt_len)
+  d_c, d_m, d_x = decode_step_parts(truth, model, 1, decode_context(prompt_len, output_len))
   assume(p_c / e_c > 2 * p_m / e_b and d_m / e_b > 2 * d_c / e_c)  # a prefill bound by compute, a decode by bandwidth: each tells one
-  p_s, d_s = prefill_time(truth, model, prompt_len), decode_time(truth, model, prompt_len, output_len)
-  got = calibrated(dataclasses.replace(node, compute_eff=1, bandwidth_eff=1), model, prompt_len, output_len, p_s, d_s)
-  assert got.compute_eff == pytest.approx(e_c, rel=1e-6) and got.bandwidth_eff == pytest.approx(e_b, rel=1e-6)
+  assume(p_x < p_c / e_c and d_x < d_m / e_b)  # ... and not mostly communication, which no efficiency moves
+  rows = [Row("p", "n", "prefill_s", prefill_time(truth, model, prompt_len), model, prompt_len, output_len),
+          Row("d", "n", "decode_s", decode_time(truth, model, prompt_len, output_len), model, prompt_len, output_len)]
+  got = fit({"n": dataclasses.replace(node, name="n")}, rows)
+  assert got.nodes["n"].compute_eff == pytest.approx(e_c, rel=0.01) and got.nodes["n"].bandwidth_eff == pytest.approx(e_b, rel=0.01)
+  assert all(abs(e) < 0.005 for e in got.errors.values()) and not got.warnings
 
 @FAST
-@given(nodes(), models, st.integers(16, 1 << 15), st.integers(1, 2048), st.floats(0.05, 5), st.floats(0.05, 5))
-def test_one_end_to_end_figure_moves_one_resource_and_reproduces_itself(node, model, prompt_len, output_len, e_c, e_b):
-  truth = dataclasses.replace(node, compute_eff=e_c, bandwidth_eff=e_b)
+@given(nodes(), models, st.integers(16, 1 << 15), st.integers(1, 2048), st.floats(0.01, 20), st.floats(0.01, 20))
+def test_one_end_to_end_figure_stays_in_bounds_and_reproduces_itself_or_says_so(node, model, prompt_len, output_len, e_c, e_b):
+  # any efficiencies made the figure, in bounds or far out of them: the fit never leaves the bounds, reproduces a figure
+  # it can reach, and names the row when it cannot
+  truth = dataclasses.replace(node, name="n", compute_eff=e_c, bandwidth_eff=e_b)
   total = prefill_time(truth, model, prompt_len) + decode_time(truth, model, prompt_len, output_len)
-  start = dataclasses.replace(node, compute_eff=1, bandwidth_eff=1)
-  try: got = calibrated(start, model, prompt_len, output_len, total_s=total)
-  except ValueError: return  # the resource it is most sensitive to cannot explain it alone (the other one is off too)
-  assert prefill_time(got, model, prompt_len) + decode_time(got, model, prompt_len, output_len) == pytest.approx(total, rel=1e-4)
-  assert got.compute_eff == 1 or got.bandwidth_eff == 1  # never both scaled alike by one figure
+  got = fit({"n": truth}, [Row("e2e", "n", "total_s", total, model, prompt_len, output_len, what="n, e2e")])
+  n, error = got.nodes["n"], got.errors["e2e"]
+  assert all(BOUNDS[0] * (1 - 1e-9) <= e <= BOUNDS[1] * (1 + 1e-9) for e in (n.compute_eff, n.bandwidth_eff))
+  if BOUNDS[0] * 1.05 < e_c < BOUNDS[1] / 1.05 and BOUNDS[0] * 1.05 < e_b < BOUNDS[1] / 1.05: assert abs(error) < 0.01
+  assert bool(got.warnings) == (abs(error) > 0.15)
+  if got.warnings: assert len(got.warnings) == 1 and "e2e" in got.warnings[0] and "n would need" in got.warnings[0]
 
 def _two_nodes(a: Node, b: Node, link: Link):
   from tinyhet.planner.cluster_file import Cluster
@@ -246,7 +263,7 @@ node = "b"
 model = "toy"
 prompt_len = 1000
 output_len = 100
-e2e_tok_s = 10
+e2e_tok_s = 100
 """
 
 def test_calibration_kinds_reproduce_what_was_measured(tmp_path):
@@ -256,13 +273,13 @@ def test_calibration_kinds_reproduce_what_was_measured(tmp_path):
   assert a.device.memory == 94e9 and a.device.flops == DEVICES["h100"].flops
   tiny, toy = cluster.model("tiny-8b"), cluster.model("toy")
   assert tiny.dtype == "fp8" and tiny.params == MODELS["llama-3-8b"].params and toy.kv_dim == 2 * 4 * 128 and toy.active_params == 1e9
-  assert prefill_time(a, tiny, 4096) == pytest.approx(4096 / 20000) and decode_time(a, tiny, 4096, 100) == pytest.approx(100 / 50)
-  assert prefill_time(b, toy, 1000) + decode_time(b, toy, 1000, 100) == pytest.approx(100 / 10, rel=1e-4)
-  assert (b.compute_eff == 1) != (b.bandwidth_eff == 1) and "e2e_tok_s = 10" in b.calibration  # one figure, one resource
+  assert prefill_time(a, tiny, 4096) == pytest.approx(4096 / 20000, rel=0.01) and decode_time(a, tiny, 4096, 100) == pytest.approx(100 / 50, rel=0.01)
+  assert prefill_time(b, toy, 1000) + decode_time(b, toy, 1000, 100) == pytest.approx(100 / 100, rel=0.01)
+  assert "e2e_tok_s = 100" in b.calibration and not cluster.warnings and all(BOUNDS[0] <= e <= BOUNDS[1] for e in (b.compute_eff, b.bandwidth_eff))
   assert "decode_tok_s = 50" in a.calibration
   (q := tmp_path / "d.toml").write_text(GOOD + '[[calibration]]\nnode = "a"\nprefill_tflops = 494.5\ndecode_gb_s = 2680\n')
   a = load_cluster(q).node("a")
-  assert (a.compute_eff, a.bandwidth_eff) == (pytest.approx(0.5), pytest.approx(0.8))
+  assert (a.compute_eff, a.bandwidth_eff) == (pytest.approx(0.5, rel=0.01), pytest.approx(0.8, rel=0.01))
 
 def test_a_pipeline_decodes_one_sequence_no_faster_than_one_stage():
   model, one = MODELS["llama-3-70b"], Node("one", DEVICES["mi300x"])
@@ -287,7 +304,6 @@ def test_a_pipeline_decodes_one_sequence_no_faster_than_one_stage():
   (GOOD.replace('nodes = ["a", "b"]', 'nodes = ["a", "z"]'), "links[0].nodes", "not a node"),
   (GOOD + '[[links]]\nnodes = ["b", "a"]\nbandwidth_gb_s = 1\n', "links[1].nodes", "linked twice"),
   (GOOD + '[[calibration]]\nnode = "q"\ndecode_gb_s = 1\n', "calibration[0].node", "not a node"),
-  (GOOD + '[[calibration]]\nnode = "a"\nmodel = "llama-3-8b"\nprompt_len = 512\nprefill_s = 1e-5\n', "calibration[0].prefill_s", "spec sheet"),
   (GOOD + '[[calibration]]\nnode = "a"\nmodel = "llama-3-70b"\nprompt_len = 512\nprefill_s = 1\n', "calibration[0]", "a cannot hold llama-3-70b"),
   (GOOD + '[[calibration]]\nnode = "a"\nmodel = "llama-3-8b"\nprefill_s = 1\n', "calibration[0].prompt_len", "missing"),
   (GOOD + '[[calibration]]\nnode = "a"\ndecode_gb_s = 1000\n[[calibration]]\nnode = "a"\ndecode_gb_s = 900\n', "calibration[1].decode_gb_s", "again"),
@@ -302,6 +318,16 @@ def test_bad_files_raise_one_clear_error(tmp_path, text, key, problem):
   with pytest.raises(ClusterFileError) as err: load_cluster(path)
   message = str(err.value)
   assert err.value.key == key and problem in message and str(path) in message and "Fix: " in message and err.value.fix
+
+@pytest.mark.parametrize("figure, side", [("prefill_s = 1e-5", "above 95%"), ("prefill_s = 100", "below 10%"), ("decode_gb_s = 1", "below 10%")])
+def test_a_figure_outside_the_bounds_is_named_in_one_line_not_fitted_silently(tmp_path, figure, side):
+  (path := tmp_path / "odd.toml").write_text(GOOD + f'[[calibration]]\nnode = "a"\nmodel = "llama-3-8b"\nprompt_len = 512\n{figure}\n')
+  cluster = load_cluster(path)
+  a = cluster.node("a")
+  assert BOUNDS[0] <= a.compute_eff <= BOUNDS[1] and BOUNDS[0] <= a.bandwidth_eff <= BOUNDS[1]
+  (line,) = cluster.warnings
+  assert line.startswith("warning: suspect calibration row calibration[0].") and side in line and "check the figure" in line
+  assert any(line == r for r in predict(cluster, "llama-3-8b", 512, 16).plan.reasons)
 
 def test_missing_and_binary_files(tmp_path):
   with pytest.raises(ClusterFileError, match="no such file"): load_cluster(tmp_path / "nope.toml")
@@ -385,7 +411,8 @@ def test_cli_subprocess_serving_json_and_no_tinygrad():
   keys = {"name", "prefill", "decode", "ttft_s", "tpot_s", "throughput_tok_s", "goodput_rps", "ttft_p90_s", "tpot_p90_s"}
   assert all(keys <= set(c) for c in doc["configurations"]) and set(doc["plan"]) == {"name", "reasons"}
   plan = next(c for c in doc["configurations"] if c["name"] == doc["plan"]["name"])
-  assert plan["prefill"] == ["mi300x"] and plan["decode"] == ["mi308x"]  # same bandwidth, 5.6x the compute: the MI300X prefills
+  # same bandwidth, 5.6x the compute: the MI300X prefills, MI308Xs decode (and may help prefill)
+  assert "mi300x" in plan["prefill"] and "mi300x" not in plan["decode"] and plan["decode"] and all(u.startswith("mi308x") for u in plan["decode"])
   assert plan["goodput_rps"] >= max(c["goodput_rps"] for c in doc["configurations"]) * 0.99
   probe = "import sys, tinyhet.planner.plan; sys.exit('tinygrad' in sys.modules)"
   assert subprocess.run([sys.executable, "-c", probe], timeout=60).returncode == 0  # the planner loads without tinygrad

@@ -1,6 +1,7 @@
 """The planner against published results. Each check calibrates only from the single-node figures its source gives and
-predicts figures that are not inputs. Where the prediction misses the 20% target, the test asserts what the planner
-achieves (and the README's error table gives the error and its cause); no bound here is set to pass by construction."""
+predicts figures that are not inputs. Each asserts the bound the README's error table states for it: 20% (the target),
+or, for a known miss, the wider bound the table gives with its cause; a prediction that improves still passes, one that
+gets worse than the table says fails."""
 import dataclasses, math, pathlib
 import pytest
 from tinyhet.planner.catalog import MODELS
@@ -81,7 +82,7 @@ def test_distserve_colocated_ttft_bound_goodput_as_achieved(distserve):
   cluster = distserve[0]
   node, model = cluster.node("a100"), MODELS["opt-13b"]
   g, _ = max_goodput([Unit("a100", node, "both")], model, 512, 64, cluster.link, SLO(ttft_s=0.4), requests=_requests(cluster, model, 512, 64, None))
-  assert 4.5 < g < 6 and err(g, 3.0) > 0.5
+  assert abs(err(g, 3.0)) < 0.9  # README: a known miss, bound 90% (achieved +80%)
 
 def test_distserve_kv_cache_of_a_512_token_opt_66b_request():
   # DistServe §3.3: "the KV cache size of a single 512-token request on OPT-66B is approximately 1.13GB" (GiB: 2^30 bytes)
@@ -107,20 +108,42 @@ def _rows(node, model, prompt_len, output_len):
   ttft, tbt = prefill_time(node, model, prompt_len), decode_step_time(node, model, 1, decode_context(prompt_len, output_len))
   return ttft, tbt, ttft + (output_len - 1) * tbt
 
-@pytest.mark.parametrize("name, published, achieved", [
-  # (TTFT, TBT, E2E) published; the errors the planner achieves, in the same order (README: why)
-  ("a100", (0.155, 0.040, 4.957), (-0.19, +0.30, +0.37)),
-  ("h100", (0.084, 0.028, 3.387), (-0.23, +0.11, +0.19)),
+@pytest.mark.parametrize("name, published, bounds", [
+  # (TTFT, TBT, E2E) published; the bound on each error the README states (achieved: A100 -19% / +30% / +37%, H100
+  # -23% / +11% / +19%; README: why the TBT and so the E2E miss)
+  ("a100", (0.155, 0.040, 4.957), (0.25, 0.35, 0.45)),
+  ("h100", (0.084, 0.028, 3.387), (0.25, 0.2, 0.25)),
 ])
-def test_splitwise_conversation_rows_from_the_coding_calibration(splitwise, name, published, achieved):
+def test_splitwise_conversation_rows_from_the_coding_calibration(splitwise, name, published, bounds):
   predicted = _rows(splitwise.node(name), splitwise.model("llama-2-70b"), 1020, 129)
-  for p, q, e in zip(predicted, published, achieved):
-    assert err(p, q) == pytest.approx(e, abs=0.02)
+  for p, q, bound in zip(predicted, published, bounds):
+    assert abs(err(p, q)) < bound
 
 def test_splitwise_h100_from_the_a100_efficiencies_and_spec_sheets(splitwise):
   a100, model = splitwise.node("a100"), splitwise.model("llama-2-70b")
   h100 = dataclasses.replace(splitwise.node("h100"), compute_eff=a100.compute_eff, bandwidth_eff=a100.bandwidth_eff, calibration="")
   ttft, tbt, _ = _rows(h100, model, 1500, 13)
   assert abs(err(tbt, 0.031)) < 0.05          # decode is bound by bandwidth: the spec-sheet ratio carries over (+3%)
-  assert err(ttft, 0.095) == pytest.approx(-0.30, abs=0.02)  # a miss: the H100 reaches a smaller share of its peak FLOP/s
+  assert abs(err(ttft, 0.095)) < 0.35  # README: a known miss, bound 35% (achieved -30%): the H100 reaches a smaller share of its peak
   assert tbt / 0.052 > ttft / 0.185  # ... the physics holds: the H100 cuts TTFT more than TBT (published 0.51x and 0.70x)
+
+# --- EXO 1.0 (EXO Labs blog "NVIDIA DGX Spark + Apple Mac Studio", Oct 2025): a heterogeneous prefill/decode result --
+# Llama-3.1 8B fp16, an 8,192-token prompt. Published: the DGX Spark alone prefills in 1.47 s and decodes in 2.87 s; the
+# M3 Ultra Mac Studio alone 5.57 s and 0.85 s; the Spark prefilling and the Mac decoding, the KV cache streamed layer by
+# layer over 10 GbE: 1.47 s and 0.85 s, 2.8x faster than the Mac alone (the times as DESIGN.md quotes them; the decode
+# time is taken for 32 tokens). Calibrated from the four alone figures only (examples/clusters/spark_m3ultra.toml);
+# predicted: the plan, the mixed configuration's TTFT (prefill and what the 1 GiB transfer leaves showing), its decode,
+# and the gain over the Mac alone. A validation of the split and the overlap more than of the costs: the mixed phases
+# are the alone ones, so what is predicted beyond them is the direction, the transfer and the ratio.
+
+EXO_FILE = pathlib.Path(__file__).resolve().parents[1] / "examples/clusters/spark_m3ultra.toml"
+
+def test_exo_mixed_spark_prefill_mac_decode_from_the_alone_figures():
+  from tinyhet.planner.plan import predict
+  cluster = load_cluster(EXO_FILE)
+  pred = predict(cluster, "llama-3.1-8b", 8192, 32)
+  plan, mac = pred.plan.configuration, next(c for c in pred.configurations if c.name == "mac alone")
+  assert (plan.kind, plan.prefill, plan.decode) == ("disaggregated", ("spark",), ("mac",))
+  assert abs(err(plan.ttft_s, 1.47)) < 0.2        # achieved +8.6%: the Spark's prefill held at 95% of its catalog FLOP/s
+  assert abs(err(32 * plan.tpot_s, 0.85)) < 0.2   # achieved 0%
+  assert abs(err(mac.e2e_s / plan.e2e_s, 2.8)) < 0.2  # achieved 2.82x (+0.5%)

@@ -118,3 +118,32 @@ def test_stop_reaches_a_resident_process_still_loading(tmp_path):
     assert stop.returncode == 0 and "stopped 1 resident tinyhet process" in stop.stderr, stop.stderr
     assert gone(pid, 30), "the loading resident process did not stop"
   finally: kill(pid)
+
+def residents(cache) -> set[int]:
+  """Pids of the resident processes started with XDG_CACHE_HOME=cache."""
+  found = set()
+  for d in os.listdir("/proc"):
+    try:
+      if d.isdigit() and b"--resident-serve" in open(f"/proc/{d}/cmdline", "rb").read() and \
+         f"XDG_CACHE_HOME={cache}".encode() in open(f"/proc/{d}/environ", "rb").read().split(b"\0"): found.add(int(d))
+    except OSError: pass
+  return found
+
+def test_two_first_runs_at_once_start_one_resident_process(tmp_path):
+  env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "TINYHET_KEEP_ALIVE": "120"}
+  argv = [sys.executable, "-m", "tinyhet", "run", "--json", "--quiet", "--max-tokens", "2", "The capital of France is"]
+  runs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+  outs = [r.communicate(timeout=600) for r in runs]
+  pids = set()
+  try:
+    for r, (out, err) in zip(runs, outs):
+      assert r.returncode == 0, err
+      pids.add(json.loads(out)["resident"]["pid"])
+    pids |= residents(tmp_path)                # both clients may have reached the same one while another loaded
+    assert len(pids) == 1, f"two resident processes: {pids}"
+    stop = run(env, "--stop")
+    assert stop.returncode == 0 and "stopped 1 resident tinyhet process" in stop.stderr, stop.stderr
+    assert gone(next(iter(pids)), 30)
+    pids = set()
+  finally:
+    for pid in pids: kill(pid)

@@ -44,8 +44,8 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 class Router(Proc):
-  def __init__(self, *args):
-    super().__init__("serve", "--listen", "127.0.0.1:0", "--model", SPEC, *args)
+  def __init__(self, *args, env: dict | None = None):
+    super().__init__("serve", "--listen", "127.0.0.1:0", "--model", SPEC, *args, env=env)
   @property
   def nodes(self) -> dict[str, str]: return self.info()["nodes"]
   def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout=120) -> tuple[int, dict, dict]:
@@ -151,7 +151,7 @@ def test_openai_client_streaming_and_not(cluster, model):
 @pytest.mark.parametrize("path, body, status, param", [
   ("/v1/completions", b"{not json", 400, None),
   ("/v1/completions", [1, 2], 400, None),
-  ("/v1/completions", {"prompt": "x", "max_tokens": 2}, 400, "model"),
+  ("/v1/completions", {"model": 7, "prompt": "x", "max_tokens": 2}, 400, "model"),
   ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
   ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
   ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),

@@ -1,4 +1,5 @@
-import json
+import heapq, json
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from tinyhet.model.tokenizer import Tokenizer, TokenizerError, render_template
@@ -104,9 +105,75 @@ def test_tokenizer_json_directory(smollm2, tmp_path):
   for text in TEXTS: assert tok.encode(text) == smollm2.encode(text)
 
 def test_unsupported_vocabularies_are_named():
-  with pytest.raises(TokenizerError, match="'llama'.*tokenizer.json"): Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+  with pytest.raises(TokenizerError, match="'bert'.*supported: gpt2.*llama.*tokenizer.json"):
+    Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "bert"})
+  with pytest.raises(TokenizerError, match="scores"):
+    Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "a"]})
   with pytest.raises(TokenizerError, match="'qwen2'"):
     Tokenizer.from_gguf_metadata({**llama3_style_metadata(), "tokenizer.ggml.pre": "qwen2"})
   with pytest.raises(TokenizerError, match="no tokenizer.json"): Tokenizer.from_hf_dir("/nonexistent")
   with pytest.raises(TokenizerError, match="--raw"):
     Tokenizer.from_gguf_metadata({**llama3_style_metadata(), "tokenizer.chat_template": None}).render_chat([])
+
+# ---- SentencePiece (Llama 2, Mistral) vocabularies from a GGUF -----------------------------------------------------------------
+
+SP = "\u2581"
+
+def sentencepiece_vocab(seed: int, n: int = 60) -> tuple[list[str], list[float], list[int]]:
+  """A Llama 2-style vocabulary: <unk> <s> </s>, the 256 byte tokens, single characters, then random longer pieces with
+  distinct scores (SentencePiece's BPE scores are distinct), as tokenizer.ggml.tokens/scores/token_type hold them."""
+  rng = np.random.default_rng(seed)
+  chars = [SP, *"abcde"]
+  pieces = set()
+  while len(pieces) < n: pieces.add("".join(rng.choice(chars, rng.integers(2, 6))))
+  normal = chars + sorted(pieces)
+  tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *normal]
+  scores = [0.0] * 259 + list(-rng.permutation(len(normal)).astype(float))
+  return tokens, scores, [2, 3, 3] + [6] * 256 + [1] * len(normal)
+
+def spm_reference(text: str, tokens: list[str], scores: list[float]) -> list[int]:
+  """llama.cpp's llm_tokenizer_spm, written out: a space before the text, spaces as U+2581, then repeatedly merge the
+  adjacent pair whose merged piece is a token with the highest score (leftmost on ties); characters that are no token
+  become their UTF-8 bytes' <0xNN> tokens."""
+  if not text: return []                                                   # no text fragment: nothing, not even the space
+  vocab = {t: i for i, t in enumerate(tokens)}
+  sym = list((" " + text).replace(" ", SP))
+  nxt, prv = [*range(1, len(sym)), -1], list(range(-1, len(sym) - 1))
+  heap = []
+  def bigram(l):
+    if l >= 0 and (r := nxt[l]) >= 0 and (t := sym[l] + sym[r]) in vocab: heapq.heappush(heap, (-scores[vocab[t]], l, t))
+  for i in range(len(sym) - 1): bigram(i)
+  while heap:
+    _, l, t = heapq.heappop(heap)
+    if not sym[l] or (r := nxt[l]) < 0 or sym[l] + sym[r] != t: continue    # stale: one side was merged since
+    sym[l], sym[r], nxt[l] = t, "", nxt[r]
+    if nxt[r] >= 0: prv[nxt[r]] = l
+    bigram(prv[l]); bigram(l)
+  out = []
+  for s in sym:
+    if s: out += [vocab[s]] if s in vocab else [vocab[f"<0x{b:02X}>"] for b in s.encode()]
+  return out
+
+def spm_metadata(tokens, scores, types) -> dict:
+  return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+          "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**16), st.text(st.sampled_from("abcde  éx\n"), max_size=30))
+def test_sentencepiece_vocabulary_tokenizes_as_llama_cpp(seed, text):
+  tokens, scores, types = sentencepiece_vocab(seed)
+  tok = Tokenizer.from_gguf_metadata(spm_metadata(tokens, scores, types))
+  ids = tok.encode(text)
+  assert ids == [1, *spm_reference(text, tokens, scores)]                  # BOS: llama.cpp's default for SentencePiece
+  assert tok.decode(ids) == text
+
+def test_sentencepiece_specials_and_chat():
+  tokens, scores, types = sentencepiece_vocab(0)
+  template = "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{{ eos_token }}{% endfor %}"
+  kv = spm_metadata(tokens, scores, types) | {"tokenizer.chat_template": template}
+  tok = Tokenizer.from_gguf_metadata(kv)
+  assert tok.add_bos and tok.bos_id == 1 and 2 in tok.stop_ids
+  # a control token is matched whole; the text after it gets its own leading space, as llama.cpp tokenizes
+  assert tok.encode("ab</s>cd", add_special=False) == [*spm_reference("ab", tokens, scores), 2, *spm_reference("cd", tokens, scores)]
+  assert tok.encode_chat([{"role": "user", "content": "a"}])[0] == 1 and tok.encode_chat([{"role": "user", "content": "a"}]).count(1) == 1
+  assert tok.decode(tok.encode("a b\n"), skip_special=False).startswith("<s>")

@@ -85,6 +85,7 @@ def serve(args, stop: threading.Event) -> int:
     print(f"tinyhet node: --kv-memory {args.kv_memory}: {e}: give a bigger --kv-memory", file=sys.stderr)
     return 2
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids)
+  decode.tokenizer = tok                 # stop strings end sequences on the node
   from tinyhet.service.node_roles import ServiceExtras
   extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
   try:

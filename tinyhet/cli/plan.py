@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
   serving = loads == 1 or args.ttft_slo is not None or args.tpot_slo is not None
   try:
     cluster = load_cluster(args.cluster)
+    for line in cluster.warnings: print(f"tinyhet plan: {line}", file=sys.stderr)  # a calibration row the fit cannot explain
     model = cluster.model(args.model, args.dtype)
     if serving:
       pred = plan_serving(cluster, model, args.prompt_len, args.output_len, args.rate, args.concurrency, SLO(args.ttft_slo, args.tpot_slo), args.seed,

@@ -19,7 +19,7 @@ line, parsed again by the resident process) or {"stop": true}; the resident proc
 decode node's stream is cancelled and its sequence released, and the next client is served at once.
 """
 from __future__ import annotations
-import hashlib, json, os, signal, socket, subprocess, sys, time
+import fcntl, hashlib, json, os, signal, socket, subprocess, sys, time
 from pathlib import Path
 from tinyhet.cli.common import RunError
 
@@ -76,23 +76,41 @@ def start(args, path: Path, say) -> socket.socket:
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
   path.with_suffix(".pid").write_text(str(proc.pid))    # --stop finds it by this while it loads (it has no socket yet)
   say(f"starting a resident tinyhet (pid {proc.pid}; it stays {args.keep_alive} after the last run; `tinyhet run --stop` stops it; log {log})")
-  shown = 0
+  return _wait_for(path, lambda: proc.poll() is None, say)
+
+def _wait_for(path: Path, alive, say) -> socket.socket:
+  """Connect once the resident process listens on path, showing its log meanwhile; RunError if it exits first."""
+  log, shown = path.with_suffix(".log"), 0
   while True:
     text = log.read_text(errors="replace")     # what it says while it loads (the model, its decode node) is shown here
     for line in text[shown:text.rfind("\n") + 1].splitlines(): say(line)
     shown = max(shown, text.rfind("\n") + 1)
     if (s := _connect(path)) is not None: return s
-    if proc.poll() is not None:
+    if not alive():
+      if (s := _connect(path)) is not None: return s
       lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
-      last = lines[-1].removeprefix("tinyhet run: ") if lines else f"it exited with status {proc.returncode}"
+      last = lines[-1].removeprefix("tinyhet run: ") if lines else "it exited"
       raise RunError(f"the resident tinyhet did not start: {last} (log: {log})")
     time.sleep(0.05)
+
+def connect_or_start(args, path: Path, say) -> socket.socket:
+  """The resident process's socket, starting the process if there is none. Two first runs at once: the lock file makes the
+  second wait for the first's process (as does a run after one killed while its process loads) instead of starting another."""
+  if (s := _connect(path)) is not None: return s
+  with open(path.with_suffix(".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)            # released when the file closes, or when this process dies
+    if (s := _connect(path)) is not None: return s
+    pidfile = path.with_suffix(".pid")
+    if _resident_pid(pidfile) is not None:        # one is loading: its starter went away, or gave up
+      say("waiting for the resident tinyhet that is loading")
+      return _wait_for(path, lambda: _resident_pid(pidfile) is not None, say)
+    return start(args, path, say)
 
 def client_run(args, argv: list[str], say) -> dict:
   """Run one prompt on the resident process for these options (started if there is none); the text is printed as it comes.
   Returns the run's figures."""
   path = socket_path(args)
-  sock = _connect(path) or start(args, path, say)
+  sock = connect_or_start(args, path, say)
   with sock:
     sock.sendall((json.dumps({"argv": argv}) + "\n").encode())
     for msg in _messages(sock):

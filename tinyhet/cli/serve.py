@@ -17,6 +17,8 @@ def parse_args(argv):
   ap.add_argument("--cluster-model", default=None, help="the model's name in the planner's catalog or the cluster file (with --cluster)")
   ap.add_argument("--max-queue", type=int_in(0, 1 << 20), default=64, help="requests waiting for KV room at most; past it: 503 with Retry-After")
   ap.add_argument("--queue-timeout", type=number_in(0, 86400, "seconds"), default=60.0, help="seconds a request waits for KV room before 503")
+  ap.add_argument("--api-key", action="append", default=[], metavar="KEY", help="a key /v1/* accepts as 'Authorization: Bearer KEY' (repeatable; "
+                  "also TINYHET_API_KEY, comma-separated); without any, the API is open. /health, /ready and /metrics are always open")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns the router)")
   add_ray_args(ap)
   args = ap.parse_args(argv)
@@ -72,8 +74,8 @@ def main(argv=None) -> int:
   host, _, port = args.listen.rpartition(":")
   try: sock = socket.create_server((host, int(port)), backlog=1024)
   except OSError as e: return fail(f"cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port")
-  from tinyhet.service.http_api import Service
-  app, replicas = Service(cluster, tok, model_id, metrics).app(), None
+  from tinyhet.service.http_api import Service, parse_keys
+  app, replicas = Service(cluster, tok, model_id, metrics, api_keys=parse_keys(args.api_key, os.environ.get("TINYHET_API_KEY"))).app(), None
   if args.ray is not None:
     replicas = ray_cluster.start(args, cluster, args.model)
     replicas.mount(app, token)

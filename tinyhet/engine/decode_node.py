@@ -31,7 +31,7 @@ from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
 from tinyhet.runtime.arena import Region
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
-from tinyhet.model.sampling import Sampler
+from tinyhet.model.sampling import Sampler, sample_batch
 from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus
 
 TICK = 0.5                # seconds: how often a waiting stream lets the control channel look for a cancel or a departed client
@@ -47,6 +47,13 @@ def queued_tokens(seq: Sequence):
     if isinstance(tok, Exception): raise tok
     if tok is None: return
     yield tok
+
+def token_item(tok) -> dict:
+  """A queued token as the generate stream sends it: an id, or (id, logprob, top alternatives) when logprobs were asked for;
+  ("prompt", entries): the prompt's own logprobs (tinyhet.engine.prompt_logprobs), before the first token."""
+  if isinstance(tok, tuple) and tok[0] == "prompt": return {"prompt_logprobs": tok[1]}
+  if isinstance(tok, tuple): return {"token": tok[0], "logprob": tok[1], "top_logprobs": tok[2]}
+  return {"token": tok}
 
 def _check_timeout(timeout):
   if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:
@@ -64,6 +71,7 @@ class DecodeNode:
     self.pool_regions = [_pool_region(self.cache.pool_buffer(layer)) for layer in range(cfg.n_layers)]   # exposed per reservation
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
     self.seq_ids = itertools.count(1)
+    self.live_ids: set[int] = set()         # ids handed out and not yet detached: new_seq_id skips them when the counter wraps
     self.landed: dict[int, set[int]] = {}   # seq_id -> layers whose notice arrived
     self.engine = DecodeEngine(model, self.cache)   # the jitted decode step; it holds PAD_SEQ's block
     self.stopped = False
@@ -71,6 +79,7 @@ class DecodeNode:
     self.limbo: dict[int, Sequence] = {}    # released before all layers landed while its writer may still copy (shm, verbs)
     self.rejected_notices = 0
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
+    self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
     self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
@@ -93,17 +102,21 @@ class DecodeNode:
     _check_timeout(timeout)
     if writer is not None and (not isinstance(writer, str) or not 0 < len(writer.encode()) <= 200):
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
-    seq = Sequence(next(self.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
+    seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens)
     # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
     seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer if writer is None else writer)
     deadline = time.monotonic() + timeout
     with self.cond:
-      self.scheduler.check_fits(seq)
-      while not self.scheduler.reserve_incoming(seq):            # admission waits for blocks (or a free batch slot)
-        if (left := deadline - time.monotonic()) <= 0:
-          raise TimeoutError(f"the KV pool stayed full for {timeout} s ({self.cache.block_manager.num_free} blocks free, "
-                             f"{self.cache.block_manager.blocks_needed(seq.num_tokens)} needed)")
-        self.cond.wait(left)
+      try:
+        self.scheduler.check_fits(seq)
+        while not self.scheduler.reserve_incoming(seq):            # admission waits for blocks (or a free batch slot)
+          if (left := deadline - time.monotonic()) <= 0:
+            raise TimeoutError(f"the KV pool stayed full for {timeout} s ({self.cache.block_manager.num_free} blocks free, "
+                               f"{self.cache.block_manager.blocks_needed(seq.num_tokens)} needed)")
+          self.cond.wait(left)
+      except BaseException:
+        self.live_ids.discard(seq.seq_id)
+        raise
       self.landed[seq.seq_id] = set()
       blocks = self.cache.block_manager.block_table(seq.seq_id)
     # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
@@ -115,7 +128,8 @@ class DecodeNode:
     return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                      stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False):
+                      stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,
+                      stop: list[str] | None = None):
     seq = conn.state.get("seqs", {}).get(seq_id) if is_int(seq_id) else None
     if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
     if "sampler" in seq.extra: raise ValueError(f"sequence {seq_id} is already generating")
@@ -125,9 +139,10 @@ class DecodeNode:
     _check_timeout(timeout)
     # raises on NaN, inf, negative or tiny temperatures, top_p outside (0, 1] and a bad seed; the prefill node's seed
     # continues its stream, since each draw depends on (seed, position) only
-    sampler = Sampler(temperature, top_p, seed)
+    sampler = Sampler(temperature, top_p, seed, **(options or {}))     # options: tinyhet.model.sampling.OPTIONS, checked there
     seq.extra.update(sampler=sampler, first_token=first_token, want_logits=bool(return_logits),
                      stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids))
+    self.set_stop_strings(seq, stop)
     return self._stream(conn, seq, timeout)
 
   def _stream(self, conn, seq: Sequence, timeout: float):
@@ -144,7 +159,7 @@ class DecodeNode:
       with self.cond:
         del self.landed[seq.seq_id]
         first = seq.extra["first_token"]
-        done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"]
+        done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"] or self._hits_stop(seq, first)
         if done and seq.status is SequenceStatus.RUNNING: self.scheduler.finish(seq)
         self.cond.notify_all()
       marks: list[float] = []
@@ -152,8 +167,9 @@ class DecodeNode:
         if tok is None:
           yield None
           continue
-        marks.append(time.perf_counter())
-        yield {"token": tok}
+        item = token_item(tok)
+        if "token" in item: marks.append(time.perf_counter())
+        yield item
       last = seq.extra.get("last_logits")
       yield {"done": True, "decode_tokens": len(marks), "decode_s": time.perf_counter() - t_ready, "decode_tok_s": decode_rate(marks),
              "first_token_wait_s": marks[0] - t_ready if marks else 0.0, "preemptions": seq.num_preemptions,
@@ -171,6 +187,32 @@ class DecodeNode:
     self._detach(conn.state["seqs"], seq)
     return {}
 
+  def set_stop_strings(self, seq: Sequence, stop) -> None:
+    """Stop strings (a request's `stop`) end the sequence here, its blocks freed at once, as a stop id does. Matched on the
+    text decoded from the tokens generated on this node (the first token included)."""
+    if stop is None: return
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and 0 < len(x) <= 200 for x in stop):
+      raise ValueError(f"stop must be a list of at most 4 non-empty strings of at most 200 characters, got {str(stop)[:80]!r}")
+    if stop and self.tokenizer is None: raise ValueError("this decode node has no tokenizer to match stop strings: leave stop out")
+    if stop: seq.extra.update(stop_strings=stop, stop_decoder=self.tokenizer.stream_decoder(), stop_tail="")
+
+  def _hits_stop(self, seq: Sequence, token: int) -> bool:
+    if not (stops := seq.extra.get("stop_strings")): return False
+    tail = seq.extra["stop_tail"] + seq.extra["stop_decoder"].push(token)
+    seq.extra["stop_tail"] = tail[-max(len(x) for x in stops):]       # enough to find a stop string that spans tokens
+    return any(x in tail for x in stops)
+
+  def new_seq_id(self) -> int:
+    """An id for a new sequence: the counter modulo MAX_SEQ_ID (the notice's field), skipping ids a live sequence still holds
+    (one reserved, running, held for its writer, or not yet detached from its connection)."""
+    with self.cond:
+      for _ in range(MAX_SEQ_ID):
+        sid = next(self.seq_ids) % MAX_SEQ_ID
+        if sid not in self.live_ids and sid not in self.limbo and sid not in self.cache.block_manager:
+          self.live_ids.add(sid)
+          return sid
+    raise RuntimeError(f"all {MAX_SEQ_ID} sequence ids are in use")
+
   def _attach(self, conn, seq: Sequence):
     if (seqs := conn.state.get("seqs")) is None:   # one cleanup per connection, not one per request: bookkeeping stays flat
       seqs = conn.state["seqs"] = {}
@@ -178,7 +220,9 @@ class DecodeNode:
     seqs[seq.seq_id] = seq
 
   def _detach(self, seqs: dict, seq: Sequence):
-    if seqs.pop(seq.seq_id, None) is not None: self._drop(seq)
+    if seqs.pop(seq.seq_id, None) is not None:
+      self._drop(seq)
+      with self.cond: self.live_ids.discard(seq.seq_id)
 
   def _drop(self, seq: Sequence):
     """The sequence leaves the node. Its descriptors go first (tcp: no byte lands after that); its blocks go back to the
@@ -261,22 +305,28 @@ class DecodeNode:
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
+        # the whole batch sampled at once, without the lock (reservations and notices go on meanwhile): the step's sequences
+        # keep their blocks and tokens until this thread postprocesses them
+        draws = None if logits is None else sample_batch(logits[:len(batch)], [s.extra["sampler"] for s in batch], [s.num_tokens for s in batch],
+                                                         [s.token_ids for s in batch])     # num_tokens: the new token's position
         with self.cond:
           live = [s for s in batch if not s.extra.get("cancelled")]
           if logits is None: finished = list(live)
           else:
             new, failed = {}, []
-            for i, s in enumerate(live):
-              try: new[s.seq_id] = s.extra["sampler"](logits[batch.index(s)], s.num_tokens)     # the new token's position
-              except ValueError as e:              # non-finite logits: that sequence fails, with the reason; the node goes on
-                s.extra["queue"].put(ValueError(f"sequence {s.seq_id} stopped: {e}"))
+            for s in live:
+              d = draws[batch.index(s)]
+              if isinstance(d, ValueError):        # non-finite logits: that sequence fails, with the reason; the node goes on
+                s.extra["queue"].put(ValueError(f"sequence {s.seq_id} stopped: {d}"))
                 failed.append(s)
+              else: new[s.seq_id] = d
               if s.extra.get("want_logits"): s.extra["last_logits"] = logits[batch.index(s)].copy()   # the logits behind the newest token
             ok = [s for s in live if s.seq_id in new]
-            finished = self.scheduler.postprocess(ok, [new[s.seq_id] for s in ok]) + failed
+            finished = self.scheduler.postprocess(ok, [new[s.seq_id].token for s in ok]) + failed
             for s in ok:
-              s.extra["queue"].put(new[s.seq_id])
-              if new[s.seq_id] in s.extra["stop_ids"] and s not in finished: finished.append(s)
+              d = new[s.seq_id]
+              s.extra["queue"].put(d.token if d.logprob is None else (d.token, d.logprob, d.top))
+              if (d.token in s.extra["stop_ids"] or self._hits_stop(s, d.token)) and s not in finished: finished.append(s)
           for s in batch:
             if (s in finished or s.extra.get("cancelled")) and s.status is SequenceStatus.RUNNING: self.scheduler.finish(s)
           for s in finished: s.extra["queue"].put(None)
@@ -287,7 +337,12 @@ class DecodeNode:
     """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
     to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
     from tinyhet.engine.prefill import prefill_logits
-    return prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
+    logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
+    if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):    # a submitted one's first prefill
+      from tinyhet.engine.prompt_logprobs import prompt_logprobs
+      s.extra["prompt_sent"] = True
+      s.extra["queue"].put(("prompt", prompt_logprobs(self.model, s.token_ids, n, self.cache.kv_dtype)))
+    return logits
 
   def close(self):
     self.stopped = True

@@ -66,7 +66,7 @@ def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, k
   """prefill_logits, then the first token sampled from them: (token, logits). The disaggregated path passes on_layer to send
   each layer; without it this is the same prefill with no transfer."""
   logits = prefill_logits(model, prompt_ids, kv_dtype, on_layer, progress)
-  return sampler(logits, len(prompt_ids)), logits
+  return sampler(logits, len(prompt_ids), prompt_ids), logits
 
 def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0, out=None):
   """A progress callback for a long prefill: once it has run after_s seconds, a line on stderr at each quarter of the layers

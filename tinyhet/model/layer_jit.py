@@ -34,7 +34,7 @@ def layer_from(template, names: tuple[str, ...], tensors: tuple[Tensor, ...]):
   new = {}
   for n, t in zip(names, tensors):
     old = getattr(template, n)
-    new[n] = PackedWeight(t, old.shape, old.ggml_type) if isinstance(old, PackedWeight) else t
+    new[n] = type(old)(t, old.shape, old.ggml_type) if isinstance(old, PackedWeight) else t   # PackedWeight or BF16Weight
   return dataclasses.replace(template, **new)
 
 KEEP = 4   # captures kept per model, the most recently used: each holds its intermediate buffers (the (T, T) scores among them)

@@ -8,7 +8,7 @@ from tinyhet.device.cpu_threads import pool_threads
 from tinyhet.kernels import quant_blocks, quant_matmul as qmm
 from tinyhet.model.packed import PackedWeight
 
-Matrix = Tensor | PackedWeight   # a weight matrix: float (any dtype) or GGUF blocks
+Matrix = Tensor | PackedWeight   # a weight matrix: float (any dtype), GGUF blocks, or bfloat16 bits (BF16Weight, a PackedWeight)
 
 def rope_frequencies(cfg) -> np.ndarray:
   """(head_dim/2,) float64 rotation frequencies of a LlamaConfig, with Llama 3.1's scaling: long wavelengths slowed by `factor`, short ones
@@ -66,8 +66,9 @@ def linear(x: Tensor, w: Matrix) -> Tensor:
     return qmm.quant_matmul(x, w.blocks if isinstance(w, PackedWeight) else w, t, w.shape, threads, int8=int8_activations())
   if isinstance(w, PackedWeight):
     # a few rows: dequantized inside the matmul kernel, reading only the blocks; many rows (prefill): dequantized once into a
-    # temporary float32 copy, since inside the matmul every block would be dequantized again for each tile of rows
-    w = w.dequantize() if rows <= MATVEC_MAX_ROWS else w.dequantize().contiguous()
+    # temporary float32 copy, since inside the matmul every block would be dequantized again for each tile of rows. bfloat16
+    # widens with one shift (tinyhet.model.bf16_weight), cheap enough to repeat per tile: no copy
+    w = w.dequantize() if rows <= MATVEC_MAX_ROWS or w.block_size == 1 else w.dequantize().contiguous()
   O, K = w.shape
   if rows <= MATVEC_MAX_ROWS and K % MATVEC_LANES == 0:
     xs = x.reshape(*x.shape[:-1], 1, K // MATVEC_LANES, MATVEC_LANES)                # (..., 1, K/L, L)

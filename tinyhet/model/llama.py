@@ -114,6 +114,9 @@ def random_weights(cfg: LlamaConfig, device: str | None = None, dtype: DType = d
   Tensor.manual_seed(seed)
   def lin(o, i):
     if packed is not None: return PackedWeight.random(o, i, packed, device)
+    if dtype == dtypes.bfloat16:   # as its bits: tinygrad's bfloat16 kernels do not compile with clang < 15 (tinyhet.model.bf16_weight)
+      from tinyhet.model.bf16_weight import BF16Weight, round_to_bf16
+      return BF16Weight(round_to_bf16(Tensor.uniform(o, i, low=-math.sqrt(3 / i), high=math.sqrt(3 / i), device=device)), (o, i)).realize()
     return Tensor.uniform(o, i, low=-math.sqrt(3 / i), high=math.sqrt(3 / i), device=device, dtype=dtype).realize()
   def norm(n): return Tensor.uniform(n, low=0.8, high=1.2, device=device).realize()
   qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
@@ -206,22 +209,23 @@ class Llama:
     gate = linear(h, w.w_gate).contiguous()                                  # (B, T, hidden)
     return x + linear(gate.silu() * linear(h, w.w_up), w.w_down)
 
-  def _logits(self, x: Tensor) -> Tensor:
-    """x: (B, T, dim) -> logits of the last position (B, vocab) float32."""
-    return linear(rms_norm(x[:, -1], self.w.norm, self.cfg.norm_eps), self.w.output)
+  def _logits(self, x: Tensor, all_rows: bool = False) -> Tensor:
+    """x: (B, T, dim) -> logits of the last position (B, vocab) float32; all_rows: of every position (B, T, vocab)."""
+    return linear(rms_norm(x if all_rows else x[:, -1], self.w.norm, self.cfg.norm_eps), self.w.output)
 
   def embed(self, tokens: Tensor) -> Tensor:
     e = self.w.tok_embeddings
     return e.rows(tokens) if isinstance(e, PackedWeight) else e[tokens].float()   # (B, T, dim)
 
-  def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
-    """tokens, positions: (B, T) int32 -> logits (B, vocab) float32 of the last position of each row. The K, V of these tokens
+  def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, all_rows: bool = False) -> Tensor:
+    """tokens, positions: (B, T) int32 -> logits (B, vocab) float32 of the last position of each row (all_rows: (B, T, vocab),
+    every position's, as a prompt's logprobs need). The K, V of these tokens
     land in `cache` at their positions; attention sees each row's cached tokens up to the query's position. Lazy: realize it."""
     x, rope = self.embed(tokens), self.rope(positions)
     for l in range(self.cfg.n_layers):
       q, k, v = self._qkv(l, x, rope)
       x = self._finish_layer(l, x, cache.update_and_attend(l, q, k, v, positions))
-    return self._logits(x)
+    return self._logits(x, all_rows)
 
   def make_decode_step(self, cache: KVCache) -> Callable[[Tensor, Tensor], Tensor]:
     """A TinyJit-compiled forward for a fixed batch and T=1 through `cache`: step(tokens (B,1) int32, positions (B,1) int32)
@@ -274,7 +278,7 @@ class Llama:
 
   def reference_generate(self, prompt_ids: list[int], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = 0,
                          stop_ids: tuple[int, ...] = (), kv_dtype: DType = dtypes.float16, jit: bool = True,
-                         on_token: Callable[[int], None] | None = None, stats: dict | None = None) -> list[int]:
+                         on_token: Callable[[int], None] | None = None, stats: dict | None = None, options: dict | None = None) -> list[int]:
     """Plain single-device generation with a DenseKVCache: prefill the prompt in one forward, then decode one token at a
     time (a TinyJit step when jit), sampling on the host (greedy when temperature == 0). Stops after max_tokens or at a stop id
     (which is included). Returns the generated ids; `stats`, when given, gets prefill_s, decode_s, decode_tokens."""
@@ -282,7 +286,7 @@ class Llama:
     if not prompt_ids: raise ValueError("reference_generate needs at least one prompt token")
     if len(prompt_ids) + max_tokens > self.cfg.max_context:
       raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds the model's context ({self.cfg.max_context})")
-    sampler, out = Sampler(temperature, top_p, seed), []
+    sampler, out = Sampler(temperature, top_p, seed, **{"output_from": len(prompt_ids), **(options or {})}), []   # options: sampling.OPTIONS
     cache = DenseKVCache(self.cfg, 1, len(prompt_ids) + max_tokens, kv_dtype, self.device)
     T = len(prompt_ids)
     t0 = time.perf_counter()
@@ -294,7 +298,7 @@ class Llama:
       with kernel_threads(self.device): return self.forward(tok, pos, cache).realize()
     step = self.make_decode_step(cache) if jit else eager
     for i in range(max_tokens):
-      out.append(token := sampler(logits[0], T + i))
+      out.append(token := sampler(logits[0], T + i, list(prompt_ids) + out))
       if on_token is not None: on_token(token)
       if token in stop_ids or i == max_tokens - 1: break
       logits = step(Tensor([[token]], dtype=dtypes.int32, device=self.device), Tensor([[T + i]], dtype=dtypes.int32, device=self.device)).numpy()

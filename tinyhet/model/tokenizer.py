@@ -3,6 +3,10 @@ tokenizer_config.json), built on the Hugging Face `tokenizers` library; chat tem
 
 GGUF vocabularies of type gpt2 are byte-level BPE (SmolLM2, Llama 3); tokenizer.ggml.pre picks the pre-tokenizer the way
 llama.cpp does: `smollm` splits digits one by one, then GPT-2's regex; `llama-bpe` is Llama 3's tiktoken-style regex.
+Type llama is SentencePiece (Llama 2, Mistral): tokens, scores and token types in the GGUF. It becomes the BPE model
+transformers' LlamaConverter builds from a tokenizer.model: merges of every pair of pieces that makes a normal token, ranked
+by that token's score (SentencePiece's BPE merges the adjacent pair whose merged piece scores highest), byte fallback to the
+<0xNN> tokens, spaces as U+2581 with one prepended to each run of text (llama.cpp's add_space_prefix).
 """
 from __future__ import annotations
 import datetime, json, pathlib
@@ -14,7 +18,34 @@ class TokenizerError(ValueError):
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 STOP_TEXTS = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")   # end-of-turn markers of common chat models
-GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4   # llama.cpp's token types that are matched whole in text, never split by BPE
+GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED = 1, 2, 3, 4   # llama.cpp's token types; 2-4 are matched whole in text
+GGUF_TOKENIZERS = ("gpt2", "llama")
+SPM_SPACE = "\u2581"
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+  """BPE merges equivalent to SentencePiece's: each split of a normal token into two pieces of the vocabulary, the merges of
+  higher-scoring tokens first (transformers' SentencePieceExtractor, from the GGUF's arrays instead of a tokenizer.model)."""
+  vocab = {t: i for i, t in enumerate(tokens)}
+  merges = []
+  for i, (t, ty) in enumerate(zip(tokens, types)):
+    if ty != GGUF_NORMAL or len(t) < 2: continue
+    pairs = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab]
+    merges += [(-scores[i], vocab[a], vocab[b], a, b) for a, b in pairs]
+  return [(a, b) for *_, a, b in sorted(merges)]
+
+def _sentencepiece(kv: dict[str, Any], tokens: list[str], types: list[int]):
+  from tokenizers import Tokenizer as HFTokenizer, decoders, models, normalizers
+  if "tokenizer.ggml.scores" not in kv: raise TokenizerError("GGUF tokenizer.ggml.model = 'llama' without tokenizer.ggml.scores")
+  scores = kv["tokenizer.ggml.scores"]
+  unk = kv.get("tokenizer.ggml.unknown_token_id", 0)
+  tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=sentencepiece_merges(tokens, scores, types),
+                               unk_token=tokens[unk] if 0 <= unk < len(tokens) else None, fuse_unk=True, byte_fallback=True))
+  space_prefix = kv.get("tokenizer.ggml.add_space_prefix", True)
+  replace = normalizers.Replace(" ", SPM_SPACE)
+  tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPM_SPACE), replace]) if space_prefix else replace
+  steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+  tok.decoder = decoders.Sequence([*steps, decoders.Strip(content=" ", left=1, right=0)] if space_prefix else steps)
+  return tok
 
 def _pre_tokenizer(pre: str):
   from tokenizers import Regex, pre_tokenizers as pt
@@ -36,26 +67,32 @@ class Tokenizer:
     """From llama.cpp's tokenizer.ggml.* keys and tokenizer.chat_template."""
     from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
     model = kv.get("tokenizer.ggml.model")
-    if model != "gpt2":
-      raise TokenizerError(f"GGUF tokenizer.ggml.model = {model!r} is not supported (only byte-level BPE, 'gpt2', as SmolLM2 and Llama 3 use); "
-                           "use a Hugging Face directory with tokenizer.json instead")
+    if model not in GGUF_TOKENIZERS:
+      raise TokenizerError(f"GGUF tokenizer.ggml.model = {model!r} is not supported (supported: gpt2 = byte-level BPE as SmolLM2 and Llama 3 "
+                           "use, llama = SentencePiece as Llama 2 and Mistral use); use a Hugging Face directory with tokenizer.json instead")
+    if "tokenizer.ggml.tokens" not in kv: raise TokenizerError("the GGUF has no tokenizer.ggml.tokens (no vocabulary)")
     tokens: list[str] = kv["tokenizer.ggml.tokens"]
-    types: list[int] = kv.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in kv.get("tokenizer.ggml.merges", [])]
-    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=kv.get("tokenizer.ggml.pre") in
-                                 ("llama-bpe", "llama3", "llama-v3")))
-    tok.pre_tokenizer = _pre_tokenizer(kv.get("tokenizer.ggml.pre", "default"))
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (GGUF_CONTROL, GGUF_USER_DEFINED)])
+    types: list[int] = kv.get("tokenizer.ggml.token_type", [GGUF_NORMAL] * len(tokens))
+    if len(types) != len(tokens): raise TokenizerError(f"GGUF tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    if model == "llama": tok, whole = _sentencepiece(kv, tokens, types), (GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED)
+    else:
+      merges = [tuple(m.split(" ", 1)) for m in kv.get("tokenizer.ggml.merges", [])]
+      tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=kv.get("tokenizer.ggml.pre") in
+                                   ("llama-bpe", "llama3", "llama-v3")))
+      tok.pre_tokenizer = _pre_tokenizer(kv.get("tokenizer.ggml.pre", "default"))
+      tok.decoder, whole = decoders.ByteLevel(), (GGUF_CONTROL, GGUF_USER_DEFINED)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in whole])
     bos, eos = kv.get("tokenizer.ggml.bos_token_id"), kv.get("tokenizer.ggml.eos_token_id")
     special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == GGUF_CONTROL}
     stops = {i for i in (eos, kv.get("tokenizer.ggml.eot_token_id"), kv.get("tokenizer.ggml.eom_token_id")) if i is not None}
     stops |= {special[t] for t in STOP_TEXTS if t in special}
-    return Tokenizer(tok, bos, eos, kv.get("tokenizer.chat_template"), tuple(sorted(stops)), bool(kv.get("tokenizer.ggml.add_bos_token", False)))
+    add_bos = kv.get("tokenizer.ggml.add_bos_token", model == "llama")   # llama.cpp's default: BOS for SentencePiece vocabularies
+    return Tokenizer(tok, bos, eos, kv.get("tokenizer.chat_template"), tuple(sorted(stops)), bool(add_bos))
 
   @staticmethod
   def from_hf_dir(directory: str | pathlib.Path) -> Tokenizer:
-    """From tokenizer.json (+ tokenizer_config.json for the chat template and BOS/EOS, generation_config.json for extra stops)."""
+    """From tokenizer.json, with tokenizer_config.json for BOS/EOS; the chat template from chat_template.jinja (transformers 5),
+    chat_template.json or tokenizer_config.json, in that order; stop ids also from generation_config.json and config.json."""
     from tokenizers import Tokenizer as HFTokenizer
     directory = pathlib.Path(directory)
     if not (directory / "tokenizer.json").is_file(): raise TokenizerError(f"{directory}: no tokenizer.json; a Hugging Face model directory needs one")
@@ -64,15 +101,18 @@ class Tokenizer:
     def load(name):
       try: return json.loads((directory / name).read_text()) if (directory / name).is_file() else {}
       except ValueError as e: raise TokenizerError(f"{directory / name}: not valid JSON ({e})") from None
-    cfg, gen = load("tokenizer_config.json"), load("generation_config.json")
+    cfg, gen, model_cfg = load("tokenizer_config.json"), load("generation_config.json"), load("config.json")
     def token_id(t):
       t = t.get("content") if isinstance(t, dict) else t
       return tok.token_to_id(t) if t else None
+    def ids(x): return [i for i in (x if isinstance(x, list) else [x]) if isinstance(i, int)]
     bos, eos = token_id(cfg.get("bos_token")), token_id(cfg.get("eos_token"))
-    template = cfg.get("chat_template")
+    if bos is None and (b := ids(gen.get("bos_token_id", model_cfg.get("bos_token_id")))): bos = b[0]
+    if eos is None and (e := ids(gen.get("eos_token_id", model_cfg.get("eos_token_id")))): eos = e[0]
+    if (directory / "chat_template.jinja").is_file(): template = (directory / "chat_template.jinja").read_text()
+    else: template = load("chat_template.json").get("chat_template") or cfg.get("chat_template")
     if isinstance(template, list): template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-    gen_eos = gen.get("eos_token_id", [])
-    stops = {i for i in [eos, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])] if i is not None}
+    stops = {i for i in [eos, *ids(gen.get("eos_token_id")), *ids(model_cfg.get("eos_token_id"))] if i is not None}
     stops |= {i for t in STOP_TEXTS if (i := tok.token_to_id(t)) is not None}
     # a tokenizer.json's post-processor adds BOS itself where the model wants it (Llama 3); nothing is prepended here
     return Tokenizer(tok, bos, eos, template, tuple(sorted(stops)), add_bos=False)

@@ -55,6 +55,7 @@ class Model:
   active_params: float = 0.0  # 0: dense, = params
   experts: int = 0            # routed experts per MoE layer (0: dense)
   experts_active: int = 0     # routed experts each token uses
+  dense_layers: int = 0       # MoE: leading layers with a dense MLP instead of experts (DeepSeek-V3: 3)
   kv_dim: int = 0             # 0: 2·kv_heads·head_dim
   attn_dim: int = 0           # 0: 2·heads·head_dim
   source: str = ""
@@ -66,6 +67,8 @@ class Model:
 
   @property
   def weight_bytes(self) -> float: return self.params * DTYPE_BYTES[self.dtype]
+  @property
+  def moe_layers(self) -> int: return self.layers - self.dense_layers if self.experts else 0
   @property
   def kv_bytes_per_token(self) -> float: return self.layers * self.kv_dim * DTYPE_BYTES[self.kv_dtype]
 
@@ -133,14 +136,24 @@ MODELS: dict[str, Model] = {m.name: m for m in [
         "parameters); DistServe's 13B model"),
   Model("opt-66b", 65.7e9, 64, 9216, 72, 72, 128, source="facebook/opt-66b config.json (64 layers, hidden 9216, 72 heads, MHA; 65.7 B parameters)"),
   Model("smollm2-135m", 134.5e6, 30, 576, 9, 3, 64, source="HuggingFaceTB SmolLM2-135M config.json (tied embeddings)"),
-  Model("deepseek-r1", 671e9, 61, 7168, 128, 128, 128, dtype="fp8", active_params=37e9, experts=256, experts_active=8,
+  Model("deepseek-r1", 671e9, 61, 7168, 128, 128, 128, dtype="fp8", active_params=37e9, experts=256, experts_active=8, dense_layers=3,
         kv_dim=512 + 64, attn_dim=128 * (192 + 128),
-        source="DeepSeek-V3/R1 config.json and paper: 671 B total, 37 B active, FP8 weights, 256 routed experts (8 active); "
-               "MLA caches a 512-wide latent plus a 64-wide RoPE key per token per layer"),
+        source="DeepSeek-V3/R1 config.json and paper (arXiv 2412.19437): 671 B total, 37 B active, FP8 weights, 61 layers (the first 3 "
+               "dense), 256 routed experts (8 active) and 1 shared; MLA caches a 512-wide latent plus a 64-wide RoPE key per token per layer"),
+  Model("mixtral-8x7b", 46.7e9, 32, 4096, 32, 8, 128, active_params=12.9e9, experts=8, experts_active=2,
+        source="mistralai/Mixtral-8x7B-v0.1 config.json and paper (arXiv 2401.04088): 46.7 B total, 12.9 B active, 8 experts (2 active), GQA 32/8"),
+  Model("mixtral-8x22b", 141e9, 56, 6144, 48, 8, 128, active_params=39e9, experts=8, experts_active=2,
+        source="mistralai/Mixtral-8x22B-v0.1 config.json and announcement: 141 B total, 39 B active, 8 experts (2 active), GQA 48/8"),
+  Model("qwen3-235b-a22b", 235e9, 94, 4096, 64, 4, 128, active_params=22e9, experts=128, experts_active=8,
+        source="Qwen/Qwen3-235B-A22B config.json and Qwen3 report (arXiv 2505.09388): 235 B total, 22 B active, 128 experts (8 active), "
+               "no shared expert, GQA 64/4, head_dim 128"),
+  Model("qwen3-30b-a3b", 30.5e9, 48, 2048, 32, 4, 128, active_params=3.3e9, experts=128, experts_active=8,
+        source="Qwen/Qwen3-30B-A3B config.json and Qwen3 report: 30.5 B total, 3.3 B active, 128 experts (8 active), GQA 32/4, head_dim 128"),
 ]}
 
 MODEL_ALIASES = {"llama-3.1-8b": "llama-3-8b", "llama-3.1-70b": "llama-3-70b", "llama-3.3-70b": "llama-3-70b",
-                 "smollm2": "smollm2-135m", "deepseek-r1-671b": "deepseek-r1", "deepseek-v3": "deepseek-r1"}
+                 "smollm2": "smollm2-135m", "deepseek-r1-671b": "deepseek-r1", "deepseek-v3": "deepseek-r1",
+                 "mixtral": "mixtral-8x7b", "qwen3-235b": "qwen3-235b-a22b", "qwen3-moe": "qwen3-235b-a22b", "qwen3-30b": "qwen3-30b-a3b"}
 DEVICE_ALIASES = {"gb10": "dgx-spark", "n300": "wormhole-n300"}
 
 class PlanError(ValueError):

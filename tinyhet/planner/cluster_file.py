@@ -27,8 +27,8 @@ import dataclasses, difflib, pathlib, re, tomllib
 from dataclasses import dataclass, field
 from tinyhet.planner.catalog import DTYPE_BYTES, WIDER, ClusterFileError, Device, Link, Model, PlanError, find_device, find_model
 from tinyhet.planner.cluster_nodes import serving_nodes
-from tinyhet.planner.roofline import Node, calibrated, cannot_hold, most_sensitive, solve_efficiency
-from tinyhet.planner.servesim import alone_throughput
+from tinyhet.planner.calibration import Fit, Row, fit
+from tinyhet.planner.roofline import Node, cannot_hold
 
 @dataclass(frozen=True)
 class Cluster:
@@ -39,6 +39,9 @@ class Cluster:
   models: dict[str, Model] = field(default_factory=dict)
   source: str = "<cluster>"
   description: str = ""
+  calibration: str = ""                 # the joint fit in one line: rows, bounds, residual (tinyhet.calibration.Fit.summary)
+  warnings: tuple[str, ...] = ()        # one line per calibration row the fit cannot explain within the bounds
+  calibration_errors: dict[str, float] = field(default_factory=dict)  # row key -> predicted / measured - 1 after the fit
 
   def node(self, name: str) -> Node: return next(n for n in self.nodes if n.name == name)
   def link(self, a: str, b: str) -> Link: return self.links[pair(a, b)]
@@ -61,7 +64,7 @@ MODEL = {"like": "a catalog model to start from", "params_b": "parameters in bil
          "layers": "transformer layers", "hidden": "hidden size", "heads": "attention heads", "kv_heads": "KV heads", "head_dim": "head dimension",
          "dtype": f"weight dtype ({', '.join(DTYPE_BYTES)})", "kv_dtype": "KV cache dtype", "experts": "MoE: routed experts per layer",
          "experts_active": "MoE: routed experts per token", "kv_dim": "KV elements per token per layer", "attn_dim": "heads x (qk + v head dim)",
-         "source": "where the shape comes from"}
+         "dense_layers": "MoE: leading layers with a dense MLP", "source": "where the shape comes from"}
 NODE = {"device": "a catalog device or one under [devices]", "count": "identical accelerators in the server (tensor-parallel)",
         "replicas": "identical servers", "intra_link": "link between its accelerators, e.g. { bandwidth_gb_s = 900, latency_us = 2 }",
         "memory_usable": "share of memory for weights + KV, 0..1 (default 0.9)",
@@ -181,7 +184,7 @@ def _model(r: _Reader, name: str, spec: dict) -> Model:
     if f"{k}_b" in spec: values[k] = r.number(spec, f"{k}_b", key) * 1e9
   for k in ("layers", "hidden", "heads", "kv_heads", "head_dim", "kv_dim", "attn_dim"):
     if k in spec: values[k] = r.integer(spec, k, key, 1, 1 << 24)
-  for k in ("experts", "experts_active"):
+  for k in ("experts", "experts_active", "dense_layers"):
     if k in spec: values[k] = r.integer(spec, k, key, 0, 1 << 16)
   for k in ("dtype", "kv_dtype"):
     if k in spec: values[k] = r.string(spec, k, key, choices=DTYPE_BYTES)
@@ -189,6 +192,8 @@ def _model(r: _Reader, name: str, spec: dict) -> Model:
   if model.active_params > model.params: r.fail(f"{key}.active_params_b", "is larger than params_b", "active parameters are a part of all parameters")
   if (model.experts or model.experts_active) and not 0 < model.experts_active < model.experts:
     r.fail(f"{key}.experts_active", f"is {model.experts_active} with experts = {model.experts}", "give both, with experts_active < experts")
+  if model.dense_layers >= model.layers:
+    r.fail(f"{key}.dense_layers", f"is {model.dense_layers} of {model.layers} layers", "count only the dense ones")
   return model
 
 def _node(r: _Reader, name: str, spec: dict, devices: dict[str, Device]) -> Node:
@@ -226,9 +231,10 @@ def _links(r: _Reader, entries: list[dict], nodes: dict[str, Node]) -> dict[tupl
         r.fail("links", f"no link {what}", f'add [[links]] with nodes = ["{a}", "{b}"], bandwidth_gbit_s = ... and latency_us = ...')
   return links
 
-def _calibrate(r: _Reader, entries: list[dict], nodes: dict[str, Node], devices: dict[str, Device], models: dict[str, Model]):
-  """Measured figures -> each node's compute and bandwidth efficiencies (roofline.calibrated, servesim.alone_throughput)."""
+def _calibrate(r: _Reader, entries: list[dict], nodes: dict[str, Node], models: dict[str, Model]) -> Fit:
+  """Measured figures -> rows (tinyhet.calibration.Row), fitted together to every measured node's efficiencies."""
   done: dict[tuple[str, str], str] = {}
+  rows, notes = [], {}
   for i, spec in enumerate(entries):
     key = f"calibration[{i}]"
     r.table(spec, key, CALIBRATION, ("node",))
@@ -249,8 +255,8 @@ def _calibrate(r: _Reader, entries: list[dict], nodes: dict[str, Node], devices:
         r.fail(f"{key}.{k}", "is given without throughput_tok_s", "add throughput_tok_s = ... or drop it")
     dtype = r.string(spec, "dtype", key, choices=DTYPE_BYTES)
     note = r.string(spec, "source", key, default="")
-    if "prefill_tflops" in spec: node = dataclasses.replace(node, compute_eff=num("prefill_tflops") * 1e12 / node.flops(dtype or "fp16"))
-    if "decode_gb_s" in spec: node = dataclasses.replace(node, bandwidth_eff=num("decode_gb_s") * 1e9 / node.bandwidth)
+    for k in ("prefill_tflops", "decode_gb_s"):
+      if k in spec: rows.append(Row(f"{key}.{k}", name, k, num(k), dtype=dtype or "fp16", what=f"{k} = {spec[k]:g}"))
     timed = [k for k in measured if k not in ("prefill_tflops", "decode_gb_s")]
     if timed:
       for k in ("model", "prompt_len") + (("output_len",) if any(k.startswith(("decode", "e2e", "throughput")) for k in timed) else ()):
@@ -262,37 +268,29 @@ def _calibrate(r: _Reader, entries: list[dict], nodes: dict[str, Node], devices:
         r.fail(key, f"measures something the node cannot run ({why})", "check the node's device, count and memory_usable")
       for whole in ("e2e_tok_s", "throughput_tok_s"):
         if whole in spec and len(timed) > 1: r.fail(f"{key}.{whole}", "is given with other figures", f"give {whole} alone in its entry")
-      if "throughput_tok_s" in spec: node, how = _fit_throughput(r, key, spec, node, model, prompt_len, output_len)
-      else:
-        times = {"prefill_s": num("prefill_s") if "prefill_s" in spec else prompt_len / num("prefill_tok_s") if "prefill_tok_s" in spec else None,
-                 "decode_s": num("decode_s") if "decode_s" in spec else output_len / num("decode_tok_s") if "decode_tok_s" in spec else None,
-                 "total_s": output_len / num("e2e_tok_s") if "e2e_tok_s" in spec else None}
-        try: node = calibrated(node, model, prompt_len, output_len, **times)
-        except ValueError as e: r.fail(f"{key}.{timed[0]}", f"cannot be explained: {e}", "check the measurement and the node's intra_link")
-        how = ""
+      shape = dict(model=model, prompt_len=prompt_len, output_len=output_len)
+      how = ""
+      if "throughput_tok_s" in spec:
+        if ("concurrency" in spec) == ("rate" in spec):
+          r.fail(f"{key}.throughput_tok_s", "needs exactly one of concurrency and rate",
+                 "add concurrency = N (clients) or rate = R (requests/s) of the measurement")
+        conc, rate = r.integer(spec, "concurrency", key, 1, 100_000), r.number(spec, "rate", key, hi=1e6)
+        how = f" at {f'concurrency {conc}' if conc else f'{rate:g} requests/s'}"
+        rows.append(Row(f"{key}.throughput_tok_s", name, "throughput_tok_s", num("throughput_tok_s"), concurrency=conc, rate=rate,
+                        what=f"{name}, throughput_tok_s = {spec['throughput_tok_s']:g}{how}", **shape))
+      for k, kind, value in (("prefill_s", "prefill_s", lambda: num("prefill_s")),
+                             ("prefill_tok_s", "prefill_s", lambda: prompt_len / num("prefill_tok_s")),
+                             ("decode_s", "decode_s", lambda: num("decode_s")),
+                             ("decode_tok_s", "decode_s", lambda: output_len / num("decode_tok_s")),
+                             ("e2e_tok_s", "total_s", lambda: output_len / num("e2e_tok_s"))):
+        if k in spec: rows.append(Row(f"{key}.{k}", name, kind, value(), what=f"{name}, {k} = {spec[k]:g}", **shape))
       figures = f"{', '.join(f'{k} = {spec[k]:g}' for k in timed)} for {model.name}, {prompt_len}-token prompt" + \
                 (f", {output_len} tokens" if "output_len" in spec else "") + how
       note = f"{note}: {figures}" if note else figures
-    for resource, eff in (("compute", node.compute_eff), ("bandwidth", node.bandwidth_eff)):
-      if not 1e-4 < eff <= 10:
-        r.fail(f"{key}.{measured[0]}", f"puts {name}'s {resource} at {eff:.3g}x its spec sheet", "check the units and the device")
-    nodes[name] = dataclasses.replace(node, calibration="; ".join(filter(None, [node.calibration, note or "measured"])))
-
-def _fit_throughput(r: _Reader, key: str, spec: dict, node: Node, model: Model, prompt_len: int, output_len: int) -> tuple[Node, str]:
-  """A measured serving throughput (output tokens/s of the node alone at a concurrency or a rate) sets the efficiency of
-  the one resource that figure is most sensitive to, as the serving simulation predicts it; the other stays as it was."""
-  if ("concurrency" in spec) == ("rate" in spec):
-    r.fail(f"{key}.throughput_tok_s", "needs exactly one of concurrency and rate",
-           "add concurrency = N (clients) or rate = R (requests/s) of the measurement")
-  conc = r.integer(spec, "concurrency", key, 1, 100_000)
-  rate = r.number(spec, "rate", key, hi=1e6)
-  predict = lambda n: alone_throughput(n, model, prompt_len, output_len, rate=rate, concurrency=conc)
-  resource = most_sensitive(node, predict)
-  try: node = solve_efficiency(node, resource, predict, r.number(spec, "throughput_tok_s", key))
-  except ValueError as e:
-    r.fail(f"{key}.throughput_tok_s", f"cannot be explained: {e}",
-           "check the figure; a throughput measured below what the node sustains (at a low rate) says nothing of its speed: measure at a concurrency")
-  return node, f" at {f'concurrency {conc}' if conc else f'{rate:g} requests/s'} (sets {resource})"
+    notes[name] = "; ".join(filter(None, [notes.get(name, ""), note or "measured"]))
+  result = fit(nodes, rows)
+  nodes |= {n: dataclasses.replace(result.nodes[n], calibration=notes[n]) for n in notes}
+  return result
 
 def parse_cluster(data: dict, source: str = "<cluster>") -> Cluster:
   """A Cluster from parsed TOML (a dict); raises ClusterFileError on the first problem."""
@@ -303,9 +301,10 @@ def parse_cluster(data: dict, source: str = "<cluster>") -> Cluster:
   nodes = {name: _node(r, name, spec, devices) for name, spec in r.named(data["nodes"], "nodes").items()}
   if not nodes: r.fail("nodes", "is empty", "add at least one [nodes.NAME] with device = ...")
   links = _links(r, r.entries(data.get("links", []), "links"), nodes)
-  _calibrate(r, r.entries(data.get("calibration", []), "calibration"), nodes, devices, models)
+  calibration = _calibrate(r, r.entries(data.get("calibration", []), "calibration"), nodes, models)
   serving_nodes(data, source)     # the nodes' role and address keys: checked here too, so `tinyhet plan` says what `tinyhet serve` would
-  return Cluster(tuple(nodes.values()), links, devices, models, source, r.string(data, "description", "", default=""))
+  return Cluster(tuple(nodes.values()), links, devices, models, source, r.string(data, "description", "", default=""),
+                 calibration.summary(), calibration.warnings, calibration.errors)
 
 def load_cluster(path: str | pathlib.Path) -> Cluster:
   """Read and check a cluster file (TOML). Raises ClusterFileError naming the file, the key and the fix."""

@@ -17,6 +17,7 @@ configuration with the lowest end-to-end time (TTFT + output_len x TPOT) among t
 """
 from __future__ import annotations
 from dataclasses import dataclass
+from tinyhet.planner.calibration import reasons as calibration_reasons
 from tinyhet.planner.catalog import DEVICES, MODELS, Model, PlanError
 from tinyhet.planner.cluster_file import Cluster
 from tinyhet.planner.servesim import SLO
@@ -193,11 +194,7 @@ def explain(cluster: Cluster, model: Model, prompt_len: int, output_len: int, ra
       reasons.append(f"under load {most.name} sustains the most: {_g(most.throughput_tok_s)} output tokens/s against {_g(chosen.throughput_tok_s)}"
                      + ("" if rate else " (give --rate to plan for a load)"))
   if rate: reasons += [n for c in configs if c is not chosen for n in c.notes if "cannot sustain" in n]
-  calibrated = [n for n in cluster.nodes if n.calibration]
-  for n in calibrated:
-    reasons.append(f"calibrated {n.name} ({n.calibration}): compute at {n.compute_eff:.0%}, bandwidth at {n.bandwidth_eff:.0%} of its spec sheet")
-  if (raw := [n.name for n in cluster.nodes if not n.calibration]):
-    reasons.append(f"spec-sheet peaks, uncalibrated (optimistic): {', '.join(raw)}; add [[calibration]] entries with measured figures")
+  reasons += calibration_reasons(cluster)
   return reasons
 
 # --- per-request policy ------------------------------------------------------------------------------------------------

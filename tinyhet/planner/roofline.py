@@ -5,12 +5,12 @@ Tensor-parallel (the default) adds two all-reduces per layer over the intra-node
 into `count` stages, for accelerators without a fast link) sends the activations across each stage boundary once, and
 its decode steps read the weights once per micro-batch in flight. Each phase takes max(FLOPs / (peak FLOP/s x compute
 efficiency), bytes / (peak bandwidth x bandwidth efficiency)) + communication time. Efficiencies are per resource, not per
-phase: 1 for spec-sheet peaks; calibration sets each from a measurement bound by that resource (a long prefill: compute;
-a small-batch decode: bandwidth), so a device slow only in compute is not made slow at bandwidth-bound decode too.
+phase: 1 for spec-sheet peaks; tinyhet/planner/calibration.py fits them to measured figures, so a device slow only in compute
+is not made slow at bandwidth-bound decode too.
 Every function here is plain arithmetic, no device is touched.
 """
 from __future__ import annotations
-import dataclasses, math
+import math
 from dataclasses import dataclass
 from tinyhet.planner.catalog import ACTIVATION_BYTES, Device, Link, Model
 
@@ -44,14 +44,25 @@ def allreduce_time(n: int, nbytes: float, link: Link | None) -> float:
   if link is None: raise ValueError(f"a node of {n} accelerators needs an intra-node link")
   return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * link.latency
 
+def all_to_all_time(n: int, tokens: float, model: Model, link: Link) -> float:
+  """One MoE layer's expert-parallel exchange over `n` accelerators: each holds tokens/n of the tokens and experts/n of
+  the experts; every token's activation goes to its k experts and back (dispatch, combine), (n-1)/n of the copies to
+  another accelerator, each over its own link. Even routing (no hot expert), two hops of latency."""
+  per_accelerator = tokens / n * model.experts_active * (n - 1) / n * model.hidden * ACTIVATION_BYTES
+  return 2 * (per_accelerator / link.bandwidth + link.latency)
+
 def comm_time(node: Node, model: Model, tokens: float) -> float:
   """Inside a node, per pass over `tokens` tokens. Tensor-parallel: two all-reduces of the activations (tokens x hidden)
-  per layer (after attention, after the MLP). Pipeline: the activations cross the count-1 stage boundaries once."""
+  per layer (after attention, after the MLP); an MoE layer's experts are spread over the accelerators instead (expert
+  parallelism), so its MLP all-reduce is an all-to-all (all_to_all_time). Pipeline: the activations cross the count-1
+  stage boundaries once."""
   if node.count <= 1: return 0.0
   if node.intra_link is None: raise ValueError(f"node {node.name} of {node.count} accelerators needs an intra-node link")
   nbytes = tokens * model.hidden * ACTIVATION_BYTES
   if node.parallel == "pipeline": return (node.count - 1) * (nbytes / node.intra_link.bandwidth + node.intra_link.latency)
-  return model.layers * 2 * allreduce_time(node.count, nbytes, node.intra_link)
+  moe = model.moe_layers
+  link = node.intra_link
+  return (2 * model.layers - moe) * allreduce_time(node.count, nbytes, link) + moe * all_to_all_time(node.count, tokens, model, link)
 
 # --- prefill: every prompt token at once -------------------------------------------------------------------------------
 
@@ -143,66 +154,9 @@ def cannot_hold(node: Node, model: Model, context: int) -> str | None:
             f"KV {context * model.kv_bytes_per_token / 1e9:,.1f} GB > {usable}; it holds at most {max_context(node, model)} tokens")
   return None
 
-# --- calibration: measured times -> efficiencies -----------------------------------------------------------------------
-
-RESOURCES = {"compute": "compute_eff", "bandwidth": "bandwidth_eff"}
-
-def efficiency(work_s: float, comm_s: float, measured_s: float) -> float:
-  """The efficiency e with work_s / e + comm_s = measured_s; ValueError when the measurement cannot be explained."""
-  if not measured_s > comm_s: raise ValueError(f"{measured_s:g} s is not longer than the communication alone ({comm_s:.3g} s)")
-  return work_s / (measured_s - comm_s)
+# --- which resource bounds a pass --------------------------------------------------------------------------------------
 
 def binding(node: Node, parts: tuple[float, float, float]) -> str:
   """The resource that bounds a pass at the node's present efficiencies: "compute" or "bandwidth"."""
   compute, memory, _ = parts
   return "compute" if compute / node.compute_eff >= memory / node.bandwidth_eff else "bandwidth"
-
-def fit_pass(node: Node, parts: tuple[float, float, float], measured_s: float, prefer: str, count: int = 1) -> Node:
-  """The node with efficiencies that make this pass (`count` times in a row) take `measured_s`. `prefer` is the resource
-  such a pass is normally bound by (prefill: compute; decode: bandwidth): it takes the measurement, unless the other
-  resource, at its present efficiency, already accounts for the whole time; then that one does (the pass is bound by it)."""
-  compute, memory, comm = (count * x for x in parts)
-  work = {"compute": compute, "bandwidth": memory}
-  other = "bandwidth" if prefer == "compute" else "compute"
-  if not measured_s > comm: raise ValueError(f"{measured_s:g} s is not longer than the communication alone ({comm:.3g} s)")
-  if work[other] / getattr(node, RESOURCES[other]) >= measured_s - comm: prefer = other
-  return dataclasses.replace(node, **{RESOURCES[prefer]: efficiency(work[prefer], comm, measured_s)})
-
-def solve_efficiency(node: Node, resource: str, predict, measured: float, lo: float = 1e-4, hi: float = 10.0) -> Node:
-  """The node with `resource`'s efficiency set so that `predict(node)` (a figure that never falls as the efficiency
-  rises, e.g. throughput) equals `measured`; bisection in log space. ValueError when no efficiency in [lo, hi] gives it."""
-  at = lambda e: predict(dataclasses.replace(node, **{RESOURCES[resource]: e}))
-  if not at(lo) <= measured <= at(hi) * (1 + 1e-9):
-    raise ValueError(f"no {resource} efficiency from {lo:g} to {hi:g} of the spec sheet gives {measured:g} "
-                     f"(from {at(lo):.3g} to {at(hi):.3g})")
-  for _ in range(50):
-    mid = math.sqrt(lo * hi)
-    lo, hi = (mid, hi) if at(mid) < measured else (lo, mid)
-  return dataclasses.replace(node, **{RESOURCES[resource]: math.sqrt(lo * hi)})
-
-def most_sensitive(node: Node, predict) -> str:
-  """The resource whose efficiency moves `predict(node)` most: what one measured figure can tell about the node.
-  The other resource keeps its present efficiency (spec sheet, or an earlier measurement)."""
-  base = predict(node)
-  moved = {r: abs(predict(dataclasses.replace(node, **{f: getattr(node, f) * 1.1})) - base) for r, f in RESOURCES.items()}
-  return max(moved, key=moved.get)
-
-def calibrated(node: Node, model: Model, prompt_len: int, output_len: int, prefill_s: float | None = None, decode_s: float | None = None,
-               total_s: float | None = None) -> Node:
-  """The node with efficiencies that reproduce measured times of it serving `model` alone, one request at a time:
-  `decode_s` for `output_len` tokens after a `prompt_len`-token prompt sets the bandwidth efficiency (a decode step reads
-  the weights and KV), `prefill_s` for the prompt the compute efficiency (unless the bytes alone explain it: fit_pass).
-  `total_s` alone (prefill + decode, one figure) is split between the phases by the model: it sets the efficiency of
-  the one resource it is most sensitive to and leaves the other as it was. Raises ValueError when a time is impossible."""
-  p_parts = prefill_parts(node, model, prompt_len)
-  d_parts = decode_step_parts(node, model, 1, decode_context(prompt_len, output_len))
-  if total_s is not None:
-    both = lambda n: -(at_efficiency(n, p_parts) + output_len * at_efficiency(n, d_parts))  # never falls as an efficiency rises
-    resource = most_sensitive(node, both)
-    comm = p_parts[2] + output_len * d_parts[2]
-    if not total_s > comm: raise ValueError(f"{total_s:g} s is not longer than the communication alone ({comm:.3g} s)")
-    node = solve_efficiency(node, resource, both, -total_s)
-  for _ in range(2):  # decode first: it pins bandwidth, which tells whether the prefill was bound by it; then once more
-    if decode_s is not None: node = fit_pass(node, d_parts, decode_s, "bandwidth", output_len)
-    if prefill_s is not None: node = fit_pass(node, p_parts, prefill_s, "compute")
-  return node

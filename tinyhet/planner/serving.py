@@ -14,6 +14,7 @@ simulated (tinyhet/planner/servesim.py) with the alone and round-robin ones, and
 from __future__ import annotations
 import itertools, math
 from dataclasses import dataclass
+from tinyhet.planner.calibration import reasons as calibration_reasons
 from tinyhet.planner.catalog import Model, PlanError
 from tinyhet.planner.cluster_file import Cluster
 from tinyhet.planner.roofline import Node, cannot_hold, max_batch
@@ -167,7 +168,9 @@ def plan_serving(cluster: Cluster, model: str | Model, prompt_len: int, output_l
   def cap(a) -> float:  # servesim.capacity, summed per group: thousands of assignments are screened
     per = [(rates[g[0], role], k) for g in a for role, k in zip(("prefill", "decode", "both"), g[1:]) if k]
     return min(sum(r[0] * k for r, k in per), sum(r[1] * k for r, k in per))
-  rest = sorted((a for a in every if a not in naive), key=lambda a: (-cap(a), str(a)))[:SIMULATED]
+  # ties broken by what the groups are (device, count, roles), not by their names: renaming nodes never changes the plan
+  what = lambda a: sorted((cluster.node(g[0]).device.name, cluster.node(g[0]).count, cluster.node(g[0]).replicas, *g[1:]) for g in a)
+  rest = sorted((a for a in every if a not in naive), key=lambda a: (-cap(a), what(a)))[:SIMULATED]
   requests = _requests(cluster, model, prompt_len, output_len, concurrency)
   run = lambda a, kind=None: evaluate(cluster, model, prompt_len, output_len, a, slo, rate, concurrency, kind, requests, seed, overlap)
   configs = [run(a) for a in naive] + ([run(groups_all, "balanced")] if len(groups_all) > 1 else []) + [run(a) for a in rest]
@@ -220,11 +223,7 @@ def explain(cluster: Cluster, model: Model, configs: list[ServingConfig], chosen
     reasons.append(f"{len(chosen.both)} of its units both prefill and decode: each of their prefill passes stalls their running decode steps")
   elif chosen.both:
     reasons.append("colocated: every prefill pass stalls the running decode steps (prefill goes first), which shows in TPOT")
-  for n in cluster.nodes:
-    if n.calibration:
-      reasons.append(f"calibrated {n.name} ({n.calibration}): compute at {n.compute_eff:.0%}, bandwidth at {n.bandwidth_eff:.0%} of its spec sheet")
-  if (raw := [n.name for n in cluster.nodes if not n.calibration]):
-    reasons.append(f"spec-sheet peaks, uncalibrated (optimistic): {', '.join(raw)}; add [[calibration]] entries with measured figures")
+  reasons += calibration_reasons(cluster)
   return reasons
 
 def table(plan: ServingPlan) -> str:

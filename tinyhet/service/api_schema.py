@@ -12,6 +12,7 @@ def _is_num(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x,
 
 def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[int], chat: bool) -> dict:
   model = body.get("model")
+  if model is None: model = model_id      # the router serves one model: leaving it out means that one (as vLLM's and llama.cpp's servers do)
   if not isinstance(model, str): raise ApiError(f"'model' must be a string: {model_id!r} (GET /v1/models lists it)", "model")
   if model != model_id:
     raise ApiError(f"the model {model[:100]!r} does not exist here; this server serves {model_id!r}", "model", 404, "model_not_found")
@@ -50,16 +51,61 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
   stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
   if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
     raise ApiError("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
-  unsupported = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1), "tools": (None, []),
-                 "suffix": (None, "")}
+  unsupported = {"best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+                 "suffix": (None, ""), "response_format": (None, {"type": "text"}), "prediction": (None,), "audio": (None,),
+                 "modalities": (None, ["text"]), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+                 "use_beam_search": (None, False), "prompt_logprobs": (None,)}
   for name, fine in unsupported.items():
     if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
       raise ApiError(f"'{name}' is not supported by this server: leave it out", name)
   rti = body.get("return_token_ids", False)
   if not isinstance(rti, bool): raise ApiError("'return_token_ids' must be true or false", "return_token_ids")
+  options, logprobs, echo = sampling_options(body, n_vocab), _logprobs(body, chat), False
+  if logprobs is not None: options["logprobs"] = logprobs
+  if not chat:
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool): raise ApiError("'echo' must be true or false", "echo")
+    if echo and logprobs is not None: options["prompt_logprobs"] = logprobs      # the prompt's own, from the prefill's logits
   return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p), "seed": seed,
           "stream": bool(stream), "include_usage": bool(opts and opts.get("include_usage")), "stop": stop, "chat": chat,
-          "return_token_ids": rti}
+          "return_token_ids": rti, "options": options, "logprobs": logprobs, "echo": echo}
+
+# the sampling options beyond temperature and top_p: name -> (the range's check, what to send); the decode node applies them
+_RANGES = {"presence_penalty": (lambda v: _is_num(v) and -2 <= v <= 2, "a number in -2..2"),
+           "frequency_penalty": (lambda v: _is_num(v) and -2 <= v <= 2, "a number in -2..2"),
+           "repetition_penalty": (lambda v: _is_num(v) and 0 < v <= 10, "a number in (0, 10] (1: off)"),
+           "min_p": (lambda v: _is_num(v) and 0 <= v <= 1, "a number in 0..1"),
+           "top_k": (lambda v: _is_int(v) and v >= -1, "an integer >= -1 (0 or -1: all tokens)")}
+
+def sampling_options(body: dict, n_vocab: int) -> dict:
+  out = {}
+  for name, (ok, what) in _RANGES.items():
+    v = body.get(name)
+    if v is None: continue
+    if not ok(v): raise ApiError(f"'{name}' must be {what}, got {str(v)[:50]!r}", name)
+    out[name] = float(v) if name != "top_k" else v
+  bias = body.get("logit_bias")
+  if bias is not None:
+    if not isinstance(bias, dict) or len(bias) > 1024: raise ApiError("'logit_bias' must be an object of at most 1024 token id -> bias", "logit_bias")
+    for k, v in bias.items():
+      if not (isinstance(k, str) and k.isdigit() and int(k) < n_vocab) or not (_is_num(v) and -100 <= v <= 100):
+        raise ApiError(f"'logit_bias' maps token ids (0..{n_vocab - 1}, as strings) to numbers in -100..100; {str(k)[:20]!r}: {str(v)[:20]!r} is not",
+                       "logit_bias")
+    if bias: out["logit_bias"] = {str(int(k)): float(v) for k, v in bias.items()}
+  return out
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+  """How many top alternatives per token the client wants (0: the chosen token's logprob only), or None: no logprobs."""
+  if chat:
+    want, top = body.get("logprobs"), body.get("top_logprobs")
+    if want is not None and not isinstance(want, bool): raise ApiError("'logprobs' must be true or false", "logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= 20): raise ApiError("'top_logprobs' must be an integer in 0..20", "top_logprobs")
+    if top is not None and not want: raise ApiError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if want else None
+  n = body.get("logprobs")
+  if n is None: return None
+  if not _is_int(n) or not 0 <= n <= 5: raise ApiError("'logprobs' must be an integer in 0..5 (top alternatives per token)", "logprobs")
+  return n
 
 def _encode(fn, what, param: str) -> list[int]:
   try: return fn(what)

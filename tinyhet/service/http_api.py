@@ -6,12 +6,15 @@ prefill and decode nodes.
                                                adds the generated token ids
   GET  /v1/models, /health (200 while the router runs), /ready (200 once a decode node is up: a path from prefill to
        decode exists, else 503), /metrics (Prometheus)
+With API keys (`tinyhet serve --api-key`, TINYHET_API_KEY) every /v1/* route wants `Authorization: Bearer KEY` (401 in OpenAI's error
+shape otherwise, keys compared in constant time); /health, /ready and /metrics stay open.
 Requests are checked here (4xx in OpenAI's error shape, saying what to change), then served by tinyhet.service.router.Cluster on a
 thread each; a client that goes away cancels its request and the nodes free what it held.
 """
 from __future__ import annotations
-import asyncio, json, threading, time, uuid
+import asyncio, hmac, json, threading, time, uuid
 from tinyhet.service.api_schema import ApiError, parse_chat, parse_completion
+from tinyhet.service.logprobs import LogprobFormatter
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None,
                    headers: dict | None = None):
@@ -19,10 +22,36 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
   message = message.encode("utf-8", "backslashreplace").decode()       # a client's lone surrogates must not break the reply
   return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status, headers=headers)
 
+def key_matches(header: bytes | None, keys: list[bytes]) -> bool:
+  """Authorization: Bearer KEY against every key, each compared in constant time (no early exit on the first match either)."""
+  if header is None or not header[:7].lower() == b"bearer ": return False
+  given, ok = header[7:].strip(), False
+  for k in keys: ok |= hmac.compare_digest(given, k)
+  return ok
+
+class KeyCheck:
+  """ASGI middleware: /v1/* needs one of the API keys; everything else (/health, /ready, /metrics) is open."""
+  def __init__(self, app, keys: list[str]):
+    self.app, self.keys = app, [k.encode() for k in keys]
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+      header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+      if not key_matches(header, self.keys):
+        reply = error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'", "invalid_request_error",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return await reply(scope, receive, send)
+    return await self.app(scope, receive, send)
+
+def parse_keys(flags: list[str] | None, env: str | None) -> list[str]:
+  """The API keys from --api-key (repeatable) and TINYHET_API_KEY (comma-separated); empty entries are dropped."""
+  keys = [k.strip() for k in (flags or [])] + [k.strip() for k in (env or "").split(",")]
+  return [k for k in keys if k]
+
 class Service:
-  """The HTTP side: one Cluster, the tokenizer, the metrics."""
-  def __init__(self, cluster, tokenizer, model_id: str, metrics, retry_after_s: int = 1):
+  """The HTTP side: one Cluster, the tokenizer, the metrics; api_keys: none (open), or the keys /v1/* accepts."""
+  def __init__(self, cluster, tokenizer, model_id: str, metrics, retry_after_s: int = 1, api_keys: list[str] | None = None):
     self.cluster, self.tok, self.model_id, self.metrics, self.retry_after_s = cluster, tokenizer, model_id, metrics, retry_after_s
+    self.api_keys = list(api_keys or [])
 
   def app(self):
     from starlette.applications import Starlette
@@ -32,7 +61,9 @@ class Service:
       return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", "invalid_request_error", code=str(exc.status_code))
     routes = [Route("/v1/completions", self.completions, methods=["POST"]), Route("/v1/chat/completions", self.chat, methods=["POST"]),
               Route("/v1/models", self.models), Route("/health", self.health), Route("/ready", self.ready), Route("/metrics", self.metrics_page)]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    from starlette.middleware import Middleware
+    middleware = [Middleware(KeyCheck, keys=self.api_keys)] if self.api_keys else []
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
 
   # ---- plain pages
   async def models(self, request):
@@ -68,15 +99,24 @@ class Service:
       self.metrics.rejected.labels(str(e.status)).inc()
       return error_response(e.status, str(e), param=e.param, code=e.code)
     run = Running(self, p)
-    first = await run.next_event()
-    if first[0] == "error": return self._failure(first[1])
-    run.pending.append(first)
-    if p["stream"]: return StreamingResponse(run.sse(chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    try: text, ids, reason = await run.collect(request)
-    except Exception as e: return self._failure(e)
+    # until the reply starts (and for a non-streaming reply, until it ends) a client that hangs up cancels the request at once;
+    # a streaming reply is then watched by Starlette, which stops the generator (run.sse cancels in its finally)
+    watch = asyncio.ensure_future(watch_disconnect(request, run.req))
+    try:
+      first = await run.next_event()
+      if first[0] == "error": return self._failure(first[1])
+      run.pending.append(first)
+      if p["stream"]:
+        watch.cancel()
+        return StreamingResponse(run.sse(chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+      try: text, ids, reason = await run.collect()
+      except Exception as e: return self._failure(e)
+    finally: watch.cancel()
     if reason == "cancelled": return error_response(499, "the client went away", "cancelled")
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason} if chat else
-              {"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+    lps = run.lp.entries(run.prompt_items() + run.items) if p["logprobs"] is not None else None
+    if p["echo"]: text = run.prompt_text + text
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps, "finish_reason": reason} if chat else
+              {"index": 0, "text": text, "logprobs": lps, "finish_reason": reason})
     if p["return_token_ids"]: choice["token_ids"] = ids
     return JSONResponse({"id": run.id, "object": "chat.completion" if chat else "text_completion", "created": run.created,
                          "model": self.model_id, "choices": [choice], "usage": run.usage()})
@@ -90,6 +130,11 @@ class Service:
     self.metrics.rejected.labels(str(status)).inc()
     return error_response(status, str(e), kind, headers=headers)
 
+async def watch_disconnect(request, req) -> None:
+  """Cancel req when the client hangs up. The body is read already, so the next ASGI message is the disconnect."""
+  while (await request.receive())["type"] != "http.disconnect": pass
+  req.cancel()
+
 class Running:
   """One request in flight: its thread in the Cluster, the events it sends to the event loop, its text and metrics."""
   def __init__(self, svc: Service, p: dict):
@@ -100,12 +145,23 @@ class Running:
     self.pending: list = []
     self.t0, self.t_last, self.n_tokens = time.perf_counter(), None, 0
     self.decoder, self.text, self.sent, self.stopped = svc.tok.stream_decoder(), "", 0, False
-    self.req = Request(p["prompt_ids"], p["max_tokens"], self._emit, p["temperature"], p["top_p"], p["seed"], list(svc.tok.stop_ids))
+    self.req = Request(p["prompt_ids"], p["max_tokens"], self._emit, p["temperature"], p["top_p"], p["seed"], list(svc.tok.stop_ids),
+                       options=p["options"], stop=list(p["stop"]))
+    self.items: list = []                   # (token, logprobs) of the tokens counted, for the logprobs of the reply
+    self.prompt_text = svc.tok.decode(p["prompt_ids"]) if p["echo"] else ""
+    self.lp = LogprobFormatter(svc.tok, p["chat"], 0 if p["echo"] and p["logprobs"] is not None else len(self.prompt_text))
     self.m.prompt_tokens.inc(len(p["prompt_ids"]))
     self.m.running.inc()
     threading.Thread(target=self._work, name="tinyhet-request", daemon=True).start()
 
-  def _emit(self, token: int): self.loop.call_soon_threadsafe(self.events.put_nowait, ("token", token, time.perf_counter()))
+  def prompt_items(self) -> list:
+    """With echo and logprobs: the prompt's (token, logprobs), the first token's None, as the node that prefilled computed them."""
+    if not (self.p["echo"] and self.p["logprobs"] is not None): return []
+    got = self.req.prompt_logprobs or []
+    return [(t, got[i] if i < len(got) else None) for i, t in enumerate(self.p["prompt_ids"])]
+
+  def _emit(self, token: int, logprobs: dict | None = None):
+    self.loop.call_soon_threadsafe(self.events.put_nowait, ("token", token, time.perf_counter(), logprobs))
 
   def _work(self):
     try: event = ("done", self.svc.cluster.run(self.req))
@@ -117,9 +173,10 @@ class Running:
     if self.pending: return self.pending.pop(0)
     return await self.events.get()
 
-  def _token(self, token: int, t: float) -> str:
+  def _token(self, token: int, t: float, logprobs: dict | None = None) -> str:
     """Account for one token; the text it adds that may be sent now (held back while it could begin a stop string)."""
     if self.stopped: return ""              # tokens already on their way when a stop string ended the answer
+    self.items.append((token, logprobs))
     self.m.generation_tokens.inc()
     if self.t_last is None: self.m.ttft.observe(t - self.t0)
     else: self.m.itl.observe(t - self.t_last)
@@ -149,23 +206,22 @@ class Running:
     n = len(self.p["prompt_ids"])
     return {"prompt_tokens": n, "completion_tokens": self.n_tokens, "total_tokens": n + self.n_tokens}
 
-  async def collect(self, request) -> tuple[str, list[int], str]:
+  async def collect(self) -> tuple[str, list[int], str]:
     while True:
-      try: ev = await asyncio.wait_for(self.next_event(), 0.5)
-      except asyncio.TimeoutError:
-        if await request.is_disconnected(): self.req.cancel()
-        continue
-      if ev[0] == "token": self._token(ev[1], ev[2])
+      ev = await self.next_event()
+      if ev[0] == "token": self._token(ev[1], ev[2], ev[3])
       elif ev[0] == "error": raise ev[1]
       else:
         if not self.stopped: self.text += self.decoder.flush()
         self._release(final=True)
         return self.text, self.req.generated[:self.n_tokens], self._finish(ev[1])
 
-  def _chunk(self, chat: bool, piece: str | None, reason: str | None, ids: list[int] | None = None, first: bool = False) -> str:
+  def _chunk(self, chat: bool, piece: str | None, reason: str | None, ids: list[int] | None = None, first: bool = False,
+             items: list | None = None) -> str:
+    lps = self.lp.entries(items) if items and self.p["logprobs"] is not None else None
     if chat: choice = {"index": 0, "delta": ({"role": "assistant", "content": ""} if first else {"content": piece} if piece is not None else {}),
-                       "logprobs": None, "finish_reason": reason}
-    else: choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
+                       "logprobs": lps, "finish_reason": reason}
+    else: choice = {"index": 0, "text": piece or "", "logprobs": lps, "finish_reason": reason}
     if ids is not None and self.p["return_token_ids"]: choice["token_ids"] = ids
     obj = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": self.created, "model": self.svc.model_id,
            "choices": [choice]}
@@ -175,11 +231,15 @@ class Running:
   async def sse(self, chat: bool):
     try:
       if chat: yield self._chunk(chat, None, None, first=True)
+      elif self.p["echo"] and self.prompt_text: yield self._chunk(chat, self.prompt_text, None, items=self.prompt_items())
       while True:
         ev = await self.next_event()
         if ev[0] == "token":
-          piece = self._token(ev[1], ev[2])
-          if piece or self.p["return_token_ids"]: yield self._chunk(chat, piece, None, [ev[1]])
+          counted = len(self.items)
+          piece = self._token(ev[1], ev[2], ev[3])
+          items = self.items[counted:]
+          if piece or self.p["return_token_ids"] or (items and self.p["logprobs"] is not None):
+            yield self._chunk(chat, piece, None, [ev[1]], items=items)
         elif ev[0] == "error":
           err = {"error": {"message": f"the request failed after it started: {ev[1]}", "type": "server_error", "param": None, "code": None}}
           yield f"data: {json.dumps(err)}\n\n"

@@ -16,16 +16,20 @@ from tinyhet.service import heartbeat
 
 def install_submit(decode) -> None:
   from tinyhet.engine.checks import check_prompt
-  from tinyhet.kv.notices import MAX_SEQ_ID
   from tinyhet.model.sampling import Sampler
   from tinyhet.engine.scheduler import Sequence
 
   def serve_submit(conn, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                   stop_ids: list[int] | None = None):
+                   stop_ids: list[int] | None = None, options: dict | None = None, stop: list[str] | None = None):
     check_prompt(decode.model.cfg, prompt_ids, max_new_tokens)
-    seq = Sequence(next(decode.seq_ids) % MAX_SEQ_ID, list(prompt_ids), max_new_tokens)
-    seq.extra.update(queue=queue.SimpleQueue(), sampler=Sampler(float(temperature), float(top_p), seed), want_logits=False,
+    sampler = Sampler(temperature, top_p, seed, **(options or {}))      # a bad setting fails before an id is taken
+    seq = Sequence(decode.new_seq_id(), list(prompt_ids), max_new_tokens)
+    seq.extra.update(queue=queue.SimpleQueue(), sampler=sampler, want_logits=False,
                      stop_ids=set(stop_ids if stop_ids is not None else decode.stop_ids))
+    try: decode.set_stop_strings(seq, stop)     # before the sequence joins the batch
+    except ValueError:
+      with decode.cond: decode.live_ids.discard(seq.seq_id)
+      raise
     with decode.cond:
       decode.scheduler.add(seq)            # the batching loop prefills it when its blocks fit (first come, first served)
       decode.cond.notify_all()
@@ -37,9 +41,9 @@ def install_submit(decode) -> None:
 def stream_submitted(decode, conn, seq):
   """Every token of a submitted sequence, as the batching loop samples it. It yields None while it waits (the control
   channel then checks for a cancel or a departed client); however it ends, the sequence leaves the node."""
-  from tinyhet.engine.decode_node import queued_tokens
+  from tinyhet.engine.decode_node import queued_tokens, token_item
   try:
-    for tok in queued_tokens(seq): yield None if tok is None else {"token": tok}
+    for tok in queued_tokens(seq): yield None if tok is None else token_item(tok)
     yield {"done": True, "preemptions": seq.num_preemptions}
   finally: decode._detach(conn.state.get("seqs", {}), seq)
 

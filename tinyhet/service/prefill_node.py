@@ -12,7 +12,7 @@ reconnects to the decode node and resends every layer once, after prefill. A job
 gave the reservation up) stops before its next write is posted, so no bytes land in blocks that may belong to another sequence by then.
 """
 from __future__ import annotations
-import queue, select, socket, threading, time
+import queue, select, socket, threading, time  # select.poll: select.select raises for a descriptor >= 1024
 from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
 from tinyhet.kv.sender import KVSender, SendBuffers
@@ -39,8 +39,11 @@ class Job:
   def caller_gone(self) -> bool:
     if self.sock is None: return False
     try:
-      readable, _, _ = select.select([self.sock], [], [], 0)
-      return bool(readable) and self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+      p = select.poll()
+      p.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+      events = p.poll(0)
+      if any(ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in events): return True
+      return bool(events) and self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (OSError, ValueError): return True
 
 class PrefillNode:
@@ -61,7 +64,7 @@ class PrefillNode:
     return {"queued": self.jobs.qsize(), "queued_tokens": self.queued_tokens, "prefills": self.served, "model": self.model_id}
 
   def _serve_run(self, conn, prompt_ids: list[int], decode: str, reservation: dict, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, timeout: float = 600.0) -> dict:
+                 seed: int | None = None, timeout: float = 600.0, options: dict | None = None) -> dict:
     cfg = self.model.cfg
     check_prompt(cfg, prompt_ids)
     need = ("seq_id", "blocks", "pools", "block_bytes", "block_size")
@@ -69,7 +72,8 @@ class PrefillNode:
       raise ValueError(f"reservation must be decode.reserve's reply ({', '.join(need)})")
     if len(reservation["pools"]) != cfg.n_layers:
       raise IncompatibleDecodeNode(f"the reservation has {len(reservation['pools'])} layers, this model {cfg.n_layers}: same --model everywhere")
-    job = Job(list(prompt_ids), decode, reservation, dict(temperature=float(temperature), top_p=float(top_p), seed=seed), conn.sock)
+    sampler = Sampler(temperature, top_p, seed, **(options or {}))     # a bad setting fails here, before the job queues
+    job = Job(list(prompt_ids), decode, reservation, {"sampler": sampler}, conn.sock)
     with self.count_lock: self.queued_tokens += len(prompt_ids)
     self.jobs.put(job)
     if self.on_job is not None: self.on_job()
@@ -118,9 +122,10 @@ class PrefillNode:
       kept.append((layer, k, v))
       sender.send(layer, k, v)
 
-    sampler = Sampler(job.sampling["temperature"], job.sampling["top_p"], job.sampling["seed"])
+    sampler = job.sampling["sampler"]
     try:
-      first, _ = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer)
+      _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer)
+      first = sampler.draw(logits, len(job.prompt_ids), job.prompt_ids)     # the same draw again, with its logprobs when asked for
       t_prefill = time.perf_counter()
       try: transfers = sender.finish(60)
       except (TransportError, TimeoutError, OSError):    # the link broke (mid-stream, or since the last job): a new one, every layer again
@@ -135,7 +140,11 @@ class PrefillNode:
       raise
     kv_bytes, transfer_s = sum(t.nbytes for t in transfers.values()), busy_time([(t.started, t.finished) for t in transfers.values()])
     last = max(t.finished for t in transfers.values())
-    return {"first_token": int(first), "seed": sampler.seed, "prefill_s": t_prefill - t0, "kv_bytes": kv_bytes, "transfer_s": transfer_s,
+    lp = {} if first.logprob is None else {"logprob": first.logprob, "top_logprobs": first.top}
+    if sampler.prompt_logprobs is not None:
+      from tinyhet.engine.prompt_logprobs import prompt_logprobs
+      lp["prompt_logprobs"] = prompt_logprobs(self.model, job.prompt_ids, sampler.prompt_logprobs, kv_dtype)
+    return {"first_token": first.token, **lp, "seed": sampler.seed, "prefill_s": t_prefill - t0, "kv_bytes": kv_bytes, "transfer_s": transfer_s,
             "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0, "staging_waits": sender.staging_waits,
             "node": self.node.name}
 

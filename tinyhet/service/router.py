@@ -72,24 +72,31 @@ class Node:
 class Request:
   prompt_ids: list[int]
   max_tokens: int
-  emit: object                                # emit(token id), called from the request's thread
+  emit: object                                # emit(token id, logprobs), called from the request's thread
   temperature: float = 0.0
   top_p: float = 1.0
   seed: int | None = None
   stop_ids: list[int] = field(default_factory=list)
+  options: dict = field(default_factory=dict)     # the nodes' further sampling options (tinyhet.model.sampling.OPTIONS)
+  stop: list[str] = field(default_factory=list)   # stop strings: the decode node ends the sequence at one (the HTTP side cuts the text)
+  prompt_logprobs: list | None = None             # the prompt's own logprobs, from the node that prefilled it (options["prompt_logprobs"])
   generated: list[int] = field(default_factory=list)
   cancelled: threading.Event = field(default_factory=threading.Event)
   clients: set = field(default_factory=set)
   attempts: int = 0
 
-  def push(self, token: int):
+  def push(self, token: int, logprobs: dict | None = None):
+    """A token for the client; logprobs: {"logprob", "top_logprobs": [(id, logprob)]} when the request asked for them."""
     self.generated.append(token)
-    self.emit(token)
+    self.emit(token, logprobs)
 
   def cancel(self):
     """From any thread: stop the request and close its connections (the nodes free what it held)."""
     self.cancelled.set()
     for c in list(self.clients): c.close()
+
+def _logprobs(item: dict) -> dict | None:
+  return {"logprob": item["logprob"], "top_logprobs": item["top_logprobs"]} if "logprob" in item else None
 
 class Cluster:
   def __init__(self, endpoint, nodes: dict[str, str], model_id: str, metrics=None, max_queue: int = 64, queue_timeout: float = 60.0,
@@ -157,13 +164,14 @@ class Cluster:
     with self.cond: return [{"address": n.address, "role": n.role, "up": n.up, "reason": n.reason, **n.status} for n in self.nodes.values()]
 
   # ---- choosing nodes
-  def _admit(self, tokens: int) -> tuple[Node, int]:
+  def _admit(self, tokens: int, cancelled: threading.Event | None = None) -> tuple[Node, int]:
     """A decode-capable node with room for `tokens`, and the blocks now held there for the request (release them after).
-    Without room anywhere the request waits in the queue, unless max_queue requests wait already."""
+    Without room anywhere the request waits in the queue, unless max_queue requests wait already; Cancelled once `cancelled` is set."""
     with self.cond:
       deadline, queued = time.monotonic() + self.queue_timeout, False
       try:
         while True:
+          if cancelled is not None and cancelled.is_set(): raise Cancelled()
           up = [n for n in self.nodes.values() if n.up and n.can_decode]
           fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens)]
           if fits:
@@ -228,7 +236,8 @@ class Cluster:
       left = req.max_tokens - len(req.generated)
       if left <= 0: return "length"
       ids = req.prompt_ids + req.generated          # after a lost node: what the client has seen becomes prompt
-      decode, blocks = self._admit(len(ids) + left)
+      try: decode, blocks = self._admit(len(ids) + left, req.cancelled)
+      except Cancelled: return "cancelled"
       try: self._attempt(req, decode, ids, left)
       except Cancelled: return "cancelled"
       except _NodeLost as e:
@@ -271,28 +280,33 @@ class Cluster:
     return _NodeLost(reason, f"{node.address} ({node.role}) lost: {type(e).__name__}: {e}")
 
   def _attempt(self, req: Request, decode: Node, ids: list[int], left: int):
-    sampling = dict(temperature=req.temperature, top_p=req.top_p)
+    # penalties count the client's output only: after a lost node the tokens already sent are part of the new prompt
+    sampling = dict(temperature=req.temperature, top_p=req.top_p, options={**req.options, "output_from": len(req.prompt_ids)})
     ctl = self._open(req, decode, "decode node lost")
     try:
       prefill = self._choose_prefill(decode, len(ids), left)
       try:
         if prefill is None:
           self._count(decode, "prefill+decode")
-          stream = ctl.stream("decode.submit", prompt_ids=ids, max_new_tokens=left, seed=req.seed, stop_ids=req.stop_ids, **sampling)
+          stream = ctl.stream("decode.submit", prompt_ids=ids, max_new_tokens=left, seed=req.seed, stop_ids=req.stop_ids,
+                              **({"stop": req.stop} if req.stop else {}), **sampling)
         else:
           # the prefill node writes the KV: the reservation's blocks open to it, not to this router (tcp checks every frame)
           r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=left, timeout=self.queue_timeout, writer=prefill.status.get("node"))
       except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       if prefill is not None:
         p = self._prefill(req, prefill, decode, ids, r, sampling)
-        req.push(p["first_token"])
+        if "prompt_logprobs" in p and req.prompt_logprobs is None: req.prompt_logprobs = p["prompt_logprobs"][:len(req.prompt_ids)]
+        req.push(p["first_token"], _logprobs(p))
         self._count(decode, "decode")
+        gen = {**sampling, "options": {k: v for k, v in sampling["options"].items() if k != "prompt_logprobs"}}   # the prefill's part
         try: stream = ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=p["first_token"], seed=p["seed"],
-                                 stop_ids=req.stop_ids, timeout=30.0, **sampling)
+                                 stop_ids=req.stop_ids, timeout=30.0, **({"stop": req.stop} if req.stop else {}), **gen)
         except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       try:
         for item in stream:
-          if "token" in item: req.push(item["token"])
+          if "token" in item: req.push(item["token"], _logprobs(item))
+          elif "prompt_logprobs" in item and req.prompt_logprobs is None: req.prompt_logprobs = item["prompt_logprobs"][:len(req.prompt_ids)]
       except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
     finally: self._close(req, decode, ctl)
 
