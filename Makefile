@@ -52,9 +52,11 @@ $(VENV)/.installed: setup.py pyproject.toml | system
 bench: setup
 	$(VENV)/bin/tinyhet bench transfer --quick
 
-# The baselines of `tinyhet bench decode`: PyTorch's CPU wheel and llama-cpp-python, which compiles llama.cpp (~10 minutes).
+# The baselines of `tinyhet bench decode`: PyTorch's CPU wheel and llama-cpp-python, which compiles llama.cpp (~10 minutes); then
+# SmolLM2 in F16, BF16, Q8_0, Q6_K, Q5_K_M and Q4_K_M made by llama.cpp's quantizer (bench/formats.py) for `bench decode --formats`.
 # llama.cpp is built for AVX2/AVX-512 with GGML_NATIVE off: built natively on a CPU with AMX it crashed in its first decode.
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON
 bench-setup: setup
 	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m tinyhet.bench.formats
 

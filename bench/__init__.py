@@ -6,6 +6,8 @@ BENCHMARKS = {
   "transfer": ("tinyhet.bench.transfer", "KV transports (shm, tcp, verbs) against memcpy and a raw socket"),
   "kv": ("tinyhet.bench.kv", "paged KV: memory utilization and paged attention against contiguous/dense"),
   "decode": ("tinyhet.bench.decode", "the decode node's engine against llama.cpp and PyTorch: decode at batches 1-64, prefill, read-bandwidth share"),
+  "int8": ("tinyhet.bench.int8", "the int8-activation mode against the float path: logit error and greedy agreement on a few prompts"),
+  "qmm": ("tinyhet.bench.qmm", "the matmul kernels per weight type against tinygrad's path on dequantized weights, one core"),
   "het": ("tinyhet.bench.het_check", "the HET device on its backend (HET_BACKEND=CUDA on a GPU): checks and matmul speed"),
   "serve": ("tinyhet.bench.serve", "the service: 1 prefill + 1 decode node against one --role both node, requests/s, TTFT, TPOT"),
   "staging": ("tinyhet.bench.staging", "layers leaving unregistered device memory: asynchronous staging buffers against the synchronous copy"),

@@ -23,7 +23,13 @@ from __future__ import annotations
 import argparse, json, math, os, subprocess, sys, time
 import numpy as np
 from tinyhet.bench.prompts import filler_ids
+from tinyhet.bench.formats import FORMATS, format_path
 from tinyhet.bench.torch_llama import TorchLlama
+
+def rss_bytes() -> int:
+  """This process's resident memory: anonymous pages plus file pages (llama.cpp maps the GGUF: its weights are file pages)."""
+  with open("/proc/self/status") as f: kb = {l.split(":")[0]: int(l.split()[1]) for l in f if l.startswith(("RssAnon", "RssFile"))}
+  return 1024 * (kb.get("RssAnon", 0) + kb.get("RssFile", 0))
 
 def best_rate(fn, work: int, rounds: int) -> float:
   best = math.inf
@@ -50,6 +56,9 @@ class TinyhetEngine:
     self.engine = DecodeEngine(self.mesh, self.cache)     # the decode node's step: bucketed, padded, one capture per bucket
     w = self.mesh.w
     self.weight_bytes = w.nbytes() - (0 if w.output is w.tok_embeddings else w.tok_embeddings.nbytes())   # rows of the embedding only
+    # the decode node's weights as held (the arena is mapped ahead, so its RSS does not show them; this process also holds
+    # HET's copy for prefill): the bytes of every matrix and norm, stored form
+    self.weights_resident = w.nbytes()
     self.kv_token_bytes = cfg.kv_bytes_per_token()
 
   def prefill(self, prompt: list[int]) -> int:
@@ -81,6 +90,7 @@ class LlamaCppEngine:
     self._quiet = L.llama_log_callback(lambda level, text, user: None)    # llama.cpp logs every graph node: keep stderr for the figures
     L.llama_log_set(self._quiet, None)
     L.llama_backend_init()
+    self.rss_before = rss_bytes()
     self.model = L.llama_load_model_from_file(str(path).encode(), L.llama_model_default_params())
     if not self.model: raise RuntimeError(f"llama.cpp could not load {path}")
     cp = L.llama_context_default_params()
@@ -165,7 +175,11 @@ def make_engine(name: str, path, threads: int, max_batch: int, max_context: int)
   from tinyhet.model.weights import gguf_config, read_gguf
   g = read_gguf(path)
   tok, kv_token_bytes = Tokenizer.from_gguf_metadata(g.metadata), gguf_config(g).kv_bytes_per_token()
-  if name == "tinyhet": return TinyhetEngine(path, threads, max_batch, max_context), tok
+  if name in ("tinyhet", "tinyhet-int8"):   # tinyhet-int8: the int8-activation mode (tinyhet.model.layers.int8_activations)
+    os.environ["TINYHET_INT8_ACTIVATIONS"] = "1" if name == "tinyhet-int8" else "0"
+    e = TinyhetEngine(path, threads, max_batch, max_context)
+    e.name = name
+    return e, tok
   if name in ("llama.cpp", "llama.cpp-noflash"):
     e = LlamaCppEngine(path, threads, max_batch, max_context, flash=name == "llama.cpp")
     e.kv_token_bytes = kv_token_bytes
@@ -178,6 +192,15 @@ def make_engine(name: str, path, threads: int, max_batch: int, max_context: int)
   raise SystemExit(f"tinyhet bench decode: unknown engine {name!r} (tinyhet, llama.cpp, llama.cpp-noflash, torch, torch-f32, torch-compile)")
 
 def measure(e, tok, prompts: list[int], batches: list[int], context: int, steps: int, rounds: int, log) -> list[dict]:
+  rows = measure_rates(e, tok, prompts, batches, context, steps, rounds, log)
+  # llama.cpp maps the file (its weights are the file's pages): its growth in resident memory over the rows is reported,
+  # weights, KV cache and compute buffers together (an upper bound); tinyhet's weights as held
+  resident = getattr(e, "weights_resident", None) or (rss_bytes() - e.rss_before if hasattr(e, "rss_before") else None)
+  rows.append({"engine": e.name, "batch": None, "prompt_tokens": None, "prefill_tok_s": None, "decode_tok_s": None, "step_bytes": None,
+               "weights_resident": resident})
+  return rows
+
+def measure_rates(e, tok, prompts: list[int], batches: list[int], context: int, steps: int, rounds: int, log) -> list[dict]:
   rows = []
   for n in prompts:
     prompt = filler_ids(tok, n)
@@ -199,13 +222,16 @@ def main(argv: list[str] | None = None) -> int:
   from tinyhet.device.cpu_threads import configured_threads
   ap = argparse.ArgumentParser(prog="tinyhet bench decode", description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct, Q4_1)")
+  ap.add_argument("--formats", nargs="?", const="Q4_1," + ",".join(FORMATS),
+                  help="a sweep over SmolLM2 in these formats (default: Q4_1 and every one `make bench-setup` made): one table row each")
   ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: tinyhet's, TINYHET_CPU_THREADS or every CPU)")
   ap.add_argument("--batches", default="1,4,16,64")
   ap.add_argument("--prompts", default="100,1000", help="prefill lengths")
   ap.add_argument("--context", type=int, default=100, help="tokens in each sequence's KV during the decode rows")
   ap.add_argument("--steps", type=int, default=16, help="decode steps per round")
   ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--engines", default="tinyhet,llama.cpp,llama.cpp-noflash,torch,torch-f32")
+  ap.add_argument("--engines", default="tinyhet,llama.cpp,llama.cpp-noflash,torch,torch-f32",
+                  help="of tinyhet, tinyhet-int8 (int8 activations), llama.cpp, llama.cpp-noflash, torch, torch-f32, torch-compile")
   ap.add_argument("--one-engine", action="store_true", help=argparse.SUPPRESS)   # a child process measuring one engine
   ap.add_argument("--quick", action="store_true", help="batches 1,4; prompt 100; 8 steps; 2 rounds")
   ap.add_argument("--json", action="store_true")
@@ -228,12 +254,33 @@ def main(argv: list[str] | None = None) -> int:
   from tinyhet.bench.membw import read_gbps
   gbps = read_gbps(threads=threads)
   log(f"read bandwidth {gbps:.1f} GB/s ({threads} threads)")
+  if args.formats:
+    if args.engines == ap.get_default("engines"): args.engines = "tinyhet,tinyhet-int8,llama.cpp"
+    runs = {}
+    for fmt in args.formats.split(","):
+      p = embedded_model_path() if fmt == "Q4_1" else format_path(fmt)
+      if not p.exists(): raise SystemExit(f"tinyhet bench decode: no {fmt} file at {p}: run `make bench-setup`")
+      log(f"{fmt}: {p}")
+      runs[fmt] = dict(run_model(args, str(p), threads, gbps, log), file_bytes=p.stat().st_size)
+      log(json.dumps({fmt: runs[fmt]}))     # each format's rows as they come (a sweep takes minutes per format)
+    out = {"threads": threads, "read_gbps": gbps, "context": args.context, "llama_cpp": llama_cpp_build(), "formats": runs}
+    print(json.dumps(out) if args.json else format_table(out))
+    return 0
+  out = run_model(args, args.model, threads, gbps, log)
+  if args.json: print(json.dumps(out))
+  else: print(table(out))
+  return 0
+
+def run_model(args, model_path, threads: int, gbps: float, log) -> dict:
+  """Every engine of --engines on one GGUF, each in a process of its own: their rows, with the read share filled in."""
   rows, skipped, model = [], {}, ""
   for name in args.engines.split(","):
     log(f"{name} ({threads} threads) ...")
-    cmd = [sys.executable, "-m", "tinyhet.bench.decode", "--one-engine", "--engines", name, "--threads", str(threads), "--batches", args.batches,
-           "--prompts", args.prompts, "--context", str(args.context), "--steps", str(args.steps), "--rounds", str(args.rounds)]
-    r = subprocess.run(cmd + (["--model", str(args.model)] if args.model else []), capture_output=True, text=True)
+    # the int8 mode changes only decode-sized products: its engine runs the smallest batch and a short prompt
+    batches, prompts = (args.batches.split(",")[0], "16") if name == "tinyhet-int8" else (args.batches, args.prompts)
+    cmd = [sys.executable, "-m", "tinyhet.bench.decode", "--one-engine", "--engines", name, "--threads", str(threads), "--batches", batches,
+           "--prompts", prompts, "--context", str(args.context), "--steps", str(args.steps), "--rounds", str(args.rounds)]
+    r = subprocess.run(cmd + (["--model", str(model_path)] if model_path else []), capture_output=True, text=True)
     if r.returncode != 0:
       last = (r.stderr.strip().splitlines() or ["no output"])[-1]
       if "No module named" in last: skipped[name] = f"not installed ({last.split()[-1]}): make bench-setup"
@@ -246,11 +293,33 @@ def main(argv: list[str] | None = None) -> int:
       step_bytes = row.pop("step_bytes")
       row["read_share"] = step_bytes * row["decode_tok_s"] / row["batch"] / (gbps * 1e9) if step_bytes else None
       rows.append(row)
-  out = {"threads": threads, "read_gbps": gbps, "model": model, "context": args.context, "llama_cpp": llama_cpp_build(),
-         "skipped": skipped, "rows": rows}
-  if args.json: print(json.dumps(out))
-  else: print(table(out))
-  return 0
+  return {"threads": threads, "read_gbps": gbps, "model": model, "context": args.context, "llama_cpp": llama_cpp_build(),
+          "skipped": skipped, "rows": rows}
+
+def format_table(out: dict) -> str:
+  """One line per format: tinyhet's rate, llama.cpp's and the ratio for each row, resident weights against the file."""
+  lines = [f"{out['threads']} threads, read bandwidth {out['read_gbps']:.1f} GB/s; decode at a context of {out['context']} tokens; "
+           "each cell tinyhet / llama.cpp tok/s (ratio)"]
+  def pick(rows, e, key, **match):
+    return next((r[key] for r in rows if r["engine"] == e and r.get(key) is not None and all(r[k] == v for k, v in match.items())), None)
+  for fmt, run in out["formats"].items():
+    rows, cells = run["rows"], []
+    batches = sorted({r["batch"] for r in rows if r["decode_tok_s"]})
+    prompts = sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"] and r["engine"] != "tinyhet-int8"})
+    for label, key, match in [(f"decode b{b}", "decode_tok_s", {"batch": b}) for b in batches] + \
+                             [(f"prefill {n}", "prefill_tok_s", {"prompt_tokens": n}) for n in prompts]:
+      t, l = pick(rows, "tinyhet", key, **match), pick(rows, "llama.cpp", key, **match)
+      cells.append(f"{label} {t or 0:.1f}/{l or 0:.1f} ({t / l:.2f}x)" if t and l else f"{label} {t or 0:.1f}")
+    if run["skipped"]: cells.append("skipped: " + ", ".join(run["skipped"]))
+    i8, l1 = pick(rows, "tinyhet-int8", "decode_tok_s", batch=1), pick(rows, "llama.cpp", "decode_tok_s", batch=1)
+    if i8: cells.append(f"int8 decode b1 {i8:.1f}" + (f" ({i8 / l1:.2f}x)" if l1 else ""))
+    share = pick(rows, "tinyhet", "read_share", batch=1)
+    res = pick(rows, "tinyhet", "weights_resident")
+    cells.append(f"b1 read share {share:.0%}" if share else "")
+    cells.append(f"resident weights {res / run['file_bytes']:.2f}x the file ({run['file_bytes'] / 1e6:.0f} MB)" if res else "")
+    lines.append(f"{fmt:7} " + "; ".join(c for c in cells if c))
+  if out["llama_cpp"]: lines.append(f"llama.cpp: {out['llama_cpp']}")
+  return "\n".join(lines)
 
 def gguf_name(path) -> str:
   from tinyhet.model.weights import gguf_config, read_gguf
@@ -273,6 +342,8 @@ def table(out: dict) -> str:
     pick = lambda e, k: next(r[k] for r in rows if r["engine"] == e and r["decode_tok_s"] and r["batch"] == b)
     line(f"decode batch {b} tok/s", lambda e: pick(e, "decode_tok_s"), lambda v: f"{v:.1f}")
     line("  read share", lambda e: pick(e, "read_share"), lambda v: f"{v:.0%}", ratio=False)
+  res = {r["engine"]: r["weights_resident"] for r in rows if r.get("weights_resident")}
+  if res: lines.append("resident weights MB  " + ", ".join(f"{e} {v / 1e6:.0f}" for e, v in res.items()))
   if out["llama_cpp"]: lines.append(f"llama.cpp: {out['llama_cpp']}")
   lines += [f"{k}: skipped, {v}" for k, v in out["skipped"].items()]
   return "\n".join(lines)

@@ -1,68 +1,75 @@
-"""x @ W.T with W in GGUF blocks (Q4_0, Q4_1, Q8_0), as one hand-written C kernel for HET on a CPU and MESH.
+"""x @ W.T with W as stored in a GGUF file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks; F16, BF16 rows), as
+hand-written C kernels for HET on a CPU and MESH.
 
-Why not tinygrad's own kernel: for the lazy dequantization in tinyhet/model/packed.py, tinygrad renders scalar C (one byte load
-and a select per nibble), which reads the blocks at 1.5-2 GB/s on one core where the memory gives 10-20; BEAM search and
-three other formulations were no faster (measured; README "Every core"). Decode is that matrix-vector product, so it set
-the decode node's speed. This kernel widens 16 quants at a time to float lanes, dequantizes them in registers and
-multiplies by x: 3-4x tinygrad's rate, but still bound by those instructions, not by memory (README "Benchmarks"). Unlike
-llama.cpp's, x stays float32 (it is not rounded to 8 bits for integer dot products), so the result is the float32
-reference's, up to the order of the additions.
+Why not tinygrad's own kernels: for a lazy dequantization tinygrad renders scalar C (one byte load and a select per
+nibble), which reads blocks at 1.5-2 GB/s on a core where memory gives 10-20, and for many rows of x it needed a float32
+copy of the whole matrix each step. Unlike llama.cpp's default, x stays float32 (it is not rounded to 8 bits for integer
+dot products), so the result is the float32 reference's up to the order of the additions.
 
-The kernel (C, clang vector extensions: no intrinsics, so it builds for any -march tinygrad's CPU compiler targets):
-  out[m, r] = sum_k x[m, k] * W[r, k]        x (M, K) float32, W (N, K) as N rows of K/32 blocks, out (M, N) float32
-Rows r of W are split into `parts` contiguous ranges, one per core_id: each part streams its own slice of the weights once
-per tile of 4-8 rows of x (decode: M is the batch, one tile; prefill: M is the prompt, M/MT tiles, W's slice stays in cache
-when it fits). It reaches tinygrad as a custom kernel (Tensor.custom_kernel with a compiled PROGRAM), so it is scheduled,
-captured by TinyJit and run by the worker pool like any other kernel.
+Two kernels (C, clang vector extensions: no intrinsics beyond the CPU's half-float conversion, so they build for any -march
+tinygrad's CPU compiler targets), both computing
+  out[m, r] = sum_k x[m, k] * W[r, k]        x (M, K) float32, W (N, K) in its stored blocks, out (M, N) float32
+with the rows r of W split into `parts` contiguous ranges, one per core_id:
+- decode (M <= DECODE_MAX_M): each weight row's blocks are dequantized in registers (kernels/quant_blocks.py: 32 weights as
+  two 16-lane vectors) and multiplied into up to 8 rows of x at once; the weights stream from memory once per 8 rows of x.
+- tiled (prefill, big batches): a panel of NR weight rows by KC columns is dequantized once into a float32 tile on the
+  stack (k-major, in the micro-kernel's order: 64 KiB, in L2) and reused for every row of x, MR rows at a time by an
+  outer-product micro-kernel (MR x NR accumulators in registers, no horizontal sums). No float copy of the matrix exists.
+They reach tinygrad as custom kernels (Tensor.custom_kernel with a compiled PROGRAM), so they are scheduled, captured by
+TinyJit and run by the worker pool (runtime/cpu_pool.py) like any other kernel.
 """
 from __future__ import annotations
 import dataclasses, functools, math
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
-from tinyhet.model.packed import BLOCK_BYTES, Q4_0, Q4_1, Q8_0
+from tinyhet.kernels.quant_blocks import DEQUANT, LAYOUT, NAMES, QUANTS, supported, supported_int8
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
-MT_MAX = 8               # rows of x per tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
-
-# Each block type turns the block at b into its 32 weights as two 16-lane vectors (weights 0-15, 16-31).
-_DEQUANT = {
-  Q4_0: """  float d = h2f(b); u8x16 q; __builtin_memcpy(&q, b + 2, 16);
-  *lo = (__builtin_convertvector(q & 15, f32x16) - 8.0f) * d; *hi = (__builtin_convertvector(q >> 4, f32x16) - 8.0f) * d;""",
-  Q4_1: """  float d = h2f(b), m = h2f(b + 2); u8x16 q; __builtin_memcpy(&q, b + 4, 16);
-  *lo = __builtin_convertvector(q & 15, f32x16) * d + m; *hi = __builtin_convertvector(q >> 4, f32x16) * d + m;""",
-  Q8_0: """  float d = h2f(b); i8x16 q0, q1; __builtin_memcpy(&q0, b + 2, 16); __builtin_memcpy(&q1, b + 18, 16);
-  *lo = __builtin_convertvector(q0, f32x16) * d; *hi = __builtin_convertvector(q1, f32x16) * d;""",
-}
+MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
+DECODE_MAX_M = 32        # rows of x up to which the decode kernel runs (measured crossover: 32-64 rows); past it, the tiled one
+KC = 512                 # columns of a dequantized panel (a multiple of every block size)
 
 _SOURCE = r"""
-typedef unsigned char u8; typedef unsigned int u32; typedef unsigned long size_t;
+typedef unsigned char u8; typedef unsigned short u16; typedef unsigned int u32; typedef unsigned long size_t;
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
 typedef u8 u8x16 __attribute__((vector_size(16)));
 typedef signed char i8x16 __attribute__((vector_size(16)));
-/* no_builtin("memset"): clang must not turn the accumulators' zeroing into a call to memset, which a kernel cannot make
-   (tinygrad loads it as a bare object: an external call does not link) */
-#define KERNEL __attribute__((no_builtin("memset")))
+typedef u16 u16x16 __attribute__((vector_size(32)));
+typedef short i16x16 __attribute__((vector_size(32)));
+typedef short i16x8 __attribute__((vector_size(16)));
+typedef u32 u32x16 __attribute__((vector_size(64)));
+/* no_builtin: clang must not turn zeroing or copy loops into calls to memset/memcpy, which a kernel cannot make (tinygrad
+   loads it as a bare object: an external call does not link) */
+#define KERNEL __attribute__((no_builtin("memset"), no_builtin("memcpy")))
 #define INLINE static inline __attribute__((always_inline)) KERNEL
 #define M %(M)d
 #define N %(N)d
 #define K %(K)d
-#define NB (K / 32)
-#define BB %(BB)d
+#define NB (K / 32)             /* sub-blocks of 32 weights in a row */
+#define QB %(QB)d               /* weights in a stored block */
+#define SBB %(SBB)d             /* bytes in a stored block */
+#define NSUB (QB / 32)          /* sub-blocks in a stored block */
+#define NSTEP (NSUB > 1 ? NSUB : 2)   /* sub-blocks per step of the loops: a whole stored block, at least two */
+#define ROWB ((size_t)(K / QB) * SBB)
 #define PARTS %(parts)d
-/* rows of x per tile, whose float32 accumulators of 16 lanes and the dequantized blocks must stay in registers: with
-   AVX-512 (32 registers) 8 rows, two accumulators each (the even and the odd block: two chains of fused multiply-adds, not
-   one); else 4 rows, one accumulator each */
+#define TILED %(tiled)d
+#define KC %(KC)d
+#define INT8 %(int8)d
+#define NR 32                   /* weight rows in a panel of the tiled kernel: two 16-lane vectors */
+/* rows of x per tile, whose float32 accumulators must stay in registers: with AVX-512 (32 registers) 8, else fewer */
 #if defined(__AVX512F__)
 #define MT 8
 #define ACCS 2
+#define MR 8
 #else
 #define MT 4
 #define ACCS 1
+#define MR 3
 #endif
 
 /* float16 -> float32: the CPU's conversion where it has one (x86 F16C, ARM's half type); elsewhere shift the exponent and
-   mantissa into place and scale by 2^112 (exact for normal and subnormal halves; a block scale is never inf or nan) */
+   mantissa into place and scale by 2^112 (exact for normal and subnormal halves; weights and scales are never inf or nan) */
 #if defined(__F16C__)
-typedef short i16x8 __attribute__((vector_size(16)));
 INLINE float h2f(const u8 *p) { short h; __builtin_memcpy(&h, p, 2); i16x8 v = {h}; return __builtin_ia32_vcvtph2ps(v)[0]; }
 #elif defined(__aarch64__)
 INLINE float h2f(const u8 *p) { __fp16 h; __builtin_memcpy(&h, p, 2); return (float)h; }
@@ -73,9 +80,26 @@ INLINE float h2f(const u8 *p) {
   return (h & 0x8000u) ? -f : f;
 }
 #endif
+/* 16 float16 -> 16 float32 */
+INLINE f32x16 h2f16(const u8 *p) {
+#if defined(__AVX512F__)
+  i16x16 h; __builtin_memcpy(&h, p, 32);
+  return __builtin_ia32_vcvtph2ps512_mask(h, (f32x16){0}, (unsigned short)0xffff, 4);
+#else
+  u16x16 h; __builtin_memcpy(&h, p, 32);
+  u32x16 w = __builtin_convertvector(h, u32x16), bits = (w & 0x7fffu) << 13;
+  f32x16 f = (f32x16)bits * 0x1p112f;
+  return (f32x16)((u32x16)f | (w & 0x8000u) << 16);
+#endif
+}
 
-INLINE void dequant(const u8 *b, f32x16 *lo, f32x16 *hi) {
+/* sub-block j of the stored block at b: weights 32j..32j+15 into lo, 32j+16..32j+31 into hi */
+INLINE void dequant(const u8 *restrict b, const int j, f32x16 *lo, f32x16 *hi) {
 %(dequant)s
+}
+/* sub-block jj of step g of a row: jj is a constant in each unrolled copy, so is the sub-block index inside its block */
+INLINE void dq(const u8 *restrict wr, int g, const int jj, f32x16 *lo, f32x16 *hi) {
+  dequant(wr + (size_t)(g * (NSTEP / NSUB) + jj / NSUB) * SBB, jj %% NSUB, lo, hi);
 }
 
 INLINE float hsum(f32x16 v) {
@@ -83,36 +107,39 @@ INLINE float hsum(f32x16 v) {
   for (int i = 0; i < 16; i++) s += v[i];
   return s;
 }
-
 INLINE f32x16 load16(const float *p) { f32x16 v; __builtin_memcpy(&v, p, 64); return v; }
+INLINE void store16(float *p, f32x16 v) { __builtin_memcpy(p, &v, 64); }
 
-/* rows r0..r1 of W against rows m0..m0+mt of x; mt is a constant in each inlined copy, so the accumulators are registers.
-   Two blocks per step, added to the accumulator together: half the chain of dependent adds. */
+/* decode: rows r0..r1 of W against rows m0..m0+mt of x; mt is a constant in each inlined copy, so the accumulators are
+   registers. Two sub-blocks per step, into two accumulators (two chains of fused multiply-adds, not one). */
 INLINE void tile(float *restrict out, const u8 *restrict w, const float *restrict x, int m0, const int mt, int r0, int r1) {
   for (int r = r0; r < r1; r++) {
-    const u8 *wr = w + (size_t)r * NB * BB;
+    const u8 *wr = w + (size_t)r * ROWB;
     f32x16 acc[MT][ACCS];
     for (int i = 0; i < MT; i++) for (int a = 0; a < ACCS; a++) acc[i][a] = (f32x16){0};   /* stores, not an initializer: no memset */
-    int b = 0;
-    for (; b + 2 <= NB; b += 2) {
-      f32x16 lo0, hi0, lo1, hi1;
-      dequant(wr + (size_t)b * BB, &lo0, &hi0);
-      dequant(wr + (size_t)(b + 1) * BB, &lo1, &hi1);
-      for (int i = 0; i < mt; i++) {
-        const float *xb = x + (size_t)(m0 + i) * K + b * 32;
+    int g = 0;
+    for (; g < NB / NSTEP; g++) {
+#pragma clang loop unroll(full)
+      for (int jj = 0; jj < NSTEP; jj += 2) {
+        f32x16 lo0, hi0, lo1, hi1;
+        dq(wr, g, jj, &lo0, &hi0);
+        dq(wr, g, jj + 1, &lo1, &hi1);
+        for (int i = 0; i < mt; i++) {
+          const float *xb = x + (size_t)(m0 + i) * K + (g * NSTEP + jj) * 32;
 #if ACCS == 2
-        acc[i][0] += lo0 * load16(xb); acc[i][0] += hi0 * load16(xb + 16);
-        acc[i][1] += lo1 * load16(xb + 32); acc[i][1] += hi1 * load16(xb + 48);
+          acc[i][0] += lo0 * load16(xb); acc[i][0] += hi0 * load16(xb + 16);
+          acc[i][1] += lo1 * load16(xb + 32); acc[i][1] += hi1 * load16(xb + 48);
 #else
-        acc[i][0] += (lo0 * load16(xb) + hi0 * load16(xb + 16)) + (lo1 * load16(xb + 32) + hi1 * load16(xb + 48));
+          acc[i][0] += (lo0 * load16(xb) + hi0 * load16(xb + 16)) + (lo1 * load16(xb + 32) + hi1 * load16(xb + 48));
 #endif
+        }
       }
     }
-    if (b < NB) {
+    if (NB %% NSTEP) {   /* an odd last block of a 32-weight type */
       f32x16 lo, hi;
-      dequant(wr + (size_t)b * BB, &lo, &hi);
+      dequant(wr + (size_t)(NB - 1) * SBB, 0, &lo, &hi);
       for (int i = 0; i < mt; i++) {
-        const float *xb = x + (size_t)(m0 + i) * K + b * 32;
+        const float *xb = x + (size_t)(m0 + i) * K + (NB - 1) * 32;
         acc[i][0] += lo * load16(xb) + hi * load16(xb + 16);
       }
     }
@@ -120,42 +147,206 @@ INLINE void tile(float *restrict out, const u8 *restrict w, const float *restric
   }
 }
 
+/* tiled: rows n0..n0+nr of W, columns k0..k0+kc, dequantized once into wf[k][NR] (k-major: the micro-kernel reads the
+   panel's NR weights at one k as two vectors); rows past nr are zeros */
+INLINE void panel(float *restrict wf, const u8 *restrict w, int n0, int nr, int k0, int kc) {
+  for (int n = 0; n < NR; n++) {
+    if (n >= nr) { for (int k = 0; k < kc; k++) wf[k * NR + n] = 0.0f; continue; }
+    const u8 *wr = w + (size_t)(n0 + n) * ROWB;
+    int g = k0 / 32 / NSTEP, g1 = (k0 + kc) / 32 / NSTEP;
+    for (; g < g1; g++) {
+#pragma clang loop unroll(full)
+      for (int jj = 0; jj < NSTEP; jj++) {
+        f32x16 lo, hi;
+        dq(wr, g, jj, &lo, &hi);
+        float *p = wf + (size_t)((g * NSTEP + jj) * 32 - k0) * NR + n;
+        for (int i = 0; i < 16; i++) { p[i * NR] = lo[i]; p[(16 + i) * NR] = hi[i]; }
+      }
+    }
+    if ((k0 + kc) / 32 %% NSTEP) {   /* an odd last block of a 32-weight type */
+      f32x16 lo, hi;
+      dequant(wr + (size_t)((k0 + kc) / 32 - 1) * SBB, 0, &lo, &hi);
+      float *p = wf + (size_t)(kc - 32) * NR + n;
+      for (int i = 0; i < 16; i++) { p[i * NR] = lo[i]; p[(16 + i) * NR] = hi[i]; }
+    }
+  }
+}
+
+/* out[m0..m0+mr, n0..n0+nr] (+)= x[m0..m0+mr, k0..k0+kc] @ panel.T: x broadcast one element at a time, the panel's row of NR */
+INLINE void micro(float *restrict out, const float *restrict wf, const float *restrict x, int m0, const int mr, int n0, int nr,
+                  int k0, int kc) {
+  f32x16 acc[MR][2];
+  for (int i = 0; i < mr; i++) {
+    float *o = out + (size_t)(m0 + i) * N + n0;
+    if (k0 == 0) { acc[i][0] = (f32x16){0}; acc[i][1] = (f32x16){0}; }
+    else if (nr == NR) { acc[i][0] = load16(o); acc[i][1] = load16(o + 16); }
+    else { for (int n = 0; n < 16; n++) { acc[i][0][n] = n < nr ? o[n] : 0.0f; acc[i][1][n] = n + 16 < nr ? o[n + 16] : 0.0f; } }
+  }
+  const float *xk = x + (size_t)m0 * K + k0;
+  for (int k = 0; k < kc; k++) {
+    f32x16 w0 = load16(wf + k * NR), w1 = load16(wf + k * NR + 16);
+    for (int i = 0; i < mr; i++) { float xv = xk[(size_t)i * K + k]; acc[i][0] += w0 * xv; acc[i][1] += w1 * xv; }
+  }
+  for (int i = 0; i < mr; i++) {
+    float *o = out + (size_t)(m0 + i) * N + n0;
+    if (nr == NR) { store16(o, acc[i][0]); store16(o + 16, acc[i][1]); }
+    else for (int n = 0; n < nr; n++) o[n] = n < 16 ? acc[i][0][n] : acc[i][1][n - 16];
+  }
+}
+
+INLINE void tiled(float *restrict out, const u8 *restrict w, const float *restrict x, int r0, int r1) {
+  float wf[KC * NR] __attribute__((aligned(64)));
+  for (int n0 = r0; n0 < r1; n0 += NR) {
+    int nr = r1 - n0 < NR ? r1 - n0 : NR;
+    for (int k0 = 0; k0 < K; k0 += KC) {
+      int kc = K - k0 < KC ? K - k0 : KC;
+      panel(wf, w, n0, nr, k0, kc);
+      int m0 = 0;
+      for (; m0 + MR <= M; m0 += MR) micro(out, wf, x, m0, MR, n0, nr, k0, kc);
+      switch (M - m0) {
+%(micro_tails)s
+      }
+    }
+  }
+}
+
+
+#if INT8
+/* int8 activations (off by default): each block of 32 of x rounded to int8 with scale max|x|/127, as llama.cpp's q8 blocks;
+   a weight sub-block's unsigned quants against them is an integer dot product (u8 x s8: vpdpbusd with AVX512-VNNI), scaled
+   per half of 16 weights; the offsets (w = s q + m) meet the sums of x's rounded halves */
+typedef signed char i8; typedef int i32x16 __attribute__((vector_size(64)));
+typedef u8 u8x32 __attribute__((vector_size(32))); typedef u8 u8x64 __attribute__((vector_size(64)));
+typedef signed char i8x64 __attribute__((vector_size(64))); typedef float f32x4 __attribute__((vector_size(16)));
+INLINE u8x32 cat16(u8x16 a, u8x16 b) { return __builtin_shufflevector(a, b, %(i32)s); }
+INLINE void qsub(const u8 *restrict b, const int j, u8x32 *q32, float *s0, float *s1, float *m0, float *m1) {
+%(quants)s
+}
+INLINE void qs(const u8 *restrict wr, int g, const int jj, u8x32 *q, float *s0, float *s1, float *m0, float *m1) {
+  qsub(wr + (size_t)(g * (NSTEP / NSUB) + jj / NSUB) * SBB, jj %% NSUB, q, s0, s1, m0, m1);
+}
+/* 16 lanes, lane i the sum of a[4i..4i+3] * b[4i..4i+3] */
+INLINE i32x16 dot4(u8x64 a, i8x64 b) {
+#if defined(__AVX512VNNI__)
+  return __builtin_ia32_vpdpbusd512((i32x16){0}, (i32x16)a, (i32x16)b);
+#else
+  i32x16 s = {0};
+#define WIDE(v, ...) __builtin_convertvector(__builtin_shufflevector(v, v, __VA_ARGS__), i32x16)
+#define LANE4(...) (WIDE(a, __VA_ARGS__) * WIDE(b, __VA_ARGS__))
+  s += LANE4(%(l0)s); s += LANE4(%(l1)s); s += LANE4(%(l2)s); s += LANE4(%(l3)s);
+  return s;
+#endif
+}
+INLINE f32x4 load4(const float *p) { f32x4 v; __builtin_memcpy(&v, p, 16); return v; }
+
+/* rows m0..m0+mt of x: int8 quants xq, per pair of blocks the scales as 16 lanes (8 each, as dot4's lanes fall), per half
+   block the float sum */
+INLINE void quantize_x(const float *restrict x, int m0, const int mt, i8 *restrict xq, f32x16 *restrict xd, float *restrict xs) {
+  for (int i = 0; i < mt; i++) {
+    float dxs[2];
+    for (int b = 0; b < NB; b++) {
+      const float *xb = x + (size_t)(m0 + i) * K + b * 32;
+      f32x16 lo = load16(xb), hi = load16(xb + 16);
+      float amax = 0.0f;
+      for (int l = 0; l < 16; l++) {
+        float a = lo[l] < 0 ? -lo[l] : lo[l], c = hi[l] < 0 ? -hi[l] : hi[l];
+        amax = a > amax ? a : amax; amax = c > amax ? c : amax;
+      }
+      float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      /* round to nearest even: adding 1.5 * 2^23 puts the integer in the low mantissa bits */
+      i32x16 ql = (i32x16)(lo * inv + 12582912.0f) - 0x4B400000, qh = (i32x16)(hi * inv + 12582912.0f) - 0x4B400000;
+      for (int l = 0; l < 16; l++) { xq[i * K + b * 32 + l] = (i8)ql[l]; xq[i * K + b * 32 + 16 + l] = (i8)qh[l]; }
+      /* the sums of the rounded x, not of x: an unsigned shift folded into m (Q8_0's 128, Q4_0's 8) then cancels exactly */
+      dxs[b & 1] = amax / 127.0f;
+      xs[i * NB * 2 + 2 * b] = hsum(__builtin_convertvector(ql, f32x16)) * dxs[b & 1];
+      xs[i * NB * 2 + 2 * b + 1] = hsum(__builtin_convertvector(qh, f32x16)) * dxs[b & 1];
+      if (b & 1) {
+        f32x16 d;
+        for (int l = 0; l < 16; l++) d[l] = dxs[l / 8];
+        xd[i * (NB / 2) + b / 2] = d;
+      }
+    }
+  }
+}
+
+INLINE void tile8(float *restrict out, const u8 *restrict w, const float *restrict x, int m0, const int mt, int r0, int r1) {
+  i8 xq[MT * K] __attribute__((aligned(64))); f32x16 xd[MT * (NB / 2)]; float xs[MT * NB * 2];
+  quantize_x(x, m0, mt, xq, xd, xs);
+  for (int r = r0; r < r1; r++) {
+    const u8 *wr = w + (size_t)r * ROWB;
+    f32x16 acc[MT]; f32x4 macc[MT];
+    for (int i = 0; i < MT; i++) { acc[i] = (f32x16){0}; macc[i] = (f32x4){0}; }
+    for (int g = 0; g < NB / NSTEP; g++) {
+#pragma clang loop unroll(full)
+      for (int jj = 0; jj < NSTEP; jj += 2) {
+        u8x32 qa, qb; float sa0, sa1, ma0, ma1, sb0, sb1, mb0, mb1;
+        qs(wr, g, jj, &qa, &sa0, &sa1, &ma0, &ma1);
+        qs(wr, g, jj + 1, &qb, &sb0, &sb1, &mb0, &mb1);
+        u8x64 q = __builtin_shufflevector(qa, qb, %(i64)s);
+        f32x16 W = {sa0, sa0, sa0, sa0, sa1, sa1, sa1, sa1, sb0, sb0, sb0, sb0, sb1, sb1, sb1, sb1};
+        f32x4 MN = {ma0, ma1, mb0, mb1};
+        const int p = (g * NSTEP + jj) / 2;
+        for (int i = 0; i < mt; i++) {
+          i8x64 xv; __builtin_memcpy(&xv, xq + i * K + p * 64, 64);
+          acc[i] += __builtin_convertvector(dot4(q, xv), f32x16) * (W * xd[i * (NB / 2) + p]);
+          macc[i] += MN * load4(xs + i * NB * 2 + 4 * p);
+        }
+      }
+    }
+    for (int i = 0; i < mt; i++) out[(size_t)(m0 + i) * N + r] = hsum(acc[i]) + ((macc[i][0] + macc[i][1]) + (macc[i][2] + macc[i][3]));
+  }
+}
+#define TILE tile8
+#else
+#define TILE tile
+#endif
+
 KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *restrict x, int core_id) {
   if (PARTS == 1) core_id = 0;   /* a one-part kernel is called without a core_id */
   int r0 = (int)((long)core_id * N / PARTS), r1 = (int)((long)(core_id + 1) * N / PARTS);
+  if (TILED) { tiled(out, w, x, r0, r1); return; }
   int m0 = 0;
-  for (; m0 + MT <= M; m0 += MT) tile(out, w, x, m0, MT, r0, r1);
+  for (; m0 + MT <= M; m0 += MT) TILE(out, w, x, m0, MT, r0, r1);
   switch (M - m0) {   /* the last rows: a tile of their own count, so its accumulators are registers too */
 %(tails)s
   }
 }
 """
 
-def supported(ggml_type: int, cols: int) -> bool:
-  return ggml_type in _DEQUANT and cols % 32 == 0
-
 def kernel_parts(rows: int, threads: int) -> int:
   """How many parts the weight rows are split in: every thread, unless that leaves a part fewer than MIN_ROWS_PER_PART rows."""
   return max(1, min(threads, rows // MIN_ROWS_PER_PART))
 
 @functools.cache
-def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int) -> tuple[str, str]:
-  """(function name, C source) of the kernel for x (M, K) against W (N, K) blocks, split in `parts` parts."""
+def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: bool | None = None, int8: bool = False) -> tuple[str, str]:
+  """(function name, C source) of the kernel for x (M, K) against W (N, K) in GGML type `ggml_type`, split in `parts` parts;
+  the tiled kernel past DECODE_MAX_M rows of x unless `tiled` says. int8: x rounded to int8 per block of 32 and integer dot
+  products, in the decode kernel (where the type has it: quant_blocks.supported_int8; else the float kernel)."""
   if not supported(ggml_type, K): raise ValueError(f"no quantized matmul kernel for GGML type {ggml_type} with {K} columns")
-  name = f"qmatmul_t{ggml_type}_{M}_{N}_{K}_p{parts}"
-  return name, _SOURCE % {"name": name, "M": M, "N": N, "K": K, "BB": BLOCK_BYTES[ggml_type], "parts": parts,
-                          "tails": "\n".join(f"    case {i}: if ({i} < MT) tile(out, w, x, m0, {i}, r0, r1); break;" for i in range(1, MT_MAX)),
-                          "dequant": _DEQUANT[ggml_type]}
+  tiled = M > DECODE_MAX_M if tiled is None else tiled
+  # the 32-weight types pay for x's rounding more than the integer products save at a few rows (measured: 0.4-0.7x at one row,
+  # 1.1-1.3x at 16); the K-quants gain from one row on (1.3-1.6x at one, ~2x at 16)
+  int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
+  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{'_int8' if int8 else ''}"
+  qb, sbb = LAYOUT[ggml_type]
+  return name, _SOURCE % {"name": name, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled), "KC": KC,
+                          "tails": "\n".join(f"    case {i}: if ({i} < MT) TILE(out, w, x, m0, {i}, r0, r1); break;" for i in range(1, MT_MAX)),
+                          "micro_tails": "\n".join(f"        case {i}: if ({i} < MR) micro(out, wf, x, m0, {i}, n0, nr, k0, kc); break;"
+                                                   for i in range(1, 8)),
+                          "dequant": DEQUANT[ggml_type], "int8": int(int8), "quants": QUANTS.get(ggml_type, ""),
+                          "i32": ", ".join(map(str, range(32))), "i64": ", ".join(map(str, range(64))),
+                          **{f"l{k}": ", ".join(str(4 * i + k) for i in range(16)) for k in range(4)}}
 
-def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, int], threads: int) -> Tensor:
-  """x (..., K) float32 @ W.T, W (N, K) held as GGUF blocks (the uint8 Tensor `blocks`, (N, K/32 * block bytes)) -> (..., N)
-  float32, by the C kernel above split over `threads` parts (one core each, on a device whose runtime runs the parts
-  side by side)."""
+def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, int], threads: int, tiled: bool | None = None,
+                 int8: bool = False) -> Tensor:
+  """x (..., K) float32 @ W.T, W (N, K) held as stored (`blocks`: a Tensor of its bytes, any dtype: uint8 GGUF blocks, or the
+  float16/bfloat16 matrix itself) -> (..., N) float32, by the C kernels above split over `threads` parts (one core each, on
+  a device whose runtime runs the parts side by side)."""
   N, K = shape
   lead = x.shape[:-1]
   M = math.prod(int(s) for s in lead)
   parts = kernel_parts(N, threads)
-  name, src = kernel_source(ggml_type, M, N, K, parts)
+  name, src = kernel_source(ggml_type, M, N, K, parts, tiled, int8)
   xs = x.reshape(M, K).cast(dtypes.float32).contiguous()
   out = Tensor.empty(M, N, dtype=dtypes.float32, device=x.device)
 
@@ -168,5 +359,5 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
                        outs=(0,), ins=(1, 2))
     return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=(*sink.src, sink)), UOp(Ops.SOURCE, arg=src)), arg=info)
 
-  out = out.custom_kernel(blocks, xs, fxn=program)[0]
+  out = out.custom_kernel(blocks.contiguous(), xs, fxn=program)[0]
   return out.reshape(*lead, N)

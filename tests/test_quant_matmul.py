@@ -1,26 +1,60 @@
-"""The hand-written quantized matmul (kernels/quant_matmul.py) that HET on a CPU and MESH use for GGUF-block weights: the
-float32 product with the dequantized weights for every block type and shape, the same bits whatever the part count, and
-the linear layer of the model routed to it on the pool devices."""
+"""The hand-written matmul kernels (kernels/quant_matmul.py) that HET on a CPU and MESH use for weights in their stored form:
+for every GGML type they read, the decode and the tiled kernel against the gguf package's own dequantizer (an independent
+implementation of the ggml-common.h layouts), the same bits whatever the part count, and the model's linear layer and a
+whole Llama with a Q4_K_M-like mix of types routed to them."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 import tinyhet  # noqa: F401  (MESH)
-from tinygrad import Tensor
+from tinygrad import Tensor, dtypes
 from tinyhet.kernels import quant_matmul as qmm
-from tinyhet.model.packed import Q4_0, Q4_1, Q8_0, PackedWeight
+from tinyhet.kernels.quant_blocks import (BF16, F16, LAYOUT, NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, dequantize_reference,
+                                          random_blocks, supported)
+from tinyhet.model.packed import PackedWeight
 
-@settings(max_examples=14, deadline=None)
-@given(ggml_type=st.sampled_from([Q4_0, Q4_1, Q8_0]), rows=st.sampled_from([1, 2, 3, 5, 8, 17]), out=st.sampled_from([1, 16, 33, 100]),
-       blocks=st.sampled_from([1, 3, 6]), parts=st.sampled_from([1, 2, 3, 5]), seed=st.integers(0, 2**16))
-def test_equals_the_dequantized_float_product_for_any_part_count(ggml_type, rows, out, blocks, parts, seed):
-  cols = 32 * blocks
-  w = PackedWeight.random(out, cols, ggml_type, device="MESH")
-  x = Tensor(np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32), device="MESH")
-  want = x.numpy().astype(np.float64) @ w.dequantize().numpy().astype(np.float64).T
-  got = qmm.quant_matmul(x, w.blocks, ggml_type, w.shape, parts).numpy()
+TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16]
+
+def cols_for(t: int) -> int:
+  """Columns with a last partial panel of the tiled kernel (past its 512-column panels): 768 = 3 super-blocks; 544 = 17
+  blocks of 32, an odd count (the kernels' two-block steps end in a single block)."""
+  return 768 if LAYOUT[t][0] == 256 else 544
+
+def reference(blocks: np.ndarray, t: int, cols: int) -> np.ndarray:
+  if t == BF16:   # gguf's BF16 dequantizer: float32 from the top 16 bits, as ggml does
+    from gguf.quants import dequantize
+    from gguf import GGMLQuantizationType
+    return dequantize(blocks, GGMLQuantizationType.BF16).astype(np.float32).reshape(-1, cols)
+  return dequantize_reference(blocks, t, cols)
+
+def product(t: int, rows: int, out: int, cols: int, parts: int, seed: int, tiled=None):
+  rng = np.random.default_rng(seed)
+  b = random_blocks(out, cols, t, rng)
+  x = rng.standard_normal((rows, cols), dtype=np.float32)
+  want = x.astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
+  got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (out, cols), parts, tiled).numpy()
+  return got, want
+
+@pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
+@pytest.mark.parametrize("rows", [1, 5, 40])     # one row; a few (a decode tile and a tail); many (the tiled kernel)
+def test_each_type_equals_the_independent_dequantizer(t, rows):
+  got, want = product(t, rows, 70, cols_for(t), 2, seed=rows + t)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+@pytest.mark.parametrize("t", [Q4_K, Q6_K, Q5_0, BF16], ids=["Q4_K", "Q6_K", "Q5_0", "BF16"])
+def test_decode_and_tiled_kernels_agree_for_a_batch_either_could_take(t):
+  got_decode, want = product(t, 20, 48, cols_for(t), 1, seed=3, tiled=False)
+  got_tiled, _ = product(t, 20, 48, cols_for(t), 1, seed=3, tiled=True)
+  for got in (got_decode, got_tiled): np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+@settings(max_examples=10, deadline=None)
+@given(t=st.sampled_from(TYPES), rows=st.sampled_from([1, 3, 8, 33]), out=st.sampled_from([1, 17, 50]), parts=st.sampled_from([1, 2, 3]),
+       seed=st.integers(0, 2**16))
+def test_equals_the_dequantized_float_product_for_any_part_count(t, rows, out, parts, seed):
+  cols = LAYOUT[t][0] * (1 if LAYOUT[t][0] == 256 else 3)
+  got, want = product(t, rows, out, cols, parts, seed)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
   # each output row is summed within one part, in one order: the split changes which core computes it, not its bits
-  np.testing.assert_array_equal(qmm.quant_matmul(x, w.blocks, ggml_type, w.shape, 1).numpy(), got)
+  np.testing.assert_array_equal(product(t, rows, out, cols, 1, seed)[0], got)
 
 def test_leading_axes_are_kept():
   w = PackedWeight.random(48, 64, Q4_1, device="MESH")
@@ -35,27 +69,108 @@ def test_parts_leave_every_part_enough_rows(rows, threads):
   assert 1 <= p <= threads and (p == 1 or rows // p >= qmm.MIN_ROWS_PER_PART)
 
 def test_unsupported_blocks_are_refused_in_words():
-  assert not qmm.supported(12, 256) and not qmm.supported(Q4_1, 48)    # a K-quant; columns that are not whole blocks
-  with pytest.raises(ValueError, match="no quantized matmul kernel"): qmm.kernel_source(12, 1, 32, 256, 1)
+  assert supported(Q4_K, 256) and not supported(Q4_K, 576) and not supported(Q4_1, 48) and not supported(10, 256)   # Q2_K: no kernel
+  with pytest.raises(ValueError, match="no quantized matmul kernel"): qmm.kernel_source(Q4_K, 1, 32, 576, 1)
+  with pytest.raises(ValueError, match="not whole blocks"): random_blocks(4, 100, Q8_0, np.random.default_rng(0))
 
-def test_the_model_uses_it_on_the_pool_devices_only():
+def kernels_run(fn) -> list[str]:
   from tinygrad.engine.realize import runtime_cache
-  from tinyhet.model.layers import linear
-  w = PackedWeight.random(64, 64, Q4_1, device="MESH")
-  linear(Tensor.randn(1, 64, device="MESH"), w).realize()
-  assert any("qmatmul" in getattr(rt, "name", "") for rt in runtime_cache.values())
   before = len(runtime_cache)
-  w_cpu = PackedWeight(w.blocks.to("CPU"), w.shape, Q4_1)
-  linear(Tensor.randn(1, 64, device="CPU"), w_cpu).realize()           # tinygrad's own CPU device: its own kernels
-  assert not any("qmatmul" in getattr(rt, "name", "") for rt in list(runtime_cache.values())[before:])
+  fn()
+  return [getattr(rt, "name", "") for rt in list(runtime_cache.values())[before:]]
 
-@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
-def test_kernels_call_nothing_outside_themselves(ggml_type):
+@pytest.mark.parametrize("rows", [1, 40])
+def test_the_model_uses_it_for_k_quants_and_half_floats_on_the_pool_devices_only(rows):
+  from tinyhet.model.layers import linear
+  rng = np.random.default_rng(0)
+  x = Tensor(rng.standard_normal((rows, 256), dtype=np.float32), device="MESH")
+  kq = PackedWeight(Tensor(random_blocks(64, 256, Q6_K, rng), device="MESH"), (64, 256), Q6_K).realize()
+  half = Tensor(rng.standard_normal((64, 256)).astype(np.float16), device="MESH").realize()
+  for w, name in ((kq, "qmatmul_q6_k"), (half, "qmatmul_f16")):
+    want = x.numpy() @ (w.dequantize() if isinstance(w, PackedWeight) else w.float()).numpy().T
+    out = []
+    assert any(name in n for n in kernels_run(lambda: out.append(linear(x, w).numpy())))
+    np.testing.assert_allclose(out[0], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  w_cpu = PackedWeight(kq.blocks.to("CPU"), kq.shape, Q6_K)
+  assert not any("qmatmul" in n for n in kernels_run(lambda: linear(x.to("CPU"), w_cpu).realize()))   # tinygrad's CPU: its own kernels
+
+def test_a_q4_k_m_mix_runs_the_kernels_and_matches_the_float32_model():
+  """A small Llama with each layer's matrices in the mix of types llama-quantize's Q4_K_M writes (Q4_K, Q6_K for some
+  down projections and V, Q5_0 where columns are not whole super-blocks), on MESH: prefill (the tiled kernel) and a decode step
+  give the logits of the same weights dequantized to float32 and run by tinygrad's own kernels."""
+  from tinyhet.model.llama import DenseKVCache, LayerWeights, Llama, LlamaWeights, small_config
+  cfg = small_config(n_layers=2, dim=256, n_heads=4, n_kv_heads=2, hidden_dim=512, vocab_size=96, max_context=64)
+  rng = np.random.default_rng(1)
+  def mat(o, i, t): return random_blocks(o, i, t, rng), (o, i), t
+  qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+  layers = [dict(wq=mat(qd, 256, Q4_K), wk=mat(kvd, 256, Q4_K), wv=mat(kvd, 256, Q6_K), wo=mat(256, qd, Q4_K), w_gate=mat(512, 256, Q5_K),
+                 w_up=mat(512, 256, Q4_K), w_down=mat(256, 512, Q6_K if l == 0 else Q4_K)) for l in range(cfg.n_layers)]
+  emb, norms = mat(96, 256, Q8_0), [rng.uniform(0.8, 1.2, 256).astype(np.float32) for _ in range(2 * cfg.n_layers + 1)]
+  def build(device, packed):
+    def m(spec):
+      b, shape, t = spec
+      if packed: return PackedWeight(Tensor(b, device=device), shape, t).realize()
+      return Tensor(dequantize_reference(b, t, shape[1]), device=device).realize()
+    ls = [LayerWeights(attn_norm=Tensor(norms[2 * l], device=device), ffn_norm=Tensor(norms[2 * l + 1], device=device),
+                       **{k: m(v) for k, v in layers[l].items()}) for l in range(cfg.n_layers)]
+    e = m(emb)
+    return Llama(cfg, LlamaWeights(tok_embeddings=e, layers=ls, norm=Tensor(norms[-1], device=device), output=e if cfg.tie_embeddings else m(emb)))
+  tokens = rng.integers(0, 96, (1, 40)).astype(np.int32)
+  logits = {}
+  for device, packed in (("MESH", True), ("CPU", False)):
+    model = build(device, packed)
+    cache = DenseKVCache(cfg, 1, 48, dtypes.float32, device)
+    pos = Tensor(np.arange(40, dtype=np.int32).reshape(1, 40), device=device)
+    names = kernels_run(lambda: logits.setdefault(device, [model.forward(Tensor(tokens, device=device), pos, cache).numpy()]))
+    logits[device].append(model.forward(Tensor([[5]], dtype=dtypes.int32, device=device), Tensor([[40]], dtype=dtypes.int32, device=device),
+                                        cache).numpy())
+    if packed: assert {"q4_k", "q5_k", "q6_k"} <= {n.split("_")[1] + "_" + n.split("_")[2] for n in names if n.startswith("qmatmul")}
+  for got, want in zip(logits["MESH"], logits["CPU"]):
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+@pytest.mark.parametrize("t", [Q4_0, Q4_K, Q6_K, BF16], ids=["Q4_0", "Q4_K", "Q6_K", "BF16"])
+def test_kernels_call_nothing_outside_themselves(t):
   # clang turned the accumulators' zero initializer into a call to memset for some shapes (one output row, a partial last
   # tile): tinygrad loads a kernel as a bare object, so the call's target was wherever the C library lay, and loading
   # failed whenever that was more than 2 GiB away (it depends on where the process's memory landed)
   from tinygrad import Device
   from tinygrad.runtime.support.elf import elf_loader
-  for rows, out, cols, parts in [(5, 1, 32, 1), (9, 1, 32, 1), (16, 1, 32, 1), (40, 1, 32, 1), (1, 1536, 576, 2), (5, 48, 64, 3)]:
-    _, src = qmm.kernel_source(ggml_type, rows, out, cols, parts)
-    elf_loader(Device["MESH"].compiler.compile(src))   # raises on a relocation against a symbol it does not define
+  for rows, out, cols, parts in [(5, 1, 256, 1), (9, 1, 256, 1), (40, 1, 256, 1), (1, 1536, 768, 2), (40, 48, 512, 3), (100, 70, 1536, 2)]:
+    for int8 in ((False, True) if rows in (9, 1) and t != BF16 else (False,)):
+      _, src = qmm.kernel_source(t, rows, out, cols, parts, int8=int8)
+      elf_loader(Device["MESH"].compiler.compile(src))   # raises on a relocation against a symbol it does not define
+
+def rounded_to_int8(x: np.ndarray) -> np.ndarray:
+  """x rounded as the int8 mode rounds it: per block of 32, scale max|x|/127, nearest even."""
+  xb = x.reshape(x.shape[0], -1, 32)
+  amax = np.abs(xb).max(-1, keepdims=True)
+  inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+  return (np.round(xb * inv) * (amax / np.float32(127))).reshape(x.shape)
+
+INT8_TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
+
+@pytest.mark.parametrize("t", INT8_TYPES, ids=[NAMES[t] for t in INT8_TYPES])
+def test_int8_mode_is_the_exact_product_with_x_rounded_per_block(t):
+  # 9 rows: a full tile and a tail; past 8 rows the 32-weight types take the int8 kernel too
+  from tinyhet.kernels.quant_blocks import supported_int8
+  rng = np.random.default_rng(t)
+  cols = 512
+  b = random_blocks(50, cols, t, rng)
+  x = rng.standard_normal((9, cols), dtype=np.float32) * rng.uniform(0.1, 10, (9, 1)).astype(np.float32)
+  x[0, :32] = 0                                                  # an all-zero block: scale 0, no division by it
+  want = rounded_to_int8(x).astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
+  assert supported_int8(t, cols) and "_int8" in qmm.kernel_source(t, 9, 50, cols, 2, int8=True)[0]
+  got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (50, cols), 2, int8=True).numpy()
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+def test_int8_mode_is_off_by_default_and_chosen_by_the_environment(monkeypatch):
+  from tinyhet.model.layers import linear
+  rng = np.random.default_rng(0)
+  w = PackedWeight(Tensor(random_blocks(64, 256, Q4_K, rng), device="MESH"), (64, 256), Q4_K).realize()
+  x = Tensor(rng.standard_normal((1, 256), dtype=np.float32), device="MESH")
+  monkeypatch.delenv("TINYHET_INT8_ACTIVATIONS", raising=False)
+  assert not any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
+  monkeypatch.setenv("TINYHET_INT8_ACTIVATIONS", "1")
+  assert any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
+  # F16, BF16 and prefill-sized products have no int8 kernel: the float one, named as such
+  assert "_int8" not in qmm.kernel_source(F16, 1, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q4_K, 64, 64, 256, 1, int8=True)[0]

@@ -43,7 +43,7 @@ def run_dir() -> Path:
 
 # settings that change what a resident process has loaded or how it runs: a run with other values gets its own process
 _ENV = ("TINYHET_CONFIG", "TINYHET_CPU_THREADS", "TINYHET_TRANSPORT", "TINYHET_KV_DTYPE", "TINYHET_KV_BLOCK_SIZE", "TINYHET_ARENA_BYTES",
-        "TINYHET_HUGEPAGES", "TINYHET_TCP_STREAMS", "HET_BACKEND")
+        "TINYHET_HUGEPAGES", "TINYHET_TCP_STREAMS", "HET_BACKEND", "TINYHET_INT8_ACTIVATIONS")
 
 def identity(args) -> str:
   from tinyhet import __version__

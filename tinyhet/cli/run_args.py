@@ -25,6 +25,8 @@ def parse_args(argv):
   ap.add_argument("--kv-memory", default="512M", help="KV pool of the decode node started here (default 512M)")
   ap.add_argument("--float-weights", action="store_true", help="dequantize a GGUF's weights to float32 on both nodes (default: "
                   "keep the quantized blocks, dequantized inside the matmul kernels)")
+  ap.add_argument("--int8-activations", action="store_true", help="round activations to int8 per block of 32 for integer dot products "
+                  "against quantized weights (faster, not the float32 reference's numbers; sets TINYHET_INT8_ACTIVATIONS=1)")
   ap.add_argument("--raw", action="store_true", help="no chat template: complete the prompt as plain text")
   ap.add_argument("--json", action="store_true", help="print one JSON object instead of the text and the table")
   ap.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -34,6 +36,7 @@ def parse_args(argv):
   ap.add_argument("--stop", action="store_true", help="stop every resident tinyhet of this user, and exit")
   ap.add_argument("--resident-serve", action="store_true", help=argparse.SUPPRESS)   # the resident process itself
   args = ap.parse_args(argv)
+  if args.int8_activations: os.environ["TINYHET_INT8_ACTIVATIONS"] = "1"   # read by tinyhet.model.layers; inherited by the nodes started here
   try: parse_keep_alive(args.keep_alive)
   except ValueError as e: ap.error(str(e))
   from tinyhet.config import ConfigError, parse_bytes

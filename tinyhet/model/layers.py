@@ -1,11 +1,11 @@
 """The pieces of the Llama forward pass (tinyhet.model.llama), each a function of tensors: RoPE, RMSNorm, the linear layer
 (dispatching a weight to the kernel for its stored form) and grouped-query attention. Shapes in each docstring."""
 from __future__ import annotations
-import math
+import math, os
 import numpy as np
 from tinygrad import Tensor, dtypes
 from tinyhet.device.cpu_threads import pool_threads
-from tinyhet.kernels import quant_matmul as qmm
+from tinyhet.kernels import quant_blocks, quant_matmul as qmm
 from tinyhet.model.packed import PackedWeight
 
 Matrix = Tensor | PackedWeight   # a weight matrix: float (any dtype), GGUF blocks, or bfloat16 bits (BF16Weight, a PackedWeight)
@@ -40,14 +40,30 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 MATVEC_LANES, MATVEC_MAX_ROWS = 8, 8
 
+def stored_format(w: Matrix) -> int | None:
+  """The GGML type the matmul kernels (kernels/quant_matmul.py) read `w` as: its blocks' type, F16 or BF16 for a float16 or
+  bfloat16 matrix; None where they have no kernel for it (float32, other block types, columns that are not whole blocks)."""
+  t = w.ggml_type if isinstance(w, PackedWeight) else _FLOAT_TYPES.get(w.dtype)
+  return t if t is not None and len(w.shape) == 2 and quant_blocks.supported(t, w.shape[1]) else None
+
+_FLOAT_TYPES = {dtypes.float16: quant_blocks.F16, dtypes.bfloat16: quant_blocks.BF16}
+
+def int8_activations() -> bool:
+  """The int8-activation mode (off by default; TINYHET_INT8_ACTIVATIONS=1, `tinyhet run --int8-activations`): x rounded to int8
+  per block of 32 and integer dot products (VNNI where the CPU has it) against block-quantized weights in decode-sized
+  products, as llama.cpp does; prefill-sized products and float16/bfloat16 weights stay float32. Read when a kernel is chosen:
+  a captured step keeps the mode it was captured in."""
+  return os.environ.get("TINYHET_INT8_ACTIVATIONS", "0") not in ("", "0")
+
 def linear(x: Tensor, w: Matrix) -> Tensor:
   """x (..., in) @ w.T with w (out, in) in its stored dtype or blocks; the sum is float32.
-  For a few rows (decode), the sum over `in` is written as MATVEC_LANES interleaved partial sums added at the end: tinygrad's
-  CPU code then has that many independent accumulator chains instead of one serial chain of dependent adds (measured 2-5x
-  faster on the matrix-vector products of decode)."""
+  On HET (a CPU) and MESH, a weight in a form the hand-written kernels read (GGUF blocks Q4_0/1, Q5_0/1, Q8_0, Q4_K, Q5_K,
+  Q6_K; float16; bfloat16) goes to them, for any number of rows (decode and prefill). Elsewhere, for a few rows, the sum over
+  `in` is written as MATVEC_LANES interleaved partial sums added at the end: tinygrad's CPU code then has that many
+  independent accumulator chains instead of one serial chain of dependent adds (measured 2-5x faster on matrix-vector products)."""
   rows = math.prod(x.shape[:-1])
-  if isinstance(w, PackedWeight) and qmm.supported(w.ggml_type, w.shape[1]) and (threads := pool_threads(x.device)):
-    return qmm.quant_matmul(x, w.blocks, w.ggml_type, w.shape, threads)   # HET on a CPU, MESH: the hand-written kernel
+  if (t := stored_format(w)) is not None and (threads := pool_threads(x.device)):
+    return qmm.quant_matmul(x, w.blocks if isinstance(w, PackedWeight) else w, t, w.shape, threads, int8=int8_activations())
   if isinstance(w, PackedWeight):
     # a few rows: dequantized inside the matmul kernel, reading only the blocks; many rows (prefill): dequantized once into a
     # temporary float32 copy, since inside the matmul every block would be dequantized again for each tile of rows. bfloat16

@@ -1,0 +1,62 @@
+"""tinyhet bench qmm: the matmul kernels (kernels/quant_matmul.py) per weight type against the path they replaced, on one
+core, timed as this thread's CPU time (steadier than wall time on a shared machine): tinygrad's own kernels on the lazily
+dequantized weights (a matrix-vector product at one row; at many rows a float32 copy of the matrix, then a float matmul),
+the path every type but Q4_0/Q4_1/Q8_0 took before. One (N, K) matrix of random blocks."""
+from __future__ import annotations
+import argparse, json, sys, time
+import numpy as np
+
+def cpu_time(fn, n: int) -> float:
+  for _ in range(2): fn()
+  t0 = time.thread_time()
+  for _ in range(n): fn()
+  return (time.thread_time() - t0) / n
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(prog="tinyhet bench qmm", description=__doc__.split("\n\n")[0])
+  ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q5_0,F16,BF16")
+  ap.add_argument("--rows", default="1,16,512", help="rows of x")
+  ap.add_argument("--shape", default="1536,1536", help="N,K of the weight")
+  ap.add_argument("--int8", action="store_true", help="also the int8-activation kernel (block types, up to 32 rows)")
+  ap.add_argument("--json", action="store_true")
+  args = ap.parse_args(argv)
+  import tinyhet  # noqa: F401  (MESH)
+  from tinygrad import Tensor, TinyJit, dtypes
+  from tinyhet.device.cpu_threads import kernel_threads
+  from tinyhet.kernels import quant_blocks as qb, quant_matmul as qmm
+  from tinyhet.model.packed import PackedWeight
+  N, K = (int(v) for v in args.shape.split(","))
+  rng, rows = np.random.default_rng(0), []
+  for name in args.types.split(","):
+    t = getattr(qb, name)
+    raw = qb.random_blocks(N, K, t, rng)
+    b = Tensor(raw, device="MESH").realize()
+    if t in qb.FLOAT_TYPES: old_w = Tensor(qb.dequantize_reference(raw, t, K) if t == qb.F16 else
+                                           (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(N, K), device="CPU")
+    else: old_w = PackedWeight(Tensor(raw, device="CPU"), (N, K), t).realize()
+    if t == qb.F16: old_w = old_w.cast(dtypes.float16).realize()
+    for M in (int(m) for m in args.rows.split(",")):
+      x = rng.standard_normal((M, K)).astype(np.float32)
+      xm, xc = Tensor(x, device="MESH").realize(), Tensor(x, device="CPU").realize()
+      new = TinyJit(lambda x: qmm.quant_matmul(x, b, t, (N, K), 1).realize())
+      def old_fn(x):
+        w = old_w.dequantize() if isinstance(old_w, PackedWeight) else old_w
+        if M > 8: w = w.contiguous()              # the float32 copy the old linear made for more than 8 rows
+        return x.matmul(w.T, dtype=dtypes.float32).realize()
+      old = TinyJit(old_fn)
+      n = max(2, 400 // M)
+      with kernel_threads("MESH"): t_new = cpu_time(lambda: new(xm), n)
+      t_old = cpu_time(lambda: old(xc), max(2, n // 4))
+      rows.append({"type": name, "rows": M, "new_ms": t_new * 1e3, "old_ms": t_old * 1e3, "speedup": t_old / t_new,
+                   "new_weight_gbps": b.nbytes() / t_new / 1e9, "new_gflops": 2 * M * N * K / t_new / 1e9})
+      r = rows[-1]
+      if args.int8 and M <= qmm.DECODE_MAX_M and "_int8" in qmm.kernel_source(t, M, N, K, 1, int8=True)[0]:
+        i8 = TinyJit(lambda x: qmm.quant_matmul(x, b, t, (N, K), 1, int8=True).realize())
+        with kernel_threads("MESH"): r["int8_ms"] = cpu_time(lambda: i8(xm), n) * 1e3
+        if not args.json: print(f"{name:5} {M:4} rows: int8 kernel {r['int8_ms']:8.3f} ms, {r['new_ms'] / r['int8_ms']:.2f}x the float kernel")
+      if not args.json: print(f"{name:5} {M:4} rows: kernel {r['new_ms']:8.3f} ms ({r['new_weight_gbps']:5.1f} GB/s of weights, "
+                              f"{r['new_gflops']:5.1f} GFLOP/s)  old path {r['old_ms']:9.3f} ms  {r['speedup']:6.1f}x", flush=True)
+  if args.json: print(json.dumps({"shape": [N, K], "rows": rows}))
+  return 0
+
+if __name__ == "__main__": sys.exit(main())
