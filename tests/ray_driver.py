@@ -131,6 +131,10 @@ try:
   t = time.monotonic()
   dropped = next(r for r in router.replicas("decode") if r["node_id"] == scaled["host"].node_id)
   work_before = router.metric("tinyhet:node_requests_total", node=dropped["address"])
+  # the router balances by the load the nodes' heartbeats report: wait until they show the last phase's sequences gone, or a
+  # beat still counting them steers every request of this phase to the other node
+  router.wait(lambda: all(n.get("running", 0) + n.get("incoming", 0) + n.get("waiting", 0) == 0 for n in router.request("GET", "/ready")[1]["nodes"]),
+              "the decode nodes' heartbeats to show them idle", 30)
   join = many(router, PROMPTS, N, after=(streaming := threading.Event()))
   assert streaming.wait(120), "no request streamed"
   router.request("POST", "/admin/replicas", {"decode": 1})
