@@ -42,6 +42,17 @@ _SCALE_MIN_K4 = """  const u8 *s = b + 4; int sc, mn;
   else { sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
   float d = h2f(b) * (float)sc, m = h2f(b + 2) * (float)mn;"""
 
+# sub-block j's 32 quants of a Q4_K / Q5_K super-block as two 16-lane byte vectors q0, q1 (Q5_K: the fifth bit added from qh)
+_Q4K = """
+  u8x16 q0, q1; __builtin_memcpy(&q0, b + 16 + 32 * (j / 2), 16); __builtin_memcpy(&q1, b + 32 + 32 * (j / 2), 16);
+  if (j & 1) { q0 >>= 4; q1 >>= 4; } else { q0 &= 15; q1 &= 15; }"""
+_Q5K = """
+  u8x16 q0, q1, h0, h1;
+  __builtin_memcpy(&q0, b + 48 + 32 * (j / 2), 16); __builtin_memcpy(&q1, b + 64 + 32 * (j / 2), 16);
+  __builtin_memcpy(&h0, b + 16, 16); __builtin_memcpy(&h1, b + 32, 16);
+  if (j & 1) { q0 >>= 4; q1 >>= 4; } else { q0 &= 15; q1 &= 15; }
+  q0 |= ((h0 >> j) & 1) << 4; q1 |= ((h1 >> j) & 1) << 4;"""
+
 DEQUANT = {
   Q4_0: """  float d = h2f(b); u8x16 q; __builtin_memcpy(&q, b + 2, 16);
   *lo = (__builtin_convertvector(q & 15, f32x16) - 8.0f) * d; *hi = (__builtin_convertvector(q >> 4, f32x16) - 8.0f) * d;""",
@@ -53,16 +64,9 @@ DEQUANT = {
   *lo = __builtin_convertvector(q0, f32x16) * d + m; *hi = __builtin_convertvector(q1, f32x16) * d + m;""",
   Q8_0: """  float d = h2f(b); i8x16 q0, q1; __builtin_memcpy(&q0, b + 2, 16); __builtin_memcpy(&q1, b + 18, 16);
   *lo = __builtin_convertvector(q0, f32x16) * d; *hi = __builtin_convertvector(q1, f32x16) * d;""",
-  Q4_K: _SCALE_MIN_K4 + """
-  u8x16 q0, q1; __builtin_memcpy(&q0, b + 16 + 32 * (j / 2), 16); __builtin_memcpy(&q1, b + 32 + 32 * (j / 2), 16);
-  if (j & 1) { q0 >>= 4; q1 >>= 4; } else { q0 &= 15; q1 &= 15; }
+  Q4_K: _SCALE_MIN_K4 + _Q4K + """
   *lo = __builtin_convertvector(q0, f32x16) * d - m; *hi = __builtin_convertvector(q1, f32x16) * d - m;""",
-  Q5_K: _SCALE_MIN_K4 + """
-  u8x16 q0, q1, h0, h1;
-  __builtin_memcpy(&q0, b + 48 + 32 * (j / 2), 16); __builtin_memcpy(&q1, b + 64 + 32 * (j / 2), 16);
-  __builtin_memcpy(&h0, b + 16, 16); __builtin_memcpy(&h1, b + 32, 16);
-  if (j & 1) { q0 >>= 4; q1 >>= 4; } else { q0 &= 15; q1 &= 15; }
-  q0 |= ((h0 >> j) & 1) << 4; q1 |= ((h1 >> j) & 1) << 4;
+  Q5_K: _SCALE_MIN_K4 + _Q5K + """
   *lo = __builtin_convertvector(q0, f32x16) * d - m; *hi = __builtin_convertvector(q1, f32x16) * d - m;""",
   Q6_K: """  const int n = j >> 2, k = j & 3;
   const u8 *ql = b + 64 * n + (k & 1) * 32, *qh = b + 128 + 32 * n;
@@ -126,16 +130,10 @@ QUANTS = {
   *q32 = cat16(a, c); *s0 = *s1 = d; *m0 = *m1 = m;""",
   Q8_0: """  float d = h2f(b); u8x16 a, c; __builtin_memcpy(&a, b + 2, 16); __builtin_memcpy(&c, b + 18, 16);
   *q32 = cat16(a ^ 0x80, c ^ 0x80); *s0 = *s1 = d; *m0 = *m1 = -128.0f * d;""",
-  Q4_K: _SCALE_MIN_K4 + """
-  u8x16 q0, q1; __builtin_memcpy(&q0, b + 16 + 32 * (j / 2), 16); __builtin_memcpy(&q1, b + 32 + 32 * (j / 2), 16);
-  if (j & 1) { q0 >>= 4; q1 >>= 4; } else { q0 &= 15; q1 &= 15; }
+  Q4_K: _SCALE_MIN_K4 + _Q4K + """
   *q32 = cat16(q0, q1);""" + _KQ_SCALES,
-  Q5_K: _SCALE_MIN_K4 + """
-  u8x16 q0, q1, h0, h1;
-  __builtin_memcpy(&q0, b + 48 + 32 * (j / 2), 16); __builtin_memcpy(&q1, b + 64 + 32 * (j / 2), 16);
-  __builtin_memcpy(&h0, b + 16, 16); __builtin_memcpy(&h1, b + 32, 16);
-  if (j & 1) { q0 >>= 4; q1 >>= 4; } else { q0 &= 15; q1 &= 15; }
-  *q32 = cat16(q0 | ((h0 >> j) & 1) << 4, q1 | ((h1 >> j) & 1) << 4);""" + _KQ_SCALES,
+  Q5_K: _SCALE_MIN_K4 + _Q5K + """
+  *q32 = cat16(q0, q1);""" + _KQ_SCALES,
   Q6_K: """  const int n = j >> 2, k = j & 3;
   const u8 *ql = b + 64 * n + (k & 1) * 32, *qh = b + 128 + 32 * n;
   const signed char *sc = (const signed char *)(b + 192) + 8 * n + 2 * k;
