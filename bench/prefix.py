@@ -10,7 +10,7 @@ A warm-up conversation (other tokens, same lengths) runs first in each configura
 """
 from __future__ import annotations
 import argparse, http.client, json, os, secrets, sys, time
-from tinyhet.bench.serve import Proc
+from tinyhet.bench.serve import Proc, wait_ready
 
 def stream_turn(address: str, body: dict) -> tuple[float, list[int], dict]:
   """(TTFT in seconds, the ids, the usage) of one streamed completion."""
@@ -63,14 +63,7 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
     router = Proc("serve", "--listen", "127.0.0.1:0", *flags, *model_args)
     procs.append(router)
     address, model = router.info["address"], router.info["model"]
-    deadline = time.monotonic() + 300
-    while True:
-      host, port = address.rsplit(":", 1)
-      c = http.client.HTTPConnection(host, int(port), timeout=10)
-      c.request("GET", "/ready")
-      if c.getresponse().status == 200: break
-      if time.monotonic() > deadline: raise RuntimeError("the router did not become ready")
-      time.sleep(0.2)
+    wait_ready(address)
     vocab = 256 if (args.model or "").startswith("random:") else 49152
     if both:   # the same long prompt twice (after a warm-up pair with other tokens): the repeat prefills its last block's tokens only
       one = argparse.Namespace(**{**vars(args), "turns": 1})

@@ -12,6 +12,17 @@ from __future__ import annotations
 import argparse, http.client, json, os, secrets, subprocess, sys, threading, time
 import numpy as np
 
+def wait_ready(address: str, timeout: float = 300):
+  """Until the router at address answers /ready with 200 (a decode node is up), at most timeout seconds."""
+  deadline = time.monotonic() + timeout
+  while True:
+    host, port = address.rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=10)
+    c.request("GET", "/ready")
+    if c.getresponse().status == 200: return
+    if time.monotonic() > deadline: raise RuntimeError("the router did not become ready")
+    time.sleep(0.2)
+
 class Proc:
   def __init__(self, *args):
     self.p = subprocess.Popen([sys.executable, "-m", "tinyhet", *args, "--stdin-stop"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -80,14 +91,7 @@ def run_config(name: str, args, levels: list[int]) -> list[dict]:
                   "--queue-timeout", "600")
     procs.append(router)
     address, model = router.info["address"], router.info["model"]
-    deadline = time.monotonic() + 300
-    while True:
-      host, port = address.rsplit(":", 1)
-      c = http.client.HTTPConnection(host, int(port), timeout=10)
-      c.request("GET", "/ready")
-      if c.getresponse().status == 200: break
-      if time.monotonic() > deadline: raise RuntimeError("the router did not become ready")
-      time.sleep(0.2)
+    wait_ready(address)
     rows = []
     for c in levels:
       load_round(address, model, c, c, args.prompt_tokens, args.max_tokens, salt=1000 + c)       # warm-up: compiles and captures
