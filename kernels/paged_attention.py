@@ -37,6 +37,12 @@ int (bucketed: one compile and one JIT capture per bucket; the padded blocks are
 Chosen: symbolic. It compiles once, never stalls a decode on a capture when a sequence crosses a bucket, and pads only up to
 the batch's longest row (buckets pad up to 2x past it). Its one cost: the bound Variable must reach the JIT as an argument
 (PagedKVCache.jit_kwargs).
+
+On CPU devices (tinygrad's CPU, HET on a CPU, MESH) callers pass `threads` and the same call runs kernels/cpu_attention.py's
+hand-written C instead (float32/float16/bfloat16 pools, head_dim and block size multiples of 16): vector scores and exp,
+K and V converted once per block for every head of a kv group, and with `shared_table` (one sequence's rows: a chunked
+prefill, a recompute) tiles of consecutive rows sharing each block read. Its splits are per row (kv heads stay in one part,
+so a part reads whole blocks); max_blocks is not needed there (each row stops at its own length).
 """
 from __future__ import annotations
 import math
@@ -45,6 +51,7 @@ from tinygrad.codegen.opt import Opt, OptOps
 from tinygrad.dtype import AddrSpace
 from tinygrad.helpers import NUM_CPU_THREADS
 from tinygrad.uop.ops import AxisType, KernelInfo
+from tinyhet.kernels import cpu_attention
 
 NEG = -1e30   # the score of a masked slot and the start of a running max: finite, so exp(NEG - NEG) is 1, not NaN
 MAX_BLOCKS_VAR = "kv_max_blocks"  # the Variable that bounds the block loop: the longest row's number of blocks
@@ -101,8 +108,12 @@ def kv_scatter(pool: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, positio
 
   return _launch(kernel, [pool], [k.contiguous(), v.contiguous(), block_tables, positions])[0]
 
+def uses_c(device: str, pool: Tensor, head_dim: int, threads: int | None) -> bool:
+  """Whether paged_attention(..., threads=threads) runs the C kernels (kernels/cpu_attention.py) for this pool on device."""
+  return threads is not None and cpu_attention.supported(device, pool.dtype, head_dim, pool.shape[3] // head_dim)
+
 def paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens: Tensor, max_blocks: int | UOp,
-                    splits: int | None = None) -> Tensor:
+                    splits: int | None = None, threads: int | None = None, shared_table: bool = False) -> Tensor:
   """Attention of q (R, n_heads, head_dim) over each row's cached tokens 0..context_lens[r]-1.
   pool: (num_blocks, 2, n_kv, block_size * head_dim) in the module's layout; block_tables: (R, cap) int32 whose first
   max_blocks entries are valid block ids (pad with any valid id: padded slots are masked and their bytes never reach the
@@ -111,13 +122,18 @@ def paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens:
   head_dim) float32; softmax in float32, scale 1/sqrt(head_dim).
   splits: how many parts each row's context is cut into (flash-decoding; default `decode_splits`): part p takes blocks
   [p * ceil(max_blocks / splits), ...), keeps a running max, weight sum and weighted V sum, and `merge_splits` combines
-  the parts. The only scratch is those partials, (R, n_heads, splits, head_dim + 2) float32, whatever the length."""
+  the parts. The only scratch is those partials, (R, n_heads, splits, head_dim + 2) float32, whatever the length.
+  threads: on a CPU device, run the C kernels in that many parts (0: one) where uses_c says; None: this module's kernel.
+  shared_table: every row reads block-table row 0 (rows of one sequence); the C kernels then tile consecutive rows (whose
+  K, V below the tile's longest row are stored: a chunk's own tokens scattered first), and splits is ignored."""
   R, H, D = q.shape
   _, _, KV, X = pool.shape
   if H % KV or X % D: raise ValueError(f"paged_attention: n_heads {H} must be a multiple of n_kv_heads {KV}, pool tile {X} of head_dim {D}")
   BS, cap, g = X // D, block_tables.shape[1], H // KV
-  P = decode_splits(R, KV, cap) if splits is None else splits
+  c = uses_c(q.device, pool, D, threads)
+  P = (decode_splits(R, 1, cap, max(1, threads)) if c else decode_splits(R, KV, cap)) if splits is None else splits
   if not 1 <= P <= cap: raise ValueError(f"paged_attention: splits must be in 1..{cap} (the block-table width), got {P}")
+  if c: return cpu_attention.cpu_paged_attention(q, pool, block_tables, context_lens, threads or 1, P, shared_table, shared_table and R > 1)
   scale = 1.0 / math.sqrt(D)
   opts = _threads((R, KV, P))
 

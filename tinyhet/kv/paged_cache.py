@@ -22,7 +22,8 @@ from tinygrad.device import Buffer
 from tinygrad.dtype import DType
 from tinygrad.helpers import ceildiv
 from tinyhet.kv.block_manager import BlockManager
-from tinyhet.kernels.paged_attention import decode_splits, kv_scatter, max_blocks_var, paged_attention
+from tinyhet.device.cpu_threads import pool_threads
+from tinyhet.kernels.paged_attention import decode_splits, kv_scatter, max_blocks_var, paged_attention, uses_c
 
 SCRATCH_BYTES = 256 << 20   # attention keeps (rows, n_heads, splits, head_dim + 2) float32 partials, whatever the length: rows past this go in chunks
 
@@ -124,11 +125,17 @@ class PagedKVCache:
     pos = positions.reshape(R).cast(dtypes.int32)
     pool = kv_scatter(self.pools[layer], k.reshape(R, self.n_kv_heads, D), v.reshape(R, self.n_kv_heads, D), tables, pos)
     q, n = q.reshape(R, H, D), (pos + 1).contiguous()
-    splits = decode_splits(R, self.n_kv_heads, self.cap)   # flash-decoding: a short batch's context is cut across the threads
+    # on a CPU device the C kernels (kernels/cpu_attention.py); one sequence's T > 1 rows share its table: tiles of rows
+    threads = pool_threads(q.device) if isinstance(q.device, str) else None
+    c = uses_c(q.device, pool, D, threads)
+    if c and B == 1 and T > 1: return paged_attention(q, pool, tables, n, max_blocks, threads=threads, shared_table=True).reshape(B, T, H, D)
+    # flash-decoding: a short batch's context is cut across the threads (the C kernels keep a row's kv heads in one part)
+    splits = decode_splits(R, 1, self.cap, max(1, threads)) if c else decode_splits(R, self.n_kv_heads, self.cap)
     chunk = max(1, SCRATCH_BYTES // (H * splits * (D + 2) * 4))
-    if R <= chunk: return paged_attention(q, pool, tables, n, max_blocks, splits).reshape(B, T, H, D)
+    if R <= chunk: return paged_attention(q, pool, tables, n, max_blocks, splits, threads if c else None).reshape(B, T, H, D)
     # T > 1 (a recompute): rows in chunks so the partials stay bounded
-    outs = [paged_attention(q[i:i + chunk], pool, tables[i:i + chunk], n[i:i + chunk], max_blocks, splits) for i in range(0, R, chunk)]
+    outs = [paged_attention(q[i:i + chunk], pool, tables[i:i + chunk], n[i:i + chunk], max_blocks, splits, threads if c else None)
+            for i in range(0, R, chunk)]
     return Tensor.cat(*outs).reshape(B, T, H, D)
 
   # ***** bytes, for transports and tests *****

@@ -24,6 +24,7 @@ from tinygrad import Tensor, dtypes
 from tinygrad.device import Buffer
 from tinygrad.dtype import DType
 from tinygrad.helpers import ceildiv
+from tinyhet.device.cpu_threads import pool_threads
 from tinyhet.kernels.kv_pack import unpack_kv
 from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_attention
 from tinyhet.model.layer_jit import FINISH, QKV, Replay, allocated, layer_from, layer_tensors, signature
@@ -67,7 +68,9 @@ class ChunkJit:
       self.halves[key] = Replay(qkv)
     else:
       def finish(x, q, pool, table, lens, x_out, *weights, kv_max_blocks):
-        att = paged_attention(q.reshape(C, cfg.n_heads, cfg.head_dim), pool, table, lens, kv_max_blocks)
+        # every row reads the one table: on a CPU device the C kernels tile the chunk's rows (kernels/cpu_attention.py)
+        att = paged_attention(q.reshape(C, cfg.n_heads, cfg.head_dim), pool, table, lens, kv_max_blocks, threads=pool_threads(x.device),
+                              shared_table=True)
         x_out.assign(model._finish_layer(0, x, att.reshape(1, C, cfg.n_heads, cfg.head_dim), layer_from(template, FINISH, weights))).realize()
       self.halves[key] = Replay(finish)
     return self.halves[key]
