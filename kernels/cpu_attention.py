@@ -11,7 +11,8 @@ K, V block C times and converts it from float16 each time, and its exp is a scal
   vcvtph2ps on x86; bfloat16 is a 16-bit shift) into an L1 buffer and reused by every vector of the tile;
 - scores are 16-lane vectors (one per query vector: acc += q[d] * K[d, t0:t0+16]), up to 8 independent accumulators;
   the online softmax is in base 2 (q pre-scaled by log2(e) / sqrt(head_dim)) with a vector exp2 (Cephes' polynomial,
-  relative error ~2e-7); the running sums are rescaled only when the max moves; o += p V with 8 rows' accumulators;
+  relative error ~2e-7); the reference max moves (and the sums are rescaled) only when a score passes it by more than
+  2^8, so most slices need no horizontal max; the weight sums stay 16-lane vectors; o += p V with 8 rows' accumulators;
 - items are dealt round-robin to the parts (core_id), so a causal prefill's long and short tiles spread evenly.
 Decode rows are cut along the context into `splits` parts (per row from its real length: blocks [p * per, (p + 1) * per),
 per = ceil(row blocks / splits)); with splits > 1 each part writes (o, m, l) and a second kernel merges them.
@@ -56,6 +57,7 @@ typedef unsigned long size_t;
 #define KVB %(KVB)d
 #define X (BS * D)
 #define NEG (-1e30f)
+#define SLACK 8.0f   /* how far (base 2) a score may pass the reference max before the max moves */
 #define AHEAD 4   /* blocks of prefetch distance (1, 2, 4 measured: 4 a few percent ahead, within the noise) */
 #define SCALE %(SCALE).9ef
 #if KVB == 0
@@ -146,9 +148,9 @@ INLINE void pv(const int n, const KVT *restrict vp, const float (*restrict w)[16
 }
 
 /* one block jb (kp, vp: its K and V tiles of one kv head) for the tile's nq vectors qs (scaled by SCALE); vector i sees
-   tokens 0..len[i]-1; maxlen: the largest len. m, l, o: running max (base 2), weight sum, weighted V sum per vector */
+   tokens 0..len[i]-1; maxlen: the largest len. m, l, o: reference max (base 2), weight sums (16 lanes), weighted V sum per vector */
 INLINE void block(const KVT *restrict kp, const KVT *restrict vp, int jb, int nq, const float *restrict qs, const int *restrict len,
-                  int maxlen, float *restrict m, float *restrict l, float *restrict o) {
+                  int maxlen, float *restrict m, f32x16 *restrict l, float *restrict o) {
   f32x16 s[NQ];
   float w[NQ][16];
   KVT vtail[16 * D];
@@ -174,16 +176,17 @@ INLINE void block(const KVT *restrict kp, const KVT *restrict vp, int jb, int nq
       int nvalid = len[i] - tok0;
       i32x16 ok = iota < nvalid;
       f32x16 si = nvalid < 16 ? sel(ok, s[i], splat(NEG)) : s[i];
-      float mx = __builtin_reduce_max(si), mn = m[i] > mx ? m[i] : mx;
-      f32x16 p = exp2v(si - mn);
-      if (nvalid < 16) p = sel(ok, p, splat(0.0f));
-      if (mn > m[i]) {
-        float c = exp2s(m[i] - mn);
+      /* the reference max m moves only when a score passes it by more than SLACK: weights stay below 2^SLACK, and most
+         slices take no horizontal max and no rescale */
+      if (__builtin_reduce_or(si > m[i] + SLACK)) {
+        float mn = __builtin_reduce_max(si), c = exp2s(m[i] - mn);
         l[i] *= c;
         for (int d = 0; d < D; d++) o[i * D + d] *= c;
         m[i] = mn;
       }
-      l[i] += hsum(p);
+      f32x16 p = exp2v(si - m[i]);
+      if (nvalid < 16) p = sel(ok, p, splat(0.0f));
+      l[i] += p;
       __builtin_memcpy(w[i], &p, 64);
     }
     for (int i = 0; i < nq; i += 8) {
@@ -205,7 +208,7 @@ INLINE int block_id(const int *bt, int jb) {
 /* blocks [b0, b1) of table bt for kv heads kvh0..kvh0+nkv-1, nqh vectors each (vector k * nqh + i is kv head kvh0 + k's).
    The tiles AHEAD blocks on are prefetched while this one is computed (a sequence's blocks need not be adjacent). */
 INLINE void attend(const KVT *restrict pool, const int *restrict bt, int kvh0, int nkv, int b0, int b1, int nqh, const float *restrict qs,
-                   const int *restrict len, int maxlen, float *restrict m, float *restrict l, float *restrict o) {
+                   const int *restrict len, int maxlen, float *restrict m, f32x16 *restrict l, float *restrict o) {
   for (int jb = b0; jb < b1; jb++) {
     int blk = block_id(bt, jb), nxt = jb + AHEAD < b1 ? block_id(bt, jb + AHEAD) : blk;
     for (int k = 0; k < nkv; k++) {
@@ -217,8 +220,8 @@ INLINE void attend(const KVT *restrict pool, const int *restrict bt, int kvh0, i
   }
 }
 
-INLINE void start(int nq, float *m, float *l, float *o) {
-  for (int i = 0; i < nq; i++) { m[i] = NEG; l[i] = 0.0f; }
+INLINE void start(int nq, float *m, f32x16 *l, float *o) {
+  for (int i = 0; i < nq; i++) { m[i] = NEG; l[i] = (f32x16){0}; }
   for (int i = 0; i < nq * D; i++) o[i] = 0.0f;
 }
 
@@ -228,7 +231,8 @@ INLINE void start(int nq, float *m, float *l, float *o) {
 KERNEL void %(name)s(float *restrict out, const float *restrict q, const KVT *restrict pool, const int *restrict bt,
                      const int *restrict lens, int core_id) {
   if (PARTS == 1) core_id = 0;
-  float qs[H * D], m[H], l[H], o[H * D];
+  float qs[H * D], m[H], o[H * D];
+  f32x16 l[H];   /* the weight sums, 16 lanes each until the end */
   int len[H];
   for (int it = core_id; it < R * P; it += PARTS) {
     int r = it / P, p = it %% P;
@@ -241,11 +245,11 @@ KERNEL void %(name)s(float *restrict out, const float *restrict q, const KVT *re
     attend(pool, bt + (size_t)(SHARED ? 0 : r) * CAP, 0, KVH, b0, b1, G, qs, len, n, m, l, o);
     for (int i = 0; i < H; i++) {
       size_t h = (size_t)r * H + i;
-      if (P == 1) { float inv = 1.0f / l[i]; for (int d = 0; d < D; d++) out[h * D + d] = o[i * D + d] * inv; }
+      if (P == 1) { float inv = 1.0f / hsum(l[i]); for (int d = 0; d < D; d++) out[h * D + d] = o[i * D + d] * inv; }
       else {
         float *dst = out + (h * P + p) * (D + 2);
         for (int d = 0; d < D; d++) dst[d] = o[i * D + d];
-        dst[D] = m[i]; dst[D + 1] = l[i];
+        dst[D] = m[i]; dst[D + 1] = hsum(l[i]);
       }
     }
   }
@@ -255,7 +259,8 @@ KERNEL void %(name)s(float *restrict out, const float *restrict q, const KVT *re
 KERNEL void %(name)s(float *restrict out, const float *restrict q, const KVT *restrict pool, const int *restrict bt,
                      const int *restrict lens, int core_id) {
   if (PARTS == 1) core_id = 0;
-  float qs[NQ * D], m[NQ], l[NQ], o[NQ * D];
+  float qs[NQ * D], m[NQ], o[NQ * D];
+  f32x16 l[NQ];
   int len[NQ];
   const int tiles = (R + QR - 1) / QR;
   for (int it = core_id; it < tiles * KVH; it += PARTS) {
@@ -273,7 +278,7 @@ KERNEL void %(name)s(float *restrict out, const float *restrict q, const KVT *re
     for (int u = 0; u < qr; u++)
       for (int g = 0; g < G; g++) {
         int i = u * G + g;
-        float inv = 1.0f / l[i];
+        float inv = 1.0f / hsum(l[i]);
         for (int d = 0; d < D; d++) out[((size_t)(r0 + u) * H + kvh * G + g) * D + d] = o[i * D + d] * inv;
       }
   }
