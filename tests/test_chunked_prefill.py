@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import tinyhet  # noqa: F401  (HET, MESH)
 from tinygrad import Tensor, dtypes
-from tinyhet.model.chunked_prefill import chunk_plan, chunked_prefill, prompt_pools
+from tinyhet.model.chunked_prefill import SUFFIX_BUCKETS, bucket_of, chunk_plan, chunked_prefill, padded_plan, prompt_pools
 from tinyhet.model.llama import DenseKVCache, Llama, random_weights, small_config
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,45 @@ def test_chunk_plan():
   assert chunk_plan(5, 512) == [(0, 5)]
   for bad in ((0, 32), (10, 0), (10, 32, -1)):
     with pytest.raises(ValueError): chunk_plan(*bad)
+
+@given(T=st.integers(1, 3000), chunk=st.integers(1, 1024), start=st.integers(0, 100), buckets=st.sampled_from([(), SUFFIX_BUCKETS, (8, 300)]))
+def test_a_padded_plan_covers_the_tokens_in_order_at_captured_lengths(T, chunk, start, buckets):
+  plan = padded_plan(T, chunk, start, buckets)
+  assert [(p0, n) for p0, n, _ in plan] == chunk_plan(T, min(chunk, T) if not buckets else chunk, start)
+  assert sum(n for _, n, _ in plan) == T and all(n <= C for _, n, C in plan)
+  lengths = {C for _, _, C in plan}
+  assert lengths <= {min(chunk, T) if not buckets else chunk, *buckets}
+  for _, n, C in plan[:-1]: assert n == C                            # only the last chunk has pads
+  if buckets: assert plan[-1][2] == bucket_of(plan[-1][1], chunk, buckets) <= chunk
+
+def test_a_cached_prefix_suffix_in_captured_chunks_gives_the_uncached_tokens_and_pads_touch_no_other_block(llama):
+  # the single-device engine with the prefix cache: turn 2's 35 uncached tokens run as a 32-token chunk and a 16-token
+  # bucket continuing from turn 1's cached blocks (prefill_suffix_logits); the greedy tokens are an uncached engine's. Then
+  # the turn again (its last 3 tokens uncached) with every other block of the pool marked: none changes (the 16-token
+  # chunk's pads, 8 of them past the sequence's last block, land in PAD_SEQ's block), and the logits give the same token
+  from tinyhet.engine.decode_engine import PAD_SEQ
+  from tinyhet.engine.local_engine import LocalEngine
+  from tinyhet.engine.prefill import prefill_suffix_logits
+  llama.prefill_chunk = 32
+  try:
+    cached, plain = LocalEngine(llama, 256, block_size=8, prefix_cache=True), LocalEngine(llama, 256, block_size=8)
+    turn = ids_of(40, 5)
+    first, _ = cached.generate(turn, 4)
+    assert first == plain.generate(turn, 4)[0]
+    turn = turn + first[:-1] + ids_of(32, 6)                               # 75 tokens: 10 blocks, 40 + 48 positions planned
+    got, st = cached.generate(turn, 6)
+    assert st["cached_tokens"] == 40
+    assert got == plain.generate(turn, 6)[0]
+    bm, cache = cached.cache.block_manager, cached.cache
+    bm.allocate(998, len(turn), turn)
+    assert bm.cached_length(998) == 72
+    bm.allocate(999, bm.num_free * 8)                                      # a bystander in every other block
+    others = set(range(bm.num_blocks)) - set(bm.block_table(998)) - set(bm.block_table(PAD_SEQ))
+    marks = {b: bytes([b % 251 + 1]) * cache.block_nbytes for b in others}
+    for b, data in marks.items(): cache.write_block_bytes(0, b, data)
+    assert int(prefill_suffix_logits(llama, cache, 998, turn, 72).argmax()) == got[0]             # 3 tokens at 16: 8 pads past its blocks
+    assert all(cache.read_block_bytes(0, b) == data for b, data in marks.items())
+  finally: llama.prefill_chunk = 0
 
 @pytest.mark.parametrize("chunk", [16, 37])
 @settings(max_examples=1, deadline=None)

@@ -115,12 +115,25 @@ def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed
 
 def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int], start: int) -> np.ndarray:
   """Prefill token_ids[start:] of a sequence whose first `start` tokens' K, V are in its paged-cache blocks already (a prefix
-  cache hit): the uncaptured paged forward (the captured prefill, tinyhet.model.layer_jit, attends over the prompt's own K, V
-  only), whose attention reads the cached prefix from the pool; the suffix's K, V land in the sequence's own blocks. The
-  block manager must hold len(token_ids) slots for it. The logits (vocab,) of its last token."""
+  cache hit, or a recompute's): captured chunk prefills (tinyhet.model.chunked_prefill) continuing from the K, V in the
+  cache's pools, the suffix's K, V written into the sequence's own blocks, its last chunk at the shortest captured length
+  that holds it (SUFFIX_BUCKETS: an 8-token suffix runs as 16, not as 512). The block manager must hold len(token_ids)
+  slots for it; the last chunk's pads past its blocks land in PAD_SEQ's block (the decode engine's scratch block). One
+  capture per chunk length serves every sequence: the table is as wide as the longest sequence's. The logits (vocab,) of
+  its last token."""
   from tinyhet.device.cpu_threads import kernel_threads
+  from tinyhet.engine.decode_engine import PAD_SEQ
+  from tinyhet.model.chunked_prefill import SUFFIX_BUCKETS, chunked_prefill
+  from tinyhet.model.llama import _config_chunk
+  bm = cache.block_manager
   if not 0 < start < len(token_ids): raise ValueError(f"a suffix prefill needs 0 < start < {len(token_ids)}, got {start}")
-  positions = cache.begin_step([seq_id], len(token_ids) - start)
-  dev = cache.pools[0].device
+  if bm.length(seq_id) != len(token_ids):
+    raise ValueError(f"a suffix prefill of sequence {seq_id}: its blocks hold {bm.length(seq_id)} tokens, not the {len(token_ids)} given")
+  if PAD_SEQ not in bm: raise RuntimeError("a suffix prefill needs the decode engine's scratch block (PAD_SEQ): make the DecodeEngine first")
+  chunk = model.prefill_chunk or _config_chunk()
+  width = cache.cap + -(-chunk // cache.block_size)           # the longest sequence's blocks and a chunk's pads past them
+  table = bm.block_table(seq_id)
+  table = table + bm.block_table(PAD_SEQ)[:1] * (width - len(table))
   with kernel_threads(model.device):
-    return model.forward(Tensor([token_ids[start:]], dtype=dtypes.int32, device=dev), Tensor(positions, device=dev), cache).numpy()[0]
+    return chunked_prefill(model, Tensor([token_ids[start:]], dtype=dtypes.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
+                           start=start, buckets=SUFFIX_BUCKETS).numpy()[0]

@@ -252,8 +252,8 @@ class Llama:
     n_valid: only the first n_valid tokens are the prompt; the rest pad it to a length whose kernels are compiled already
     (tinygrad compiles per shape; causal attention keeps pads out of the prompt's numbers). The logits are position
     n_valid-1's, and on_layer gets all T rows: the caller sends the ones it needs. progress(layers done) is called as each layer
-    finishes (a long prefill shows where it is). Without a cache, up to LAYER_JIT_MAX_T tokens, the logits are a capture's
-    output buffer (tinyhet.model.layer_jit), overwritten by the next prefill of the same length: read them first."""
+    finishes (a long prefill shows where it is). Without a cache, up to LAYER_JIT_MAX_T tokens or past the chunk length, the
+    logits are a capture's output buffer (layer_jit, chunked_prefill), overwritten by the next prefill of that length: read them first."""
     if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"prefill takes one prompt, tokens of shape (1, T); got {tokens.shape}")
     if n_valid is not None and not (0 < n_valid <= tokens.shape[1] and cache is None):
       raise ValueError(f"n_valid={n_valid} must be in 1..{tokens.shape[1]}, and without a cache (it would store the pads)")
