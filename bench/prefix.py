@@ -65,10 +65,9 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
     address, model = router.info["address"], router.info["model"]
     wait_ready(address)
     vocab = 256 if (args.model or "").startswith("random:") else 49152
-    if both:   # the same long prompt twice (after a warm-up pair with other tokens): the repeat prefills its last block's tokens only
+    if both:   # the same long prompt twice (after a warm-up with other tokens): the repeat prefills its last block's tokens only
       one = argparse.Namespace(**{**vars(args), "turns": 1})
-      conversation(address, model, one, salt=4, vocab=vocab)
-      conversation(address, model, one, salt=4, vocab=vocab)
+      for _ in range(3): conversation(address, model, one, salt=4, vocab=vocab)    # the repeat twice: TinyJit captures on its 2nd call
       return [conversation(address, model, one, salt=3, vocab=vocab)[0], conversation(address, model, one, salt=3, vocab=vocab)[0]]
     conversation(address, model, args, salt=2, vocab=vocab)                 # warm-up: compiles and captures
     rows = conversation(address, model, args, salt=1, vocab=vocab)
@@ -76,6 +75,27 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
     return rows
   finally:
     for p in procs[::-1]: p.stop()
+
+def local_rows(args) -> list[dict]:
+  """In this process, the single-device engine (LocalEngine, HET) with the prefix cache against one without: a short prompt
+  (the turn's length + 40) and the system prompt, each sent to both after a warm-up of the same length; the cached engine's
+  repeat (all but its last block cached: the suffix's captured chunk prefill) against the uncached engine's TTFT."""
+  import tinyhet  # noqa: F401  (HET)
+  from tinyhet.engine.local_engine import LocalEngine
+  from tinyhet.model.spec import load
+  model, _, mid = load(args.model, "HET", quiet=True)
+  vocab, longest = model.cfg.vocab_size, args.system_tokens + args.max_tokens
+  cached, plain = LocalEngine(model, 2 * longest, prefix_cache=True, model_id=mid), LocalEngine(model, longest)
+  rows = []
+  for n in (args.turn_tokens + 40, args.system_tokens):
+    for salt in (4, 5, 6):                            # the first two compile and capture at these lengths (TinyJit: on a 2nd call)
+      ids = [(salt * 7919 + j * 104729) % (vocab - 2) + 1 for j in range(n)]
+      off = plain.generate(ids, 2)
+      cached.generate(ids, 2)
+      on = cached.generate(ids, 2)
+    rows.append({"prompt_tokens": n, "ttft_off_s": round(off[1]["ttft_s"], 5), "ttft_on_s": round(on[1]["ttft_s"], 5),
+                 "cached_tokens": on[1]["cached_tokens"], "same_tokens": on[0] == off[0]})
+  return rows
 
 def table(out: dict) -> str:
   lines = [f"model {out['model']}, {out['system_tokens']}-token system prompt, {out['turns']} turns of {out['turn_tokens']} tokens, "
@@ -94,6 +114,10 @@ def table(out: dict) -> str:
     lines.append(f"one --role both node, the same {a['prompt_tokens']}-token prompt twice: TTFT {a['ttft_s']:.3f} s, "
                  f"then {b['ttft_s']:.3f} s "
                  f"({b['ttft_s'] / a['ttft_s']:.2f}x; {b['cached_tokens']} tokens cached; same tokens: {same})")
+  for r in out.get("local") or []:
+    lines.append(f"single-device engine, a {r['prompt_tokens']}-token prompt again ({r['cached_tokens']} cached): TTFT {r['ttft_on_s']:.3f} s "
+                 f"against {r['ttft_off_s']:.3f} s without the cache ({r['ttft_on_s'] / r['ttft_off_s']:.2f}x; same tokens: "
+                 f"{'yes' if r['same_tokens'] else 'NO'})")
   return "\n".join(lines)
 
 def main(argv=None) -> int:
@@ -106,12 +130,15 @@ def main(argv=None) -> int:
   ap.add_argument("--max-tokens", type=int, default=32)
   ap.add_argument("--kv-memory", default="256M")
   ap.add_argument("--no-both", action="store_true", help="skip the `both` node's repeated prompt")
+  ap.add_argument("--local-only", action="store_true", help="only the single-device engine's rows (no cluster)")
   args = ap.parse_args(argv)
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))    # the nodes and the router it starts share it
+  cluster = not args.local_only
   out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "system_tokens": args.system_tokens, "turns": args.turns,
-         "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens, "off": run_config(False, args), "on": run_config(True, args),
-         "both": None if args.no_both else run_config(True, args, both=True)}
+         "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens, "off": run_config(False, args) if cluster else [],
+         "on": run_config(True, args) if cluster else [], "both": None if args.no_both or not cluster else run_config(True, args, both=True),
+         "local": local_rows(args)}
   out["same_tokens"] = all(a["tokens"] == b["tokens"] for a, b in zip(out["off"], out["on"])) and \
-    (out["both"] is None or out["both"][0]["tokens"] == out["both"][1]["tokens"])
+    (out["both"] is None or out["both"][0]["tokens"] == out["both"][1]["tokens"]) and all(r["same_tokens"] for r in out["local"])
   print(json.dumps(out) if args.json else table(out))
   return 0 if out["same_tokens"] else 1

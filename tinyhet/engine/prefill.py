@@ -135,5 +135,5 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   table = bm.block_table(seq_id)
   table = table + bm.block_table(PAD_SEQ)[:1] * (width - len(table))
   with kernel_threads(model.device):
-    return chunked_prefill(model, Tensor([token_ids[start:]], dtype=dtypes.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
+    return chunked_prefill(model, np.array([token_ids[start:]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
                            start=start, buckets=SUFFIX_BUCKETS).numpy()[0]
