@@ -85,6 +85,42 @@ def test_disaggregated_equals_single_device(small, transport, prompt_len, new):
   assert stats.transfer_gbps == pytest.approx(stats.kv_bytes / stats.transfer_s / 1e9)
   assert stats.ttft_s == pytest.approx(max(stats.prefill_s, max(t.landed_s for t in tl))) and stats.ttft_s >= stats.prefill_s
 
+@pytest.fixture(scope="module")
+def decode16():
+  """A decode node whose blocks are the chunked prefill's (16 tokens): chunks leave from the prefill's own pools as they are."""
+  proc, info = start_decode_node(blocks=64, bs=16)
+  yield info["address"]
+  proc.stdin.close()
+  proc.wait(30)
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_chunked_prefill_sends_each_chunk_as_it_is_made_and_gives_the_unchunked_tokens(small, decode16, transport):
+  # a 100-token prompt (its bucket 112) in chunks of 32: each layer leaves in 4 pieces (32, 32, 32, then the 4 real tokens
+  # of the last chunk), each piece's blocks written from the prefill's pool once that chunk's layer is computed; the decode
+  # node starts only once every piece of every layer has landed; greedy tokens equal the unchunked reference's
+  model, _ = small
+  prompt = [int(t) for t in np.random.default_rng(100).integers(0, SMALL["vocab_size"], 100)]
+  want = model.reference_generate(prompt, 6, temperature=0.0)
+  model.prefill_chunk = 32
+  try:
+    client = DecodeClient(local_node(), decode16, model, "small-random", transport)
+    try: got, stats = client.generate(prompt, 6)
+    finally: client.close()
+  finally: model.prefill_chunk = 0
+  assert got == want
+  assert stats.kv_writes == 4 * model.cfg.n_layers and stats.kv_bytes == model.cfg.n_layers * 7 * 2 * 2 * 16 * 16 * 2   # 7 blocks a layer
+  assert [t.layer for t in stats.timeline] == list(range(model.cfg.n_layers)) and all(0 < t.posted_s <= t.landed_s for t in stats.timeline)
+
+def test_a_decode_node_of_another_notice_format_is_refused_in_one_line():
+  from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible
+  cfg = small_config(**SMALL)
+  info = {"model": "m", "config": {k: getattr(cfg, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "dim")}}
+  check_compatible(cfg, "m", {**info, "kv_notice_format": 2}, "at x")
+  for old in (info, {**info, "kv_notice_format": 1}):
+    with pytest.raises(IncompatibleDecodeNode, match=r"^decode node at x speaks KV notice format 1, this node 2: run the same tinyhet version") as e:
+      check_compatible(cfg, "m", old, "at x")
+    assert "\n" not in str(e.value)
+
 def test_one_client_serves_a_shorter_prompt_after_a_longer_one(small):
   """A client keeps its host region between requests (tinyhet.kv.sender.SendBuffers): a request smaller than the one that
   sized it packs into its first bytes. Both equal the single-device tokens."""

@@ -6,7 +6,8 @@ A sequence arrives in three steps, each a control request (tinyhet.runtime.contr
                    (tcp lets only the writer write, and only into these blocks; the writer is the reserving peer, or the node
                    named by `writer`, as a router names its prefill node). The blocks are held (admission
                    waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
-                   one transport write per layer, notification (seq_id << 8) | layer (counted only from the writer).
+                   one transport write per layer or per chunk of a layer, each with a notice (tinyhet.kv.notices: sequence,
+                   layer, piece, last; counted only from the writer).
   decode.generate  the first token (sampled by the prefill node) and sampling options (the prefill node's seed: draws depend on
                    (seed, position) only, so the stream goes on where it began) -> once every layer's notice has
                    arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
@@ -23,7 +24,7 @@ from dataclasses import asdict
 import numpy as np
 from tinygrad import dtypes
 from tinyhet.device.backend import region_of
-from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, split_notice
+from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, NOTICE_FORMAT, Landing, split_notice
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_prompt, is_int
@@ -72,7 +73,7 @@ class DecodeNode:
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
     self.seq_ids = itertools.count(1)
     self.live_ids: set[int] = set()         # ids handed out and not yet detached: new_seq_id skips them when the counter wraps
-    self.landed: dict[int, set[int]] = {}   # seq_id -> layers whose notice arrived
+    self.landed: dict[int, Landing] = {}    # seq_id -> the pieces of its layers whose notices arrived
     self.engine = DecodeEngine(model, self.cache)   # the jitted decode step; it holds PAD_SEQ's block
     self.stopped = False
     self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
@@ -90,7 +91,8 @@ class DecodeNode:
   def _serve_info(self, conn) -> dict:
     c, bm = self.model.cfg, self.cache.block_manager
     with self.cond: open_seqs = len(self.scheduler.incoming) + len(self.scheduler.running) + len(self.scheduler.waiting)
-    return {"model": self.model_id, "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
+    return {"model": self.model_id, "kv_notice_format": NOTICE_FORMAT,
+            "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
             "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
             "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(), "host": host_id(),
             # what a long-lived or misbehaving peer could make grow: the soak and fuzz tests watch these stay flat
@@ -126,7 +128,7 @@ class DecodeNode:
       except BaseException:
         self.live_ids.discard(seq.seq_id)
         raise
-      self.landed[seq.seq_id] = set()
+      self.landed[seq.seq_id] = Landing(self.model.cfg.n_layers)
       cached = self.cache.block_manager.cached_length(seq.seq_id)
       # a hit's shared blocks are not the writer's: it writes (and its descriptors cover) the suffix's blocks only
       blocks = self.cache.block_manager.block_table(seq.seq_id)[cached // self.cache.block_size:]
@@ -266,15 +268,14 @@ class DecodeNode:
       if self.limbo: self._settle_limbo()
 
   def _notice(self, n):
-    seq_id, layer = split_notice(n.value)
+    seq_id, layer, piece, last = split_notice(n.value)
     with self.cond:
-      seq, layers = self.scheduler.incoming.get(seq_id), self.landed.get(seq_id)
-      if seq is None or layers is None or layer >= self.model.cfg.n_layers or n.peer != seq.extra["owner"]:
-        self.rejected_notices += 1             # released, stale, or not this peer's to give
+      seq, landing = self.scheduler.incoming.get(seq_id), self.landed.get(seq_id)
+      if seq is None or landing is None or n.peer != seq.extra["owner"] or not landing.add(layer, piece, last):
+        self.rejected_notices += 1             # released, stale, not this peer's to give, or a piece that does not fit (Landing.add)
         return
-      layers.add(layer)
-      seq.extra.setdefault("landed_at", {})[str(layer)] = n.time     # for the prefill node's transfer figures
-      if len(layers) < self.model.cfg.n_layers: return
+      if layer in landing.done: seq.extra.setdefault("landed_at", {}).setdefault(str(layer), n.time)   # the prefill node's transfer figures
+      if not landing.complete(): return
       if self.limbo.pop(seq_id, None) is None:
         seq.extra["layers"].set()
         return

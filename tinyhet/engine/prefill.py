@@ -14,8 +14,8 @@ from tinyhet.model.sampling import Sampler
 class LayerTimes:
   """When one layer's KV went where, in seconds from the request's start."""
   layer: int
-  computed_s: float       # its K, V realized on HET
-  posted_s: float         # packed and handed to the transport (by the writer thread)
+  computed_s: float       # its K, V realized on HET (a layer sent in chunks: its last chunk's)
+  posted_s: float         # packed and handed to the transport (by the writer thread; in chunks: its first chunk, often before computed_s)
   landed_s: float         # every byte in the decode node's blocks: the receiver's notice or the writer's completion, whichever came first
 
 @dataclass
@@ -24,6 +24,7 @@ class GenerationStats:
   ttft_s: float = 0.0               # request start -> first token sampled AND every layer landed (the decode node can go on)
   prefill_s: float = 0.0            # request start -> first token sampled on HET
   kv_bytes: int = 0                 # bytes written to the decode node (whole blocks, all layers)
+  kv_writes: int = 0                # transport writes of them: one a layer, or one a chunk of a layer (a chunked prefill's pieces)
   transfer_s: float = 0.0           # time bytes were moving: the union over layers of [posted, landed]
   transfer_gbps: float = 0.0        # kv_bytes / transfer_s
   kv_tail_s: float = 0.0            # first token sampled -> last layer landed (0 when every layer landed before)
@@ -53,20 +54,20 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     end = b
   return total
 
-def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16, on_layer=None, progress=None) -> np.ndarray:
+def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16, on_layer=None, progress=None, on_chunk=None) -> np.ndarray:
   """Prefill the prompt padded to its bucket on the model's device: the logits (vocab,) of its last token. on_layer(l, k, v)
   gets each layer's K, V (to send, or to store); progress(layers done), if given, as each layer finishes (see
-  prefill_progress)."""
+  prefill_progress); on_chunk(...): a chunked prefill's chunks of each layer as they exist (Llama.prefill)."""
   padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
   if progress is not None: progress(0)
   return model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
-                       n_valid=len(prompt_ids), progress=progress).numpy()[0]
+                       n_valid=len(prompt_ids), progress=progress, on_chunk=on_chunk).numpy()[0]
 
 def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, kv_dtype=dtypes.float16, on_layer=None,
-                        progress=None) -> tuple[int, np.ndarray]:
+                        progress=None, on_chunk=None) -> tuple[int, np.ndarray]:
   """prefill_logits, then the first token sampled from them: (token, logits). The disaggregated path passes on_layer to send
   each layer; without it this is the same prefill with no transfer."""
-  logits = prefill_logits(model, prompt_ids, kv_dtype, on_layer, progress)
+  logits = prefill_logits(model, prompt_ids, kv_dtype, on_layer, progress, on_chunk)
   return sampler(logits, len(prompt_ids), prompt_ids), logits
 
 def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0, out=None):

@@ -17,8 +17,10 @@ context lengths and the block count are inputs, so one capture serves every chun
 that many blocks. The logits of the prompt's last row are a capture too (its row an input).
 
 on_layer(l, k, v) gets a layer's K, V (T, n_kv, head_dim) once its last chunk has been stored (read back out of the pool),
-so the stream to a decode node overlaps the last chunk's compute. (Sending each chunk's K, V as it is made, with notices per
-chunk, is not built yet.)
+so the stream to a decode node overlaps the last chunk's compute. on_chunk, where given, gets each chunk's blocks of each
+layer as soon as they are stored (the prefill's own pool is in the decode node's block layout: a sender writes those blocks
+from it as they are, tinyhet.kv.sender.KVSender.send_chunk), so a prompt's first chunks can be on the decode node before
+its last one is computed.
 """
 from __future__ import annotations
 import numpy as np
@@ -31,7 +33,7 @@ from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_at
 from tinyhet.model.layer_jit import FINISH, QKV, Replay, allocated, layer_from, layer_tensors, signature
 
 DEFAULT_CHUNK = 512
-SUFFIX_BUCKETS = (16, 64, 256)   # the shorter captured lengths a cached prefix's suffix may run at (tinyhet.engine.prefill)
+SUFFIX_BUCKETS = (16, 32, 64, 128, 256)   # the shorter captured lengths a cached prefix's suffix may run at (tinyhet.engine.prefill)
 BLOCK = 16        # tokens per block of the prefill's own pools (any size works; 16 is the decode node's default)
 
 def chunk_plan(T: int, chunk: int, start: int = 0) -> list[tuple[int, int]]:
@@ -68,9 +70,10 @@ class ChunkJit:
     self.tables = allocated(Tensor.zeros(C, nb, dtype=dtypes.int32, device=dev).contiguous().realize())   # every row: the sequence's table
     self.table: tuple[int, ...] | None = None                                    # what self.tables holds
     self.row = allocated(Tensor.empty(1, dtype=dtypes.int32, device=dev))        # the prompt's last row inside this chunk
-    self.logits = Replay(lambda x, row: model._logits(x[:, row]).realize())        # captured too: no scheduling per suffix length
+    # captured on their first call (the halves capture on their second, the next layer's): a new chunk length's second use replays
+    self.logits = Replay(lambda x, row: model._logits(x[:, row]).realize(), capture_first=True)
     self.embed = Replay(lambda tokens, pos, x_out, cos_out, sin_out: Tensor.realize(
-      x_out.assign(model.embed(tokens)), *(o.assign(t) for o, t in zip((cos_out, sin_out), model.rope(pos.reshape(1, C))))))
+      x_out.assign(model.embed(tokens)), *(o.assign(t) for o, t in zip((cos_out, sin_out), model.rope(pos.reshape(1, C))))), capture_first=True)
     self.max_blocks = max_blocks_var(nb)
 
   def half(self, layer: int, names: tuple[str, ...]) -> Replay:
@@ -91,7 +94,7 @@ class ChunkJit:
       self.halves[key] = Replay(finish)
     return self.halves[key]
 
-KEEP = 6   # chunk captures kept per model, the most recently used: the chunk length's and the suffix buckets' (SUFFIX_BUCKETS)
+KEEP = 8   # chunk captures kept per model, the most recently used: the chunk length's and the suffix buckets' (SUFFIX_BUCKETS)
 
 def chunk_jit(model, C: int, nb: int, kv_dtype: DType, pool_shape: tuple[int, ...] = ()) -> ChunkJit:
   """The model's captures for chunks of C tokens over tables of nb blocks and pools of pool_shape (made on first use)."""
@@ -118,17 +121,23 @@ def _write(t: Tensor, a: np.ndarray) -> None:
   buf.copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
 
 def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer=None, progress=None, n_valid: int | None = None,
-                    pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0, buckets: tuple[int, ...] = ()) -> Tensor:
+                    pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0, buckets: tuple[int, ...] = (),
+                    on_chunk=None) -> Tensor:
   """tokens (1, T) int32 (a Tensor, or ids on the host) at positions start..start+T-1 -> logits (1, vocab) of row n_valid - 1 (default T - 1).
   pools/table: per-layer pools holding the K, V of positions 0..start-1 at the blocks of `table` (its entries cover at
   least the plan's positions, the last chunk's pads included); None makes the prompt's own (start must be 0). The last
   chunk is padded to its captured length (padded_plan; buckets: the shorter lengths it may take); its pads land in slots past
-  the prompt (the table's entries there: a scratch block), masked for the prompt's rows."""
+  the prompt (the table's entries there: a scratch block), masked for the prompt's rows.
+  on_chunk(l, pool, b0, b1, piece, n_pieces) -> bool, with the prefill's own pools and chunks of whole blocks: called as soon
+  as a chunk's K, V of layer l are in pools[l], its blocks b0..b1-1 (the prompt's, pads past n_valid left out; a chunk of
+  pads alone is no piece); True: it took them (on_layer is not called for that layer), False at piece 0: on_layer gets the
+  layer whole at the end."""
   cfg = model.cfg
   T = len(tokens[0]) if not isinstance(tokens, Tensor) else tokens.shape[1]
   n_valid = T if n_valid is None else n_valid
   plan = padded_plan(T, chunk, start, buckets)
   span = plan[-1][0] + plan[-1][2]                            # positions the pools must hold, the last chunk's pads included
+  own = pools is None                                          # the prompt's own pools: block i holds prompt positions of block i
   if pools is None:
     if start: raise ValueError("chunked_prefill: start > 0 needs the pools holding the tokens before")
     pools, nb = prompt_pools(model, span, kv_dtype)
@@ -136,6 +145,8 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
   elif table is None or len(table) * (pools[0].shape[3] // cfg.head_dim) < span:
     raise ValueError(f"chunked_prefill: the block table must cover {span} positions")
   nb, bs = len(table), pools[0].shape[3] // cfg.head_dim
+  real = [c for c in plan if c[0] - start < n_valid]                   # chunks holding prompt rows: the pieces on_chunk sends
+  whole = set() if on_chunk is not None and own and all(C % bs == 0 for _, _, C in plan[:-1]) else set(range(cfg.n_layers))
   toks = (tokens.numpy() if isinstance(tokens, Tensor) else np.asarray(tokens)).astype(np.int32).reshape(-1)
   for ci, (p0, n, C) in enumerate(plan):
     cj = chunk_jit(model, C, nb, kv_dtype, tuple(pools[0].shape))
@@ -150,7 +161,10 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
     for l in range(cfg.n_layers):
       w = model.w.layers[l]
       cj.half(l, QKV)(x, cj.cos, cj.sin, cj.q, pools[l], cj.tables, cj.pos, *layer_tensors(w, QKV))
-      if on_layer is not None and ci == len(plan) - 1:            # the layer's K, V are all in place: hand them out
+      if l not in whole and ci < len(real):                       # this chunk's blocks of the layer leave now
+        b1 = ceildiv(min(p0 + n, start + n_valid), bs)
+        if not on_chunk(l, pools[l], p0 // bs, b1, ci, len(real)): whole.add(l)
+      if on_layer is not None and l in whole and ci == len(plan) - 1:    # the layer's K, V are all in place: hand them out
         k, v = unpack_kv(pools[l][:ceildiv(start + T, bs)] if table == list(range(nb)) else pools[l][Tensor(table[:ceildiv(start + T, bs)])],
                          start + T, cfg.head_dim)
         on_layer(l, k.contiguous().realize(), v.contiguous().realize())

@@ -122,9 +122,13 @@ class PrefillNode:
       kept.append((layer, k, v))
       sender.send(layer, k, v)
 
+    def send_chunk(*piece) -> bool:     # a chunked prefill's blocks of a layer, as each chunk computes them
+      if isinstance(sender.writer.error, CallerGone): raise sender.writer.error
+      return sender.send_chunk(*piece)
+
     sampler = job.sampling["sampler"]
     try:
-      _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer)
+      _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer, on_chunk=send_chunk)
       first = sampler.draw(logits, len(job.prompt_ids), job.prompt_ids)     # the same draw again, with its logprobs when asked for
       t_prefill = time.perf_counter()
       try: transfers = sender.finish(60)
@@ -132,8 +136,9 @@ class PrefillNode:
         sender.abort()
         if job.caller_gone(): raise CallerGone("the router gave the reservation up during the transfer") from None
         peer, _ = self._decoder(job.decode, fresh=True)
-        sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
+        sender, old = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted), sender
         for layer, k, v in kept: sender.send(layer, k, v)
+        sender.resend_pieces(old)
         transfers = sender.finish(60)
     except BaseException:
       sender.abort()                            # kept layers and staging buffers outlive the writes that read them
