@@ -142,3 +142,53 @@ def test_an_8k_prompt_stays_within_kv_plus_chunk_memory(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   r = json.loads(out.stdout.strip().splitlines()[-1])
   assert r["added"] < r["kv"] + (64 << 20), r
+
+BOUND = r"""
+import json, sys, time, dataclasses, numpy as np, tinyhet
+from tinygrad import dtypes
+from tinyhet.model.llama import LLAMA31_8B, Llama, random_weights
+shape, T, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def status(key):                                   # bytes, from /proc/self/status
+  return next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith(key + ":"))
+if shape == "smollm2":                             # SmolLM2-135M's real weights, its first 2 layers only (the bound is per layer)
+  from tinyhet.model.weights import load_model
+  m, _ = load_model(None, device="MESH", n_layers=2, quiet=True, packed=True)
+else:                                              # Llama-3.1-8B's shape, 2 layers, random float32 weights
+  cfg = dataclasses.replace(LLAMA31_8B, n_layers=2, max_context=T)
+  m = Llama(cfg, random_weights(cfg, device="MESH"), "MESH")
+m.prefill_chunk = chunk
+rng = np.random.default_rng(0)
+ids = lambda n: [int(t) for t in rng.integers(0, m.cfg.vocab_size, n)]
+from tinyhet.engine.prefill import prefill_logits
+prefill_logits(m, ids(chunk + 16))                 # compiles the chunk captures' kernels (a 2-chunk prompt)
+open("/proc/self/clear_refs", "w").write("5")      # the peak RSS (VmHWM) starts again from the RSS now
+before, t0 = status("VmRSS"), time.perf_counter()
+logits = prefill_logits(m, ids(T))
+print(json.dumps({"rss_before": before, "peak": status("VmHWM"), "added": status("VmHWM") - before, "weights": m.w.nbytes(),
+                  "kv": T * m.cfg.kv_bytes_per_token(dtypes.float16), "seconds": time.perf_counter() - t0,
+                  "finite": bool(np.isfinite(logits).all())}))
+"""
+
+def prefill_peak(shape: str, T: int, chunk: int = 512, timeout: int = 900) -> dict:
+  """Peak RSS of a T-token chunked prefill in a fresh process, above the RSS it had before (weights loaded, captures made)."""
+  out = subprocess.run([sys.executable, "-c", BOUND, shape, str(T), str(chunk)], capture_output=True, text=True, timeout=timeout, env=os.environ)
+  assert out.returncode == 0, out.stderr[-2000:]
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert r["finite"], r
+  return r
+
+@pytest.mark.slow
+def test_an_8k_prompt_of_smollm2_adds_at_most_kv_plus_256_mib():
+  # SmolLM2-135M's real shape and weights (2 of its 30 layers, as stored: Q8_0/Q4 blocks), 8,192 tokens in chunks of 512:
+  # peak = weights + KV + O(chunk x width); the 8K target: at most 256 MiB above weights + KV
+  r = prefill_peak("smollm2", 8192)
+  assert r["added"] <= r["kv"] + (256 << 20), r
+
+@pytest.mark.skipif(not os.environ.get("LONG_PREFILL_32K"), reason="~46 TFLOP of prefill (an hour or more on 2 CPU cores): "
+                    "run it with LONG_PREFILL_32K=1 .venv/bin/python -m pytest -q tests/test_chunked_prefill.py -k 32k")
+def test_a_32k_prompt_of_the_llama_31_8b_shape_stays_within_kv_plus_1_gib():
+  # Llama-3.1-8B's shape (dim 4096, 32 heads, 8 KV heads, hidden 14336, vocabulary 128,256), 2 layers of random weights,
+  # 32,768 tokens in chunks of 512: within weights + KV + 1 GiB (the dense path's scores alone: 128 GiB a layer)
+  r = prefill_peak("llama31-8b", 32768, timeout=6 * 3600)
+  assert r["added"] <= r["kv"] + (1 << 30), r
+
