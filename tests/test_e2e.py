@@ -110,6 +110,7 @@ def test_a_chunked_prefill_sends_each_chunk_as_it_is_made_and_gives_the_unchunke
   assert got == want
   assert stats.kv_writes == 4 * model.cfg.n_layers and stats.kv_bytes == model.cfg.n_layers * 7 * 2 * 2 * 16 * 16 * 2   # 7 blocks a layer
   assert [t.layer for t in stats.timeline] == list(range(model.cfg.n_layers)) and all(0 < t.posted_s <= t.landed_s for t in stats.timeline)
+  assert stats.transfer_s > 0 and stats.transfer_gbps == pytest.approx(stats.kv_bytes / stats.transfer_s / 1e9)   # over the pieces' writes
 
 def test_a_decode_node_of_another_notice_format_is_refused_in_one_line():
   from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible
