@@ -186,6 +186,7 @@ def test_an_8k_prompt_of_smollm2_adds_at_most_kv_plus_256_mib():
 
 @pytest.mark.skipif(not os.environ.get("LONG_PREFILL_32K"), reason="~46 TFLOP of prefill (an hour or more on 2 CPU cores): "
                     "run it with LONG_PREFILL_32K=1 .venv/bin/python -m pytest -q tests/test_chunked_prefill.py -k 32k")
+@pytest.mark.timeout(6 * 3600)
 def test_a_32k_prompt_of_the_llama_31_8b_shape_stays_within_kv_plus_1_gib():
   # Llama-3.1-8B's shape (dim 4096, 32 heads, 8 KV heads, hidden 14336, vocabulary 128,256), 2 layers of random weights,
   # 32,768 tokens in chunks of 512: within weights + KV + 1 GiB (the dense path's scores alone: 128 GiB a layer)
