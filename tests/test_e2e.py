@@ -228,6 +228,33 @@ def test_service_prefill_node_sends_layers_from_device_memory(small, unregistere
   assert reply["kv_bytes"] == model.cfg.n_layers * len(r["blocks"]) * r["block_bytes"]
   assert reply["staging_waits"] <= max(0, model.cfg.n_layers - n_buffers) and pn.status()["queued_tokens"] == 0
 
+def test_service_prefill_node_sends_a_chunked_prompt_chunk_by_chunk(small, decode16):
+  """The service's prefill node with a prompt past the chunk length (70 tokens, chunks of 32): each layer leaves in 3 pieces
+  from the chunked prefill's pools (kv_bytes: every block once); the decode node's tokens are the unchunked reference's."""
+  model, _ = small
+  prompt = [int(t) for t in np.random.default_rng(6).integers(0, SMALL["vocab_size"], 70)]
+  want = model.reference_generate(prompt, 5, temperature=0.0)
+  node = local_node()
+  pn = PrefillNode(model, node, "small-random", "tcp")
+  decode, prefill = ControlClient(node.endpoint, decode16), ControlClient(node.endpoint, node.serve())
+  reply: dict = {}
+  model.prefill_chunk = 32
+  try:
+    r = decode.call("decode.reserve", prompt_ids=prompt, max_new_tokens=5)
+    asking = threading.Thread(target=lambda: reply.update(prefill.call("prefill.run", prompt_ids=prompt, decode=decode16, reservation=r)))
+    asking.start()
+    pn.run_one(timeout=30)
+    asking.join(30)
+    got = [reply["first_token"]] + [i["token"] for i in decode.stream("decode.generate", seq_id=r["seq_id"], first_token=reply["first_token"],
+                                                                      temperature=0.0, top_p=1.0, seed=reply["seed"], stop_ids=[]) if "token" in i]
+    info = decode.call("decode.info")
+  finally:
+    model.prefill_chunk = 0
+    decode.close(), prefill.close(), pn.close()
+  assert got == want
+  assert reply["kv_bytes"] == model.cfg.n_layers * len(r["blocks"]) * r["block_bytes"] and len(r["blocks"]) == 5
+  assert reply["kv_writes"] == 3 * model.cfg.n_layers and info["rejected_notices"] == 0     # its bucket 80: chunks 32, 32, 16
+
 @given(hst.lists(hst.tuples(hst.floats(0, 5), hst.floats(0, 1), hst.floats(0, 3), hst.floats(0, 3)), min_size=1, max_size=12),
        hst.booleans())
 @settings(max_examples=200, deadline=None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue, select, socket, threading, time  # select.poll: select.select raises for a descriptor >= 1024
 from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
-from tinyhet.kv.sender import KVSender, SendBuffers
+from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
 from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible, check_prompt
 from tinyhet.engine.prefill import busy_time, prefill_first_token
 from tinyhet.runtime.control import ControlClient
@@ -151,6 +151,7 @@ class PrefillNode:
       lp["prompt_logprobs"] = prompt_logprobs(self.model, job.prompt_ids, sampler.prompt_logprobs, kv_dtype)
     return {"first_token": first.token, **lp, "seed": sampler.seed, "prefill_s": t_prefill - t0, "kv_bytes": kv_bytes, "transfer_s": transfer_s,
             "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0, "staging_waits": sender.staging_waits,
+            "kv_writes": sum(len(t.transfers) if isinstance(t, Pieces) else 1 for t in transfers.values()),   # a chunked layer: one a piece
             "node": self.node.name}
 
   def close(self):
