@@ -334,12 +334,12 @@ def table(out: dict) -> str:
     vals = {e: pick(e) for e in engines}
     best = max((vals[e] for e in others if vals[e]), default=None) if ratio else None
     ratio = f"{vals['tinyhet'] / best:>13.2f}x" if best and vals.get("tinyhet") else ""
-    lines.append(f"{label:22}" + "".join(f"{fmt(vals[e]):>18}" for e in engines) + ratio)
+    lines.append(f"{label:22}" + "".join(f"{fmt(vals[e]) if vals[e] is not None else '-':>18}" for e in engines) + ratio)
   for n in sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"]}):
-    rate = lambda e: next(r["prefill_tok_s"] for r in rows if r["engine"] == e and r["prefill_tok_s"] and r["prompt_tokens"] == n)
+    rate = lambda e: next((r["prefill_tok_s"] for r in rows if r["engine"] == e and r["prefill_tok_s"] and r["prompt_tokens"] == n), None)
     line(f"prefill {n} tok/s", rate, lambda v: f"{v:.1f}")
   for b in sorted({r["batch"] for r in rows if r["decode_tok_s"]}):
-    pick = lambda e, k: next(r[k] for r in rows if r["engine"] == e and r["decode_tok_s"] and r["batch"] == b)
+    pick = lambda e, k: next((r[k] for r in rows if r["engine"] == e and r["decode_tok_s"] and r["batch"] == b), None)
     line(f"decode batch {b} tok/s", lambda e: pick(e, "decode_tok_s"), lambda v: f"{v:.1f}")
     line("  read share", lambda e: pick(e, "read_share"), lambda v: f"{v:.0%}", ratio=False)
   res = {r["engine"]: r["weights_resident"] for r in rows if r.get("weights_resident")}

@@ -1,10 +1,14 @@
 """tinyhet bench qmm: the matmul kernels (kernels/quant_matmul.py) per weight type against the path they replaced, on one
 core, timed as this thread's CPU time (steadier than wall time on a shared machine): tinygrad's own kernels on the lazily
 dequantized weights (a matrix-vector product at one row; at many rows a float32 copy of the matrix, then a float matmul),
-the path every type but Q4_0/Q4_1/Q8_0 took before. One (N, K) matrix of random blocks."""
+the path every type but Q4_0/Q4_1/Q8_0 took before; and llama.cpp's own ggml_mul_mat on the same blocks (bench/ggml_matmul.py:
+libggml-cpu from llama-cpp-python's wheel, one thread, its plain path: x converted to the type's vec_dot type, no repacking).
+One (N, K) matrix of random blocks."""
 from __future__ import annotations
 import argparse, json, sys, time
 import numpy as np
+
+REPS = 8
 
 def cpu_time(fn, n: int) -> float:
   for _ in range(2): fn()
@@ -18,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--rows", default="1,16,512", help="rows of x")
   ap.add_argument("--shape", default="1536,1536", help="N,K of the weight")
   ap.add_argument("--int8", action="store_true", help="also the int8-activation kernel (block types, up to 32 rows)")
+  ap.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's ggml_mul_mat (llama-cpp-python not installed)")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   import tinyhet  # noqa: F401  (MESH)
@@ -37,23 +42,33 @@ def main(argv: list[str] | None = None) -> int:
     if t == qb.F16: old_w = old_w.cast(dtypes.float16).realize()
     for M in (int(m) for m in args.rows.split(",")):
       x = rng.standard_normal((M, K)).astype(np.float32)
-      xm, xc = Tensor(x, device="MESH").realize(), Tensor(x, device="CPU").realize()
-      new = TinyJit(lambda x: qmm.quant_matmul(x, b, t, (N, K), 1).realize())
+      xc = Tensor(x, device="CPU").realize()
+      # REPS products in one jitted call, each on its own copy of x: the jit's fixed cost per call (~0.1 ms of Python, which
+      # a model's step pays once for all its kernels) is spread over them; times below are per product
+      xm = [Tensor(x, device="MESH").realize() for _ in range(REPS)]
+      new = TinyJit(lambda *xs: Tensor.realize(*[qmm.quant_matmul(xi, b, t, (N, K), 1) for xi in xs]))
       def old_fn(x):
         w = old_w.dequantize() if isinstance(old_w, PackedWeight) else old_w
         if M > 8: w = w.contiguous()              # the float32 copy the old linear made for more than 8 rows
         return x.matmul(w.T, dtype=dtypes.float32).realize()
       old = TinyJit(old_fn)
-      n = max(2, 400 // M)
-      with kernel_threads("MESH"): t_new = cpu_time(lambda: new(xm), n)
+      n = max(2, 100 // M)
+      with kernel_threads("MESH"): t_new = cpu_time(lambda: new(*xm), n) / REPS
       t_old = cpu_time(lambda: old(xc), max(2, n // 4))
       rows.append({"type": name, "rows": M, "new_ms": t_new * 1e3, "old_ms": t_old * 1e3, "speedup": t_old / t_new,
                    "new_weight_gbps": b.nbytes() / t_new / 1e9, "new_gflops": 2 * M * N * K / t_new / 1e9})
       r = rows[-1]
+      if not args.no_ggml:
+        from bench.ggml_matmul import GgmlMatmul
+        g = GgmlMatmul(raw, t, (N, K), x)
+        r["ggml_ms"] = cpu_time(g, n) * 1e3
+        if not args.json:
+          print(f"{name:5} {M:4} rows: ggml_mul_mat {r['ggml_ms']:8.3f} ms: the float kernel is {r['ggml_ms'] / r['new_ms']:.2f}x llama.cpp")
       if args.int8 and M <= qmm.DECODE_MAX_M and "_int8" in qmm.kernel_source(t, M, N, K, 1, int8=True)[0]:
-        i8 = TinyJit(lambda x: qmm.quant_matmul(x, b, t, (N, K), 1, int8=True).realize())
-        with kernel_threads("MESH"): r["int8_ms"] = cpu_time(lambda: i8(xm), n) * 1e3
-        if not args.json: print(f"{name:5} {M:4} rows: int8 kernel {r['int8_ms']:8.3f} ms, {r['new_ms'] / r['int8_ms']:.2f}x the float kernel")
+        i8 = TinyJit(lambda *xs: Tensor.realize(*[qmm.quant_matmul(xi, b, t, (N, K), 1, int8=True) for xi in xs]))
+        with kernel_threads("MESH"): r["int8_ms"] = cpu_time(lambda: i8(*xm), n) / REPS * 1e3
+        vs = f", {r['ggml_ms'] / r['int8_ms']:.2f}x llama.cpp" if "ggml_ms" in r else ""
+        if not args.json: print(f"{name:5} {M:4} rows: int8 kernel {r['int8_ms']:8.3f} ms, {r['new_ms'] / r['int8_ms']:.2f}x the float kernel{vs}")
       if not args.json: print(f"{name:5} {M:4} rows: kernel {r['new_ms']:8.3f} ms ({r['new_weight_gbps']:5.1f} GB/s of weights, "
                               f"{r['new_gflops']:5.1f} GFLOP/s)  old path {r['old_ms']:9.3f} ms  {r['speedup']:6.1f}x", flush=True)
   if args.json: print(json.dumps({"shape": [N, K], "rows": rows}))

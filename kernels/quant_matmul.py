@@ -23,6 +23,7 @@ import dataclasses, functools, math
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
 from tinyhet.kernels.quant_blocks import DEQUANT, LAYOUT, NAMES, QUANTS, supported, supported_int8
+from tinyhet.kernels import kquant_int8
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
 MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
 DECODE_MAX_M = 32        # rows of x up to which the decode kernel runs (measured crossover: 32-64 rows); past it, the tiled one
@@ -296,7 +297,12 @@ INLINE void tile8(float *restrict out, const u8 *restrict w, const float *restri
     for (int i = 0; i < mt; i++) out[(size_t)(m0 + i) * N + r] = hsum(acc[i]) + ((macc[i][0] + macc[i][1]) + (macc[i][2] + macc[i][3]));
   }
 }
+%(kint8)s
+#if INT8 == 2
+#define TILE tile8k
+#else
 #define TILE tile8
+#endif
 #else
 #define TILE tile
 #endif
@@ -327,13 +333,16 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   # the 32-weight types pay for x's rounding more than the integer products save at a few rows (measured: 0.4-0.7x at one row,
   # 1.1-1.3x at 16); the K-quants gain from one row on (1.3-1.6x at one, ~2x at 16)
   int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
-  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{'_int8' if int8 else ''}"
+  # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
+  int8 = int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
+  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{'_int8' if int8 else ''}{'k' if int8 == 2 else ''}"
   qb, sbb = LAYOUT[ggml_type]
   return name, _SOURCE % {"name": name, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled), "KC": KC,
                           "tails": "\n".join(f"    case {i}: if ({i} < MT) TILE(out, w, x, m0, {i}, r0, r1); break;" for i in range(1, MT_MAX)),
                           "micro_tails": "\n".join(f"        case {i}: if ({i} < MR) micro(out, wf, x, m0, {i}, n0, nr, k0, kc); break;"
                                                    for i in range(1, 8)),
-                          "dequant": DEQUANT[ggml_type], "int8": int(int8), "quants": QUANTS.get(ggml_type, ""),
+                          "dequant": DEQUANT[ggml_type], "int8": int8,
+                          "kint8": kquant_int8.source(ggml_type) if int8 == 2 else "", "quants": QUANTS.get(ggml_type, ""),
                           "i32": ", ".join(map(str, range(32))), "i64": ", ".join(map(str, range(64))),
                           **{f"l{k}": ", ".join(str(4 * i + k) for i in range(16)) for k in range(4)}}
 
