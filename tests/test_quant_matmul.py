@@ -189,8 +189,10 @@ def test_int8_mode_is_off_by_default_and_chosen_by_the_environment(monkeypatch):
   assert not any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
   monkeypatch.setenv("TINYHET_INT8_ACTIVATIONS", "1")
   assert any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
-  # F16, BF16 and prefill-sized products have no int8 kernel: the float one, named as such
-  assert "_int8" not in qmm.kernel_source(F16, 1, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q4_K, 64, 64, 256, 1, int8=True)[0]
+  # F16, BF16 and the 32-weight types at prefill sizes have no int8 kernel: the float one, named as such
+  assert "_int8" not in qmm.kernel_source(F16, 1, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q5_0, 64, 64, 256, 1, int8=True)[0]
+  # the K-quants take their int8 kernel at prefill sizes too, unless the tiled (float) kernel is asked for
+  assert "_int8k" in qmm.kernel_source(Q4_K, 64, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q4_K, 64, 64, 256, 1, True, True)[0]
 
 @pytest.mark.parametrize("march", ["native -mno-avx512vnni", "x86-64-v3", "x86-64"], ids=["avx512-no-vnni", "avx2", "x86-64"])
 def test_each_cpu_path_the_source_has(march, tmp_path):
