@@ -3,8 +3,8 @@ super-block of 256 with one scale (llama.cpp's q8_K), so a whole super-block's i
 integers with the sub-blocks' integer scales, and one float multiply-add per super-block and row turns them into the result.
 With AVX-512BW the products and the scaling are vpmaddubsw + vpmaddwd (as llama.cpp's AVX2 code, at 64 bytes); a first
 version with vpdpbusd (VNNI) and a 32-bit multiply by the scales (vpmulld) was slower on Zen 4 (1 row of 1536 x 1536: 0.24
-against 0.14 ms); without AVX-512BW, dot4 (VNNI or a widening sum) and a 32-bit multiply. C, included by kernels/quant_matmul.py's source in its int8 mode (INT8 == 2), where
-dot4, the vector types and the tile shape (MT) are defined.
+against 0.14 ms); without AVX-512BW, dot4 (VNNI or a widening sum) and a 32-bit multiply. C, included by
+kernels/quant_matmul.py's source in its int8 mode (INT8 == 2), where dot4, the vector types and the tile shape (MT) are defined.
 
 Per super-block of W and row of x:
   Q4_K/Q5_K  w = d sc_j q - dmin m_j:  d dx sum_j sc_j (q_j . xq_j)  -  dmin dx sum_j m_j sum(xq_j)     (j: 8 sub-blocks of 32)
