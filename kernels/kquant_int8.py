@@ -28,12 +28,26 @@ typedef short i16x32 __attribute__((vector_size(64)));
 INLINE u8x64 cat32(u8x32 a, u8x32 b) { return __builtin_shufflevector(a, b, %(i64)s); }
 /* 16 lanes, lane i: s[2i] (a[4i] b[4i] + a[4i+1] b[4i+1]) + s[2i+1] (a[4i+2] b[4i+2] + a[4i+3] b[4i+3]): the products with the
    sub-blocks' integer scales s (equal in lanes 2i, 2i+1). With AVX-512BW u8 x s8 into pairs of i16 (no saturation: q <= 63)
-   and an i16 multiply-add with s (vpmaddubsw, vpmaddwd: measured faster than vpdpbusd and a 32-bit multiply, vpmulld) */
-INLINE i32x16 dots(u8x64 a, i8x64 b, i16x32 s) {
-#if defined(__AVX512BW__)
-  return __builtin_ia32_pmaddwd512(__builtin_ia32_pmaddubsw512((i8x64)a, b), s);
+   and an i16 multiply-add with s, added into acc (vpmaddubsw, then vpdpwssd with VNNI or vpmaddwd and an add: measured faster
+   than vpdpbusd and a 32-bit multiply, vpmulld) */
+INLINE i32x16 dots(i32x16 acc, u8x64 a, i8x64 b, i16x32 s) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return __builtin_ia32_vpdpwssd512(acc, (i32x16)__builtin_ia32_pmaddubsw512((i8x64)a, b), (i32x16)s);
+#elif defined(__AVX512BW__)
+  return acc + __builtin_ia32_pmaddwd512(__builtin_ia32_pmaddubsw512((i8x64)a, b), s);
 #else
-  return dot4(a, b) * __builtin_convertvector(__builtin_shufflevector(s, s, %(even)s), i32x16);
+  return acc + dot4(a, b) * __builtin_convertvector(__builtin_shufflevector(s, s, %(even)s), i32x16);
+#endif
+}
+/* acc + (lane i: a[2i] b[2i] + a[2i+1] b[2i+1]), 16-bit a and b (vpdpwssd, vpmaddwd) */
+INLINE i32x16 madd16(i32x16 acc, i16x32 a, i16x32 b) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  return __builtin_ia32_vpdpwssd512(acc, (i32x16)a, (i32x16)b);
+#elif defined(__AVX512BW__)
+  return acc + __builtin_ia32_pmaddwd512(a, b);
+#else
+  return acc + __builtin_convertvector(__builtin_shufflevector(a, a, %(even)s), i32x16) * __builtin_convertvector(__builtin_shufflevector(b, b, %(even)s), i32x16)
+             + __builtin_convertvector(__builtin_shufflevector(a, a, %(odd)s), i32x16) * __builtin_convertvector(__builtin_shufflevector(b, b, %(odd)s), i32x16);
 #endif
 }
 /* where group c (16 weights, c = 0..15) of a super-block of x goes in xq */
@@ -41,8 +55,9 @@ INLINE int xpos(int c) {
   const int ch = c / 2;
   return KPERM ? 32 * ((ch & 4) | (ch & 1) << 1 | (ch >> 1 & 1)) + 16 * (c & 1) : 16 * c;
 }
-INLINE void quantize_xk(const float *restrict x, int m0, const int mt, i8 *restrict xq, float *restrict xd, i32x16 *restrict b16,
-                        i32x8 *restrict b32) {
+/* per row and super-block: xd the scale, b16 the sums per 16 as 16-bit pairs {sum, 0}, b32 the sums per 32 times xd */
+INLINE void quantize_xk(const float *restrict x, int m0, const int mt, i8 *restrict xq, float *restrict xd, i16x32 *restrict b16,
+                        f32x8v *restrict b32) {
   for (int i = 0; i < mt; i++) for (int s = 0; s < NSB; s++) {
     const float *xs = x + (size_t)(m0 + i) * K + s * 256;
     u32x16 mx = {0};
@@ -67,12 +82,14 @@ INLINE void quantize_xk(const float *restrict x, int m0, const int mt, i8 *restr
     }
     i32x8 g32;
     for (int j = 0; j < 8; j++) g32[j] = g16[2 * j] + g16[2 * j + 1];
-    b16[i * NSB + s] = g16; b32[i * NSB + s] = g32;
+    i16x32 p16;
+    for (int c = 0; c < 16; c++) { p16[2 * c] = (short)g16[c]; p16[2 * c + 1] = 0; }
+    b16[i * NSB + s] = p16; b32[i * NSB + s] = __builtin_convertvector(g32, f32x8v) * (amax / 127.0f);
   }
 }
 
 INLINE void tile8k(float *restrict out, const u8 *restrict w, const float *restrict x, int m0, const int mt, int r0, int r1) {
-  i8 xq[MT * K] __attribute__((aligned(64))); float xd[MT * NSB]; i32x16 b16[MT * NSB]; i32x8 b32[MT * NSB];
+  i8 xq[MT * K] __attribute__((aligned(64))); float xd[MT * NSB]; i16x32 b16[MT * NSB]; f32x8v b32[MT * NSB];
   quantize_xk(x, m0, mt, xq, xd, b16, b32);
   for (int r = r0; r < r1; r++) {
     const u8 *wr = w + (size_t)r * ROWB;
@@ -102,35 +119,37 @@ _SCALES_MINS = """      u32 ut[4]; __builtin_memcpy(ut, b + 4, 12);
       const i16x16 SW = __builtin_convertvector(sm, i16x16);   /* widened once, then one permute per scale vector */
       const i16x32 S0 = __builtin_shufflevector(SW, SW, %(s02)s), S1 = __builtin_shufflevector(SW, SW, %(s13)s),
                    S2 = __builtin_shufflevector(SW, SW, %(s46)s), S3 = __builtin_shufflevector(SW, SW, %(s57)s);
-      const i32x8 Mn = __builtin_convertvector(__builtin_shufflevector(sm, sm, 8, 9, 10, 11, 12, 13, 14, 15), i32x8);
-      const float d = h2f(b), dm = h2f(b + 2);""" % {"s02": _rep(0, 2, n=16), "s13": _rep(1, 3, n=16), "s46": _rep(4, 6, n=16),
+      const float d = h2f(b), dm = h2f(b + 2);
+      const f32x8v Mn = __builtin_convertvector(__builtin_shufflevector(sm, sm, 8, 9, 10, 11, 12, 13, 14, 15), f32x8v) * dm;
+""" % {"s02": _rep(0, 2, n=16), "s13": _rep(1, 3, n=16), "s46": _rep(4, 6, n=16),
                                                   "s57": _rep(5, 7, n=16)}
 
 _KQ_ROWS = """
       for (int i = 0; i < mt; i++) {
         const i8 *xp = xq + (size_t)i * K + s * 256; i8x64 x0, x1, x2, x3;
         __builtin_memcpy(&x0, xp, 64); __builtin_memcpy(&x1, xp + 64, 64); __builtin_memcpy(&x2, xp + 128, 64); __builtin_memcpy(&x3, xp + 192, 64);
-        const i32x16 t = dots(V0, x0, S0) + dots(V1, x1, S1) + dots(V2, x2, S2) + dots(V3, x3, S3)%(offset)s;
+        const i32x16 t = dots(dots(dots(dots(%(offset)s, V0, x0, S0), V1, x1, S1), V2, x2, S2), V3, x3, S3);
         const float dx = xd[i * NSB + s];
         acc[i] += __builtin_convertvector(t, f32x16) * (d * dx);%(mins)s
       }"""
 _MINS = """
-        macc[i] += __builtin_convertvector(Mn * b32[i * NSB + s], f32x8v) * (dm * dx);"""
+        macc[i] += Mn * b32[i * NSB + s];"""
 
 BLOCK = {
   Q4_K: _SCALES_MINS + """
       u8x64 A, B; __builtin_memcpy(&A, b + 16, 64); __builtin_memcpy(&B, b + 80, 64);
-      const u8x64 V0 = A & 15, V1 = A >> 4, V2 = B & 15, V3 = B >> 4;""" + _KQ_ROWS % {"offset": "", "mins": _MINS},
+      const u8x64 V0 = A & 15, V1 = A >> 4, V2 = B & 15, V3 = B >> 4;""" + _KQ_ROWS % {"offset": "(i32x16){0}", "mins": _MINS},
   Q5_K: _SCALES_MINS + """
       u8x64 A, B; u8x32 h; __builtin_memcpy(&A, b + 48, 64); __builtin_memcpy(&B, b + 112, 64); __builtin_memcpy(&h, b + 16, 32);
       const u8x64 H0 = cat32(h, h >> 2), H1 = cat32(h >> 4, h >> 6);
       const u8x64 V0 = (A & 15) | (H0 & 1) << 4, V1 = (A >> 4) | (H0 >> 1 & 1) << 4,
                   V2 = (B & 15) | (H1 & 1) << 4, V3 = (B >> 4) | (H1 >> 1 & 1) << 4;"""
-        + _KQ_ROWS % {"offset": "", "mins": _MINS},
+        + _KQ_ROWS % {"offset": "(i32x16){0}", "mins": _MINS},
   Q6_K: """      const float d = h2f(b + 208), dm = 0.0f; (void)dm;
       i8x16 sc; __builtin_memcpy(&sc, b + 192, 16);
-      const i32x16 SC = __builtin_convertvector(sc, i32x16);
       const i16x16 SW = __builtin_convertvector(sc, i16x16);
+      /* the quants' offset 32 against the sums of x per 16: {-32 sc_g, 0} pairs, one vpdpwssd a row */
+      const i16x32 SCN = __builtin_shufflevector(SW * (short)-32, (i16x16){0}, %(zip)s);
       const i16x32 S0 = __builtin_shufflevector(SW, SW, %(s0)s), S1 = __builtin_shufflevector(SW, SW, %(s1)s),
                    S2 = __builtin_shufflevector(SW, SW, %(s2)s), S3 = __builtin_shufflevector(SW, SW, %(s3)s);
       u8x64 L0, L1; u8x32 h0, h1;
@@ -138,11 +157,13 @@ BLOCK = {
       __builtin_memcpy(&h0, b + 128, 32); __builtin_memcpy(&h1, b + 160, 32);
       const u8x64 H0 = cat32(h0, h0 >> 2), H1 = cat32(h0 >> 4, h0 >> 6), H2 = cat32(h1, h1 >> 2), H3 = cat32(h1 >> 4, h1 >> 6);
       const u8x64 V0 = (L0 & 15) | (H0 & 3) << 4, V1 = (L0 >> 4) | (H1 & 3) << 4, V2 = (L1 & 15) | (H2 & 3) << 4, V3 = (L1 >> 4) | (H3 & 3) << 4;"""
-        % {f"s{c}": _rep(4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3, n=8) for c in range(4)}
-        + _KQ_ROWS % {"offset": " - 32 * (SC * b16[i * NSB + s])", "mins": ""},
+        % {**{f"s{c}": _rep(4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3, n=8) for c in range(4)},
+           "zip": ", ".join(f"{g}, {16 + g}" for g in range(16))}
+        + _KQ_ROWS % {"offset": "madd16((i32x16){0}, SCN, b16[i * NSB + s])", "mins": ""},
 }
 
 def source(ggml_type: int) -> str:
   """The C of the q8_K-style int8 decode tile (tile8k) for `ggml_type`, with its KPERM (x's order) defined."""
   return f"#define KPERM {int(ggml_type != Q6_K)}\n" + SOURCE % {"block": BLOCK[ggml_type], "i64": ", ".join(map(str, range(64))),
-                                                                  "even": ", ".join(str(2 * i) for i in range(16))}
+                                                                  "even": ", ".join(str(2 * i) for i in range(16)),
+                                                                  "odd": ", ".join(str(2 * i + 1) for i in range(16))}
