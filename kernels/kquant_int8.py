@@ -46,8 +46,9 @@ INLINE i32x16 madd16(i32x16 acc, i16x32 a, i16x32 b) {
 #elif defined(__AVX512BW__)
   return acc + __builtin_ia32_pmaddwd512(a, b);
 #else
-  return acc + __builtin_convertvector(__builtin_shufflevector(a, a, %(even)s), i32x16) * __builtin_convertvector(__builtin_shufflevector(b, b, %(even)s), i32x16)
-             + __builtin_convertvector(__builtin_shufflevector(a, a, %(odd)s), i32x16) * __builtin_convertvector(__builtin_shufflevector(b, b, %(odd)s), i32x16);
+#define HALF(v, l) __builtin_convertvector(__builtin_shufflevector(v, v, l), i32x16)
+  return acc + HALF(a, %(even)s) * HALF(b, %(even)s) + HALF(a, %(odd)s) * HALF(b, %(odd)s);
+#undef HALF
 #endif
 }
 /* where group c (16 weights, c = 0..15) of a super-block of x goes in xq */
