@@ -46,7 +46,7 @@ INLINE i32x16 madd16(i32x16 acc, i16x32 a, i16x32 b) {
 #elif defined(__AVX512BW__)
   return acc + __builtin_ia32_pmaddwd512(a, b);
 #else
-#define HALF(v, l) __builtin_convertvector(__builtin_shufflevector(v, v, l), i32x16)
+#define HALF(v, ...) __builtin_convertvector(__builtin_shufflevector(v, v, __VA_ARGS__), i32x16)
   return acc + HALF(a, %(even)s) * HALF(b, %(even)s) + HALF(a, %(odd)s) * HALF(b, %(odd)s);
 #undef HALF
 #endif
