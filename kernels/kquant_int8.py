@@ -54,7 +54,9 @@ INLINE i32x16 madd16(i32x16 acc, i16x32 a, i16x32 b) {
 /* where group c (16 weights, c = 0..15) of a super-block of x goes in xq */
 INLINE int xpos(int c) {
   const int ch = c / 2;
-  return KPERM ? 32 * ((ch & 4) | (ch & 1) << 1 | (ch >> 1 & 1)) + 16 * (c & 1) : 16 * c;
+  /* KPERM 1 (Q4_K/Q5_K): chunks 0, 2, 1, 3, 4, 6, 5, 7; KPERM 2 (Q6_K): chunk 4n + k at 2k + n (both halves' k-th quants in
+     one 64-byte vector, beside the 64 bytes of both halves' high bits) */
+  return KPERM == 1 ? 32 * ((ch & 4) | (ch & 1) << 1 | (ch >> 1 & 1)) + 16 * (c & 1) : 32 * (2 * (ch & 3) + (ch >> 2)) + 16 * (c & 1);
 }
 /* per row and super-block: xd the scale, b16 the sums per 16 as 16-bit pairs {sum, 0}, b32 the sums per 32 times xd */
 INLINE void quantize_xk(const float *restrict x, int m0, const int mt, i8 *restrict xq, float *restrict xd, i16x32 *restrict b16,
@@ -153,18 +155,19 @@ BLOCK = {
       const i16x32 SCN = __builtin_shufflevector(SW * (short)-32, (i16x16){0}, %(zip)s);
       const i16x32 S0 = __builtin_shufflevector(SW, SW, %(s0)s), S1 = __builtin_shufflevector(SW, SW, %(s1)s),
                    S2 = __builtin_shufflevector(SW, SW, %(s2)s), S3 = __builtin_shufflevector(SW, SW, %(s3)s);
-      u8x64 L0, L1; u8x32 h0, h1;
-      __builtin_memcpy(&L0, b, 64); __builtin_memcpy(&L1, b + 64, 64);
-      __builtin_memcpy(&h0, b + 128, 32); __builtin_memcpy(&h1, b + 160, 32);
-      const u8x64 H0 = cat32(h0, h0 >> 2), H1 = cat32(h0 >> 4, h0 >> 6), H2 = cat32(h1, h1 >> 2), H3 = cat32(h1 >> 4, h1 >> 6);
-      const u8x64 V0 = (L0 & 15) | (H0 & 3) << 4, V1 = (L0 >> 4) | (H1 & 3) << 4, V2 = (L1 & 15) | (H2 & 3) << 4, V3 = (L1 >> 4) | (H3 & 3) << 4;"""
-        % {**{f"s{c}": _rep(4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3, n=8) for c in range(4)},
+      /* V_k: the k-th 32 quants of half 0 (bytes 0-31) and of half 1 (32-63): low bits from ql, high from qh's bits 2k, 2k+1 */
+      u8x64 A, B, H; __builtin_memcpy(&A, b, 64); __builtin_memcpy(&B, b + 64, 64); __builtin_memcpy(&H, b + 128, 64);
+      const u8x64 Q0 = __builtin_shufflevector(A, B, %(lo)s), Q1 = __builtin_shufflevector(A, B, %(hi)s);
+      const u8x64 V0 = (Q0 & 15) | (H << 4 & 0x30), V1 = (Q1 & 15) | (H << 2 & 0x30),
+                  V2 = (Q0 >> 4) | (H & 0x30), V3 = (Q1 >> 4) | (H >> 2 & 0x30);"""
+        % {**{f"s{k}": _rep(2 * k, 2 * k + 1, 8 + 2 * k, 9 + 2 * k, n=8) for k in range(4)},
+           "lo": ", ".join(map(str, [*range(32), *range(64, 96)])), "hi": ", ".join(map(str, [*range(32, 64), *range(96, 128)])),
            "zip": ", ".join(f"{g}, {16 + g}" for g in range(16))}
         + _KQ_ROWS % {"offset": "madd16((i32x16){0}, SCN, b16[i * NSB + s])", "mins": ""},
 }
 
 def source(ggml_type: int) -> str:
   """The C of the q8_K-style int8 decode tile (tile8k) for `ggml_type`, with its KPERM (x's order) defined."""
-  return f"#define KPERM {int(ggml_type != Q6_K)}\n" + SOURCE % {"block": BLOCK[ggml_type], "i64": ", ".join(map(str, range(64))),
+  return f"#define KPERM {2 if ggml_type == Q6_K else 1}\n" + SOURCE % {"block": BLOCK[ggml_type], "i64": ", ".join(map(str, range(64))),
                                                                   "even": ", ".join(str(2 * i) for i in range(16)),
                                                                   "odd": ", ".join(str(2 * i + 1) for i in range(16))}
