@@ -6,7 +6,8 @@ tokens, and the share of the machine's read bandwidth a decode step uses.
              node runs them; the GGUF's quantized blocks read by the kernels; float16 KV
   llama.cpp  llama-cpp-python (pip install -e '.[bench]' compiles it; `make bench-setup` builds it as the README says) on the
              same GGUF: one context with a sequence per batch row, each with KV cells of its own (kv_unified off; row 0
-             prefilled, the other rows' cells copies of its cells by llama_memory_seq_cp), float16 KV, flash attention on; `llama.cpp-noflash` the same with it off
+             prefilled, the other rows' cells copies of its cells by llama_memory_seq_cp), float16 KV, flash attention on;
+             `llama.cpp-noflash` the same with it off
   torch      Meta's reference forward in PyTorch bfloat16 (weights dequantized, then cast), scaled_dot_product_attention
              with grouped-query heads, a preallocated KV cache written in place; `torch-f32` the same in float32;
              `torch-compile` bfloat16 with the forward under torch.compile (not in the default list: inductor's compile
