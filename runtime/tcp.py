@@ -252,8 +252,10 @@ def serve(ep, sock: socket.socket, auth: dict):
         last = bool(flags & LAST)
         session.landed(batch, nbytes, offset if last else None, value if flags & NOTIFY else None, (sock, send_lock) if last else None)
       elif op == READ:
-        view = ep.lookup(region, offset, nbytes, session.peer)
-        with send_lock: wire.send_all(sock, [Frame(DATA, batch=batch, tag=tag, nbytes=nbytes).pack(), view])
+        (view,), regions = ep.land(sock, ((region, offset, nbytes),), session.peer, "read")    # a released grant's blocks: refused
+        try:
+          with send_lock: wire.send_all(sock, [Frame(DATA, batch=batch, tag=tag, nbytes=nbytes).pack(), view])
+        finally: ep.end_landing(sock, regions)
       elif op == CLOSE: return
       else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[op]} frame")
   except wire.ProtocolError as e:

@@ -1,7 +1,8 @@
 """The decode node as a KV store, with real processes (the helpers of test_service.py): a conversation through the router
 (a prefill node, two decode nodes), turn after turn: the first turn is prefilled on the prefill node, later ones land on the
-decode node holding the conversation's blocks (KV-aware routing) and are prefilled there, the suffix only, giving the tokens
-of a cluster without the cache; kill -9 of that node: the next turn completes on the other (recomputed). And the default chat
+decode node holding the conversation's blocks (KV-aware routing); the prefill node pulls their cached prefix out of that
+node's blocks (tcp reads through the reservation's read grant), prefills the suffix only and sends only the suffix's KV,
+giving the tokens of a cluster without the cache; kill -9 of that node: the next turn completes on the other (recomputed). And the default chat
 request (no max_tokens: the whole context) on a 64 MiB pool, which admission by need serves where admitting
 prompt + max_tokens at once answered 400."""
 import http.client, json, time
@@ -67,9 +68,15 @@ def test_multi_turn_chat_lands_on_its_cache_and_gives_the_no_cache_tokens(store)
   conversation = turns(cached, plain, [(i * 7 + 3) % 250 + 1 for i in range(150)], 0, 4)   # a 150-token "system prompt", 4 turns
   node_of = {procs[k].address: k for k in ("d1", "d2")}
   where = node_of[holder(cached)]
-  assert cached.metric("tinyhet:node_requests_total", node=procs[where].address, role="prefill+decode") == 3   # turns 2-4, there
-  assert cached.metric("tinyhet:node_requests_total", role="prefill") == 1                                    # turn 1 only
-  assert cached.metric("tinyhet:prefix_cache_hits_total") > 0 and cached.metric("tinyhet:prefix_cache_queries_total") > 0
+  assert cached.metric("tinyhet:node_requests_total", node=procs[where].address, role="decode") == 4     # every turn decoded there
+  assert cached.metric("tinyhet:node_requests_total", role="prefill") == 4                              # and prefilled on the prefill node
+  hits = cached.metric("tinyhet:prefix_cache_hits_total")
+  assert hits > 0 and cached.metric("tinyhet:prefix_cache_queries_total") > 0
+  # turns 2-4: their cached prefix pulled (the prefill node's cost model: a few hundred KiB over loopback against
+  # recomputing ~150-200 tokens), 4 KiB a token
+  assert cached.metric("tinyhet:kv_pulled_tokens_total") == hits
+  assert cached.metric("tinyhet:kv_pulled_bytes_total") == hits * 4096
+  assert cached.metric("tinyhet:prefix_cache_recomputed_tokens_total") == 0
   assert plain.metric("tinyhet:prefix_cache_hits_total") == 0
   LAST["conversation"] = conversation
 
