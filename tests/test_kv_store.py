@@ -13,7 +13,8 @@ from tinyhet.model.spec import model_id
 class StoreRouter(Router):
   def __init__(self, *args): Proc.__init__(self, "serve", "--listen", "127.0.0.1:0", "--model", SPEC, *args)
 
-def node(role: str, *extra) -> Proc: return Proc("node", "--role", role, "--listen", "127.0.0.1:0", "--model", SPEC, "--quiet", *extra)
+def node(role: str, *extra, env=None) -> Proc:
+  return Proc("node", "--role", role, "--listen", "127.0.0.1:0", "--model", SPEC, "--quiet", *extra, env=env)
 
 # KV of 4 layers x 4 heads x 64 x 2 (K, V) x 2 bytes = 4 KiB a token: a 64 MiB pool holds 16,384 tokens, an eighth of the context
 SPEC = "random:n_layers=4,dim=256,n_heads=4,n_kv_heads=4,hidden_dim=128,max_context=131072"
@@ -22,7 +23,8 @@ LAST: dict = {}    # the conversation the multi-turn test left on a node, for th
 
 @pytest.fixture(scope="module")
 def store():
-  procs = {"prefill": node("prefill"), "d1": node("decode", "--kv-memory", "64M", "--max-seqs", "4"),
+  # the prefill node writes and pulls over tcp (the transport that checks every frame; on one host auto would pick shm)
+  procs = {"prefill": node("prefill", env={"TINYHET_TRANSPORT": "tcp"}), "d1": node("decode", "--kv-memory", "64M", "--max-seqs", "4"),
            "d2": node("decode", "--kv-memory", "64M", "--max-seqs", "4"),
            "plain": node("decode", "--kv-memory", "64M", "--max-seqs", "4", "--no-prefix-cache")}
   routers = []
@@ -107,3 +109,32 @@ def test_kill9_of_the_node_holding_the_prefix_costs_only_its_cache(store):
   ids = conversation + [9] * 12
   got, usage = complete(cached, ids, 8)
   assert got == complete(plain, ids, 8)[0] and usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+def test_a_pool_full_of_cached_blocks_still_admits_new_work(store):
+  """A decode node with a 4 MiB pool (64 blocks of 16 tokens) behind the prefill node: three 300-token conversations fill
+  it with cached blocks; new prompts are still admitted (cached blocks count as free and are evicted, least recently used
+  first) and give the no-cache tokens, and the newest conversation's next turn is still a hit that the prefill node pulls."""
+  _, plain, procs = store
+  small = node("decode", "--kv-memory", "4M", "--max-seqs", "2")
+  router = StoreRouter("--prefill", procs["prefill"].address, "--decode", small.address)
+  try:
+    router.wait_ready(nodes_up=2)
+    prompts = [[(k * 37 + j * 11) % 250 + 1 for j in range(300)] for k in range(5)]
+    for k, ids in enumerate(prompts):
+      got, _ = complete(router, ids, 4)
+      assert got == complete(plain, ids, 4)[0], f"prompt {k}"
+      if k == 2:   # three prompts' full blocks (18 each) and their replies' fill most of the 64
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+          st = [n for n in router.request("GET", "/ready")[2]["nodes"] if n["role"] == "decode"][0]
+          if st.get("cached_blocks", 0) >= 54: break
+          time.sleep(0.2)
+        assert st["cached_blocks"] >= 54 and st["kv_blocks"] == 64, st
+    pulled = router.metric("tinyhet:kv_pulled_tokens_total")
+    ids = prompts[-1] + got + [7] * 20                 # the newest conversation's next turn: its blocks were not evicted
+    got2, usage = complete(router, ids, 4)
+    assert got2 == complete(plain, ids, 4)[0] and usage["prompt_tokens_details"]["cached_tokens"] == 288
+    assert router.metric("tinyhet:kv_pulled_tokens_total") - pulled == 288
+  finally:
+    router.stop()
+    small.stop()
