@@ -233,7 +233,8 @@ class Cluster:
     """The node to prefill on, or None: the decode node prefills for itself. cached: prompt tokens in the decode node's
     prefix cache: there it would prefill only the rest; a prefill node pulls the prefix out of its blocks or computes it
     again (its own measured choice, tinyhet.kv.pull.PullCost) and sends the suffix only. With a cluster file the planner
-    weighs the two (plan.cached_disaggregation_pays); without one a prefill node takes it."""
+    weighs the two (plan.cached_disaggregation_pays for the file's pair, else plan.route for the suffix's length); without
+    one a prefill node takes it (the decode node's own prefill rate is not measured here)."""
     with self.cond:
       others = [n for n in self.nodes.values() if n.up and n.can_prefill and n is not decode]
       if not others: return None
@@ -249,7 +250,7 @@ class Cluster:
           if not cached_disaggregation_pays(cluster, cluster.model(model), p, d, prompt_len, cached, queue_s, local_queue_s): return None
         elif p and d:     # both in the file, with their roles: the cost model for this pair
           if not disaggregation_pays(cluster, cluster.model(model), p, d, prompt_len, queue_s, local_queue_s): return None
-        elif not route(cluster, model, prompt_len, output_len, prefill_queue_s=queue_s).disaggregate: return None
+        elif not route(cluster, model, prompt_len - cached, output_len, prefill_queue_s=queue_s).disaggregate: return None   # the suffix
       except Exception as e: print(f"tinyhet serve: the planner failed ({e}); disaggregating", flush=True)
     return best
 
