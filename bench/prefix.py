@@ -37,7 +37,7 @@ def stream_turn(address: str, body: dict) -> tuple[float, list[int], dict]:
   c.close()
   return ttft, ids, usage
 
-PULL_METRICS = ("kv_pulled_tokens", "kv_pulled_bytes", "kv_pull_seconds", "prefix_cache_recomputed_tokens")
+PULL_METRICS = ("kv_pulled_tokens", "kv_pulled_bytes", "kv_pull_seconds", "kv_pull_wait_seconds", "prefix_cache_recomputed_tokens")
 
 def pull_counters(address: str) -> dict[str, float]:
   """The router's pull counters (tinyhet:<name>_total) now."""
@@ -65,7 +65,8 @@ def conversation(address: str, model: str, args, salt: int, vocab: int) -> list[
     rows.append({"turn": turn + 1, "prompt_tokens": len(ids), "ttft_s": round(ttft, 4), "cached_tokens": cached,
                  "pulled_tokens": int(d["kv_pulled_tokens"]), "pulled_bytes": int(d["kv_pulled_bytes"]), "pull_s": round(d["kv_pull_seconds"], 4),
                  "recomputed_tokens": len(ids) - cached + int(d["prefix_cache_recomputed_tokens"]),
-                 "pull_share_of_ttft": round(d["kv_pull_seconds"] / ttft, 3) if ttft > 0 else 0.0, "tokens": out})
+                 "pull_share_of_ttft": round(d["kv_pull_seconds"] / ttft, 3) if ttft > 0 else 0.0,
+                 "pull_stall_share_of_ttft": round(d["kv_pull_wait_seconds"] / ttft, 3) if ttft > 0 else 0.0, "tokens": out})
     ids = ids + out
   return rows
 
@@ -102,14 +103,15 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
 
 def table(out: dict) -> str:
   lines = [f"model {out['model']}, {out['system_tokens']}-token system prompt, {out['turns']} turns of {out['turn_tokens']} tokens, "
-           f"{out['max_tokens']} new tokens each, greedy; 1 prefill + 1 decode node; baseline: --no-prefix-cache",
+           f"{out['max_tokens']} new tokens each, greedy; 1 prefill + 1 decode node, KV over {out.get('transport', 'auto')}; "
+           "baseline: --no-prefix-cache; pull/TTFT: reads in flight, stall/TTFT: the prefill's wait for them",
            "", f"{'turn':>4}{'prompt':>8}{'TTFT off':>10}{'TTFT on':>10}{'on/off':>8}{'cached':>8}{'pulled':>8}{'pulled KiB':>11}"
-               f"{'pull/TTFT':>10}{'recomputed':>11}{'same tokens':>12}"]
+               f"{'pull/TTFT':>10}{'stall/TTFT':>11}{'recomputed':>11}{'same tokens':>12}"]
   for off, on in zip(out["off"], out["on"]):
     same = "yes" if on["tokens"] == off["tokens"] else "NO"
     lines.append(f"{on['turn']:>4}{on['prompt_tokens']:>8}{off['ttft_s']:>9.3f}s{on['ttft_s']:>9.3f}s{on['ttft_s'] / off['ttft_s']:>7.2f}x"
                  f"{on['cached_tokens']:>8}{on['pulled_tokens']:>8}{on['pulled_bytes'] / 1024:>11.0f}{on['pull_share_of_ttft']:>10.2f}"
-                 f"{on['recomputed_tokens']:>11}{same:>12}")
+                 f"{on['pull_stall_share_of_ttft']:>11.2f}{on['recomputed_tokens']:>11}{same:>12}")
   later = [(a["ttft_s"], b["ttft_s"]) for a, b in zip(out["off"][1:], out["on"][1:])]
   if later:
     pulled, pull_s = sum(r["pulled_bytes"] for r in out["on"][1:]), sum(r["pull_s"] for r in out["on"][1:])
@@ -133,10 +135,14 @@ def main(argv=None) -> int:
   ap.add_argument("--max-tokens", type=int, default=32)
   ap.add_argument("--kv-memory", default="256M")
   ap.add_argument("--no-both", action="store_true", help="skip the `both` node's repeated prompt")
+  ap.add_argument("--transport", default=None, choices=["tcp", "shm", "auto"],
+                  help="the nodes' KV transport (TINYHET_TRANSPORT; on one host auto picks shm, whose pull is a memcpy when posted)")
   args = ap.parse_args(argv)
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))    # the nodes and the router it starts share it
-  out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "system_tokens": args.system_tokens, "turns": args.turns,
-         "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens, "off": run_config(False, args), "on": run_config(True, args),
+  if args.transport: os.environ["TINYHET_TRANSPORT"] = args.transport
+  out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "transport": args.transport or "auto", "system_tokens": args.system_tokens,
+         "turns": args.turns, "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens,
+         "off": run_config(False, args), "on": run_config(True, args),
          "both": None if args.no_both else run_config(True, args, both=True)}
   out["same_tokens"] = all(a["tokens"] == b["tokens"] for a, b in zip(out["off"], out["on"])) and \
     (out["both"] is None or out["both"][0]["tokens"] == out["both"][1]["tokens"])

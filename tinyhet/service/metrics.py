@@ -32,6 +32,8 @@ class Metrics:
     self.kv_pulled_tokens = Counter("tinyhet:kv_pulled_tokens", "Cached prompt tokens whose KV prefill nodes pulled", registry=r)
     self.kv_pull_seconds = Counter("tinyhet:kv_pull_seconds", "Time prefill nodes' pulls were in flight (post to the last layer read)",
                                    registry=r)
+    self.kv_pull_wait_seconds = Counter("tinyhet:kv_pull_wait_seconds", "Time prefill nodes' compute waited for a pulled layer "
+                                        "(what the pull added: the rest overlapped the layers before it)", registry=r)
     self.cached_recomputed = Counter("tinyhet:prefix_cache_recomputed_tokens", "Cached prompt tokens a prefill node computed again "
                                      "instead of pulling them (its cost model found that cheaper)", registry=r)
     self.preemptions = Counter("tinyhet:num_preemptions", "Times a decode node preempted a request's sequence (recomputed later)", registry=r)

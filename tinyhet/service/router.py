@@ -360,6 +360,7 @@ class Cluster:
       self.metrics.kv_pulled_bytes.inc(p.get("pulled_bytes", 0))
       self.metrics.kv_pulled_tokens.inc(p.get("pulled_tokens", 0))
       self.metrics.kv_pull_seconds.inc(p.get("pull_s", 0.0))
+      self.metrics.kv_pull_wait_seconds.inc(p.get("pull_wait_s", 0.0))
       self.metrics.cached_recomputed.inc(p.get("cached_tokens", 0) - p.get("pulled_tokens", 0))
       self.metrics.kv_seconds.observe(p["transfer_s"])
     return p
