@@ -52,7 +52,8 @@ def read(w: Writer, pool: RegionDescriptor, blocks: list[int], bb: int, at: int 
 def test_a_hit_gets_a_read_grant_for_its_prefix_only_and_hostile_pulls_are_refused(guarded_node):
   """The prefill node's pull, by hand: a reservation that hits may read its prefix's shared blocks (tcp READ through its
   read descriptors) and gets exactly the bytes stored there; every other read is refused with a reason (a suffix block, a
-  block of nobody's prefix, past the pool, through the write grant, by another peer, after the release), so is a write
+  block outside the reservation, another request's shared block or its grant, past the pool, through the write grant,
+  by another peer, after the release), so is a write
   through the read grant, and the node keeps serving."""
   w, intruder = Writer("kv-writer", guarded_node.address), Writer("kv-intruder", guarded_node.address)
   try:
@@ -64,6 +65,11 @@ def test_a_hit_gets_a_read_grant_for_its_prefix_only_and_hostile_pulls_are_refus
     w.fill(stored)
     w.write_layers(r, range(SMALL["n_layers"]))
     out = generate(w, r, timeout=10)
+    rb = reserve(intruder, [p + 20 for p in prompt])                        # another request, whose prefix is cached and shared too
+    intruder.fill(kv_bytes(len(rb["blocks"]) * bb, seed=10))
+    intruder.write_layers(rb, range(SMALL["n_layers"]))
+    rb2 = reserve(intruder, [p + 20 for p in prompt] + generate(intruder, rb, timeout=10) + [1])
+    assert rb2["cached_tokens"] == 12
     r2 = reserve(w, prompt + out + [5, 6])
     prefix, reads = r2["prefix_blocks"], [RegionDescriptor.from_hex(h) for h in r2["read_pools"]]
     assert r2["cached_tokens"] == 12 and prefix == r["blocks"][:3] and len(reads) == SMALL["n_layers"]
@@ -74,6 +80,8 @@ def test_a_hit_gets_a_read_grant_for_its_prefix_only_and_hostile_pulls_are_refus
     other = next(b for b in range(guarded_node.blocks) if b not in prefix and b not in r2["blocks"])
     hostile = [(reads[0], [r2["blocks"][0]], "not open to reads"),             # its own suffix block, through the read grant
                (reads[0], [other], "not open to reads"),                       # a block outside the reservation
+               (reads[0], rb2["prefix_blocks"][:1], "not open to reads"),      # another request's shared block
+               (RegionDescriptor.from_hex(rb2["read_pools"][0]), rb2["prefix_blocks"], "not exposed to kv-writer"),   # its grant
                (dataclasses.replace(reads[0], length=1 << 40), [guarded_node.blocks + 5], "outside region"),   # past the pool (forged)
                (r2["pools"][0], [r2["blocks"][0]], "a write grant")]           # through the write grant
     for pool, blocks, why in hostile:
@@ -83,6 +91,7 @@ def test_a_hit_gets_a_read_grant_for_its_prefix_only_and_hostile_pulls_are_refus
     w.reconnect()
     with pytest.raises(TransportError, match="not exposed to kv-intruder"): read(intruder, reads[0], prefix, bb).wait(10)
     w.ctl.call("decode.release", seq_id=r2["seq_id"])
+    intruder.ctl.call("decode.release", seq_id=rb2["seq_id"])
     with pytest.raises(TransportError, match="is not exposed"): read(w, reads[0], prefix, bb).wait(10)
     w.reconnect()
     assert w.ctl.call("test.digest")["blocks"] == before, "a block changed"
