@@ -5,8 +5,8 @@ tokens, and the share of the machine's read bandwidth a decode step uses.
   tinyhet    prefill on HET (CPU), decode on MESH: the paged KV cache and one TinyJit capture per batch bucket, as the decode
              node runs them; the GGUF's quantized blocks read by the kernels; float16 KV
   llama.cpp  llama-cpp-python (pip install -e '.[bench]' compiles it; `make bench-setup` builds it as the README says) on the
-             same GGUF: one context with a sequence per batch row, each with KV cells of its own (kv_unified off, every
-             row prefilled itself), float16 KV, flash attention on; `llama.cpp-noflash` the same with it off
+             same GGUF: one context with a sequence per batch row, each with KV cells of its own (kv_unified off; row 0
+             prefilled, the other rows' cells copies of its cells by llama_memory_seq_cp), float16 KV, flash attention on; `llama.cpp-noflash` the same with it off
   torch      Meta's reference forward in PyTorch bfloat16 (weights dequantized, then cast), scaled_dot_product_attention
              with grouped-query heads, a preallocated KV cache written in place; `torch-f32` the same in float32;
              `torch-compile` bfloat16 with the forward under torch.compile (not in the default list: inductor's compile
@@ -126,7 +126,8 @@ class LlamaCppEngine:
 
   def decode(self, batch: int, context: int, steps: int) -> tuple[float, int]:
     self.L.llama_memory_clear(self.mem, True)
-    self._run([(1, p, s, p == context - 1) for s in range(batch) for p in range(context)])     # each row's own KV
+    self._run([(1, p, 0, p == context - 1) for p in range(context)])
+    for s in range(1, batch): self.L.llama_memory_seq_cp(self.mem, 0, s, -1, -1)   # each row's own cells, a copy of row 0's
     tokens, pos = [1] * batch, context
     def one():
       nonlocal tokens, pos

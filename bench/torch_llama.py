@@ -27,6 +27,7 @@ class TorchLlama:
     shape = (batch, cfg.n_kv_heads, max_context, cfg.head_dim)
     self.cache_k = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
     self.cache_v = [torch.zeros(shape, dtype=self.dtype) for _ in self.layers]
+    self.gqa = bool(cfg.n_heads != cfg.n_kv_heads)     # a plain bool: under dynamic shapes cfg's ints compare to a SymBool SDPA refuses
     self.step = self.forward
 
   def compile(self) -> None:
@@ -60,7 +61,7 @@ class TorchLlama:
       self.cache_k[l][:B, :, start_pos:end] = k
       self.cache_v[l][:B, :, start_pos:end] = v
       att = F.scaled_dot_product_attention(q, self.cache_k[l][:B, :, :end], self.cache_v[l][:B, :, :end], attn_mask=mask,
-                                           enable_gqa=cfg.n_heads != cfg.n_kv_heads)                    # (B, H, T, D)
+                                           enable_gqa=self.gqa)                    # (B, H, T, D)
       x = x + F.linear(att.transpose(1, 2).reshape(B, T, -1), w["wo"])
       h = self.rms(x, w["ffn_norm"])
       x = x + F.linear(F.silu(F.linear(h, w["w_gate"])) * F.linear(h, w["w_up"]), w["w_down"])

@@ -3,6 +3,7 @@
   completions  choices[].logprobs = {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}
 A token's text is its bytes decoded alone (a piece of a character shows as U+FFFD); `bytes` are the token's own bytes."""
 from __future__ import annotations
+import codecs
 from functools import lru_cache
 
 @lru_cache(maxsize=1)
@@ -30,9 +31,11 @@ def token_str(tok, i: int) -> str: return token_bytes(tok, i).decode(errors="rep
 
 class LogprobFormatter:
   """Builds one choice's logprobs as tokens arrive; `chat` picks the shape. text_offset counts characters of the answer text
-  (for echo, of the prompt text and then the answer)."""
+  (for echo, of the prompt text and then the answer): the characters the tokens' bytes before it decode to, through one
+  incremental UTF-8 decoder, so a character split across tokens counts once, at the token that completes it."""
   def __init__(self, tok, chat: bool, offset: int = 0):
     self.tok, self.chat, self.offset = tok, chat, offset
+    self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
   def entries(self, items: list[tuple[int, dict | None]]) -> dict:
     """The logprobs object for these (token, logprobs) pairs: a stream chunk's, or with every token, the whole answer's."""
@@ -47,12 +50,12 @@ class LogprobFormatter:
       return {"content": content}
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for t, lp in items:
-      s = token_str(self.tok, t)
-      out["tokens"].append(s)
+      b = token_bytes(self.tok, t)
+      out["tokens"].append(b.decode(errors="replace"))
       out["token_logprobs"].append(None if lp is None else lp["logprob"])
       top = None if lp is None else {}
       for a, v in (lp or {}).get("top_logprobs", ()): top.setdefault(token_str(self.tok, a), v)
       out["top_logprobs"].append(top)
       out["text_offset"].append(self.offset)
-      self.offset += len(s)
+      self.offset += len(self.utf8.decode(b))
     return out
