@@ -354,7 +354,8 @@ class Cluster:
       self._close(req, node, ctl)
       with self.cond: node.inflight_tokens -= len(ids)
     self._count(node, "prefill")
-    self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * p["prefill_s"] / len(ids)
+    computed = max(1, len(ids) - p.get("pulled_tokens", 0))     # a pulled prefix was read, not computed
+    self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * p["prefill_s"] / computed
     if self.metrics is not None:
       self.metrics.kv_bytes.inc(p["kv_bytes"])
       self.metrics.kv_pulled_bytes.inc(p.get("pulled_bytes", 0))
