@@ -91,11 +91,12 @@ def _write(t: Tensor, a: np.ndarray) -> None:
   t.uop.buffer.copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
 
 def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer=None, progress=None, n_valid: int | None = None,
-                    pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0) -> Tensor:
+                    pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0, before_layer=None) -> Tensor:
   """tokens (1, T) int32 at positions start..start+T-1 -> logits (1, vocab) of row n_valid - 1 (default T - 1), realized.
   pools/table: per-layer pools holding the K, V of positions 0..start-1 at the blocks of `table` (its entries cover at
   least start + T positions); None makes the prompt's own (start must be 0). The last chunk is padded to the chunk length
-  (its pads land in slots past the prompt, masked for the prompt's rows)."""
+  (its pads land in slots past the prompt, masked for the prompt's rows). before_layer(l), if given, runs before layer l of
+  the first chunk (a pulled prefix's layer l is waited for there: tinyhet.kv.pull)."""
   cfg, dev = model.cfg, model.device
   T = tokens.shape[1]
   n_valid = T if n_valid is None else n_valid
@@ -123,6 +124,7 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
     x, mb = cj.x[0], cj.max_blocks.bind(ceildiv(p0 + C, bs))
     for l in range(cfg.n_layers):
       w = model.w.layers[l]
+      if before_layer is not None and ci == 0: before_layer(l)
       cj.half(l, QKV)(x, cj.cos, cj.sin, cj.q, pools[l], tables, cj.pos, *layer_tensors(w, QKV))
       if on_layer is not None and ci == len(plan) - 1:            # the layer's K, V are all in place: hand them out
         k, v = unpack_kv(pools[l][:ceildiv(start + T, bs)] if table == list(range(nb)) else pools[l][Tensor(table[:ceildiv(start + T, bs)])],
