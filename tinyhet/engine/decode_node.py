@@ -4,7 +4,9 @@ requests a prefill node uses to hand it a sequence.
 A sequence arrives in three steps, each a control request (tinyhet.runtime.control):
   decode.reserve   prompt ids, max_new_tokens -> a sequence id, its block table and per-layer pool descriptors of its own
                    (tcp lets only the writer write, and only into these blocks; the writer is the reserving peer, or the node
-                   named by `writer`, as a router names its prefill node). The blocks are held (admission
+                   named by `writer`, as a router names its prefill node). With use_cache, a prefix-cache hit's shared
+                   blocks (prefix_blocks) come with read-only descriptors (read_pools) for the same peer, so it can pull
+                   them until the sequence leaves; the write descriptors cover the suffix only. The blocks are held (admission
                    waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
                    one transport write per layer or per chunk of a layer, each with a notice (tinyhet.kv.notices: sequence,
                    layer, piece, last; counted only from the writer).
@@ -131,15 +133,18 @@ class DecodeNode:
       self.landed[seq.seq_id] = Landing(self.model.cfg.n_layers)
       cached = self.cache.block_manager.cached_length(seq.seq_id)
       # a hit's shared blocks are not the writer's: it writes (and its descriptors cover) the suffix's blocks only
-      blocks = self.cache.block_manager.block_table(seq.seq_id)[cached // self.cache.block_size:]
+      table = self.cache.block_manager.block_table(seq.seq_id)
+      prefix, blocks = table[:cached // self.cache.block_size], table[cached // self.cache.block_size:]
     # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
-    # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves
-    bb = self.cache.block_nbytes
-    seq.extra["descs"] = descs = [self.node.endpoint.expose(r, owner=seq.extra["owner"], allowed=[(b * bb, bb) for b in blocks])
-                                  for r in self.pool_regions]
+    # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves. A write grant for the
+    # suffix's blocks; with a hit, a read grant for the prefix's shared blocks (the prefill node pulls them: PrefixPull)
+    bb, ep, owner = self.cache.block_nbytes, self.node.endpoint, seq.extra["owner"]
+    descs = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in blocks], access="write") for r in self.pool_regions]
+    reads = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in prefix], access="read") for r in self.pool_regions] if prefix else []
+    seq.extra["descs"] = descs + reads
     self._attach(conn, seq)
     return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
-            "cached_tokens": cached}
+            "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,

@@ -122,7 +122,7 @@ def _write(t: Tensor, a: np.ndarray) -> None:
 
 def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer=None, progress=None, n_valid: int | None = None,
                     pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0, buckets: tuple[int, ...] = (),
-                    on_chunk=None) -> Tensor:
+                    on_chunk=None, before_layer=None) -> Tensor:
   """tokens (1, T) int32 (a Tensor, or ids on the host) at positions start..start+T-1 -> logits (1, vocab) of row n_valid - 1 (default T - 1).
   pools/table: per-layer pools holding the K, V of positions 0..start-1 at the blocks of `table` (its entries cover at
   least the plan's positions, the last chunk's pads included); None makes the prompt's own (start must be 0). The last
@@ -131,7 +131,8 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
   on_chunk(l, pool, b0, b1, piece, n_pieces) -> bool, with the prefill's own pools and chunks of whole blocks: called as soon
   as a chunk's K, V of layer l are in pools[l], its blocks b0..b1-1 (the prompt's, pads past n_valid left out; a chunk of
   pads alone is no piece); True: it took them (on_layer is not called for that layer), False at piece 0: on_layer gets the
-  layer whole at the end."""
+  layer whole at the end. before_layer(l), if given, runs before layer l of the first chunk (a pulled prefix's layer l is
+  waited for there: tinyhet.kv.pull)."""
   cfg = model.cfg
   T = len(tokens[0]) if not isinstance(tokens, Tensor) else tokens.shape[1]
   n_valid = T if n_valid is None else n_valid
@@ -160,6 +161,7 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
     x, mb = cj.x[0], cj.max_blocks.bind(ceildiv(p0 + C, bs))
     for l in range(cfg.n_layers):
       w = model.w.layers[l]
+      if before_layer is not None and ci == 0: before_layer(l)
       cj.half(l, QKV)(x, cj.cos, cj.sin, cj.q, pools[l], cj.tables, cj.pos, *layer_tensors(w, QKV))
       if l not in whole and ci < len(real):                       # this chunk's blocks of the layer leave now
         b1 = ceildiv(min(p0 + n, start + n_valid), bs)
