@@ -102,6 +102,7 @@ static inline void relax(void) {
 /* A worker starts at the generation current when it was created: one created after kernels ran must not take the last,
    finished command for a new one. */
 static struct { int id; uint32_t gen; } start_args[1024];
+static _Atomic int started;               /* workers that have named and pinned themselves */
 
 static void pin(int id) {
   if (ncpus <= 0) return;
@@ -118,6 +119,7 @@ static void *worker(void *arg) {
   snprintf(name, sizeof name, "tinyhet-cpu-%%d", id);
   pthread_setname_np(pthread_self(), name);
   pin(id);
+  atomic_fetch_add(&started, 1);           /* named and pinned: pool_start returns once every worker is */
   slot_t *me = &W[id];
   for (;;) {
     uint32_t g;
@@ -152,6 +154,7 @@ int pool_start(int n, long spin, const int *cpu_list, int k) {
     start_args[P.n].gen = atomic_load(&W[P.n].gen);   /* cannot move: bumped only under `busy`, which this holds */
     if (pthread_create(&P.tid[P.n], NULL, worker, &start_args[P.n]) != 0) break;
   }
+  while (atomic_load(&started) < P.n - 1) sched_yield();   /* a caller may look at the workers' names and CPUs at once */
   pthread_mutex_unlock(&P.busy);
   return P.n;
 }
