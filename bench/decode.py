@@ -6,7 +6,8 @@ tokens, and the share of the machine's read bandwidth a decode step uses.
              node runs them; the GGUF's quantized blocks read by the kernels; float16 KV
   llama.cpp  llama-cpp-python (pip install -e '.[bench]' compiles it; `make bench-setup` builds it as the README says) on the
              same GGUF: one context with a sequence per batch row, each with KV cells of its own (kv_unified off; row 0
-             prefilled, the other rows' cells copies of its cells by llama_memory_seq_cp), float16 KV, flash attention on; `llama.cpp-noflash` the same with it off
+             prefilled, the other rows' cells copies of its cells by llama_memory_seq_cp), float16 KV, flash attention on;
+             `llama.cpp-noflash` the same with it off
   torch      Meta's reference forward in PyTorch bfloat16 (weights dequantized, then cast), scaled_dot_product_attention
              with grouped-query heads, a preallocated KV cache written in place; `torch-f32` the same in float32;
              `torch-compile` bfloat16 with the forward under torch.compile (not in the default list: inductor's compile
@@ -335,12 +336,12 @@ def table(out: dict) -> str:
     vals = {e: pick(e) for e in engines}
     best = max((vals[e] for e in others if vals[e]), default=None) if ratio else None
     ratio = f"{vals['tinyhet'] / best:>13.2f}x" if best and vals.get("tinyhet") else ""
-    lines.append(f"{label:22}" + "".join(f"{fmt(vals[e]):>18}" for e in engines) + ratio)
+    lines.append(f"{label:22}" + "".join(f"{fmt(vals[e]) if vals[e] is not None else '-':>18}" for e in engines) + ratio)
   for n in sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"]}):
-    rate = lambda e: next(r["prefill_tok_s"] for r in rows if r["engine"] == e and r["prefill_tok_s"] and r["prompt_tokens"] == n)
+    rate = lambda e: next((r["prefill_tok_s"] for r in rows if r["engine"] == e and r["prefill_tok_s"] and r["prompt_tokens"] == n), None)
     line(f"prefill {n} tok/s", rate, lambda v: f"{v:.1f}")
   for b in sorted({r["batch"] for r in rows if r["decode_tok_s"]}):
-    pick = lambda e, k: next(r[k] for r in rows if r["engine"] == e and r["decode_tok_s"] and r["batch"] == b)
+    pick = lambda e, k: next((r[k] for r in rows if r["engine"] == e and r["decode_tok_s"] and r["batch"] == b), None)
     line(f"decode batch {b} tok/s", lambda e: pick(e, "decode_tok_s"), lambda v: f"{v:.1f}")
     line("  read share", lambda e: pick(e, "read_share"), lambda v: f"{v:.0%}", ratio=False)
   res = {r["engine"]: r["weights_resident"] for r in rows if r.get("weights_resident")}

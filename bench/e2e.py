@@ -67,7 +67,8 @@ def main(argv=None) -> int:
   ap.add_argument("--quick", action="store_true", help="prompts of 100 and 1000 tokens, 32 new tokens, 2 rounds")
   ap.add_argument("--model", default=None)
   ap.add_argument("--prompt-lens", default=None,
-                  help="comma list (default 100,1000,2000,4096,8000: 8,000 leaves SmolLM2's 8,192 room for new tokens)")
+                  help="comma list (default 100,1000,2000,4096,8000: 8,000 leaves SmolLM2's 8,192 room for new tokens; 8192 takes a "
+                       "model with a longer context). Prompts past prefill_chunk (512) are prefilled in chunks on both paths")
   ap.add_argument("--new-tokens", type=int, default=None)
   ap.add_argument("--rounds", type=int, default=None, help="timed rounds per prompt length, best of them kept (default 3, --quick 2)")
   ap.add_argument("--transports", default="shm,tcp", help="comma list (default shm,tcp)")
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))
   sys.setswitchinterval(1e-3)      # transport threads get the GIL sooner from the busy prefill thread
   from tinyhet.cli.run import LocalDecodeNode
-  child = LocalDecodeNode(argparse.Namespace(kv_memory="1G", model=args.model, quiet=True, float_weights=False))
+  # no prefix cache: every round sends the same prompt, which the node would otherwise prefill itself from its cache
+  child = LocalDecodeNode(argparse.Namespace(kv_memory="1G", model=args.model, quiet=True, float_weights=False, no_prefix_cache=True))
   try: out = measure(args, lens, new, rounds, child)
   finally: child.close()
   if args.json: print(json.dumps(out))
@@ -92,10 +94,13 @@ def measure(args, lens, new, rounds, child) -> dict:
   from tinyhet.engine.local_engine import LocalEngine
   from tinyhet.device.memory import local_node
   from tinyhet.engine.client import DecodeClient
-  from tinyhet.model.weights import load_model, model_name
-  model, tok = load_model(args.model, device="HET", quiet=True, packed=True)
+  from tinyhet.model.spec import load
+  model, tok, model_id = load(args.model, "HET", quiet=True, packed=True)        # a file, the embedded SmolLM2, or random:...
+  if (too_long := [n for n in lens if n + new > model.cfg.max_context]):
+    raise SystemExit(f"tinyhet bench e2e: prompts of {too_long} tokens + {new} new tokens exceed the model's context ({model.cfg.max_context}): "
+                     "pass shorter --prompt-lens, fewer --new-tokens, or a model with a longer context (random:...,max_context=16384)")
   address = child.address()
-  clients = {t: DecodeClient(local_node(), address, model, model_name(args.model), t) for t in args.transports.split(",")}
+  clients = {t: DecodeClient(local_node(), address, model, model_id, t) for t in args.transports.split(",")}
   engine = LocalEngine(model, max(lens) + new)
   say("memory read bandwidth (bench/membw.py)")
   bw = read_gbps()

@@ -4,8 +4,12 @@ cache on, against the same cluster with `--no-prefix-cache` (the baseline), in o
 One conversation: a system prompt (~1,500 tokens), then 8 turns of a ~60-token user message and a 32-token greedy reply; each
 turn sends the whole conversation so far, as a chat client does. Per turn and configuration: TTFT (streamed), the prompt's
 tokens, the cached tokens (usage.prompt_tokens_details), the tokens computed again, and whether the greedy tokens equal the
-baseline's. Pulled tokens and bytes are 0: the prefill node's one-sided read of a cached prefix is not built; with the cache
-the router sends a turn whose prefix the decode node holds to that node, which prefills the suffix alone (KV-aware routing).
+baseline's. With the cache, a turn whose prefix the decode node holds lands there (KV-aware routing) and the prefill node
+pulls the cached prefix out of its blocks (or computes it again, where its measured rates say that is cheaper), prefills the
+suffix and sends the suffix's KV: the pulled tokens and bytes, and the pull's share of TTFT (the seconds the prefill node's
+reads were in flight, post to the last layer read, over the turn's TTFT; the reads overlap the suffix's compute, so this
+is what the pull occupies, not only what it adds), come from the router's /metrics around each turn. Recomputed: the
+prompt's tokens a prefill computed (uncached ones, and cached ones the prefill node chose to compute again).
 A warm-up conversation (other tokens, same lengths) runs first in each configuration (tinygrad compiles per shape).
 """
 from __future__ import annotations
@@ -33,16 +37,36 @@ def stream_turn(address: str, body: dict) -> tuple[float, list[int], dict]:
   c.close()
   return ttft, ids, usage
 
+PULL_METRICS = ("kv_pulled_tokens", "kv_pulled_bytes", "kv_pull_seconds", "kv_pull_wait_seconds", "prefix_cache_recomputed_tokens")
+
+def pull_counters(address: str) -> dict[str, float]:
+  """The router's pull counters (tinyhet:<name>_total) now."""
+  host, port = address.rsplit(":", 1)
+  c = http.client.HTTPConnection(host, int(port), timeout=60)
+  c.request("GET", "/metrics")
+  text = c.getresponse().read().decode()
+  c.close()
+  out = dict.fromkeys(PULL_METRICS, 0.0)
+  for line in text.splitlines():
+    name = line.split(" ", 1)[0].removeprefix("tinyhet:").removesuffix("_total")
+    if name in out: out[name] = float(line.rsplit(" ", 1)[1])
+  return out
+
 def conversation(address: str, model: str, args, salt: int, vocab: int) -> list[dict]:
   lo = 1 if vocab <= 256 else 256        # token ids past the byte-level ones (a random model's ids are all bytes)
   ids = [(salt * 7919 + j * 104729) % (vocab - 2 * lo) + lo for j in range(args.system_tokens)]
   rows = []
   for turn in range(args.turns):
     ids = ids + [(salt * 31 + turn * 977 + j * 7901) % (vocab - 2 * lo) + lo for j in range(args.turn_tokens)]
+    before = pull_counters(address)
     ttft, out, usage = stream_turn(address, {"model": model, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0})
+    d = {k: v - before[k] for k, v in pull_counters(address).items()}
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-    rows.append({"turn": turn + 1, "prompt_tokens": len(ids), "ttft_s": round(ttft, 4), "cached_tokens": cached, "pulled_tokens": 0,
-                 "pulled_bytes": 0, "recomputed_tokens": len(ids) - cached, "pull_share_of_ttft": 0.0, "tokens": out})
+    rows.append({"turn": turn + 1, "prompt_tokens": len(ids), "ttft_s": round(ttft, 4), "cached_tokens": cached,
+                 "pulled_tokens": int(d["kv_pulled_tokens"]), "pulled_bytes": int(d["kv_pulled_bytes"]), "pull_s": round(d["kv_pull_seconds"], 4),
+                 "recomputed_tokens": len(ids) - cached + int(d["prefix_cache_recomputed_tokens"]),
+                 "pull_share_of_ttft": round(d["kv_pull_seconds"] / ttft, 3) if ttft > 0 else 0.0,
+                 "pull_stall_share_of_ttft": round(d["kv_pull_wait_seconds"] / ttft, 3) if ttft > 0 else 0.0, "tokens": out})
     ids = ids + out
   return rows
 
@@ -65,10 +89,9 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
     address, model = router.info["address"], router.info["model"]
     wait_ready(address)
     vocab = 256 if (args.model or "").startswith("random:") else 49152
-    if both:   # the same long prompt twice (after a warm-up pair with other tokens): the repeat prefills its last block's tokens only
+    if both:   # the same long prompt twice (after a warm-up with other tokens): the repeat prefills its last block's tokens only
       one = argparse.Namespace(**{**vars(args), "turns": 1})
-      conversation(address, model, one, salt=4, vocab=vocab)
-      conversation(address, model, one, salt=4, vocab=vocab)
+      for _ in range(3): conversation(address, model, one, salt=4, vocab=vocab)    # the repeat twice: TinyJit captures on its 2nd call
       return [conversation(address, model, one, salt=3, vocab=vocab)[0], conversation(address, model, one, salt=3, vocab=vocab)[0]]
     conversation(address, model, args, salt=2, vocab=vocab)                 # warm-up: compiles and captures
     rows = conversation(address, model, args, salt=1, vocab=vocab)
@@ -77,23 +100,53 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
   finally:
     for p in procs[::-1]: p.stop()
 
+def local_rows(args) -> list[dict]:
+  """In this process, the single-device engine (LocalEngine, HET) with the prefix cache against one without: a short prompt
+  (the turn's length + 40) and the system prompt, each sent to both after a warm-up of the same length; the cached engine's
+  repeat (all but its last block cached: the suffix's captured chunk prefill) against the uncached engine's TTFT."""
+  import tinyhet  # noqa: F401  (HET)
+  from tinyhet.engine.local_engine import LocalEngine
+  from tinyhet.model.spec import load
+  model, _, mid = load(args.model, "HET", quiet=True)
+  vocab, longest = model.cfg.vocab_size, args.system_tokens + args.max_tokens
+  cached, plain = LocalEngine(model, 2 * longest, prefix_cache=True, model_id=mid), LocalEngine(model, longest)
+  rows = []
+  for n in (args.turn_tokens + 40, args.system_tokens):
+    for salt in (4, 5, 6):                            # the first two compile and capture at these lengths (TinyJit: on a 2nd call)
+      ids = [(salt * 7919 + j * 104729) % (vocab - 2) + 1 for j in range(n)]
+      off = plain.generate(ids, 2)
+      cached.generate(ids, 2)
+      on = cached.generate(ids, 2)
+    rows.append({"prompt_tokens": n, "ttft_off_s": round(off[1]["ttft_s"], 5), "ttft_on_s": round(on[1]["ttft_s"], 5),
+                 "cached_tokens": on[1]["cached_tokens"], "same_tokens": on[0] == off[0]})
+  return rows
+
 def table(out: dict) -> str:
   lines = [f"model {out['model']}, {out['system_tokens']}-token system prompt, {out['turns']} turns of {out['turn_tokens']} tokens, "
-           f"{out['max_tokens']} new tokens each, greedy; 1 prefill + 1 decode node; baseline: --no-prefix-cache",
-           "", f"{'turn':>4}{'prompt':>8}{'TTFT off':>10}{'TTFT on':>10}{'on/off':>8}{'cached':>8}{'pulled':>8}{'recomputed':>11}{'same tokens':>12}"]
+           f"{out['max_tokens']} new tokens each, greedy; 1 prefill + 1 decode node, KV over {out.get('transport', 'auto')}; "
+           "baseline: --no-prefix-cache; pull/TTFT: reads in flight, stall/TTFT: the prefill's wait for them",
+           "", f"{'turn':>4}{'prompt':>8}{'TTFT off':>10}{'TTFT on':>10}{'on/off':>8}{'cached':>8}{'pulled':>8}{'pulled KiB':>11}"
+               f"{'pull/TTFT':>10}{'stall/TTFT':>11}{'recomputed':>11}{'same tokens':>12}"]
   for off, on in zip(out["off"], out["on"]):
     same = "yes" if on["tokens"] == off["tokens"] else "NO"
     lines.append(f"{on['turn']:>4}{on['prompt_tokens']:>8}{off['ttft_s']:>9.3f}s{on['ttft_s']:>9.3f}s{on['ttft_s'] / off['ttft_s']:>7.2f}x"
-                 f"{on['cached_tokens']:>8}{on['pulled_tokens']:>8}{on['recomputed_tokens']:>11}{same:>12}")
+                 f"{on['cached_tokens']:>8}{on['pulled_tokens']:>8}{on['pulled_bytes'] / 1024:>11.0f}{on['pull_share_of_ttft']:>10.2f}"
+                 f"{on['pull_stall_share_of_ttft']:>11.2f}{on['recomputed_tokens']:>11}{same:>12}")
   later = [(a["ttft_s"], b["ttft_s"]) for a, b in zip(out["off"][1:], out["on"][1:])]
-  if later: lines += ["", f"turns 2-{len(out['on'])}: TTFT with the cache {sum(b for _, b in later) / sum(a for a, _ in later):.2f}x of without "
-                          "(sums); pulled bytes 0 (the pull is not built)"]
+  if later:
+    pulled, pull_s = sum(r["pulled_bytes"] for r in out["on"][1:]), sum(r["pull_s"] for r in out["on"][1:])
+    lines += ["", f"turns 2-{len(out['on'])}: TTFT with the cache {sum(b for _, b in later) / sum(a for a, _ in later):.2f}x of without "
+                  f"(sums); {pulled / 2**20:.1f} MiB pulled in {pull_s:.3f} s of reads, {pull_s / sum(b for _, b in later):.2f} of their TTFT"]
   if out.get("both"):
     a, b = out["both"]
     same = "yes" if a["tokens"] == b["tokens"] else "NO"
     lines.append(f"one --role both node, the same {a['prompt_tokens']}-token prompt twice: TTFT {a['ttft_s']:.3f} s, "
                  f"then {b['ttft_s']:.3f} s "
                  f"({b['ttft_s'] / a['ttft_s']:.2f}x; {b['cached_tokens']} tokens cached; same tokens: {same})")
+  for r in out.get("local") or []:
+    lines.append(f"single-device engine, a {r['prompt_tokens']}-token prompt again ({r['cached_tokens']} cached): TTFT {r['ttft_on_s']:.3f} s "
+                 f"against {r['ttft_off_s']:.3f} s without the cache ({r['ttft_on_s'] / r['ttft_off_s']:.2f}x; same tokens: "
+                 f"{'yes' if r['same_tokens'] else 'NO'})")
   return "\n".join(lines)
 
 def main(argv=None) -> int:
@@ -106,12 +159,18 @@ def main(argv=None) -> int:
   ap.add_argument("--max-tokens", type=int, default=32)
   ap.add_argument("--kv-memory", default="256M")
   ap.add_argument("--no-both", action="store_true", help="skip the `both` node's repeated prompt")
+  ap.add_argument("--local-only", action="store_true", help="only the single-device engine's rows (no cluster)")
+  ap.add_argument("--transport", default=None, choices=["tcp", "shm", "auto"],
+                  help="the nodes' KV transport (TINYHET_TRANSPORT; on one host auto picks shm, whose pull is a memcpy when posted)")
   args = ap.parse_args(argv)
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))    # the nodes and the router it starts share it
-  out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "system_tokens": args.system_tokens, "turns": args.turns,
-         "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens, "off": run_config(False, args), "on": run_config(True, args),
-         "both": None if args.no_both else run_config(True, args, both=True)}
+  if args.transport: os.environ["TINYHET_TRANSPORT"] = args.transport
+  cluster = not args.local_only
+  out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "transport": args.transport or "auto", "system_tokens": args.system_tokens,
+         "turns": args.turns, "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens,
+         "off": run_config(False, args) if cluster else [], "on": run_config(True, args) if cluster else [],
+         "both": None if args.no_both or not cluster else run_config(True, args, both=True), "local": local_rows(args)}
   out["same_tokens"] = all(a["tokens"] == b["tokens"] for a, b in zip(out["off"], out["on"])) and \
-    (out["both"] is None or out["both"][0]["tokens"] == out["both"][1]["tokens"])
+    (out["both"] is None or out["both"][0]["tokens"] == out["both"][1]["tokens"]) and all(r["same_tokens"] for r in out["local"])
   print(json.dumps(out) if args.json else table(out))
   return 0 if out["same_tokens"] else 1

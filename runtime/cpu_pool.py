@@ -62,11 +62,30 @@ typedef struct { _Atomic uint32_t gen; _Atomic int sleeping; _Atomic long wakes;
 static slot_t W[1024];
 static int cpus[1024], ncpus;             /* the affinity mask's CPUs: worker i is pinned to cpus[i %% ncpus] */
 
+/* Replicated read-only ranges (numa = replicate): range i is [rb[i], rb[i] + rl[i]), sorted, its copy k at rcopy[i][k]
+   (copy 0: the range itself); a thread reads copy tcopy[thread]: each argument pointing into a range is moved to that copy. */
+#define MAX_REPLICAS 8
+static int R;
+static u64 rb[8192], rl[8192], rcopy[8192][MAX_REPLICAS];
+static int tcopy[1024];
+
+static inline u64 remap(u64 a, int k) {
+  int lo = 0, hi = R - 1;
+  while (lo <= hi) {
+    int mid = (lo + hi) / 2;
+    if (a < rb[mid]) hi = mid - 1;
+    else if (a >= rb[mid] + rl[mid]) lo = mid + 1;
+    else return rcopy[mid][k] + (a - rb[mid]);
+  }
+  return a;
+}
+
 /* Every argument travels as a 64-bit integer, as tinygrad's ctypes call passes them. The x86-64 and AArch64 calling
    conventions let a caller pass more arguments than the callee reads, so one 63-argument call shape serves every kernel. */
-static inline void run_part(const cmd_t *c, int part) {
+static inline void run_part(const cmd_t *c, int part, int thread) {
   u64 a[%(max_args)d];
   for (int i = 0; i < c->nargs; i++) a[i] = c->args[i];
+  if (R > 0 && tcopy[thread] > 0) for (int i = 0; i < c->nargs; i++) a[i] = remap(a[i], tcopy[thread]);
   for (int i = c->nargs; i < %(max_args)d; i++) a[i] = 0;
   if (c->core_slot >= 0) a[c->core_slot] = (u64)part;
   ((k63)c->fn)(%(args)s);
@@ -83,6 +102,7 @@ static inline void relax(void) {
 /* A worker starts at the generation current when it was created: one created after kernels ran must not take the last,
    finished command for a new one. */
 static struct { int id; uint32_t gen; } start_args[1024];
+static _Atomic int started;               /* workers that have named and pinned themselves */
 
 static void pin(int id) {
   if (ncpus <= 0) return;
@@ -99,6 +119,7 @@ static void *worker(void *arg) {
   snprintf(name, sizeof name, "tinyhet-cpu-%%d", id);
   pthread_setname_np(pthread_self(), name);
   pin(id);
+  atomic_fetch_add(&started, 1);           /* named and pinned: pool_start returns once every worker is */
   slot_t *me = &W[id];
   for (;;) {
     uint32_t g;
@@ -114,7 +135,7 @@ static void *worker(void *arg) {
     if (atomic_load(&P.quit)) return NULL;
     atomic_fetch_add_explicit(&me->wakes, 1, memory_order_relaxed);
     const cmd_t *c = P.cur;
-    for (int t = id; t < c->parts; t += P.active) run_part(c, t);
+    for (int t = id; t < c->parts; t += P.active) run_part(c, t, id);
     atomic_fetch_add_explicit(&P.done, 1, memory_order_acq_rel);
   }
 }
@@ -133,6 +154,7 @@ int pool_start(int n, long spin, const int *cpu_list, int k) {
     start_args[P.n].gen = atomic_load(&W[P.n].gen);   /* cannot move: bumped only under `busy`, which this holds */
     if (pthread_create(&P.tid[P.n], NULL, worker, &start_args[P.n]) != 0) break;
   }
+  while (atomic_load(&started) < P.n - 1) sched_yield();   /* a caller may look at the workers' names and CPUs at once */
   pthread_mutex_unlock(&P.busy);
   return P.n;
 }
@@ -146,7 +168,7 @@ static void run_split(const cmd_t *c) {
     atomic_fetch_add(&W[i].gen, 1);                             /* seq_cst: pairs with the worker's sleeping store */
     if (atomic_load(&W[i].sleeping)) syscall(SYS_futex, (uint32_t *)&W[i].gen, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
   }
-  for (int t = 0; t < c->parts; t += active) run_part(c, t);
+  for (int t = 0; t < c->parts; t += active) run_part(c, t, 0);
   /* a worker that lost its CPU to another process finishes only when it runs again: yield rather than spin it out */
   for (long spins = 0; atomic_load_explicit(&P.done, memory_order_acquire) < active - 1; spins++) {
     if (spins < 4096) relax(); else sched_yield();
@@ -158,11 +180,28 @@ int pool_run(const cmd_t *cmds, int n) {
   int serial = P.n <= 1 || pthread_mutex_trylock(&P.busy) != 0;
   for (int i = 0; i < n; i++) {
     const cmd_t *c = &cmds[i];
-    if (serial || c->parts <= 1 || c->core_slot < 0) { for (int t = 0; t < (c->parts > 0 ? c->parts : 1); t++) run_part(c, t); }
+    if (serial || c->parts <= 1 || c->core_slot < 0) { for (int t = 0; t < (c->parts > 0 ? c->parts : 1); t++) run_part(c, t, 0); }
     else run_split(c);
   }
   if (!serial) pthread_mutex_unlock(&P.busy);
   return serial;
+}
+
+/* Sets the replicated ranges (n of them, sorted by base, not overlapping; copies[i * ncopies + k]) and the copy each thread
+   reads (thread_copy[0..nthreads)); n = 0 clears them. Returns 0, or -1 for a bad table. */
+int pool_replicas(int n, const u64 *base, const u64 *len, const u64 *copies, int ncopies, const int *thread_copy, int nthreads) {
+  if (n < 0 || n > 8192 || ncopies < 1 || ncopies > MAX_REPLICAS || nthreads < 0 || nthreads > 1024) return -1;
+  for (int i = 0; i < n; i++) if (len[i] == 0 || (i > 0 && base[i] < base[i - 1] + len[i - 1])) return -1;
+  for (int t = 0; t < nthreads; t++) if (thread_copy[t] < 0 || thread_copy[t] >= ncopies) return -1;
+  pthread_mutex_lock(&P.busy);              /* no kernel reads the table while it changes */
+  for (int i = 0; i < n; i++) {
+    rb[i] = base[i], rl[i] = len[i];
+    for (int k = 0; k < ncopies; k++) rcopy[i][k] = copies[i * ncopies + k];
+  }
+  for (int t = 0; t < 1024; t++) tcopy[t] = t < nthreads ? thread_copy[t] : 0;
+  R = n;
+  pthread_mutex_unlock(&P.busy);
+  return 0;
 }
 
 int pool_threads(void) { return P.n; }
@@ -190,6 +229,7 @@ def _compile() -> ctypes.CDLL:
   dll.pool_wakes.argtypes, dll.pool_wakes.restype = [ctypes.c_int], ctypes.c_long
   dll.pool_run.argtypes, dll.pool_run.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
   dll.pool_threads.restype = ctypes.c_int
+  dll.pool_replicas.restype = ctypes.c_int
   return dll
 
 class CpuPool:
@@ -206,6 +246,24 @@ class CpuPool:
       arr = (ctypes.c_int * max(1, len(cpus)))(*cpus)
       self.threads = self.lib.pool_start(threads, self.spin, ctypes.addressof(arr), len(cpus))
     return self.threads
+
+  def set_replicas(self, ranges: list[tuple[int, int, list[int]]], thread_copy: list[int]) -> None:
+    """Read-only ranges with copies (numa = replicate): (address, length, [copy 0 = address, copy 1, ...]) each, and the
+    copy each thread (0 = the caller, 1.. the workers) reads: an argument of a kernel part pointing into a range is moved
+    to that thread's copy. The ranges must not be written while set; [] clears them."""
+    ranges = sorted(ranges)
+    k = max([len(c) for _, _, c in ranges] or [1])
+    if any(len(c) != k or c[0] != b for b, _, c in ranges): raise ValueError("set_replicas: each range needs as many copies, itself first")
+    u64 = ctypes.c_uint64
+    arr = lambda t, xs: (t * max(1, len(xs)))(*xs)
+    if self.lib.pool_replicas(len(ranges), arr(u64, [b for b, _, _ in ranges]), arr(u64, [n for _, n, _ in ranges]),
+                              arr(u64, [a for _, _, c in ranges for a in c]), k, arr(ctypes.c_int, thread_copy), len(thread_copy)) != 0:
+      raise ValueError(f"set_replicas: a bad table ({len(ranges)} ranges, {k} copies, threads reading {thread_copy})")
+
+  def pinned_cpu(self, thread: int) -> int | None:
+    """The CPU worker `thread` is pinned to (None for the caller, thread 0, or without pinning)."""
+    cpus = sorted(os.sched_getaffinity(0)) if self.pin and hasattr(os, "sched_getaffinity") else []
+    return cpus[thread % len(cpus)] if thread > 0 and cpus else None
 
   def wakes(self, worker: int) -> int:
     """How many split kernels worker (1..threads-1) has taken part in: a kernel of k parts wakes workers 1..k-1 only."""

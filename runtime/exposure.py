@@ -7,14 +7,17 @@ from __future__ import annotations
 import bisect, socket, threading, time
 from collections import Counter
 
+ACCESS = ("rw", "read", "write")
 DRAIN_TIMEOUT = 2.0           # seconds withdraw waits for writes landing in a region before it drops the writers' connections
 
 class Exposure:
-  """An exposed region as the receive path sees it: its bytes, which peer may use it (None: any authenticated peer) and
-  which parts of it (sorted, non-overlapping (start, end) byte ranges; None: all of it)."""
-  __slots__ = ("view", "owner", "starts", "ends")
-  def __init__(self, view: memoryview, owner: str | None, allowed: list[tuple[int, int]] | None):
-    self.view, self.owner = view, owner
+  """An exposed region as the receive path sees it: its bytes, which peer may use it (None: any authenticated peer), which
+  parts of it (sorted, non-overlapping (start, end) byte ranges; None: all of it) and how: access is "rw", "read" (a read
+  grant: writes refused) or "write" (a write grant: reads refused)."""
+  __slots__ = ("view", "owner", "starts", "ends", "access")
+  def __init__(self, view: memoryview, owner: str | None, allowed: list[tuple[int, int]] | None, access: str = "rw"):
+    if access not in ACCESS: raise ValueError(f"access must be one of {', '.join(ACCESS)}, got {access!r}")
+    self.view, self.owner, self.access = view, owner, access
     runs: list[list[int]] = []
     for off, n in sorted(allowed or []):
       if off < 0 or n <= 0 or off + n > len(view): raise ValueError(f"allowed part [{off}, {off + n}) is outside the {len(view)}-byte region")
@@ -22,7 +25,8 @@ class Exposure:
       else: runs.append([off, off + n])
     self.starts, self.ends = ([r[0] for r in runs], [r[1] for r in runs]) if allowed is not None else (None, None)
 
-  def allows(self, offset: int, nbytes: int) -> bool:
+  def allows(self, offset: int, nbytes: int, op: str = "write") -> bool:
+    if self.access != "rw" and self.access != op: return False
     if self.starts is None: return True
     i = bisect.bisect_right(self.starts, offset) - 1
     return i >= 0 and offset + nbytes <= self.ends[i]

@@ -5,6 +5,8 @@ numbers (libc does not wrap them; libnuma is not needed).
   interleave(addr, nbytes)       pages of the range, when first touched, alternate over the nodes (MPOL_INTERLEAVE)
   page_nodes(addr, nbytes)       the node each page of the range is on now (move_pages in query mode; -errno if not present)
   policy_of(addr)                the range's policy as /proc/self/numa_maps shows it ("interleave:0-1", "default", ...)
+  bind(addr, nbytes, node)       pages of the range, when first touched, land on that node (MPOL_BIND)
+  cpu_nodes()                    the node of each CPU, from /sys/devices/system/node/node*/cpulist
 
 A policy set before any page is touched decides where the pages land; pages already there stay (mbind without MPOL_MF_MOVE).
 """
@@ -46,6 +48,30 @@ def interleave(addr: int, nbytes: int, nodes: list[int] | None = None) -> None:
   if _libc.syscall(_nr("mbind"), ctypes.c_void_p(addr), ctypes.c_ulong(nbytes), MPOL_INTERLEAVE, mask, ctypes.c_ulong(1024 + 1), 0) != 0:
     e = ctypes.get_errno()
     raise OSError(e, f"mbind(MPOL_INTERLEAVE) of {nbytes} bytes at {addr:#x}: {os.strerror(e)}")
+
+def _mbind(addr: int, nbytes: int, mode: int, nodes: list[int]) -> None:
+  if not nodes or min(nodes) < 0 or max(nodes) >= 1024: raise ValueError(f"mbind: bad node list {nodes}")
+  mask = (ctypes.c_ulong * 16)()
+  for n in nodes: mask[n // 64] |= 1 << (n % 64)
+  if _libc.syscall(_nr("mbind"), ctypes.c_void_p(addr), ctypes.c_ulong(nbytes), mode, mask, ctypes.c_ulong(1024 + 1), 0) != 0:
+    e = ctypes.get_errno()
+    raise OSError(e, f"mbind(mode {mode}) of {nbytes} bytes at {addr:#x}: {os.strerror(e)}")
+
+def bind(addr: int, nbytes: int, node: int) -> None:
+  """The pages of [addr, addr + nbytes) land on `node` when first touched (page-aligned addr). OSError with the reason."""
+  _mbind(addr, nbytes, MPOL_BIND, [node])
+
+def cpu_nodes() -> dict[int, int]:
+  """CPU -> its NUMA node ({} where /sys does not say: one node, or no NUMA)."""
+  out: dict[int, int] = {}
+  base = "/sys/devices/system/node"
+  try: names = [n for n in os.listdir(base) if n.startswith("node") and n[4:].isdigit()]
+  except OSError: return out
+  for name in names:
+    try:
+      with open(f"{base}/{name}/cpulist") as f: out.update((cpu, int(name[4:])) for cpu in parse_node_list(f.read()))
+    except (OSError, ValueError): continue
+  return out
 
 def page_nodes(addr: int, nbytes: int, page: int = 4096) -> list[int]:
   """The node of each page of the range (a negative errno for a page not present: -2 ENOENT, -14 EFAULT)."""

@@ -215,6 +215,17 @@ class Session:
       with lock: sock.sendall(HEADER.pack(MAGIC, ACK, 0, 0, batch, 0, 0, 0, b[1]))
       if b[2] is not None: self.ep.deliver(self.peer, b[2], batch, b[1])
 
+  def tell_all(self, sent: socket.socket, why: str):
+    """The ERROR frame on the session's other streams too, so the writer learns why whichever stream it reads first (never
+    blocking on a peer that does not read: a stream busy for 0.5 s, or whose buffer is full, just closes)."""
+    frame = b"".join(bytes(b) for b in _error_frame(0, why))
+    with self.lock: socks = [(s, lock) for s, lock in self.socks.items() if s is not sent]
+    for s, lock in socks:
+      if not lock.acquire(timeout=0.5): continue
+      try: s.send(frame, socket.MSG_DONTWAIT)
+      except OSError: pass
+      finally: lock.release()
+
   def drop(self):
     with self.lock: socks = list(self.socks)
     for s in socks:
@@ -252,14 +263,17 @@ def serve(ep, sock: socket.socket, auth: dict):
         last = bool(flags & LAST)
         session.landed(batch, nbytes, offset if last else None, value if flags & NOTIFY else None, (sock, send_lock) if last else None)
       elif op == READ:
-        view = ep.lookup(region, offset, nbytes, session.peer)
-        with send_lock: wire.send_all(sock, [Frame(DATA, batch=batch, tag=tag, nbytes=nbytes).pack(), view])
+        (view,), regions = ep.land(sock, ((region, offset, nbytes),), session.peer, "read")    # a released grant's blocks: refused
+        try:
+          with send_lock: wire.send_all(sock, [Frame(DATA, batch=batch, tag=tag, nbytes=nbytes).pack(), view])
+        finally: ep.end_landing(sock, regions)
       elif op == CLOSE: return
       else: raise wire.ProtocolError(f"unexpected {wire.OP_NAMES[op]} frame")
   except wire.ProtocolError as e:
     try:
       with send_lock: wire.send_all(sock, _error_frame(0, str(e)))
     except OSError: pass
+    session.tell_all(sock, str(e))
     session.drop()
     raise
   except OSError:

@@ -98,12 +98,14 @@ class Endpoint:
       listeners = list(self.shm_listeners)
     for serve in listeners: serve.announce(arena)
 
-  def expose(self, region: Region, owner: str | None = None, allowed: list[tuple[int, int]] | None = None) -> RegionDescriptor:
+  def expose(self, region: Region, owner: str | None = None, allowed: list[tuple[int, int]] | None = None,
+             access: str = "rw") -> RegionDescriptor:
     """Make a region writable/readable by authenticated peers; returns its descriptor. owner: only that peer (its
-    authenticated node name) may use it; allowed: only these (offset, nbytes) parts of it. tcp enforces both on every
-    frame; shm and verbs cannot (a mapped memfd and an rkey reach the whole arena; see the README's isolation notes)."""
+    authenticated node name) may use it; allowed: only these (offset, nbytes) parts of it; access: "rw", "read" (a read
+    grant) or "write" (a write grant). tcp enforces all three on every frame; shm and verbs cannot (a mapped memfd and an
+    rkey reach the whole arena; see the README's isolation notes)."""
     self.register(region.arena)
-    exposure = Exposure(region.view(), owner, allowed)
+    exposure = Exposure(region.view(), owner, allowed, access)
     with self.lock:
       region_id = next(self._region_ids)
       self.exposed[region_id] = region
@@ -119,21 +121,23 @@ class Endpoint:
       self.exposed_views.pop(desc.region_id, None)
     self.landings.drain(desc.region_id)
 
-  def lookup(self, region_id: int, offset: int, nbytes: int, peer: str | None = None) -> memoryview:
-    """The bytes a peer addresses, after checking them against the exposed region's bounds, owner and allowed parts
-    (raises ProtocolError)."""
+  def lookup(self, region_id: int, offset: int, nbytes: int, peer: str | None = None, op: str = "write") -> memoryview:
+    """The bytes a peer addresses to write (op "write") or read ("read"), after checking them against the exposed region's
+    bounds, owner, allowed parts and access (raises ProtocolError)."""
     e = self.exposed_views.get(region_id)
     if e is None: raise wire.ProtocolError(f"region {region_id} is not exposed by {self.name}")
     if nbytes <= 0 or offset < 0 or offset + nbytes > len(e.view):
       raise wire.ProtocolError(f"span [{offset}, {offset + nbytes}) is outside region {region_id} ({len(e.view)} bytes)")
     if e.owner is not None and peer != e.owner: raise wire.ProtocolError(f"region {region_id} is not exposed to {peer}")
-    if not e.allows(offset, nbytes): raise wire.ProtocolError(f"span [{offset}, {offset + nbytes}) of region {region_id} is not open to writes")
+    if not e.allows(offset, nbytes, op):
+      raise wire.ProtocolError(f"span [{offset}, {offset + nbytes}) of region {region_id} is not open to {op}s"
+                               + ("" if e.access in ("rw", op) else f" (a {e.access} grant)"))
     return e.view[offset:offset + nbytes]
 
-  def land(self, sock: socket.socket, pieces, peer: str) -> tuple[list[memoryview], set[int]]:
-    """Check a frame's (region, offset, nbytes) pieces (lookup) and mark them landing until end_landing(sock, regions):
-    withdraw() waits for that, so no byte lands in a region after it was withdrawn."""
-    return self.landings.begin(sock, pieces, lambda r, o, n: self.lookup(r, o, n, peer))
+  def land(self, sock: socket.socket, pieces, peer: str, op: str = "write") -> tuple[list[memoryview], set[int]]:
+    """Check a frame's (region, offset, nbytes) pieces (lookup) and mark them landing (or, op "read", being read) until
+    end_landing(sock, regions): withdraw() waits for that, so no byte lands in or leaves a region after it was withdrawn."""
+    return self.landings.begin(sock, pieces, lambda r, o, n: self.lookup(r, o, n, peer, op))
 
   def end_landing(self, sock: socket.socket, region_ids): self.landings.end(sock, region_ids)
 

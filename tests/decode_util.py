@@ -59,8 +59,9 @@ class Writer:
   def fill(self, data: bytes):
     self.src.view(0, len(data))[:] = data
 
-  def write(self, pool: RegionDescriptor, blocks: list[int], block_bytes: int, notify: int | None = None):
-    spans = [Span(self.src, i * block_bytes, pool, b * block_bytes, block_bytes) for i, b in enumerate(blocks)]
+  def write(self, pool: RegionDescriptor, blocks: list[int], block_bytes: int, notify: int | None = None, first: int = 0):
+    """blocks from the fill's blocks first, first + 1, ..."""
+    spans = [Span(self.src, (first + i) * block_bytes, pool, b * block_bytes, block_bytes) for i, b in enumerate(blocks)]
     return self.ep.write(self.peer, spans, notify)
 
   def write_layers(self, r: dict, layers, notify_as: tuple[int, int] | None = None):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import tinyhet  # noqa: F401  (HET, MESH)
 from tinygrad import Tensor, dtypes
-from tinyhet.model.chunked_prefill import chunk_plan, chunked_prefill, prompt_pools
+from tinyhet.model.chunked_prefill import SUFFIX_BUCKETS, bucket_of, chunk_plan, chunked_prefill, padded_plan, prompt_pools
 from tinyhet.model.llama import DenseKVCache, Llama, random_weights, small_config
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,45 @@ def test_chunk_plan():
   assert chunk_plan(5, 512) == [(0, 5)]
   for bad in ((0, 32), (10, 0), (10, 32, -1)):
     with pytest.raises(ValueError): chunk_plan(*bad)
+
+@given(T=st.integers(1, 3000), chunk=st.integers(1, 1024), start=st.integers(0, 100), buckets=st.sampled_from([(), SUFFIX_BUCKETS, (8, 300)]))
+def test_a_padded_plan_covers_the_tokens_in_order_at_captured_lengths(T, chunk, start, buckets):
+  plan = padded_plan(T, chunk, start, buckets)
+  assert [(p0, n) for p0, n, _ in plan] == chunk_plan(T, min(chunk, T) if not buckets else chunk, start)
+  assert sum(n for _, n, _ in plan) == T and all(n <= C for _, n, C in plan)
+  lengths = {C for _, _, C in plan}
+  assert lengths <= {min(chunk, T) if not buckets else chunk, *buckets}
+  for _, n, C in plan[:-1]: assert n == C                            # only the last chunk has pads
+  if buckets: assert plan[-1][2] == bucket_of(plan[-1][1], chunk, buckets) <= chunk
+
+def test_a_cached_prefix_suffix_in_captured_chunks_gives_the_uncached_tokens_and_pads_touch_no_other_block(llama):
+  # the single-device engine with the prefix cache: turn 2's 35 uncached tokens run as a 32-token chunk and a 16-token
+  # bucket continuing from turn 1's cached blocks (prefill_suffix_logits); the greedy tokens are an uncached engine's. Then
+  # the turn again (its last 3 tokens uncached) with every other block of the pool marked: none changes (the 16-token
+  # chunk's pads, 8 of them past the sequence's last block, land in PAD_SEQ's block), and the logits give the same token
+  from tinyhet.engine.decode_engine import PAD_SEQ
+  from tinyhet.engine.local_engine import LocalEngine
+  from tinyhet.engine.prefill import prefill_suffix_logits
+  llama.prefill_chunk = 32
+  try:
+    cached, plain = LocalEngine(llama, 256, block_size=8, prefix_cache=True), LocalEngine(llama, 256, block_size=8)
+    turn = ids_of(40, 5)
+    first, _ = cached.generate(turn, 4)
+    assert first == plain.generate(turn, 4)[0]
+    turn = turn + first[:-1] + ids_of(32, 6)                               # 75 tokens: 10 blocks, 40 + 48 positions planned
+    got, st = cached.generate(turn, 6)
+    assert st["cached_tokens"] == 40
+    assert got == plain.generate(turn, 6)[0]
+    bm, cache = cached.cache.block_manager, cached.cache
+    bm.allocate(998, len(turn), turn)
+    assert bm.cached_length(998) == 72
+    bm.allocate(999, bm.num_free * 8)                                      # a bystander in every other block
+    others = set(range(bm.num_blocks)) - set(bm.block_table(998)) - set(bm.block_table(PAD_SEQ))
+    marks = {b: bytes([b % 251 + 1]) * cache.block_nbytes for b in others}
+    for b, data in marks.items(): cache.write_block_bytes(0, b, data)
+    assert int(prefill_suffix_logits(llama, cache, 998, turn, 72).argmax()) == got[0]             # 3 tokens at 16: 8 pads past its blocks
+    assert all(cache.read_block_bytes(0, b) == data for b, data in marks.items())
+  finally: llama.prefill_chunk = 0
 
 @pytest.mark.parametrize("chunk", [16, 37])
 @settings(max_examples=1, deadline=None)
@@ -103,3 +142,54 @@ def test_an_8k_prompt_stays_within_kv_plus_chunk_memory(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   r = json.loads(out.stdout.strip().splitlines()[-1])
   assert r["added"] < r["kv"] + (64 << 20), r
+
+BOUND = r"""
+import json, sys, time, dataclasses, numpy as np, tinyhet
+from tinygrad import dtypes
+from tinyhet.model.llama import LLAMA31_8B, Llama, random_weights
+shape, T, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def status(key):                                   # bytes, from /proc/self/status
+  return next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith(key + ":"))
+if shape == "smollm2":                             # SmolLM2-135M's real weights, its first 2 layers only (the bound is per layer)
+  from tinyhet.model.weights import load_model
+  m, _ = load_model(None, device="MESH", n_layers=2, quiet=True, packed=True)
+else:                                              # Llama-3.1-8B's shape, 2 layers, random float32 weights
+  cfg = dataclasses.replace(LLAMA31_8B, n_layers=2, max_context=T)
+  m = Llama(cfg, random_weights(cfg, device="MESH"), "MESH")
+m.prefill_chunk = chunk
+rng = np.random.default_rng(0)
+ids = lambda n: [int(t) for t in rng.integers(0, m.cfg.vocab_size, n)]
+from tinyhet.engine.prefill import prefill_logits
+prefill_logits(m, ids(chunk + 16))                 # compiles the chunk captures' kernels (a 2-chunk prompt)
+open("/proc/self/clear_refs", "w").write("5")      # the peak RSS (VmHWM) starts again from the RSS now
+before, t0 = status("VmRSS"), time.perf_counter()
+logits = prefill_logits(m, ids(T))
+print(json.dumps({"rss_before": before, "peak": status("VmHWM"), "added": status("VmHWM") - before, "weights": m.w.nbytes(),
+                  "kv": T * m.cfg.kv_bytes_per_token(dtypes.float16), "seconds": time.perf_counter() - t0,
+                  "finite": bool(np.isfinite(logits).all())}))
+"""
+
+def prefill_peak(shape: str, T: int, chunk: int = 512, timeout: int = 900) -> dict:
+  """Peak RSS of a T-token chunked prefill in a fresh process, above the RSS it had before (weights loaded, captures made)."""
+  out = subprocess.run([sys.executable, "-c", BOUND, shape, str(T), str(chunk)], capture_output=True, text=True, timeout=timeout, env=os.environ)
+  assert out.returncode == 0, out.stderr[-2000:]
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  assert r["finite"], r
+  return r
+
+@pytest.mark.slow
+def test_an_8k_prompt_of_smollm2_adds_at_most_kv_plus_256_mib():
+  # SmolLM2-135M's real shape and weights (2 of its 30 layers, as stored: Q8_0/Q4 blocks), 8,192 tokens in chunks of 512:
+  # peak = weights + KV + O(chunk x width); the 8K target: at most 256 MiB above weights + KV
+  r = prefill_peak("smollm2", 8192)
+  assert r["added"] <= r["kv"] + (256 << 20), r
+
+@pytest.mark.skipif(not os.environ.get("LONG_PREFILL_32K"), reason="~46 TFLOP of prefill (an hour or more on 2 CPU cores): "
+                    "run it with LONG_PREFILL_32K=1 .venv/bin/python -m pytest -q tests/test_chunked_prefill.py -k 32k")
+@pytest.mark.timeout(6 * 3600)
+def test_a_32k_prompt_of_the_llama_31_8b_shape_stays_within_kv_plus_1_gib():
+  # Llama-3.1-8B's shape (dim 4096, 32 heads, 8 KV heads, hidden 14336, vocabulary 128,256), 2 layers of random weights,
+  # 32,768 tokens in chunks of 512: within weights + KV + 1 GiB (the dense path's scores alone: 128 GiB a layer)
+  r = prefill_peak("llama31-8b", 32768, timeout=6 * 3600)
+  assert r["added"] <= r["kv"] + (1 << 30), r
+

@@ -63,6 +63,30 @@ def test_notices_count_only_real_layers_from_the_reserving_peer(node, alice):
     assert alice.ctl.call("decode.info")["rejected_notices"] == rejected + 2
   finally: mallory.close()
 
+def test_a_layer_sent_in_pieces_lands_once_every_piece_has_and_bad_pieces_are_refused(node, alice):
+  # format-2 notices (tinyhet.kv.notices): a chunked prefill sends a layer's blocks piece by piece. Refused: a piece past
+  # the layer's last one, a second, different last one; the sequence waits while a piece is missing. Then the reference
+  # request with each layer in two pieces (last first) gives the tokens of the same request sent layer by layer
+  want = clean_request(alice)
+  rejected = alice.ctl.call("decode.info")["rejected_notices"]
+  r = alice.reserve(prompt=(5, 4, 3, 2, 1, 9, 8), new=6)
+  sid, b, bb = r["seq_id"], r["blocks"], r["block_bytes"]
+  assert len(b) == 2
+  alice.fill(kv_bytes(len(b) * bb, seed=1))
+  alice.write(r["pools"][0], b[1:], bb, notice_value(sid, 0, 1, True), first=1).wait(10)   # the last piece may come first
+  alice.write(r["pools"][0], b[1:], bb, notice_value(sid, 0, 2, False), first=1).wait(10)  # past the last piece: refused
+  alice.write(r["pools"][0], b[:1], bb, notice_value(sid, 0, 0, True)).wait(10)         # a second, different last: refused
+  alice.write_layers(r, [1])
+  with pytest.raises(ControlError, match="1 of 2 layers"): generate(alice, r, timeout=1)   # layer 0's piece 0 never came
+  assert alice.ctl.call("decode.info")["rejected_notices"] == rejected + 2
+  r = alice.reserve(prompt=(5, 4, 3, 2, 1, 9, 8), new=6)
+  sid, b = r["seq_id"], r["blocks"]
+  for layer in range(SMALL["n_layers"]):
+    alice.write(r["pools"][layer], b[1:], bb, notice_value(sid, layer, 1, True), first=1).wait(10)
+    alice.write(r["pools"][layer], b[:1], bb, notice_value(sid, layer, 0, False)).wait(10)
+  assert generate(alice, r, timeout=10) == want
+  assert alice.ctl.call("decode.info")["rejected_notices"] == rejected + 2
+
 def test_shm_blocks_come_back_only_when_the_writer_is_done(node):
   w = Writer("shm-writer", node.address, "shm")
   try:

@@ -85,6 +85,43 @@ def test_disaggregated_equals_single_device(small, transport, prompt_len, new):
   assert stats.transfer_gbps == pytest.approx(stats.kv_bytes / stats.transfer_s / 1e9)
   assert stats.ttft_s == pytest.approx(max(stats.prefill_s, max(t.landed_s for t in tl))) and stats.ttft_s >= stats.prefill_s
 
+@pytest.fixture(scope="module")
+def decode16():
+  """A decode node whose blocks are the chunked prefill's (16 tokens): chunks leave from the prefill's own pools as they are."""
+  proc, info = start_decode_node(blocks=64, bs=16)
+  yield info["address"]
+  proc.stdin.close()
+  proc.wait(30)
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_chunked_prefill_sends_each_chunk_as_it_is_made_and_gives_the_unchunked_tokens(small, decode16, transport):
+  # a 100-token prompt (its bucket 112) in chunks of 32: each layer leaves in 4 pieces (32, 32, 32, then the 4 real tokens
+  # of the last chunk), each piece's blocks written from the prefill's pool once that chunk's layer is computed; the decode
+  # node starts only once every piece of every layer has landed; greedy tokens equal the unchunked reference's
+  model, _ = small
+  prompt = [int(t) for t in np.random.default_rng(100).integers(0, SMALL["vocab_size"], 100)]
+  want = model.reference_generate(prompt, 6, temperature=0.0)
+  model.prefill_chunk = 32
+  try:
+    client = DecodeClient(local_node(), decode16, model, "small-random", transport)
+    try: got, stats = client.generate(prompt, 6)
+    finally: client.close()
+  finally: model.prefill_chunk = 0
+  assert got == want
+  assert stats.kv_writes == 4 * model.cfg.n_layers and stats.kv_bytes == model.cfg.n_layers * 7 * 2 * 2 * 16 * 16 * 2   # 7 blocks a layer
+  assert [t.layer for t in stats.timeline] == list(range(model.cfg.n_layers)) and all(0 < t.posted_s <= t.landed_s for t in stats.timeline)
+  assert stats.transfer_s > 0 and stats.transfer_gbps == pytest.approx(stats.kv_bytes / stats.transfer_s / 1e9)   # over the pieces' writes
+
+def test_a_decode_node_of_another_notice_format_is_refused_in_one_line():
+  from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible
+  cfg = small_config(**SMALL)
+  info = {"model": "m", "config": {k: getattr(cfg, k) for k in ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "dim")}}
+  check_compatible(cfg, "m", {**info, "kv_notice_format": 2}, "at x")
+  for old in (info, {**info, "kv_notice_format": 1}):
+    with pytest.raises(IncompatibleDecodeNode, match=r"^decode node at x speaks KV notice format 1, this node 2: run the same tinyhet version") as e:
+      check_compatible(cfg, "m", old, "at x")
+    assert "\n" not in str(e.value)
+
 def test_one_client_serves_a_shorter_prompt_after_a_longer_one(small):
   """A client keeps its host region between requests (tinyhet.kv.sender.SendBuffers): a request smaller than the one that
   sized it packs into its first bytes. Both equal the single-device tokens."""
@@ -190,6 +227,33 @@ def test_service_prefill_node_sends_layers_from_device_memory(small, unregistere
   assert got == want
   assert reply["kv_bytes"] == model.cfg.n_layers * len(r["blocks"]) * r["block_bytes"]
   assert reply["staging_waits"] <= max(0, model.cfg.n_layers - n_buffers) and pn.status()["queued_tokens"] == 0
+
+def test_service_prefill_node_sends_a_chunked_prompt_chunk_by_chunk(small, decode16):
+  """The service's prefill node with a prompt past the chunk length (70 tokens, chunks of 32): each layer leaves in 3 pieces
+  from the chunked prefill's pools (kv_bytes: every block once); the decode node's tokens are the unchunked reference's."""
+  model, _ = small
+  prompt = [int(t) for t in np.random.default_rng(6).integers(0, SMALL["vocab_size"], 70)]
+  want = model.reference_generate(prompt, 5, temperature=0.0)
+  node = local_node()
+  pn = PrefillNode(model, node, "small-random", "tcp")
+  decode, prefill = ControlClient(node.endpoint, decode16), ControlClient(node.endpoint, node.serve())
+  reply: dict = {}
+  model.prefill_chunk = 32
+  try:
+    r = decode.call("decode.reserve", prompt_ids=prompt, max_new_tokens=5)
+    asking = threading.Thread(target=lambda: reply.update(prefill.call("prefill.run", prompt_ids=prompt, decode=decode16, reservation=r)))
+    asking.start()
+    pn.run_one(timeout=30)
+    asking.join(30)
+    got = [reply["first_token"]] + [i["token"] for i in decode.stream("decode.generate", seq_id=r["seq_id"], first_token=reply["first_token"],
+                                                                      temperature=0.0, top_p=1.0, seed=reply["seed"], stop_ids=[]) if "token" in i]
+    info = decode.call("decode.info")
+  finally:
+    model.prefill_chunk = 0
+    decode.close(), prefill.close(), pn.close()
+  assert got == want
+  assert reply["kv_bytes"] == model.cfg.n_layers * len(r["blocks"]) * r["block_bytes"] and len(r["blocks"]) == 5
+  assert reply["kv_writes"] == 3 * model.cfg.n_layers and info["rejected_notices"] == 0     # its bucket 80: chunks 32, 32, 16
 
 @given(hst.lists(hst.tuples(hst.floats(0, 5), hst.floats(0, 1), hst.floats(0, 3), hst.floats(0, 3)), min_size=1, max_size=12),
        hst.booleans())

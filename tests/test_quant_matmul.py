@@ -140,9 +140,9 @@ def test_kernels_call_nothing_outside_themselves(t):
       _, src = qmm.kernel_source(t, rows, out, cols, parts, int8=int8)
       elf_loader(Device["MESH"].compiler.compile(src))   # raises on a relocation against a symbol it does not define
 
-def rounded_to_int8(x: np.ndarray) -> np.ndarray:
-  """x rounded as the int8 mode rounds it: per block of 32, scale max|x|/127, nearest even."""
-  xb = x.reshape(x.shape[0], -1, 32)
+def rounded_to_int8(x: np.ndarray, block: int = 32) -> np.ndarray:
+  """x rounded as the int8 mode rounds it: per block of 32 (the K-quants: 256, llama.cpp's q8_K), scale max|x|/127, nearest even."""
+  xb = x.reshape(x.shape[0], -1, block)
   amax = np.abs(xb).max(-1, keepdims=True)
   inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
   return (np.round(xb * inv) * (amax / np.float32(127))).reshape(x.shape)
@@ -157,10 +157,27 @@ def test_int8_mode_is_the_exact_product_with_x_rounded_per_block(t):
   cols = 512
   b = random_blocks(50, cols, t, rng)
   x = rng.standard_normal((9, cols), dtype=np.float32) * rng.uniform(0.1, 10, (9, 1)).astype(np.float32)
-  x[0, :32] = 0                                                  # an all-zero block: scale 0, no division by it
-  want = rounded_to_int8(x).astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
+  block = LAYOUT[t][0]
+  x[0, :block] = 0                                               # an all-zero block: scale 0, no division by it
+  want = rounded_to_int8(x, block).astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
   assert supported_int8(t, cols) and "_int8" in qmm.kernel_source(t, 9, 50, cols, 2, int8=True)[0]
   got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (50, cols), 2, int8=True).numpy()
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+  # the rounding per 32 would be a different product: the test tells the two apart
+  if block == 256:
+    per32 = rounded_to_int8(x).astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
+    assert np.abs(got - per32).max() > 1e-3 * np.abs(want).max()
+
+@pytest.mark.parametrize("t", [Q4_K, Q5_K, Q6_K], ids=["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows,parts", [(1, 1), (3, 3), (8, 2), (17, 2)])   # one row; a tail; a full tile; tiles and a tail
+def test_kquant_int8_kernel_for_any_row_and_part_count(t, rows, parts):
+  # the q8_K-style kernel (x per super-block of 256, integer sums over the super-block): every row of a tile, every part
+  assert qmm.kernel_source(t, rows, 40, 768, parts, int8=True)[0].endswith("_int8k")
+  rng = np.random.default_rng(rows * 7 + parts + t)
+  b = random_blocks(40, 768, t, rng)
+  x = rng.standard_normal((rows, 768), dtype=np.float32)
+  want = rounded_to_int8(x, 256).astype(np.float64) @ reference(b, t, 768).astype(np.float64).T
+  got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (40, 768), parts, int8=True).numpy()
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 def test_int8_mode_is_off_by_default_and_chosen_by_the_environment(monkeypatch):
@@ -172,5 +189,29 @@ def test_int8_mode_is_off_by_default_and_chosen_by_the_environment(monkeypatch):
   assert not any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
   monkeypatch.setenv("TINYHET_INT8_ACTIVATIONS", "1")
   assert any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
-  # F16, BF16 and prefill-sized products have no int8 kernel: the float one, named as such
-  assert "_int8" not in qmm.kernel_source(F16, 1, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q4_K, 64, 64, 256, 1, int8=True)[0]
+  # F16, BF16 and the 32-weight types at prefill sizes have no int8 kernel: the float one, named as such
+  assert "_int8" not in qmm.kernel_source(F16, 1, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q5_0, 64, 64, 256, 1, int8=True)[0]
+  # the K-quants take their int8 kernel at prefill sizes too, unless the tiled (float) kernel is asked for
+  assert "_int8k" in qmm.kernel_source(Q4_K, 64, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q4_K, 64, 64, 256, 1, True, True)[0]
+
+@pytest.mark.parametrize("march", ["native -mno-avx512vnni", "x86-64-v3", "x86-64"], ids=["avx512-no-vnni", "avx2", "x86-64"])
+def test_each_cpu_path_the_source_has(march, tmp_path):
+  # the kernels pick their path from what the compiler targets (tinygrad's CPU compiler: -march=native): AVX-512 with VNNI
+  # on this machine; built here for the others (AVX-512 without VNNI: dot4's widening sum; AVX2 with F16C: 4-row tiles; plain
+  # x86-64: the shift-and-scale half-float conversion) and run through ctypes on the same random blocks
+  import ctypes, platform, subprocess
+  if platform.machine() != "x86_64": pytest.skip("the -march names are x86's")
+  rng = np.random.default_rng(len(march))
+  for t, rows, int8 in [(Q4_K, 9, True), (Q5_K, 1, True), (Q6_K, 3, True), (Q8_0, 9, True), (Q4_K, 5, False), (F16, 1, False), (BF16, 40, False)]:
+    cols, out = cols_for(t) if not int8 else 512, 24
+    name, src = qmm.kernel_source(t, rows, out, cols, 1, int8=int8)
+    lib = tmp_path / f"{name}.so"
+    subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", *f"-march={march}".split(), "-x", "c", "-",
+                    "-o", str(lib)], input=src.encode(), check=True)
+    b = random_blocks(out, cols, t, rng)
+    x = rng.standard_normal((rows, cols), dtype=np.float32)
+    got = np.zeros((rows, out), np.float32)
+    getattr(ctypes.CDLL(str(lib)), name)(*(ctypes.c_void_p(a.ctypes.data) for a in (got, b, x)), 0)
+    xr = rounded_to_int8(x, LAYOUT[t][0]) if int8 else x
+    want = xr.astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"{name} -march={march}")

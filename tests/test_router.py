@@ -117,6 +117,9 @@ def test_cluster_file_roles_ask_the_cost_model_for_the_pair():
   spark = load_cluster(ROOT / "examples/clusters/spark_m3ultra.toml")
   c = cluster(d, p, planner=(spark, "llama-3.1-8b"), names={p.address: "spark", d.address: "mac"})
   assert c._choose_prefill(d, 60, 32) is None and c._choose_prefill(d, 8192, 32) is p
+  # a prefix-cache hit on the Mac: a 16-token suffix is prefilled there (the Spark would read all its weights at 273 GB/s
+  # for it, and pull the prefix over 10 GbE); a 4,096-token suffix is worth the pull
+  assert c._choose_prefill(d, 8192, 32, cached=8192 - 16) is None and c._choose_prefill(d, 8192, 32, cached=4096) is p
   p.status.update(queued_tokens=100_000)
   c.prefill_s_per_token = 1.47 / 8192                      # the Spark's prefill rate, as the router would have measured it
   assert c._choose_prefill(d, 8192, 32) is None            # 18 s of queue there: the Mac prefills sooner itself
@@ -159,8 +162,8 @@ def test_heartbeats_bring_nodes_up_and_another_model_keeps_them_out():
 
 def test_kv_aware_routing_follows_the_cached_prefix():
   """Heartbeat summaries of cached block hashes: a conversation's next turn goes to the node holding its prefix (unless that
-  node is far busier), needs fewer new blocks there, and is prefilled there when only a short suffix is left; a node that
-  went away takes its cache with it."""
+  node is far busier) and needs fewer new blocks there; without a planner the prefill node still takes it (it pulls the
+  cached prefix: tinyhet.kv.pull); a node that went away takes its cache with it."""
   from tinyhet.kv.block_manager import block_hashes
   ids = list(range(1, 161))                              # 10 blocks of 16
   holder, other, p = state("decode", running=2), state("decode", running=1), state("prefill")
@@ -171,7 +174,7 @@ def test_kv_aware_routing_follows_the_cached_prefix():
   node, blocks = c._admit(len(ids), 8, ids)
   assert node is holder and blocks == 11 - 9                                           # (160 + 8) tokens: 11 blocks, 9 cached
   c._release(node, blocks)
-  assert c._choose_prefill(holder, len(ids), 8, holder.cached_tokens(ids)) is None     # a 16-token suffix: prefilled there
+  assert c._choose_prefill(holder, len(ids), 8, holder.cached_tokens(ids)) is p        # no planner: the prefill node (it pulls)
   assert c._choose_prefill(holder, len(ids), 8, 32) is p                               # mostly uncached: the prefill node
   c._beat(holder, {**holder.status, "running": 8})                                     # full, the other idle: the load wins
   c._beat(other, {**other.status, "running": 0})

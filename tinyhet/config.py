@@ -23,7 +23,7 @@ from tinyhet.runtime.settings import TRANSPORTS, problem as transport_problem  #
 
 HET_BACKENDS = ("auto", "CUDA", "NV", "AMD", "METAL", "CL", "CPU", "PYTHON")   # PYTHON: tinygrad's emulator, for tests
 KV_DTYPES = ("float16", "float32", "bfloat16")
-NUMA_MODES = ("off", "interleave", "replicate")   # replicate: named by the design, not built (refused with a message saying so)
+NUMA_MODES = ("off", "interleave", "replicate")   # replicate: the weights copied per node, each pool thread reading its node's
 
 class ConfigError(ValueError):
   """A bad option: the message names the option, where it came from, and what is allowed."""
@@ -44,7 +44,7 @@ class Config:
   rdma_port: int = 1                     # verbs: port number on that device (1-based, as ibv_devinfo shows it)
   rdma_gid_index: int = -1               # verbs: source GID index on RoCE; -1 = auto (RoCE v2, IPv4-mapped first)
   cpu_threads: int = 0                   # threads for HET-on-CPU and MESH kernels; 0 = every CPU this process may run on
-  numa: str = "off"                      # off | interleave: the arenas' pages (weights, KV) alternate over the NUMA nodes
+  numa: str = "off"                      # off | interleave: the arenas' pages alternate over the nodes | replicate: weights per node
   prefill_chunk: int = 512               # a prompt longer than this is prefilled in chunks of this many tokens (tiled attention)
   staging_buffers: int = 2               # host buffers a GPU's packed layers leave through, copied asynchronously; 0 = copy on the prefill thread
 
@@ -96,7 +96,6 @@ def validate(cfg: Config, source: str):
   if not isinstance(cfg.cpu_threads, int) or not 0 <= cfg.cpu_threads <= 1024:
     bad("cpu_threads", "must be between 0 (every CPU this process may run on) and 1024")
   if cfg.numa not in NUMA_MODES: bad("numa", f"is not one of {', '.join(NUMA_MODES)}")
-  if cfg.numa == "replicate": bad("numa", "replicate (a copy of the weights per NUMA node) is not built yet; use interleave or off")
   if not isinstance(cfg.prefill_chunk, int) or not 16 <= cfg.prefill_chunk <= 65536: bad("prefill_chunk", "must be between 16 and 65536 tokens")
   if not isinstance(cfg.staging_buffers, int) or not 0 <= cfg.staging_buffers <= 64:
     bad("staging_buffers", "must be between 0 (copy each layer on the prefill thread) and 64")

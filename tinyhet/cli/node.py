@@ -86,6 +86,9 @@ def serve(args, stop: threading.Event) -> int:
   except ValueError as e:                    # the smallest pool depends on the model: known only once it is loaded
     print(f"tinyhet node: --kv-memory {args.kv_memory}: {e}: give a bigger --kv-memory", file=sys.stderr)
     return 2
+  if cfg.numa == "replicate":             # the weights once per NUMA node, each worker thread reading its own node's (one node: nothing)
+    from tinyhet.device.numa_replicas import replicate_weights
+    node.replicas = replicate_weights(model)
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids,
                       prefix_cache=not args.no_prefix_cache)
   decode.tokenizer = tok                 # stop strings end sequences on the node

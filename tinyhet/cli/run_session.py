@@ -13,7 +13,7 @@ class LocalDecodeNode:
   def __init__(self, args):
     cmd = [sys.executable, "-m", "tinyhet", "node", "--role", "decode", "--listen", "127.0.0.1:0", "--kv-memory", args.kv_memory,
            "--stdin-stop"] + (["--model", args.model] if args.model else []) + (["--quiet"] if args.quiet else []) + \
-          (["--float-weights"] if args.float_weights else [])
+          (["--float-weights"] if args.float_weights else []) + (["--no-prefix-cache"] if getattr(args, "no_prefix_cache", False) else [])
     # its own process group: a Ctrl-C at the terminal reaches this process only, which then stops the node (once, cleanly);
     # the node dies with this process anyway (its stdin closes, and PR_SET_PDEATHSIG: tinyhet.cli.node.die_with_parent, which
     # fires when the thread that started it ends: start it from the thread that outlives it, the main one)

@@ -1,6 +1,7 @@
 """What a node checks before it acts on a request from the network (a peer's control request: bad input is an error
 reply, never a crash): prompt ids and lengths, and that the decode node it is paired with serves the same model."""
 from __future__ import annotations
+from tinyhet.kv.notices import NOTICE_FORMAT
 
 class IncompatibleDecodeNode(RuntimeError):
   """The decode node serves another model (or another KV layout) than this prefill node."""
@@ -22,10 +23,13 @@ def check_prompt(cfg, prompt_ids, max_new_tokens: int | None = None) -> None:
 SHAPE = ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "dim")   # what a decode node's KV blocks and logits depend on
 
 def check_compatible(cfg, model_id: str, info: dict, where: str) -> None:
-  """A decode node's decode.info reply `info` is for this model (its shape, and its id where both have one), else
-  IncompatibleDecodeNode naming both."""
+  """A decode node's decode.info reply `info` is for this model (its shape, and its id where both have one) and speaks this
+  node's KV notice format (tinyhet.kv.notices), else IncompatibleDecodeNode naming both."""
   mine = {k: getattr(cfg, k) for k in SHAPE}
   theirs = {k: info.get("config", {}).get(k) for k in SHAPE}
+  if info.get("kv_notice_format", 1) != NOTICE_FORMAT:
+    raise IncompatibleDecodeNode(f"decode node {where} speaks KV notice format {info.get('kv_notice_format', 1)}, this node {NOTICE_FORMAT}: "
+                                 "run the same tinyhet version on every node")
   if mine != theirs or (model_id and info.get("model") and model_id != info["model"]):
     raise IncompatibleDecodeNode(f"decode node {where} serves {info.get('model') or 'a model'} {theirs}, this node has {model_id or 'a model'} "
                                  f"{mine}: start every node with the same --model")

@@ -6,8 +6,8 @@ import time
 from tinygrad import dtypes
 from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_compatible
-from tinyhet.engine.prefill import GenerationStats, prefill_first_token, transfer_figures
-from tinyhet.kv.sender import KVSender, SendBuffers
+from tinyhet.engine.prefill import GenerationStats, busy_time, prefill_first_token, transfer_figures
+from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
 from tinyhet.model.llama import Llama
 from tinyhet.model.sampling import Sampler
 from tinyhet.runtime.control import ControlClient
@@ -47,7 +47,7 @@ class DecodeClient:
     done: dict = {}
     try:
       sampler = Sampler(temperature, top_p, seed)
-      first, logits = prefill_first_token(self.model, prompt_ids, sampler, self.kv_dtype, sender.send, progress)
+      first, logits = prefill_first_token(self.model, prompt_ids, sampler, self.kv_dtype, sender.send, progress, sender.send_chunk)
       t_first = time.perf_counter()
       stats.prefill_s, stats.handoff_s = t_first - t0, sender.handoff_s
       sender.check()                           # a failed write: the decode node would wait for that layer in vain
@@ -71,10 +71,14 @@ class DecodeClient:
       raise
     transfers = sender.finish(60)
     stats.staging_waits = sender.staging_waits
+    stats.kv_writes = sum(len(t.transfers) if isinstance(t, Pieces) else 1 for t in transfers.values())
     # the decode node's notice times are on this clock only on this host (perf_counter is CLOCK_MONOTONIC there)
     theirs = done.get("landed_at") if self.info.get("host") == host_id() else None
-    transfer_figures(stats, t0, t_first, sender.computed, sender.writer.posted, {l: t.finished for l, t in transfers.items()},
+    transfer_figures(stats, t0, t_first, sender.computed, sender.posted, {l: t.finished for l, t in transfers.items()},
                      sum(t.nbytes for t in transfers.values()), {int(l): x for l, x in theirs.items()} if theirs else None)
+    if stats.kv_writes > len(transfers):    # layers sent in chunks: bytes moved during each piece's write, not between the chunks
+      stats.transfer_s = busy_time([(sender.writer.posted[k], t.finished) for k, t in sender.writer.transfers.items()])
+      stats.transfer_gbps = stats.kv_bytes / stats.transfer_s / 1e9 if stats.transfer_s > 0 else 0.0
     return out, stats
 
   def _submit(self, prompt_ids, max_new_tokens, temperature, top_p, seed, stop_ids, on_token, stats, t0):

@@ -4,9 +4,12 @@ requests a prefill node uses to hand it a sequence.
 A sequence arrives in three steps, each a control request (tinyhet.runtime.control):
   decode.reserve   prompt ids, max_new_tokens -> a sequence id, its block table and per-layer pool descriptors of its own
                    (tcp lets only the writer write, and only into these blocks; the writer is the reserving peer, or the node
-                   named by `writer`, as a router names its prefill node). The blocks are held (admission
+                   named by `writer`, as a router names its prefill node). With use_cache, a prefix-cache hit's shared
+                   blocks (prefix_blocks) come with read-only descriptors (read_pools) for the same peer, so it can pull
+                   them until the sequence leaves; the write descriptors cover the suffix only. The blocks are held (admission
                    waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
-                   one transport write per layer, notification (seq_id << 8) | layer (counted only from the writer).
+                   one transport write per layer or per chunk of a layer, each with a notice (tinyhet.kv.notices: sequence,
+                   layer, piece, last; counted only from the writer).
   decode.generate  the first token (sampled by the prefill node) and sampling options (the prefill node's seed: draws depend on
                    (seed, position) only, so the stream goes on where it began) -> once every layer's notice has
                    arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
@@ -23,7 +26,7 @@ from dataclasses import asdict
 import numpy as np
 from tinygrad import dtypes
 from tinyhet.device.backend import region_of
-from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, split_notice
+from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, NOTICE_FORMAT, Landing, split_notice
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_prompt, is_int
@@ -72,7 +75,7 @@ class DecodeNode:
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
     self.seq_ids = itertools.count(1)
     self.live_ids: set[int] = set()         # ids handed out and not yet detached: new_seq_id skips them when the counter wraps
-    self.landed: dict[int, set[int]] = {}   # seq_id -> layers whose notice arrived
+    self.landed: dict[int, Landing] = {}    # seq_id -> the pieces of its layers whose notices arrived
     self.engine = DecodeEngine(model, self.cache)   # the jitted decode step; it holds PAD_SEQ's block
     self.stopped = False
     self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
@@ -90,7 +93,8 @@ class DecodeNode:
   def _serve_info(self, conn) -> dict:
     c, bm = self.model.cfg, self.cache.block_manager
     with self.cond: open_seqs = len(self.scheduler.incoming) + len(self.scheduler.running) + len(self.scheduler.waiting)
-    return {"model": self.model_id, "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
+    return {"model": self.model_id, "kv_notice_format": NOTICE_FORMAT,
+            "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
             "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
             "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(), "host": host_id(),
             # what a long-lived or misbehaving peer could make grow: the soak and fuzz tests watch these stay flat
@@ -126,18 +130,21 @@ class DecodeNode:
       except BaseException:
         self.live_ids.discard(seq.seq_id)
         raise
-      self.landed[seq.seq_id] = set()
+      self.landed[seq.seq_id] = Landing(self.model.cfg.n_layers)
       cached = self.cache.block_manager.cached_length(seq.seq_id)
       # a hit's shared blocks are not the writer's: it writes (and its descriptors cover) the suffix's blocks only
-      blocks = self.cache.block_manager.block_table(seq.seq_id)[cached // self.cache.block_size:]
+      table = self.cache.block_manager.block_table(seq.seq_id)
+      prefix, blocks = table[:cached // self.cache.block_size], table[cached // self.cache.block_size:]
     # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
-    # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves
-    bb = self.cache.block_nbytes
-    seq.extra["descs"] = descs = [self.node.endpoint.expose(r, owner=seq.extra["owner"], allowed=[(b * bb, bb) for b in blocks])
-                                  for r in self.pool_regions]
+    # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves. A write grant for the
+    # suffix's blocks; with a hit, a read grant for the prefix's shared blocks (the prefill node pulls them: PrefixPull)
+    bb, ep, owner = self.cache.block_nbytes, self.node.endpoint, seq.extra["owner"]
+    descs = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in blocks], access="write") for r in self.pool_regions]
+    reads = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in prefix], access="read") for r in self.pool_regions] if prefix else []
+    seq.extra["descs"] = descs + reads
     self._attach(conn, seq)
     return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
-            "cached_tokens": cached}
+            "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,
@@ -266,15 +273,14 @@ class DecodeNode:
       if self.limbo: self._settle_limbo()
 
   def _notice(self, n):
-    seq_id, layer = split_notice(n.value)
+    seq_id, layer, piece, last = split_notice(n.value)
     with self.cond:
-      seq, layers = self.scheduler.incoming.get(seq_id), self.landed.get(seq_id)
-      if seq is None or layers is None or layer >= self.model.cfg.n_layers or n.peer != seq.extra["owner"]:
-        self.rejected_notices += 1             # released, stale, or not this peer's to give
+      seq, landing = self.scheduler.incoming.get(seq_id), self.landed.get(seq_id)
+      if seq is None or landing is None or n.peer != seq.extra["owner"] or not landing.add(layer, piece, last):
+        self.rejected_notices += 1             # released, stale, not this peer's to give, or a piece that does not fit (Landing.add)
         return
-      layers.add(layer)
-      seq.extra.setdefault("landed_at", {})[str(layer)] = n.time     # for the prefill node's transfer figures
-      if len(layers) < self.model.cfg.n_layers: return
+      if layer in landing.done: seq.extra.setdefault("landed_at", {}).setdefault(str(layer), n.time)   # the prefill node's transfer figures
+      if not landing.complete(): return
       if self.limbo.pop(seq_id, None) is None:
         seq.extra["layers"].set()
         return

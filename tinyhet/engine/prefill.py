@@ -14,8 +14,8 @@ from tinyhet.model.sampling import Sampler
 class LayerTimes:
   """When one layer's KV went where, in seconds from the request's start."""
   layer: int
-  computed_s: float       # its K, V realized on HET
-  posted_s: float         # packed and handed to the transport (by the writer thread)
+  computed_s: float       # its K, V realized on HET (a layer sent in chunks: its last chunk's)
+  posted_s: float         # packed and handed to the transport (by the writer thread; in chunks: its first chunk, often before computed_s)
   landed_s: float         # every byte in the decode node's blocks: the receiver's notice or the writer's completion, whichever came first
 
 @dataclass
@@ -24,6 +24,7 @@ class GenerationStats:
   ttft_s: float = 0.0               # request start -> first token sampled AND every layer landed (the decode node can go on)
   prefill_s: float = 0.0            # request start -> first token sampled on HET
   kv_bytes: int = 0                 # bytes written to the decode node (whole blocks, all layers)
+  kv_writes: int = 0                # transport writes of them: one a layer, or one a chunk of a layer (a chunked prefill's pieces)
   transfer_s: float = 0.0           # time bytes were moving: the union over layers of [posted, landed]
   transfer_gbps: float = 0.0        # kv_bytes / transfer_s
   kv_tail_s: float = 0.0            # first token sampled -> last layer landed (0 when every layer landed before)
@@ -53,20 +54,20 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     end = b
   return total
 
-def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16, on_layer=None, progress=None) -> np.ndarray:
+def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16, on_layer=None, progress=None, on_chunk=None) -> np.ndarray:
   """Prefill the prompt padded to its bucket on the model's device: the logits (vocab,) of its last token. on_layer(l, k, v)
   gets each layer's K, V (to send, or to store); progress(layers done), if given, as each layer finishes (see
-  prefill_progress)."""
+  prefill_progress); on_chunk(...): a chunked prefill's chunks of each layer as they exist (Llama.prefill)."""
   padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
   if progress is not None: progress(0)
   return model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
-                       n_valid=len(prompt_ids), progress=progress).numpy()[0]
+                       n_valid=len(prompt_ids), progress=progress, on_chunk=on_chunk).numpy()[0]
 
 def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, kv_dtype=dtypes.float16, on_layer=None,
-                        progress=None) -> tuple[int, np.ndarray]:
+                        progress=None, on_chunk=None) -> tuple[int, np.ndarray]:
   """prefill_logits, then the first token sampled from them: (token, logits). The disaggregated path passes on_layer to send
   each layer; without it this is the same prefill with no transfer."""
-  logits = prefill_logits(model, prompt_ids, kv_dtype, on_layer, progress)
+  logits = prefill_logits(model, prompt_ids, kv_dtype, on_layer, progress, on_chunk)
   return sampler(logits, len(prompt_ids), prompt_ids), logits
 
 def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0, out=None):
@@ -115,12 +116,52 @@ def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed
 
 def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int], start: int) -> np.ndarray:
   """Prefill token_ids[start:] of a sequence whose first `start` tokens' K, V are in its paged-cache blocks already (a prefix
-  cache hit): the uncaptured paged forward (the captured prefill, tinyhet.model.layer_jit, attends over the prompt's own K, V
-  only), whose attention reads the cached prefix from the pool; the suffix's K, V land in the sequence's own blocks. The
-  block manager must hold len(token_ids) slots for it. The logits (vocab,) of its last token."""
+  cache hit, or a recompute's): captured chunk prefills (tinyhet.model.chunked_prefill) continuing from the K, V in the
+  cache's pools, the suffix's K, V written into the sequence's own blocks, its last chunk at the shortest captured length
+  that holds it (SUFFIX_BUCKETS: an 8-token suffix runs as 16, not as 512). The block manager must hold len(token_ids)
+  slots for it; the last chunk's pads past its blocks land in PAD_SEQ's block (the decode engine's scratch block). One
+  capture per chunk length serves every sequence: the table is as wide as the longest sequence's. The logits (vocab,) of
+  its last token."""
   from tinyhet.device.cpu_threads import kernel_threads
+  from tinyhet.engine.decode_engine import PAD_SEQ
+  from tinyhet.model.chunked_prefill import SUFFIX_BUCKETS, chunked_prefill
+  from tinyhet.model.llama import _config_chunk
+  bm = cache.block_manager
   if not 0 < start < len(token_ids): raise ValueError(f"a suffix prefill needs 0 < start < {len(token_ids)}, got {start}")
-  positions = cache.begin_step([seq_id], len(token_ids) - start)
-  dev = cache.pools[0].device
+  if bm.length(seq_id) != len(token_ids):
+    raise ValueError(f"a suffix prefill of sequence {seq_id}: its blocks hold {bm.length(seq_id)} tokens, not the {len(token_ids)} given")
+  if PAD_SEQ not in bm: raise RuntimeError("a suffix prefill needs the decode engine's scratch block (PAD_SEQ): make the DecodeEngine first")
+  chunk = model.prefill_chunk or _config_chunk()
+  width = cache.cap + -(-chunk // cache.block_size)           # the longest sequence's blocks and a chunk's pads past them
+  table = bm.block_table(seq_id)
+  table = table + bm.block_table(PAD_SEQ)[:1] * (width - len(table))
   with kernel_threads(model.device):
-    return model.forward(Tensor([token_ids[start:]], dtype=dtypes.int32, device=dev), Tensor(positions, device=dev), cache).numpy()[0]
+    return chunked_prefill(model, np.array([token_ids[start:]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
+                           start=start, buckets=SUFFIX_BUCKETS).numpy()[0]
+
+def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, block_size: int, kv_dtype, start_pull, on_layer=None):
+  """Prefill prompt_ids[cached:] over a prefix whose K, V are pulled from a decode node: pools of the decode node's block size
+  (blocks 0.. the prefix's, pulled by start_pull(pools) -> tinyhet.kv.pull.PrefixPull, each layer waited for just before the
+  suffix's first chunk computes it), then the chunked prefill continues from there (tinyhet.model.chunked_prefill). The
+  suffix is padded to its bucket and the pools' block count too, so the captures serve the turns of a growing conversation.
+  on_layer(l, k, v) gets the suffix's K, V only (tokens cached..n-1). Returns (logits (vocab,), the pull's figures)."""
+  from tinygrad.helpers import ceildiv
+  from tinyhet.model.chunked_prefill import chunked_prefill, prompt_pools
+  from tinyhet.model.llama import _config_chunk
+  n, suffix = len(prompt_ids), list(prompt_ids[cached:])
+  if cached % block_size or not 0 < cached < n: raise ValueError(f"a pulled prefix is whole blocks short of the prompt, got {cached} of {n}")
+  chunk = model.prefill_chunk or _config_chunk()
+  T = prefill_bucket(len(suffix)) if len(suffix) <= chunk else len(suffix)
+  C = min(chunk, T)
+  nb = prefill_bucket(ceildiv(cached + ceildiv(T, C) * C, block_size))
+  pools, _ = prompt_pools(model, nb * block_size, kv_dtype, block_size)
+  pull = start_pull(pools)
+  def layer(l: int, k: Tensor, v: Tensor): on_layer(l, k[cached:n].contiguous().realize(), v[cached:n].contiguous().realize())
+  try:
+    tokens = Tensor([suffix + [0] * (T - len(suffix))], dtype=dtypes.int32, device=model.device)
+    logits = chunked_prefill(model, tokens, chunk, kv_dtype, layer if on_layer is not None else None, None, len(suffix), pools,
+                             list(range(nb)), cached, before_layer=pull.wait).numpy()[0]
+  except BaseException:
+    pull.abort()                 # no read may still fill pools after they are gone
+    raise
+  return logits, pull.finish()

@@ -4,6 +4,8 @@ service). The prefill thread only queues:
 
   sender = KVSender(endpoint, peer, reservation, cfg, kv_dtype, buffers)
   sender.send(layer, k, v)     prefill thread, as each layer's K, V exist; never raises a write's failure
+  sender.send_chunk(layer, pool, b0, b1, piece, n_pieces)   or, in a chunked prefill, each chunk's blocks of a layer as soon
+                               as they exist (False: cannot, send the layer whole); each piece has its own notice
   sender.check()               raises the first write's failure, if one has failed so far
   sender.finish(timeout)       every write posted and landed: {layer: Transfer}; raises the first failure
   sender.abort()               after a failure: waits for what was posted; buffers a write may still read are never reused
@@ -19,7 +21,7 @@ import functools, queue, threading, time
 import numpy as np
 from tinygrad import Tensor
 from tinygrad.uop.ops import Ops
-from tinyhet.kv.notices import notice_value
+from tinyhet.kv.notices import MAX_PIECES, notice_value
 from tinyhet.device.backend import NotRegistered, region_of
 from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
 from tinyhet.runtime.arena import Region
@@ -150,9 +152,19 @@ class SendBuffers:
     self.host_region = None
     self._free_staging()
 
+def _layer(key) -> int: return key[0] if isinstance(key, tuple) else key   # a writer's key: a layer, or (layer, piece)
+
+class Pieces:
+  """A layer's chunk writes as one: its bytes, when the first started and the last finished."""
+  def __init__(self, transfers: list[Transfer]):
+    self.transfers, self.nbytes = transfers, sum(t.nbytes for t in transfers)
+    self.started = min(t.started for t in transfers)
+    self.finished = max(t.finished for t in transfers) if all(t.done() for t in transfers) else None
+  def done(self) -> bool: return self.finished is not None
+
 class KVSender:
   """One request's layers into the blocks a decode node reserved for it (decode.reserve's reply: seq_id, blocks, pools,
-  block_bytes, block_size). Layer l's write notifies (seq_id << 8) | l."""
+  block_bytes, block_size). Each write notifies tinyhet.kv.notices.notice_value(seq_id, layer, piece, last)."""
   def __init__(self, endpoint, peer, reservation: dict, cfg, kv_dtype, buffers: SendBuffers, before_post=None):
     r = reservation
     self.seq_id, self.blocks, self.block_bytes, self.block_size = r["seq_id"], list(r["blocks"]), r["block_bytes"], r["block_size"]
@@ -165,7 +177,9 @@ class KVSender:
     self.cfg, self.host, self.stage = cfg, None, None
     self.ring = buffers.ring(self.layer_bytes)
     self.keep: list[Tensor] = []              # K, V or packed layers stay alive until their writes have landed
-    self.computed: dict[int, float] = {}      # when each layer's K, V were handed over (perf_counter)
+    self.computed: dict[int, float] = {}      # when each layer's K, V were handed over (perf_counter; chunked: its last piece)
+    self.cached = r.get("cached_tokens", 0)   # the reservation's blocks start past a cached prefix (no chunk pieces then)
+    self.pieces: list[tuple] = []             # send_chunk's arguments, in order
     self.handoff_s = 0.0                      # time the prefill thread spent in send()
 
   def host_stage(self) -> Region:
@@ -205,11 +219,56 @@ class KVSender:
     packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
     self.keep.append(post_packed(self.writer, layer, packed, self.layer_bytes, functools.partial(self._spans, layer), notify, self.ring))
 
+  def send_chunk(self, layer: int, pool: Tensor, b0: int, b1: int, piece: int, n_pieces: int) -> bool:
+    """Queue blocks b0..b1-1 of a layer prefilled in chunks (tinyhet.model.chunked_prefill, on_chunk): they lie in `pool`,
+    the prefill's own pool on HET (its block i is the prompt's block i, in the decode node's layout), and are written from
+    there into this reservation's blocks b0..b1-1 (clipped to them) with the notice of this piece of the layer (the last of
+    n_pieces: the decode node counts the layer once every piece has landed). False, with nothing sent, where that cannot
+    be (the pool is not in registered host memory, or has another block size or dtype; the reservation starts past a
+    cached prefix; more pieces than a notice counts): the caller then sends the layer whole (send)."""
+    t0 = time.perf_counter()
+    try:
+      if piece == 0 and not self._can_send_from(pool, n_pieces): return False
+      self.pieces.append((layer, pool, b0, b1, piece, n_pieces))         # for a resend over a new link (resend_pieces)
+      if self.writer.error is not None: return True
+      region, offset = region_of(pool.uop.base.buffer)
+      blocks = range(min(b0, len(self.blocks)), min(b1, len(self.blocks)))
+      spans = [Span(region, offset + b * self.block_bytes, self.pools[layer], self.blocks[b] * self.block_bytes, self.block_bytes) for b in blocks]
+      self.keep.append(pool)                                            # the writer reads it after the prefill has returned
+      if piece == n_pieces - 1: self.computed[layer] = t0
+      try: self.writer.post((layer, piece), spans, notice_value(self.seq_id, layer, piece, piece == n_pieces - 1))
+      except Exception:
+        if self.writer.error is None: raise
+      return True
+    finally: self.handoff_s += time.perf_counter() - t0
+
+  def _can_send_from(self, pool: Tensor, n_pieces: int) -> bool:
+    cfg = self.cfg
+    if self.cached or not 0 < n_pieces <= MAX_PIECES or pool.dtype != self.kv_dtype: return False
+    if tuple(pool.shape[1:]) != (2, cfg.n_kv_heads, self.block_size * cfg.head_dim) or pool.uop.base.op is not Ops.BUFFER: return False
+    try: region_of(pool.uop.base.buffer)
+    except NotRegistered: return False
+    return True
+
+  def resend_pieces(self, other: KVSender) -> None:
+    """Send every chunk piece another sender of this reservation queued (a resend after its link broke)."""
+    for p in other.pieces: self.send_chunk(*p)
+
+  @property
+  def posted(self) -> dict[int, float]:
+    """When each layer's first write was posted."""
+    out: dict[int, float] = {}
+    for key, t in self.writer.posted.items(): out[_layer(key)] = min(t, out.get(_layer(key), t))
+    return out
+
   def check(self):
     if self.writer.error is not None: raise self.writer.error
 
-  def finish(self, timeout: float = 60.0) -> dict[int, Transfer]:
-    return self.writer.finish(timeout)
+  def finish(self, timeout: float = 60.0) -> dict[int, Transfer | Pieces]:
+    """Every write landed: per layer its Transfer, or the Pieces of a layer sent in chunks."""
+    by_layer: dict[int, list[Transfer]] = {}
+    for key, t in self.writer.finish(timeout).items(): by_layer.setdefault(_layer(key), []).append(t)
+    return {l: ts[0] if len(ts) == 1 else Pieces(ts) for l, ts in by_layer.items()}
 
   def abort(self, timeout: float = 30.0) -> bool:
     """Stop after a failure, dropping the writes not posted yet; True when every posted write has finished (none can still

@@ -6,17 +6,21 @@ the chunk's activations and attention partials, whatever the prompt's length.
 
 "The KV of the tokens before" is general: run(..., pools, table, start) continues a sequence whose first `start` tokens'
 K, V are already in `pools` at the blocks of `table` (a cached prefix, or the chunks before); without them the prefill makes
-pools of its own, blocks 0..n-1 in order.
+pools of its own, blocks 0..n-1 in order. A decode node's own prefill of a cached prefix's suffix runs here too
+(tinyhet.engine.prefill.prefill_suffix_logits: the cache's pools, a table as wide as the longest sequence), its last chunk
+at the shortest of SUFFIX_BUCKETS that holds it, so an 8-token suffix replays 16-token captures, not 512-token ones.
 
 Each chunk-layer is two captures (TinyJit, replayed through layer_jit.Replay), made once per chunk length, pool size and
 weight signature: qkv (RMSNorm, projections, RoPE of the chunk's positions, K and V scattered into the pool) and finish
 (attention over the pool up to the chunk's end, a symbolic block count, then the rest of the layer). The positions, the
 context lengths and the block count are inputs, so one capture serves every chunk of a prompt and every later prompt of
-that many blocks.
+that many blocks. The logits of the prompt's last row are a capture too (its row an input).
 
 on_layer(l, k, v) gets a layer's K, V (T, n_kv, head_dim) once its last chunk has been stored (read back out of the pool),
-so the stream to a decode node overlaps the last chunk's compute. (Sending each chunk's K, V as it is made, with notices per
-chunk, is not built yet.)
+so the stream to a decode node overlaps the last chunk's compute. on_chunk, where given, gets each chunk's blocks of each
+layer as soon as they are stored (the prefill's own pool is in the decode node's block layout: a sender writes those blocks
+from it as they are, tinyhet.kv.sender.KVSender.send_chunk), so a prompt's first chunks can be on the decode node before
+its last one is computed.
 """
 from __future__ import annotations
 import numpy as np
@@ -30,6 +34,7 @@ from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_at
 from tinyhet.model.layer_jit import FINISH, QKV, Replay, allocated, layer_from, layer_tensors, signature
 
 DEFAULT_CHUNK = 512
+SUFFIX_BUCKETS = (16, 32, 64, 128, 256)   # the shorter captured lengths a cached prefix's suffix may run at (tinyhet.engine.prefill)
 BLOCK = 16        # tokens per block of the prefill's own pools (any size works; 16 is the decode node's default)
 
 def chunk_plan(T: int, chunk: int, start: int = 0) -> list[tuple[int, int]]:
@@ -37,6 +42,18 @@ def chunk_plan(T: int, chunk: int, start: int = 0) -> list[tuple[int, int]]:
   long but the last, which is the rest."""
   if chunk < 1 or T < 1 or start < 0: raise ValueError(f"chunk_plan: chunk {chunk} and T {T} must be positive, start {start} >= 0")
   return [(start + i, min(chunk, T - i)) for i in range(0, T, chunk)]
+
+def bucket_of(n: int, chunk: int, buckets: tuple[int, ...]) -> int:
+  """The captured length a chunk of n tokens (n <= chunk) runs at: the smallest bucket under the chunk length that holds it,
+  else the chunk length."""
+  return min([b for b in buckets if n <= b < chunk] or [chunk])
+
+def padded_plan(T: int, chunk: int, start: int = 0, buckets: tuple[int, ...] = ()) -> list[tuple[int, int, int]]:
+  """chunk_plan's chunks with the length each runs at, (first position, tokens, captured length): a full chunk at the chunk
+  length (no longer than T: a short prompt is one chunk of its own length); the last one at bucket_of when `buckets` are
+  given (an 8-token suffix pays for 16 tokens, not 512), else at the chunk length."""
+  C = min(chunk, T) if not buckets else chunk
+  return [(p0, n, bucket_of(n, C, buckets) if buckets else C) for p0, n in chunk_plan(T, C, start)]
 
 class ChunkJit:
   """The captured halves of a chunk-layer for chunks of C tokens over pools of nb blocks, per weight signature."""
@@ -51,8 +68,13 @@ class ChunkJit:
     self.pos = allocated(Tensor.empty(C, dtype=dtypes.int32, device=dev))         # the chunk's positions
     self.lens = allocated(Tensor.empty(C, dtype=dtypes.int32, device=dev))        # each row's context: position + 1
     self.tokens = allocated(Tensor.empty(1, C, dtype=dtypes.int32, device=dev))   # the chunk's tokens (pads: 0)
+    self.tables = allocated(Tensor.zeros(C, nb, dtype=dtypes.int32, device=dev).contiguous().realize())   # every row: the sequence's table
+    self.table: tuple[int, ...] | None = None                                    # what self.tables holds
+    self.row = allocated(Tensor.empty(1, dtype=dtypes.int32, device=dev))        # the prompt's last row inside this chunk
+    # captured on their first call (the halves capture on their second, the next layer's): a new chunk length's second use replays
+    self.logits = Replay(lambda x, row: model._logits(x[:, row]).realize(), capture_first=True)
     self.embed = Replay(lambda tokens, pos, x_out, cos_out, sin_out: Tensor.realize(
-      x_out.assign(model.embed(tokens)), *(o.assign(t) for o, t in zip((cos_out, sin_out), model.rope(pos.reshape(1, C))))))
+      x_out.assign(model.embed(tokens)), *(o.assign(t) for o, t in zip((cos_out, sin_out), model.rope(pos.reshape(1, C))))), capture_first=True)
     self.max_blocks = max_blocks_var(nb)
 
   def half(self, layer: int, names: tuple[str, ...]) -> Replay:
@@ -75,11 +97,14 @@ class ChunkJit:
       self.halves[key] = Replay(finish)
     return self.halves[key]
 
-def chunk_jit(model, C: int, nb: int, kv_dtype: DType) -> ChunkJit:
-  jits = model.__dict__.setdefault("_chunk_jits", {})
-  cj = jits.pop((C, nb, kv_dtype), None) or ChunkJit(model, C, nb, kv_dtype)
-  jits[(C, nb, kv_dtype)] = cj
-  while len(jits) > 2: jits.pop(next(iter(jits)))
+KEEP = 8   # chunk captures kept per model, the most recently used: the chunk length's and the suffix buckets' (SUFFIX_BUCKETS)
+
+def chunk_jit(model, C: int, nb: int, kv_dtype: DType, pool_shape: tuple[int, ...] = ()) -> ChunkJit:
+  """The model's captures for chunks of C tokens over tables of nb blocks and pools of pool_shape (made on first use)."""
+  jits, key = model.__dict__.setdefault("_chunk_jits", {}), (C, nb, kv_dtype, pool_shape)
+  cj = jits.pop(key, None) or ChunkJit(model, C, nb, kv_dtype)
+  jits[key] = cj
+  while len(jits) > KEEP: jits.pop(next(iter(jits)))
   return cj
 
 def prompt_pools(model, n_tokens: int, kv_dtype: DType, block_size: int = BLOCK) -> tuple[list[Tensor], int]:
@@ -89,35 +114,48 @@ def prompt_pools(model, n_tokens: int, kv_dtype: DType, block_size: int = BLOCK)
   return [Tensor.zeros(*shape, dtype=kv_dtype, device=model.device).contiguous().realize() for _ in range(cfg.n_layers)], nb
 
 def _write(t: Tensor, a: np.ndarray) -> None:
-  # into the buffer a capture reads, in place (an assign may hand the tensor another buffer)
+  # into the buffer a capture reads, in place (an assign may hand the tensor another buffer); host memory (CPU, MESH, HET on
+  # a CPU) by a numpy copy into a view of it: a copy through tinygrad costs ~1.6 ms of Python, five a chunk
+  buf = t.uop.buffer
+  if hasattr(buf.allocator, "_as_buffer"):
+    np.frombuffer(buf.as_memoryview(force_zero_copy=True), dtype=a.dtype)[:a.size] = a.reshape(-1)
+    return
   data = memoryview(bytearray(a.tobytes()))
-  t.uop.buffer.copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
+  buf.copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
 
 def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer=None, progress=None, n_valid: int | None = None,
-                    pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0) -> Tensor:
-  """tokens (1, T) int32 at positions start..start+T-1 -> logits (1, vocab) of row n_valid - 1 (default T - 1), realized.
+                    pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0, buckets: tuple[int, ...] = (),
+                    on_chunk=None, before_layer=None) -> Tensor:
+  """tokens (1, T) int32 (a Tensor, or ids on the host) at positions start..start+T-1 -> logits (1, vocab) of row n_valid - 1 (default T - 1).
   pools/table: per-layer pools holding the K, V of positions 0..start-1 at the blocks of `table` (its entries cover at
-  least start + T positions); None makes the prompt's own (start must be 0). The last chunk is padded to the chunk length
-  (its pads land in slots past the prompt, masked for the prompt's rows)."""
-  cfg, dev = model.cfg, model.device
-  T = tokens.shape[1]
+  least the plan's positions, the last chunk's pads included); None makes the prompt's own (start must be 0). The last
+  chunk is padded to its captured length (padded_plan; buckets: the shorter lengths it may take); its pads land in slots past
+  the prompt (the table's entries there: a scratch block), masked for the prompt's rows.
+  on_chunk(l, pool, b0, b1, piece, n_pieces) -> bool, with the prefill's own pools and chunks of whole blocks: called as soon
+  as a chunk's K, V of layer l are in pools[l], its blocks b0..b1-1 (the prompt's, pads past n_valid left out; a chunk of
+  pads alone is no piece); True: it took them (on_layer is not called for that layer), False at piece 0: on_layer gets the
+  layer whole at the end. before_layer(l), if given, runs before layer l of the first chunk (a pulled prefix's layer l is
+  waited for there: tinyhet.kv.pull)."""
+  cfg = model.cfg
+  T = len(tokens[0]) if not isinstance(tokens, Tensor) else tokens.shape[1]
   n_valid = T if n_valid is None else n_valid
-  C = min(chunk, T)
-  plan = chunk_plan(T, C, start)
-  span = start + len(plan) * C                                  # positions the pools must hold, the last chunk's pads included
+  plan = padded_plan(T, chunk, start, buckets)
+  span = plan[-1][0] + plan[-1][2]                            # positions the pools must hold, the last chunk's pads included
+  own = pools is None                                          # the prompt's own pools: block i holds prompt positions of block i
   if pools is None:
     if start: raise ValueError("chunked_prefill: start > 0 needs the pools holding the tokens before")
     pools, nb = prompt_pools(model, span, kv_dtype)
     table = list(range(nb))
   elif table is None or len(table) * (pools[0].shape[3] // cfg.head_dim) < span:
     raise ValueError(f"chunked_prefill: the block table must cover {span} positions")
-  nb = len(table)
-  cj = chunk_jit(model, C, nb, kv_dtype)
-  tables = Tensor([table] * C, dtype=dtypes.int32, device=dev).realize()           # every row reads the sequence's one table
-  bs = pools[0].shape[3] // cfg.head_dim
-  toks = tokens.numpy().astype(np.int32).reshape(-1)
-  last_row = None
-  for ci, (p0, n) in enumerate(plan):
+  nb, bs = len(table), pools[0].shape[3] // cfg.head_dim
+  real = [c for c in plan if c[0] - start < n_valid]                   # chunks holding prompt rows: the pieces on_chunk sends
+  whole = set() if on_chunk is not None and own and all(C % bs == 0 for _, _, C in plan[:-1]) else set(range(cfg.n_layers))
+  toks = (tokens.numpy() if isinstance(tokens, Tensor) else np.asarray(tokens)).astype(np.int32).reshape(-1)
+  for ci, (p0, n, C) in enumerate(plan):
+    cj = chunk_jit(model, C, nb, kv_dtype, tuple(pools[0].shape))
+    if cj.table != tuple(table): _write(cj.tables, np.tile(np.asarray(table, np.int32), (C, 1)))   # every row reads the sequence's one table
+    cj.table = tuple(table)
     ids = np.zeros(C, np.int32)
     ids[:n] = toks[p0 - start:p0 - start + n]
     positions = np.arange(p0, p0 + C, dtype=np.int32)
@@ -126,14 +164,20 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
     x, mb = cj.x[0], cj.max_blocks.bind(ceildiv(p0 + C, bs))
     for l in range(cfg.n_layers):
       w = model.w.layers[l]
-      cj.half(l, QKV)(x, cj.cos, cj.sin, cj.q, pools[l], tables, cj.pos, *layer_tensors(w, QKV))
-      if on_layer is not None and ci == len(plan) - 1:            # the layer's K, V are all in place: hand them out
+      if before_layer is not None and ci == 0: before_layer(l)
+      cj.half(l, QKV)(x, cj.cos, cj.sin, cj.q, pools[l], cj.tables, cj.pos, *layer_tensors(w, QKV))
+      if l not in whole and ci < len(real):                       # this chunk's blocks of the layer leave now
+        b1 = ceildiv(min(p0 + n, start + n_valid), bs)
+        if not on_chunk(l, pools[l], p0 // bs, b1, ci, len(real)): whole.add(l)
+      if on_layer is not None and l in whole and ci == len(plan) - 1:    # the layer's K, V are all in place: hand them out
         k, v = unpack_kv(pools[l][:ceildiv(start + T, bs)] if table == list(range(nb)) else pools[l][Tensor(table[:ceildiv(start + T, bs)])],
                          start + T, cfg.head_dim)
         on_layer(l, k.contiguous().realize(), v.contiguous().realize())
       out = cj.x[1] if x is not cj.x[1] else cj.x[2]
-      cj.half(l, FINISH)(x, cj.q, pools[l], tables, cj.lens, out, *layer_tensors(w, FINISH), kv_max_blocks=mb)
+      cj.half(l, FINISH)(x, cj.q, pools[l], cj.tables, cj.lens, out, *layer_tensors(w, FINISH), kv_max_blocks=mb)
       x = out
       if progress is not None and ci == len(plan) - 1: progress(l + 1)
-    if p0 - start <= n_valid - 1 < p0 - start + n: last_row = x[:, n_valid - 1 - (p0 - start)].reshape(1, 1, cfg.dim).contiguous().realize()
-  return model._logits(last_row).realize()
+    if p0 - start <= n_valid - 1 < p0 - start + n:
+      _write(cj.row, np.array([n_valid - 1 - (p0 - start)], np.int32))
+      logits = cj.logits(x, cj.row)
+  return logits

@@ -60,8 +60,11 @@ def signature(w, names: tuple[str, ...]) -> tuple:
 class Replay:
   """One half-layer's TinyJit, called through TinyJit until it has captured, then replayed straight from its capture: TinyJit's
   own call re-derives every input's view with a graph rewrite (~1-2 ms of Python a call, 60 calls a SmolLM2 prefill), which
-  the inputs of one signature (same shapes, dtypes, devices: `signature`) do not need."""
-  def __init__(self, fn): self.jit = TinyJit(fn)
+  the inputs of one signature (same shapes, dtypes, devices: `signature`) do not need. capture_first: capture on the first
+  call (TinyJit runs a first call uncaptured): for a computation called once a prefill, whose inputs are realized buffers."""
+  def __init__(self, fn, capture_first: bool = False):
+    self.jit = TinyJit(fn)
+    if capture_first: self.jit.cnt = 1
 
   def __call__(self, *inputs: Tensor, **variables):
     bases = [t.uop.base for t in inputs]

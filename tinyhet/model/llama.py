@@ -243,7 +243,7 @@ class Llama:
     return step
 
   def prefill(self, tokens: Tensor, on_layer: Callable[[int, Tensor, Tensor], None] | None = None, cache: KVCache | None = None,
-              kv_dtype: DType | None = None, n_valid: int | None = None, progress: Callable[[int], None] | None = None) -> Tensor:
+              kv_dtype: DType | None = None, n_valid: int | None = None, progress: Callable[[int], None] | None = None, on_chunk=None) -> Tensor:
     """Runs one prompt, tokens (1, T) int32 at positions 0..T-1, realizing one layer at a time. As soon as layer l's K and V
     are realized, on_layer(l, k, v) gets them as (T, n_kv_heads, head_dim) tensors in kv_dtype (post-RoPE), before the rest of
     layer l and before any of layer l+1 is computed, so the caller can start sending them. Attention inside the prompt reads
@@ -252,20 +252,22 @@ class Llama:
     n_valid: only the first n_valid tokens are the prompt; the rest pad it to a length whose kernels are compiled already
     (tinygrad compiles per shape; causal attention keeps pads out of the prompt's numbers). The logits are position
     n_valid-1's, and on_layer gets all T rows: the caller sends the ones it needs. progress(layers done) is called as each layer
-    finishes (a long prefill shows where it is). Without a cache, up to LAYER_JIT_MAX_T tokens, the logits are a capture's
-    output buffer (tinyhet.model.layer_jit), overwritten by the next prefill of the same length: read them first."""
+    finishes (a long prefill shows where it is). on_chunk: a chunked prefill's per-chunk hand-off (tinyhet.model.chunked_prefill:
+    layers it takes are not given to on_layer); other prefills ignore it. Without a cache, up to LAYER_JIT_MAX_T tokens or past the chunk length, the
+    logits are a capture's output buffer (layer_jit, chunked_prefill), overwritten by the next prefill of that length: read them first."""
     if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"prefill takes one prompt, tokens of shape (1, T); got {tokens.shape}")
     if n_valid is not None and not (0 < n_valid <= tokens.shape[1] and cache is None):
       raise ValueError(f"n_valid={n_valid} must be in 1..{tokens.shape[1]}, and without a cache (it would store the pads)")
-    with kernel_threads(self.device): return self._prefill(tokens, on_layer, cache, kv_dtype, n_valid, progress)
+    with kernel_threads(self.device): return self._prefill(tokens, on_layer, cache, kv_dtype, n_valid, progress, on_chunk)
 
-  def _prefill(self, tokens: Tensor, on_layer, cache: KVCache | None, kv_dtype: DType | None, n_valid: int | None = None, progress=None) -> Tensor:
+  def _prefill(self, tokens: Tensor, on_layer, cache: KVCache | None, kv_dtype: DType | None, n_valid: int | None = None, progress=None,
+               on_chunk=None) -> Tensor:
     kv_dtype = cache.kv_dtype if cache is not None else (kv_dtype or dtypes.float16)
     T = tokens.shape[1]
     chunk = self.prefill_chunk or _config_chunk()
     if cache is None and T > chunk:                # a long prompt: chunks through a paged pool, tiled attention (no (T, T) scores)
       from tinyhet.model.chunked_prefill import chunked_prefill
-      return chunked_prefill(self, tokens, chunk, kv_dtype, on_layer, progress, n_valid)
+      return chunked_prefill(self, tokens, chunk, kv_dtype, on_layer, progress, n_valid, on_chunk=on_chunk)
     if cache is None and T <= LAYER_JIT_MAX_T:     # the prompt's own K, V only: every layer replays one capture
       from tinyhet.model.layer_jit import layer_jit
       return layer_jit(self, T, kv_dtype).prefill(tokens, on_layer, progress, n_valid or T)

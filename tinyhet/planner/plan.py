@@ -276,3 +276,20 @@ def disaggregation_pays(cluster: Cluster, model: Model, prefill: str, decode: st
   t_p = prefill_time(p, model, prompt_len)
   remote = prefill_queue_s + t_p + kv_transfer_exposed(model, prompt_len, t_p, cluster.link(prefill, decode))
   return remote < local_queue_s + prefill_time(d, model, prompt_len)
+
+def cached_disaggregation_pays(cluster: Cluster, model: Model, prefill: str, decode: str, prompt_len: int, cached: int,
+                               prefill_queue_s: float = 0.0, local_queue_s: float = 0.0) -> bool:
+  """disaggregation_pays for a prompt whose first `cached` tokens the decode node holds in its prefix cache. There it
+  prefills only the suffix; the prefill node gets the prefix by pulling its KV over the link (counted whole, not hidden
+  under the suffix's compute: an upper bound) or by computing it again, whichever is cheaper, then computes the suffix
+  and streams the suffix's KV. A suffix's prefill is priced as a prompt of its length (its attention over the prefix is
+  left out, on both sides)."""
+  p, d = cluster.node(prefill), cluster.node(decode)
+  if cannot_hold(p, model, prompt_len): return False
+  if cannot_hold(d, model, prompt_len): return True
+  link, suffix = cluster.link(prefill, decode), prompt_len - cached
+  t_suffix = prefill_time(p, model, suffix)
+  pull = link.latency + cached * model.kv_bytes_per_token / link.bandwidth
+  t_p = min(pull + t_suffix, prefill_time(p, model, prompt_len))
+  remote = prefill_queue_s + t_p + kv_transfer_exposed(model, suffix, t_suffix, link)
+  return remote < local_queue_s + prefill_time(d, model, suffix)

@@ -27,6 +27,15 @@ class Metrics:
     self.finished = Counter("tinyhet:request_success", "Finished requests by reason", ["finished_reason"], registry=r)
     self.prefix_queries = Counter("tinyhet:prefix_cache_queries", "Prompt tokens looked up in decode nodes' prefix caches", registry=r)
     self.prefix_hits = Counter("tinyhet:prefix_cache_hits", "Prompt tokens found in decode nodes' prefix caches", registry=r)
+    self.kv_pulled_bytes = Counter("tinyhet:kv_pulled_bytes", "Cached prefix KV bytes prefill nodes read out of decode nodes' blocks",
+                                   registry=r)
+    self.kv_pulled_tokens = Counter("tinyhet:kv_pulled_tokens", "Cached prompt tokens whose KV prefill nodes pulled", registry=r)
+    self.kv_pull_seconds = Counter("tinyhet:kv_pull_seconds", "Time prefill nodes' pulls were in flight (post to the last layer read)",
+                                   registry=r)
+    self.kv_pull_wait_seconds = Counter("tinyhet:kv_pull_wait_seconds", "Time prefill nodes' compute waited for a pulled layer "
+                                        "(what the pull added: the rest overlapped the layers before it)", registry=r)
+    self.cached_recomputed = Counter("tinyhet:prefix_cache_recomputed_tokens", "Cached prompt tokens a prefill node computed again "
+                                     "instead of pulling them (its cost model found that cheaper)", registry=r)
     self.preemptions = Counter("tinyhet:num_preemptions", "Times a decode node preempted a request's sequence (recomputed later)", registry=r)
     self.rejected = Counter("tinyhet:request_rejected", "Requests answered with an error, by HTTP status", ["status"], registry=r)
 

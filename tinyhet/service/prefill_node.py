@@ -15,9 +15,10 @@ from __future__ import annotations
 import queue, select, socket, threading, time  # select.poll: select.select raises for a descriptor >= 1024
 from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
-from tinyhet.kv.sender import KVSender, SendBuffers
+from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
 from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible, check_prompt
-from tinyhet.engine.prefill import busy_time, prefill_first_token
+from tinyhet.engine.prefill import busy_time, prefill_first_token, prefill_pulled_logits
+from tinyhet.kv.pull import PrefixPull, PullCost, pull_spec
 from tinyhet.runtime.control import ControlClient
 from tinyhet.runtime.transport import TransportError
 from tinyhet.model.sampling import Sampler
@@ -56,12 +57,14 @@ class PrefillNode:
     self.count_lock = threading.Lock()
     self.served = 0
     self.decoders: dict[str, tuple] = {}         # decode address -> (Peer, kv dtype)
+    self.cost = PullCost()                       # pull a cached prefix or compute it again: this node's measured rates
     # host memory the layers leave from, kept between jobs; a GPU's packed layers leave through config.staging_buffers of it
     self.buffers = SendBuffers(node, node.config.staging_buffers if staging_buffers is None else staging_buffers)
     node.endpoint.handle("prefill.run", self._serve_run)
 
   def status(self) -> dict:
-    return {"queued": self.jobs.qsize(), "queued_tokens": self.queued_tokens, "prefills": self.served, "model": self.model_id}
+    return {"queued": self.jobs.qsize(), "queued_tokens": self.queued_tokens, "prefills": self.served, "model": self.model_id,
+            "link_gbps": round(self.cost.link_bps / 1e9, 4), "prefill_tok_s": round(self.cost.prefill_tok_s, 1)}
 
   def _serve_run(self, conn, prompt_ids: list[int], decode: str, reservation: dict, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int | None = None, timeout: float = 600.0, options: dict | None = None) -> dict:
@@ -70,6 +73,9 @@ class PrefillNode:
     need = ("seq_id", "blocks", "pools", "block_bytes", "block_size")
     if not isinstance(reservation, dict) or any(k not in reservation for k in need):
       raise ValueError(f"reservation must be decode.reserve's reply ({', '.join(need)})")
+    blocks, _ = pull_spec(reservation)
+    if blocks and not len(blocks) * reservation["block_size"] == reservation.get("cached_tokens") < len(prompt_ids):
+      raise ValueError("the reservation's prefix blocks do not match its cached_tokens and the prompt")
     if len(reservation["pools"]) != cfg.n_layers:
       raise IncompatibleDecodeNode(f"the reservation has {len(reservation['pools'])} layers, this model {cfg.n_layers}: same --model everywhere")
     sampler = Sampler(temperature, top_p, seed, **(options or {}))     # a bad setting fails here, before the job queues
@@ -116,29 +122,45 @@ class PrefillNode:
       if job.caller_gone(): raise CallerGone("the router gave the reservation up during prefill")
     sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
     kept: list[tuple[int, Tensor, Tensor]] = []   # every layer's K, V, for a resend over a new link
+    # a prefix-cache hit: the reservation's blocks are the suffix's; its prefix is pulled (read grant) or computed again here
+    cached = len(pull_spec(r)[0]) * r["block_size"]
+    pulled = cached > 0 and self.cost.should_pull(cached // r["block_size"] * r["block_bytes"] * self.model.cfg.n_layers, cached)
 
     def send_layer(layer: int, k: Tensor, v: Tensor):
       if isinstance(sender.writer.error, CallerGone): raise sender.writer.error    # stop prefilling for nobody
+      if cached and not pulled: k, v = k[cached:].contiguous().realize(), v[cached:].contiguous().realize()   # the suffix's rows only
       kept.append((layer, k, v))
       sender.send(layer, k, v)
 
-    sampler = job.sampling["sampler"]
+    def send_chunk(*piece) -> bool:     # a chunked prefill's blocks of a layer, as each chunk computes them (not past a cached prefix)
+      if isinstance(sender.writer.error, CallerGone): raise sender.writer.error
+      return sender.send_chunk(*piece)
+
+    sampler, n, pull = job.sampling["sampler"], len(job.prompt_ids), {}
     try:
-      _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer)
-      first = sampler.draw(logits, len(job.prompt_ids), job.prompt_ids)     # the same draw again, with its logprobs when asked for
+      if pulled:
+        logits, pull = prefill_pulled_logits(self.model, job.prompt_ids, cached, r["block_size"], kv_dtype,
+                                             lambda pools: PrefixPull(self.node, peer, r, pools), send_layer)
+        self.cost.saw_transfer(pull["pulled_bytes"], pull["pull_s"])
+      else: _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer, on_chunk=send_chunk)
+      first = sampler.draw(logits, n, job.prompt_ids)     # the same draw again, with its logprobs when asked for
       t_prefill = time.perf_counter()
+      if not pulled: self.cost.saw_prefill(n, t_prefill - t0)
       try: transfers = sender.finish(60)
       except (TransportError, TimeoutError, OSError):    # the link broke (mid-stream, or since the last job): a new one, every layer again
         sender.abort()
         if job.caller_gone(): raise CallerGone("the router gave the reservation up during the transfer") from None
         peer, _ = self._decoder(job.decode, fresh=True)
-        sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
+        sender, old = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted), sender
         for layer, k, v in kept: sender.send(layer, k, v)
+        sender.resend_pieces(old)
         transfers = sender.finish(60)
-    except BaseException:
+    except BaseException as e:
       sender.abort()                            # kept layers and staging buffers outlive the writes that read them
+      if isinstance(e, TransportError) and (old := self.decoders.pop(job.decode, None)): old[0].close()   # a broken link: a new one next job
       raise
     kv_bytes, transfer_s = sum(t.nbytes for t in transfers.values()), busy_time([(t.started, t.finished) for t in transfers.values()])
+    self.cost.saw_transfer(kv_bytes, transfer_s)
     last = max(t.finished for t in transfers.values())
     lp = {} if first.logprob is None else {"logprob": first.logprob, "top_logprobs": first.top}
     if sampler.prompt_logprobs is not None:
@@ -146,7 +168,9 @@ class PrefillNode:
       lp["prompt_logprobs"] = prompt_logprobs(self.model, job.prompt_ids, sampler.prompt_logprobs, kv_dtype)
     return {"first_token": first.token, **lp, "seed": sampler.seed, "prefill_s": t_prefill - t0, "kv_bytes": kv_bytes, "transfer_s": transfer_s,
             "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0, "staging_waits": sender.staging_waits,
-            "node": self.node.name}
+            "kv_writes": sum(len(t.transfers) if isinstance(t, Pieces) else 1 for t in transfers.values()),   # a chunked layer: one a piece
+            "node": self.node.name, "cached_tokens": cached, "pulled_tokens": cached if pulled else 0,
+            "pulled_bytes": pull.get("pulled_bytes", 0), "pull_s": pull.get("pull_s", 0.0), "pull_wait_s": pull.get("pull_wait_s", 0.0)}
 
   def close(self):
     for peer, _ in self.decoders.values(): peer.close()

@@ -27,7 +27,6 @@ from tinyhet.runtime.control import ControlClient, ControlError
 
 MAX_ATTEMPTS = 5           # node losses one request survives
 OVERLAP_WEIGHT = 1.0       # a prompt wholly cached on a node outweighs one max_seqs-worth of decode load there
-LOCAL_SUFFIX_SHARE = 0.25  # a decode node holding all but this share of a prompt prefills the rest itself (no prefill node)
 HEADROOM_TOKENS = 16       # admission holds the prompt and this many new tokens; decode grows from there (a full pool preempts)
 
 class Overloaded(RuntimeError):
@@ -232,23 +231,26 @@ class Cluster:
 
   def _choose_prefill(self, decode: Node, prompt_len: int, output_len: int, cached: int = 0) -> Node | None:
     """The node to prefill on, or None: the decode node prefills for itself. cached: prompt tokens in the decode node's
-    prefix cache; where they leave at most LOCAL_SUFFIX_SHARE of the prompt, the decode node prefills only the rest itself
-    (a prefill node would compute the whole prompt and send it all: pulling the cached prefix is not built)."""
+    prefix cache: there it would prefill only the rest; a prefill node pulls the prefix out of its blocks or computes it
+    again (its own measured choice, tinyhet.kv.pull.PullCost) and sends the suffix only. With a cluster file the planner
+    weighs the two (plan.cached_disaggregation_pays for the file's pair, else plan.route for the suffix's length); without
+    one a prefill node takes it (the decode node's own prefill rate is not measured here)."""
     with self.cond:
       others = [n for n in self.nodes.values() if n.up and n.can_prefill and n is not decode]
       if not others: return None
-      if cached and prompt_len - cached <= LOCAL_SUFFIX_SHARE * prompt_len: return None
       best = min(others, key=Node.prefill_load)
       if decode.role == "both" and decode.prefill_load() <= best.prefill_load(): return None
       queue_s, local_queue_s = best.prefill_load() * self.prefill_s_per_token, decode.prefill_load() * self.prefill_s_per_token
     if self.planner is not None:
-      from tinyhet.planner.plan import disaggregation_pays, route
+      from tinyhet.planner.plan import cached_disaggregation_pays, disaggregation_pays, route
       cluster, model = self.planner
       p, d = self.names.get(best.address), self.names.get(decode.address)
       try:
-        if p and d:     # both in the file, with their roles: the cost model for this pair
+        if p and d and cached:     # a prefix-cache hit there: the suffix here against a pull (or recompute) and the suffix there
+          if not cached_disaggregation_pays(cluster, cluster.model(model), p, d, prompt_len, cached, queue_s, local_queue_s): return None
+        elif p and d:     # both in the file, with their roles: the cost model for this pair
           if not disaggregation_pays(cluster, cluster.model(model), p, d, prompt_len, queue_s, local_queue_s): return None
-        elif not route(cluster, model, prompt_len, output_len, prefill_queue_s=queue_s).disaggregate: return None
+        elif not route(cluster, model, prompt_len - cached, output_len, prefill_queue_s=queue_s).disaggregate: return None   # the suffix
       except Exception as e: print(f"tinyhet serve: the planner failed ({e}); disaggregating", flush=True)
     return best
 
@@ -320,7 +322,10 @@ class Cluster:
                               **({"stop": req.stop} if req.stop else {}), **sampling)
         else:
           # the prefill node writes the KV: the reservation's blocks open to it, not to this router (tcp checks every frame)
-          r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=left, timeout=self.queue_timeout, writer=prefill.status.get("node"))
+          # use_cache: a hit's shared blocks come with a read grant for the prefill node, which pulls (or recomputes) them
+          r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=left, timeout=self.queue_timeout, writer=prefill.status.get("node"),
+                       use_cache=bool(decode.status.get("prefix_cache")))
+          self._done(req, decode, {"cached_tokens": r.get("cached_tokens", 0)}, len(ids))
       except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       if prefill is not None:
         p = self._prefill(req, prefill, decode, ids, r, sampling)
@@ -349,9 +354,15 @@ class Cluster:
       self._close(req, node, ctl)
       with self.cond: node.inflight_tokens -= len(ids)
     self._count(node, "prefill")
-    self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * p["prefill_s"] / len(ids)
+    computed = max(1, len(ids) - p.get("pulled_tokens", 0))     # a pulled prefix was read, not computed
+    self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * p["prefill_s"] / computed
     if self.metrics is not None:
       self.metrics.kv_bytes.inc(p["kv_bytes"])
+      self.metrics.kv_pulled_bytes.inc(p.get("pulled_bytes", 0))
+      self.metrics.kv_pulled_tokens.inc(p.get("pulled_tokens", 0))
+      self.metrics.kv_pull_seconds.inc(p.get("pull_s", 0.0))
+      self.metrics.kv_pull_wait_seconds.inc(p.get("pull_wait_s", 0.0))
+      self.metrics.cached_recomputed.inc(p.get("cached_tokens", 0) - p.get("pulled_tokens", 0))
       self.metrics.kv_seconds.observe(p["transfer_s"])
     return p
 

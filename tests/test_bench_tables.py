@@ -1,0 +1,18 @@
+"""bench decode's table: an engine that measured only some rows (tinyhet-int8 runs the smallest batch and a short prompt)
+gets a dash in the others, and the ratio column compares tinyhet with the best other engine that has the row."""
+from bench.decode import table
+
+def row(engine, batch=None, prompt=None, rate=None, share=None):
+  return {"engine": engine, "batch": batch, "prompt_tokens": prompt, "decode_tok_s": rate if batch else None,
+          "prefill_tok_s": rate if prompt else None, "read_share": share}
+
+def test_an_engine_without_a_row_gets_a_dash():
+  rows = [row("tinyhet", prompt=512, rate=60.0), row("tinyhet", batch=1, rate=10.0, share=0.1), row("tinyhet", batch=16, rate=80.0, share=0.05),
+          row("tinyhet-int8", prompt=16, rate=50.0), row("tinyhet-int8", batch=1, rate=12.0, share=0.08),
+          row("llama.cpp", prompt=512, rate=80.0), row("llama.cpp", batch=1, rate=8.0, share=0.07), row("llama.cpp", batch=16, rate=40.0, share=0.02)]
+  out = table({"rows": rows, "model": "m", "threads": 2, "read_gbps": 10.0, "context": 100, "llama_cpp": "", "skipped": {}})
+  lines = {ln.split("  ")[0].strip(): ln for ln in out.splitlines()}
+  assert lines["prefill 16 tok/s"].split()[3:5] == ["-", "50.0"] and lines["prefill 16 tok/s"].split()[-1] == "-"
+  assert lines["prefill 512 tok/s"].rstrip().endswith("0.75x")          # 60 / 80
+  assert lines["decode batch 1 tok/s"].rstrip().endswith("0.83x")       # 10 / max(12, 8)
+  assert "-" in lines["decode batch 16 tok/s"].split() and lines["decode batch 16 tok/s"].rstrip().endswith("2.00x")

@@ -1,0 +1,133 @@
+"""tinyhet.kv.pull on a real Node pair in one process (two LocalNodes, tcp between them): a prefix's blocks pulled into
+pools in registered memory (read in place) and into pools tinyhet did not register (through a host region, copied in),
+byte for byte; a pull outside the read grant fails with the node's reason. Exposure's access modes and PullCost's choice,
+as properties."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from tinygrad import Tensor, dtypes
+import tinyhet  # noqa: F401  (HET and MESH)
+from tinyhet.config import load_config
+from tinyhet.device.memory import LocalNode
+from tinyhet.kv.pull import PrefixPull, PullCost, pull_spec
+from tinyhet.runtime.exposure import Exposure
+from tinyhet.runtime.transport import TransportError
+
+BB, BLOCKS, LAYERS = 512, 6, 3           # block bytes, blocks per layer pool, layers
+
+@pytest.fixture(scope="module")
+def pair():
+  env = {"TINYHET_TOKEN": "pull-test-token", "TINYHET_ARENA_BYTES": "16M", "TINYHET_TRANSPORT": "tcp"}
+  holder, puller = LocalNode(load_config(env={**env, "TINYHET_NODE": "holder"})), LocalNode(load_config(env={**env, "TINYHET_NODE": "puller"}))
+  pools = [holder.arena("MESH").alloc(BLOCKS * BB) for _ in range(LAYERS)]
+  stored = np.random.default_rng(3).integers(0, 256, (LAYERS, BLOCKS * BB), dtype=np.uint8)
+  for r, data in zip(pools, stored): r.view(0, BLOCKS * BB)[:] = data.tobytes()
+  address = holder.serve()
+  peer = puller.endpoint.connect(address, "tcp")
+  yield holder, puller, peer, pools, stored
+  peer.close()
+  for n in (puller, holder): n.endpoint.close()
+
+def grant(holder, pools, blocks, owner="puller", bb=BB) -> list[str]:
+  return [holder.endpoint.expose(r, owner=owner, allowed=[(b * bb, bb) for b in blocks], access="read").to_hex() for r in pools]
+
+@pytest.mark.parametrize("device", ["HET", "CPU"])       # HET: registered (read in place); CPU: not (a host region, then a copy)
+def test_a_pull_lands_the_prefix_blocks_in_the_pools_first_blocks(pair, device):
+  holder, puller, peer, pools, stored = pair
+  prefix = [4, 1, 2]
+  reservation = {"prefix_blocks": prefix, "read_pools": grant(holder, pools, prefix), "block_bytes": BB}
+  dst = [Tensor.zeros(5, BB, dtype=dtypes.uint8, device=device).contiguous().realize() for _ in range(LAYERS)]
+  pull = PrefixPull(puller, peer, reservation, dst)
+  assert (pull.host is None) == (device == "HET")               # which way the bytes go
+  for layer in range(LAYERS): pull.wait(layer)
+  figures = pull.finish()
+  assert figures["pulled_bytes"] == LAYERS * len(prefix) * BB and figures["pull_s"] >= 0
+  for layer in range(LAYERS):
+    got = dst[layer].numpy()
+    for i, b in enumerate(prefix): assert (got[i] == stored[layer][b * BB:(b + 1) * BB]).all(), (layer, i)
+    assert not got[len(prefix):].any()
+
+def test_a_pull_outside_the_grant_is_refused_and_the_holder_keeps_serving(pair):
+  holder, puller, _, pools, stored = pair
+  hostile = {"prefix_blocks": [0, 5], "read_pools": grant(holder, pools, [0]), "block_bytes": BB}    # block 5 is not granted
+  dst = [Tensor.zeros(2, BB, dtype=dtypes.uint8, device="HET").contiguous().realize() for _ in range(LAYERS)]
+  peer = puller.endpoint.connect(holder.endpoint.address, "tcp")
+  with pytest.raises(TransportError, match="not open to reads"):
+    pull = PrefixPull(puller, peer, hostile, dst)
+    pull.wait(0)
+  peer.close()
+  foreign = {"prefix_blocks": [0], "read_pools": grant(holder, pools, [0], owner="someone-else"), "block_bytes": BB}
+  peer = puller.endpoint.connect(holder.endpoint.address, "tcp")
+  with pytest.raises(TransportError, match="not exposed to puller"): PrefixPull(puller, peer, foreign, dst).wait(0)
+  peer.close()
+  peer = puller.endpoint.connect(holder.endpoint.address, "tcp")     # the holder still serves a good pull
+  good = {"prefix_blocks": [3], "read_pools": grant(holder, pools, [3]), "block_bytes": BB}
+  PrefixPull(puller, peer, good, dst).finish()
+  assert (dst[1].numpy()[0] == stored[1][3 * BB:4 * BB]).all()
+  peer.close()
+
+def test_malformed_pull_specs_are_refused():
+  for bad in ({"prefix_blocks": [1], "read_pools": []}, {"prefix_blocks": [], "read_pools": ["00"]}, {"prefix_blocks": [-1], "read_pools": ["x"]},
+              {"prefix_blocks": "1", "read_pools": []}):
+    with pytest.raises(ValueError): pull_spec(bad)
+  assert pull_spec({}) == ([], [])
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["rw", "read", "write"]), st.sampled_from(["read", "write"]), st.integers(0, 4096), st.integers(1, 4096))
+def test_an_exposure_lets_each_op_through_only_its_grant(access, op, offset, nbytes):
+  e = Exposure(memoryview(bytearray(8192)), None, [(1024, 2048)], access)
+  inside = 1024 <= offset and offset + nbytes <= 3072
+  assert e.allows(offset, nbytes, op) == (inside and access in ("rw", op))
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 1 << 30), st.floats(1e-4, 10)), max_size=4),
+       st.lists(st.tuples(st.integers(1, 1 << 16), st.floats(1e-4, 10)), max_size=4), st.integers(1, 1 << 30), st.integers(1, 1 << 16))
+def test_pull_cost_pulls_when_the_link_beats_recomputing(transfers, prefills, nbytes, tokens):
+  c = PullCost()
+  for b, s in transfers: c.saw_transfer(b, s)
+  for t, s in prefills: c.saw_prefill(t, s)
+  if not transfers or not prefills: assert c.should_pull(nbytes, tokens)        # nothing measured yet: pull
+  else: assert c.should_pull(nbytes, tokens) == (nbytes / c.link_bps < tokens / c.prefill_tok_s)
+
+@pytest.fixture(scope="module")
+def llama():
+  from tinyhet.model.llama import Llama, random_weights, small_config
+  cfg = small_config(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=256, max_context=256)
+  return Llama(cfg, random_weights(cfg, device="MESH", seed=5), "MESH")
+
+# three chunks of 16, the last one padded (a suffix within one chunk, padded to its bucket, runs in tests/test_kv_store.py)
+@pytest.mark.parametrize("chunk,suffix", [(16, 40)])
+def test_a_prefill_over_a_pulled_prefix_gives_the_whole_prompts_logits_and_suffix_kv(pair, llama, chunk, suffix):
+  """The prefix's K, V made by a real prefill, stored at scattered blocks of the holder's pools, pulled over tcp; the
+  suffix's prefill over them gives the logits and K, V (suffix rows) of the whole prompt's prefill."""
+  from tinyhet.engine.prefill import prefill_pulled_logits
+  from tinyhet.model.chunked_prefill import chunked_prefill, prompt_pools
+  from tinyhet.model.llama import DenseKVCache
+  holder, puller, peer, _, _ = pair
+  cached, bs = 48, 16
+  ids = [int(t) for t in np.random.default_rng(chunk).integers(0, 256, cached + suffix)]
+  own, _ = prompt_pools(llama, cached, dtypes.float16, bs)                  # the prefix's K, V as a decode node would hold them
+  chunked_prefill(llama, Tensor([ids[:cached]], dtype=dtypes.int32, device="MESH"), 512, dtypes.float16, pools=own, table=[0, 1, 2])
+  bb, where = own[0].nbytes() // 3, [5, 0, 3]
+  regions = [holder.arena("MESH").alloc(6 * bb) for _ in own]
+  for r, pool in zip(regions, own):
+    data = pool.numpy().reshape(3, -1).view(np.uint8)
+    for i, b in enumerate(where): r.view(b * bb, bb)[:] = data[i].tobytes()
+  reservation = {"prefix_blocks": where, "read_pools": grant(holder, regions, where, bb=bb), "block_bytes": bb}
+  kv = {}
+  llama.prefill_chunk = chunk
+  try:
+    logits, figures = prefill_pulled_logits(llama, ids, cached, bs, dtypes.float16, lambda pools: PrefixPull(puller, peer, reservation, pools),
+                                            lambda l, k, v: kv.setdefault(l, (k.numpy(), v.numpy())))
+  finally: llama.prefill_chunk = 0
+  assert figures["pulled_bytes"] == 3 * bb * len(own)
+  want_kv = {}
+  want = llama.prefill(Tensor([ids], dtype=dtypes.int32, device="MESH"), on_layer=lambda l, k, v: want_kv.setdefault(l, (k.numpy(), v.numpy())),
+                       cache=DenseKVCache(llama.cfg, 1, len(ids), device="MESH")).numpy()[0]
+  np.testing.assert_allclose(logits, want, rtol=2e-2, atol=2e-3)
+  assert int(np.argmax(logits)) == int(np.argmax(want))
+  for l, (k, v) in kv.items():
+    assert k.shape[0] == suffix
+    np.testing.assert_allclose(k, want_kv[l][0][cached:], rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(v, want_kv[l][1][cached:], rtol=2e-2, atol=2e-2)
+  with pytest.raises(ValueError): prefill_pulled_logits(llama, ids, 40, bs, dtypes.float16, None)   # not whole blocks

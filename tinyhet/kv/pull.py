@@ -1,0 +1,97 @@
+"""A cached prefix's K, V pulled out of a decode node's blocks into a prefill's own pools (tinyhet.model.chunked_prefill's
+layout, the decode node's too: (blocks, 2, n_kv_heads, block_size * head_dim) per layer), one one-sided read per layer,
+all posted at once; the prefill waits for layer l's read just before layer l first needs it, so the read of layer l
+overlaps the compute of the layers before it. The reads go through the read grant decode.reserve(use_cache) returned
+(read_pools: per layer the pool, open to this peer at the prefix's blocks only, until the reservation ends).
+
+  pull = PrefixPull(endpoint, peer, reservation, pools)   # posts every layer's read into pools[l][0:len(prefix_blocks)]
+  pull.wait(l)                                            # layer l's prefix is in pools[l]; raises the read's failure
+  pull.finish()                                           # every read done: the figures (bytes, seconds in flight, stall)
+
+Where a pool lies decides how it fills: a pool in registered host memory (HET on a CPU) is read into in place; elsewhere (a
+GPU) the bytes land in a host region of this node first and wait(l) copies layer l in.
+
+PullCost is the per-request choice between pulling and recomputing: pull when the prefix's bytes over the link rate cost
+less than computing the prefix again at the prefill rate (both measured on this node as requests run: its writes to
+decode nodes, its pulls, its prefills); until both are measured, pull.
+"""
+from __future__ import annotations
+import time
+from tinygrad import Tensor, dtypes
+from tinygrad.device import Buffer
+from tinyhet.device.backend import NotRegistered, region_of
+from tinyhet.runtime.arena import Region
+from tinyhet.runtime.descriptor import RegionDescriptor
+from tinyhet.runtime.transport import Span
+
+def pull_spec(reservation: dict) -> tuple[list[int], list[RegionDescriptor]]:
+  """The prefix blocks and per-layer read descriptors of a reservation (empty where nothing was cached); a malformed one raises."""
+  blocks, pools = reservation.get("prefix_blocks") or [], reservation.get("read_pools") or []
+  if not isinstance(blocks, list) or not all(isinstance(b, int) and b >= 0 for b in blocks) or not isinstance(pools, list):
+    raise ValueError("the reservation's prefix_blocks / read_pools are malformed")
+  if bool(blocks) != bool(pools): raise ValueError("the reservation has prefix blocks without read descriptors, or the reverse")
+  return blocks, [RegionDescriptor.from_hex(h) for h in pools]
+
+class PrefixPull:
+  def __init__(self, node, peer, reservation: dict, pools: list[Tensor]):
+    blocks, descs = pull_spec(reservation)
+    if len(descs) != len(pools): raise ValueError(f"the reservation has read descriptors for {len(descs)} layers, the prefill {len(pools)}")
+    bb = self.block_bytes = reservation["block_bytes"]
+    self.pools, self.nbytes = pools, len(blocks) * bb       # per layer
+    if pools[0].nbytes() < self.nbytes: raise ValueError(f"a {pools[0].nbytes()}-byte pool cannot hold a {self.nbytes}-byte prefix")
+    self.host: Region | None = None
+    self.t0 = time.perf_counter()
+    self.transfers, self.waited, self.copied = [], 0.0, set()
+    for l, pool in enumerate(pools):
+      try: region, off = region_of(pool.uop.buffer)          # the pool is registered host memory: read straight into it
+      except NotRegistered:
+        if self.host is None: self.host = node.arena("MESH").alloc(len(pools) * self.nbytes, align=4096)
+        region, off = self.host, l * self.nbytes
+      spans = [Span(region, off + i * bb, descs[l], b * bb, bb) for i, b in enumerate(blocks)]
+      self.transfers.append(node.endpoint.read(peer, spans))
+
+  def wait(self, layer: int, timeout: float = 60.0):
+    t = time.perf_counter()
+    self.transfers[layer].wait(timeout)
+    if self.host is not None and layer not in self.copied:    # landed in host memory: into the device pool's first blocks
+      data = self.host.view(layer * self.nbytes, self.nbytes)
+      dst = self.pools[layer].uop.buffer.view(self.nbytes, dtypes.uint8, 0).ensure_allocated()
+      dst.copy_from(Buffer("PYTHON", self.nbytes, dtypes.uint8, opaque=data))
+      self.copied.add(layer)
+    self.waited += time.perf_counter() - t
+
+  def finish(self, timeout: float = 60.0) -> dict:
+    """Wait for every read (a failed prefill must not free pools a read may still fill); the pull's figures."""
+    for t in self.transfers: t.wait(timeout)
+    end = max((t.finished for t in self.transfers), default=self.t0)
+    if self.host is not None: self.host.free()
+    self.host = None
+    return {"pulled_bytes": self.nbytes * len(self.pools), "pull_s": max(0.0, end - self.t0), "pull_wait_s": self.waited}
+
+  def abort(self):
+    for t in self.transfers:
+      try: t.wait(30)
+      except Exception: pass
+
+class PullCost:
+  """Measured rates, kept as running averages: the link's (bytes/s of this node's writes and pulls) and the prefill's
+  (prompt tokens/s). should_pull(prefix bytes, prefix tokens): bytes / link rate < tokens / prefill rate."""
+  def __init__(self):
+    self.link_bps = self.prefill_tok_s = 0.0
+
+  @staticmethod
+  def _avg(old: float, new: float) -> float: return new if old <= 0 else 0.7 * old + 0.3 * new
+
+  def saw_transfer(self, nbytes: int, seconds: float):
+    if nbytes > 0 and seconds > 0: self.link_bps = self._avg(self.link_bps, nbytes / seconds)
+
+  def saw_prefill(self, tokens: int, seconds: float):
+    if tokens > 0 and seconds > 0: self.prefill_tok_s = self._avg(self.prefill_tok_s, tokens / seconds)
+
+  def estimate(self, nbytes: int, tokens: int) -> tuple[float, float] | None:
+    """(seconds to pull, seconds to recompute), or None until both rates are measured."""
+    if self.link_bps <= 0 or self.prefill_tok_s <= 0: return None
+    return nbytes / self.link_bps, tokens / self.prefill_tok_s
+
+  def should_pull(self, nbytes: int, tokens: int) -> bool:
+    return (e := self.estimate(nbytes, tokens)) is None or e[0] < e[1]
