@@ -175,7 +175,9 @@ def test_logprobs_read_by_the_openai_client(nodes, model):
     stream = list(client.chat.completions.create(model=model[1], messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
                                                  stream=True))
     got_stream = [x for c in stream if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
-    assert [(x.token, round(x.logprob, 4)) for x in got_stream] == [(x.token, round(x.logprob, 4)) for x in content]
+    # the same tokens; logprobs equal to float32 rounding (two requests: the kernels' split of the work may differ between them)
+    assert [x.token for x in got_stream] == [x.token for x in content]
+    assert [x.logprob for x in got_stream] == pytest.approx([x.logprob for x in content], abs=1e-4)
     plain = client.chat.completions.create(model=model[1], messages=messages, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
     # echo: the prompt's own logprobs, from the node that prefilled it (lm-evaluation-harness's loglikelihood request)
