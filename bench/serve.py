@@ -53,6 +53,12 @@ def stream_one(address: str, body: dict) -> tuple[float, list[float]]:
   c.close()
   return t0, marks
 
+def prompt_ids(salt: int, i: int, n: int) -> list[int]:
+  """Request i's prompt of a round: tokens 1..250 drawn from a generator seeded by (salt, i), so no two requests of a run
+  share a 16-token block and none is served from a prefix cache (the old (salt * 7919 + i * 37 + j * 11) % 250 gave the
+  warm-up round, salt 1000 + c, the very prompts of the measured round, salt c: every measured request was a cache hit)."""
+  return [int(t) for t in np.random.default_rng([salt, i]).integers(1, 251, n)]
+
 def load_round(address: str, model: str, concurrency: int, n_requests: int, prompt_tokens: int, max_tokens: int, salt: int) -> dict:
   """n_requests completions, at most `concurrency` in flight at once."""
   results, lock, next_i = [], threading.Lock(), iter(range(n_requests))
@@ -60,7 +66,7 @@ def load_round(address: str, model: str, concurrency: int, n_requests: int, prom
     while True:
       with lock: i = next(next_i, None)
       if i is None: return
-      ids = [(salt * 7919 + i * 37 + j * 11) % 250 + 1 for j in range(prompt_tokens)]
+      ids = prompt_ids(salt, i, prompt_tokens)
       results.append(stream_one(address, {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}))
   t0 = time.perf_counter()
   threads = [threading.Thread(target=worker) for _ in range(concurrency)]

@@ -153,9 +153,10 @@ def status(key):                                   # bytes, from /proc/self/stat
 if shape == "smollm2":                             # SmolLM2-135M's real weights, its first 2 layers only (the bound is per layer)
   from tinyhet.model.weights import load_model
   m, _ = load_model(None, device="MESH", n_layers=2, quiet=True, packed=True)
-else:                                              # Llama-3.1-8B's shape, 2 layers, random float32 weights
+else:                                              # Llama-3.1-8B's shape, 2 layers, random weights as Q8_0 blocks (the quantized
+  from tinyhet.model.packed import Q8_0             # kernels; float32 weights would take tinygrad's generic matmul, ~10x slower)
   cfg = dataclasses.replace(LLAMA31_8B, n_layers=2, max_context=T)
-  m = Llama(cfg, random_weights(cfg, device="MESH"), "MESH")
+  m = Llama(cfg, random_weights(cfg, device="MESH", packed=Q8_0), "MESH")
 m.prefill_chunk = chunk
 rng = np.random.default_rng(0)
 ids = lambda n: [int(t) for t in rng.integers(0, m.cfg.vocab_size, n)]
@@ -184,7 +185,7 @@ def test_an_8k_prompt_of_smollm2_adds_at_most_kv_plus_256_mib():
   r = prefill_peak("smollm2", 8192)
   assert r["added"] <= r["kv"] + (256 << 20), r
 
-@pytest.mark.skipif(not os.environ.get("LONG_PREFILL_32K"), reason="~46 TFLOP of prefill (an hour or more on 2 CPU cores): "
+@pytest.mark.skipif(not os.environ.get("LONG_PREFILL_32K"), reason="~46 TFLOP of prefill (minutes on 2 CPU cores): "
                     "run it with LONG_PREFILL_32K=1 .venv/bin/python -m pytest -q tests/test_chunked_prefill.py -k 32k")
 @pytest.mark.timeout(6 * 3600)
 def test_a_32k_prompt_of_the_llama_31_8b_shape_stays_within_kv_plus_1_gib():
