@@ -41,13 +41,7 @@ def online_nodes() -> list[int]:
 def interleave(addr: int, nbytes: int, nodes: list[int] | None = None) -> None:
   """Interleave the pages of [addr, addr + nbytes) over nodes (default: every node with memory) as they are first touched.
   addr must be page-aligned. Raises OSError with the kernel's reason."""
-  nodes = online_nodes() if nodes is None else nodes
-  if not nodes or min(nodes) < 0 or max(nodes) >= 1024: raise ValueError(f"interleave: bad node list {nodes}")
-  mask = (ctypes.c_ulong * 16)()
-  for n in nodes: mask[n // 64] |= 1 << (n % 64)
-  if _libc.syscall(_nr("mbind"), ctypes.c_void_p(addr), ctypes.c_ulong(nbytes), MPOL_INTERLEAVE, mask, ctypes.c_ulong(1024 + 1), 0) != 0:
-    e = ctypes.get_errno()
-    raise OSError(e, f"mbind(MPOL_INTERLEAVE) of {nbytes} bytes at {addr:#x}: {os.strerror(e)}")
+  _mbind(addr, nbytes, MPOL_INTERLEAVE, online_nodes() if nodes is None else nodes)
 
 def _mbind(addr: int, nbytes: int, mode: int, nodes: list[int]) -> None:
   if not nodes or min(nodes) < 0 or max(nodes) >= 1024: raise ValueError(f"mbind: bad node list {nodes}")
@@ -55,7 +49,8 @@ def _mbind(addr: int, nbytes: int, mode: int, nodes: list[int]) -> None:
   for n in nodes: mask[n // 64] |= 1 << (n % 64)
   if _libc.syscall(_nr("mbind"), ctypes.c_void_p(addr), ctypes.c_ulong(nbytes), mode, mask, ctypes.c_ulong(1024 + 1), 0) != 0:
     e = ctypes.get_errno()
-    raise OSError(e, f"mbind(mode {mode}) of {nbytes} bytes at {addr:#x}: {os.strerror(e)}")
+    name = {MPOL_INTERLEAVE: "MPOL_INTERLEAVE", MPOL_BIND: "MPOL_BIND"}.get(mode, f"mode {mode}")
+    raise OSError(e, f"mbind({name}) of {nbytes} bytes at {addr:#x}: {os.strerror(e)}")
 
 def bind(addr: int, nbytes: int, node: int) -> None:
   """The pages of [addr, addr + nbytes) land on `node` when first touched (page-aligned addr). OSError with the reason."""
