@@ -53,6 +53,15 @@ _Q5K = """
   if (j & 1) { q0 >>= 4; q1 >>= 4; } else { q0 &= 15; q1 &= 15; }
   q0 |= ((h0 >> j) & 1) << 4; q1 |= ((h1 >> j) & 1) << 4;"""
 
+# Q6_K: a half-block j of 16 weights' low 4 bits (l0, l1) and high 2 bits (h0, h1), its two int8 scales sc[0..1], d
+_Q6K = """  const int n = j >> 2, k = j & 3;
+  const u8 *ql = b + 64 * n + (k & 1) * 32, *qh = b + 128 + 32 * n;
+  const signed char *sc = (const signed char *)(b + 192) + 8 * n + 2 * k;
+  float d = h2f(b + 208);
+  u8x16 l0, l1, h0, h1; __builtin_memcpy(&l0, ql, 16); __builtin_memcpy(&l1, ql + 16, 16);
+  __builtin_memcpy(&h0, qh, 16); __builtin_memcpy(&h1, qh + 16, 16);
+  if (k >> 1) { l0 >>= 4; l1 >>= 4; } else { l0 &= 15; l1 &= 15; }"""
+
 DEQUANT = {
   Q4_0: """  float d = h2f(b); u8x16 q; __builtin_memcpy(&q, b + 2, 16);
   *lo = (__builtin_convertvector(q & 15, f32x16) - 8.0f) * d; *hi = (__builtin_convertvector(q >> 4, f32x16) - 8.0f) * d;""",
@@ -68,13 +77,7 @@ DEQUANT = {
   *lo = __builtin_convertvector(q0, f32x16) * d - m; *hi = __builtin_convertvector(q1, f32x16) * d - m;""",
   Q5_K: _SCALE_MIN_K4 + _Q5K + """
   *lo = __builtin_convertvector(q0, f32x16) * d - m; *hi = __builtin_convertvector(q1, f32x16) * d - m;""",
-  Q6_K: """  const int n = j >> 2, k = j & 3;
-  const u8 *ql = b + 64 * n + (k & 1) * 32, *qh = b + 128 + 32 * n;
-  const signed char *sc = (const signed char *)(b + 192) + 8 * n + 2 * k;
-  float d = h2f(b + 208);
-  u8x16 l0, l1, h0, h1; __builtin_memcpy(&l0, ql, 16); __builtin_memcpy(&l1, ql + 16, 16);
-  __builtin_memcpy(&h0, qh, 16); __builtin_memcpy(&h1, qh + 16, 16);
-  if (k >> 1) { l0 >>= 4; l1 >>= 4; } else { l0 &= 15; l1 &= 15; }
+  Q6_K: _Q6K + """
   i8x16 v0 = (i8x16)(l0 | ((h0 >> (2 * k)) & 3) << 4) - 32, v1 = (i8x16)(l1 | ((h1 >> (2 * k)) & 3) << 4) - 32;
   *lo = __builtin_convertvector(v0, f32x16) * (d * sc[0]); *hi = __builtin_convertvector(v1, f32x16) * (d * sc[1]);""",
   F16: """  *lo = h2f16(b); *hi = h2f16(b + 32);""",
@@ -134,13 +137,7 @@ QUANTS = {
   *q32 = cat16(q0, q1);""" + _KQ_SCALES,
   Q5_K: _SCALE_MIN_K4 + _Q5K + """
   *q32 = cat16(q0, q1);""" + _KQ_SCALES,
-  Q6_K: """  const int n = j >> 2, k = j & 3;
-  const u8 *ql = b + 64 * n + (k & 1) * 32, *qh = b + 128 + 32 * n;
-  const signed char *sc = (const signed char *)(b + 192) + 8 * n + 2 * k;
-  float d = h2f(b + 208);
-  u8x16 l0, l1, h0, h1; __builtin_memcpy(&l0, ql, 16); __builtin_memcpy(&l1, ql + 16, 16);
-  __builtin_memcpy(&h0, qh, 16); __builtin_memcpy(&h1, qh + 16, 16);
-  if (k >> 1) { l0 >>= 4; l1 >>= 4; } else { l0 &= 15; l1 &= 15; }
+  Q6_K: _Q6K + """
   *q32 = cat16(l0 | ((h0 >> (2 * k)) & 3) << 4, l1 | ((h1 >> (2 * k)) & 3) << 4);
   *s0 = d * sc[0]; *s1 = d * sc[1]; *m0 = -32.0f * *s0; *m1 = -32.0f * *s1;""",
 }
