@@ -19,18 +19,19 @@ def best_of(fns: dict, n: int, rounds: int) -> dict:
     for k, fn in fns.items(): best[k] = min(best[k], cpu_time(fn, n))
   return best
 
-def direct(ggml_type: int, M: int, N: int, K: int, int8: bool, out: np.ndarray, w: np.ndarray, x: np.ndarray, tmp: str):
+def direct(ggml_type: int, M: int, N: int, K: int, int8: bool, out: np.ndarray, w: np.ndarray, x: np.ndarray, tmp: str, tiled=None):
   """The kernel tinygrad runs (the same C, compiled by clang with tinygrad's CPU flags into a shared object), called through
   ctypes as llama.cpp's side is: its time without the jit's launch costs."""
   import ctypes, os, subprocess
   from tinygrad import Device
-  from tinyhet.kernels import quant_matmul as qmm
-  name, src = qmm.kernel_source(ggml_type, M, N, K, 1, int8=int8)
+  from tinyhet.kernels import int8_gemm, quant_matmul as qmm
+  name, src = qmm.kernel_source(ggml_type, M, N, K, 1, tiled, int8=int8)
   so = os.path.join(tmp, name + ".so")
   march = list(getattr(Device["MESH"].compiler, "args", None) or ["-march=native"])
   subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", *march, "-x", "c", "-", "-o", so],
                  input=src.encode(), check=True)
-  keep = [np.ascontiguousarray(a) for a in (out, w, x)]   # the arrays live as long as the call that writes and reads them
+  scratch = [np.zeros(int8_gemm.scratch_bytes(ggml_type, M, K), np.uint8)] if name.endswith("_int8t") else []
+  keep = [np.ascontiguousarray(a) for a in (out, w, x, *scratch)]   # the arrays live as long as the call that writes and reads them
   fn, args = getattr(ctypes.CDLL(so), name), [ctypes.c_void_p(a.ctypes.data) for a in keep]
   assert keep[0] is out, "out must be a contiguous array"
   return lambda: fn(*args, 0) if keep else None
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q5_0,F16,BF16")
   ap.add_argument("--rows", default="1,16,512", help="rows of x")
   ap.add_argument("--shape", default="1536,1536", help="N,K of the weight")
-  ap.add_argument("--int8", action="store_true", help="also the int8-activation kernel (block types; past 32 rows the K-quants only)")
+  ap.add_argument("--int8", action="store_true", help="also the int8-activation kernel (block types; its tiled kernel past "
+                  "quant_matmul.INT8_TILED_MIN_M rows, beside the int8 decode kernel where one runs at that count)")
   ap.add_argument("--rounds", type=int, default=5, help="rounds in which the kernels and llama.cpp take turns; the least time of each")
   ap.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's ggml_mul_mat (llama-cpp-python not installed)")
   ap.add_argument("--json", action="store_true")
@@ -88,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
       np.testing.assert_allclose(got, new(*xm).numpy(), rtol=1e-5, atol=1e-5 * np.abs(got).max())
       if args.int8 and "_int8" in qmm.kernel_source(t, M, N, K, 1, int8=True)[0]:
         fns["int8"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), raw, x, tmp)
+      if args.int8 and qmm.kernel_source(t, M, N, K, 1, int8=True)[0].endswith("_int8t") and "_int8" in qmm.kernel_source(t, M, N, K, 1, False, True)[0]:
+        # the int8 decode kernel the tiled one replaced past INT8_TILED_MIN_M rows
+        fns["int8_decode"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), raw, x, tmp, tiled=False)
       if not args.no_ggml:
         from bench.ggml_matmul import GgmlMatmul
         fns["ggml"] = GgmlMatmul(raw, t, (N, K), x)
@@ -102,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:5} {M:4} rows: ggml_mul_mat {r['ggml_ms']:8.3f} ms: the float kernel is {r['ggml_ms'] / r['new_ms']:.2f}x llama.cpp")
       if "int8_ms" in r:
         vs = f", {r['ggml_ms'] / r['int8_ms']:.2f}x llama.cpp" if "ggml_ms" in r else ""
-        if not args.json: print(f"{name:5} {M:4} rows: int8 kernel {r['int8_ms']:8.3f} ms, {r['new_ms'] / r['int8_ms']:.2f}x the float kernel{vs}")
+        r["int8_kernel"] = "tiled" if qmm.kernel_source(t, M, N, K, 1, int8=True)[0].endswith("_int8t") else "decode"
+        if "int8_decode_ms" in r: vs += f", {r['int8_decode_ms'] / r['int8_ms']:.2f}x the int8 decode kernel ({r['int8_decode_ms']:.3f} ms)"
+        if not args.json: print(f"{name:5} {M:4} rows: int8 {r['int8_kernel']} kernel {r['int8_ms']:8.3f} ms, {r['new_ms'] / r['int8_ms']:.2f}x "
+                                f"the float kernel{vs}")
       if not args.json: print(f"{name:5} {M:4} rows: kernel {r['new_ms']:8.3f} ms ({r['new_weight_gbps']:5.1f} GB/s of weights, "
                               f"{r['new_gflops']:5.1f} GFLOP/s; {r['jit_ms']:.3f} ms in a jit)  old path {r['old_ms']:9.3f} ms  "
                               f"{r['speedup']:6.1f}x", flush=True)

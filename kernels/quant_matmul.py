@@ -25,12 +25,13 @@ import dataclasses, functools, math
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
 from tinyhet.kernels.quant_blocks import DEQUANT, LAYOUT, NAMES, QUANTS, supported, supported_int8
-from tinyhet.kernels import kquant_int8
+from tinyhet.kernels import int8_gemm, kquant_int8
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
 MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
 DECODE_MAX_M = 32        # rows of x up to which the decode kernel runs (measured crossover: 32-64 rows); past it, the tiled one
 KC = 512                 # columns of a dequantized panel (a multiple of every block size)
-KQ8_MAX_M = 256          # rows of x up to which the K-quants' int8 kernel runs in the int8 mode; past it, the float tiled one
+KQ8_MAX_M = 256          # rows of x up to which the K-quants' int8 decode kernel may run in the int8 mode
+INT8_TILED_MIN_M = 16    # rows of x from which the int8 mode takes its tiled kernel (kernels/int8_gemm.py), for any count past it
 
 _SOURCE = r"""
 typedef unsigned char u8; typedef unsigned short u16; typedef unsigned int u32; typedef unsigned long size_t;
@@ -311,9 +312,12 @@ INLINE void tile8(float *restrict out, const u8 *restrict w, const float *restri
 #define TILE tile
 #endif
 
-KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *restrict x, int core_id) {
+KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *restrict x, %(scratch)sint core_id) {
   if (PARTS == 1) core_id = 0;   /* a one-part kernel is called without a core_id */
   int r0 = (int)((long)core_id * N / PARTS), r1 = (int)((long)(core_id + 1) * N / PARTS);
+#if INT8 == 3
+  tiled8(out, w, x, scratch, core_id, r0, r1); return;
+#endif
   if (TILED) { tiled(out, w, x, r0, r1); return; }
   /* weight rows in blocks of RB, every tile of x against one block before the next, so that a block is read from memory once
      and from L2 for the other tiles: the float kernel past one tile (measured, 16-32 rows of 4096 x 4096: F16/BF16 1.14-1.34x,
@@ -341,14 +345,16 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   if not supported(ggml_type, K): raise ValueError(f"no quantized matmul kernel for GGML type {ggml_type} with {K} columns")
   # the K-quants' int8 kernel serves small prefills too, up to KQ8_MAX_M rows (unless the tiled one is asked for): measured
   # (bench qmm, one core, 1536 x 1536) 1.5x the float tiled kernel at 64 rows, 0.98-1.04x at 512
+  # past INT8_TILED_MIN_M rows the int8 tiled kernel (unless a kernel is asked for: tiled True, the float tiled one; False, decode)
+  gemm8 = int8 and tiled is None and supported_int8(ggml_type, K) and M >= INT8_TILED_MIN_M
   kq8 = int8 and ggml_type in kquant_int8.KQ_INT8_TYPES and supported_int8(ggml_type, K) and tiled is not True and M <= KQ8_MAX_M
-  tiled = False if kq8 else M > DECODE_MAX_M if tiled is None else tiled
+  tiled = True if gemm8 else False if kq8 else M > DECODE_MAX_M if tiled is None else tiled
   # the 32-weight types pay for x's rounding more than the integer products save at a few rows (measured: 0.4-0.7x at one row,
   # 1.1-1.3x at 16); the K-quants gain from one row on (1.3-1.6x at one, ~2x at 16)
   int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
   # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
-  int8 = int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
-  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{'_int8' if int8 else ''}{'k' if int8 == 2 else ''}"
+  int8 = 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
+  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{'_int8' if int8 else ''}{' kt'[int8 - 1] if int8 > 1 else ''}"
   qb, sbb = LAYOUT[ggml_type]
   return name, _SOURCE % {"name": name, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled), "KC": KC,
                           "RB": 64 if M > 4 * MT_MAX or (M > MT_MAX and not int8) else 1 << 30,
@@ -356,7 +362,8 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
                           "micro_tails": "\n".join(f"        case {i}: if ({i} < MR) micro(out, wf, x, m0, {i}, n0, nr, k0, kc); break;"
                                                    for i in range(1, 8)),
                           "dequant": DEQUANT[ggml_type], "int8": int8,
-                          "kint8": kquant_int8.source(ggml_type) if int8 == 2 else "", "quants": QUANTS.get(ggml_type, ""),
+                          "kint8": kquant_int8.source(ggml_type) if int8 == 2 else int8_gemm.source(ggml_type) if int8 == 3 else "",
+                          "quants": QUANTS.get(ggml_type, ""), "scratch": "u8 *restrict scratch, " if int8 == 3 else "",
                           "i32": ", ".join(map(str, range(32))), "i64": ", ".join(map(str, range(64))),
                           **{f"l{k}": ", ".join(str(4 * i + k) for i in range(16)) for k in range(4)}}
 
@@ -372,15 +379,18 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
   name, src = kernel_source(ggml_type, M, N, K, parts, tiled, int8)
   xs = x.reshape(M, K).cast(dtypes.float32).contiguous()
   out = Tensor.empty(M, N, dtype=dtypes.float32, device=x.device)
+  # the int8 tiled kernel's fourth buffer: each part's x rounded to int8 (kernels/int8_gemm.py)
+  scratch = [Tensor.empty(parts * int8_gemm.scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8, device=x.device)] if name.endswith("_int8t") else []
+  nbuf = 3 + len(scratch)
 
   def program(*params: UOp) -> UOp:
-    # the part id: the kernel's fourth argument (slot 3, after the three buffers), filled in by the pool for each part
+    # the part id: the argument after the buffers (slot 3 or 4), filled in by the pool for each part
     core = UOp.variable("core_id", 0, parts - 1, dtypes.int, param=True) if parts > 1 else None
-    if core is not None: core = core.replace(arg=dataclasses.replace(core.arg, slot=3))
+    if core is not None: core = core.replace(arg=dataclasses.replace(core.arg, slot=nbuf))
     sink = UOp.sink(*params, *([core] if core is not None else []), arg=KernelInfo(name=name))
-    info = ProgramInfo(name=name, global_size=(parts, 1, 1), vars=(core,) if core is not None else (), globals=(0, 1, 2),
-                       outs=(0,), ins=(1, 2))
+    info = ProgramInfo(name=name, global_size=(parts, 1, 1), vars=(core,) if core is not None else (), globals=tuple(range(nbuf)),
+                       outs=(0, *range(3, nbuf)), ins=(1, 2))
     return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=(*sink.src, sink)), UOp(Ops.SOURCE, arg=src)), arg=info)
 
-  out = out.custom_kernel(blocks.contiguous(), xs, fxn=program)[0]
+  out = out.custom_kernel(blocks.contiguous(), xs, *scratch, fxn=program)[0]
   return out.reshape(*lead, N)

@@ -1,0 +1,154 @@
+"""The int8-activation tiled kernel (int8 mode, batches and prefill): x rounded to int8 once per block of 32 for every type
+(the K-quants too: per 32 is the finer rounding, and with every type alike one micro-kernel serves all), then, as the float
+tiled kernel does, a panel of NR8 weight rows by KC columns is unpacked ONCE into a u8 tile on the stack and reused for every
+row of x. C, included by kernels/quant_matmul.py's source in its int8 mode (INT8 == 3), where qs (a sub-block's unsigned
+quants, scales and offsets: kernels/quant_blocks.py's QUANTS), dot4 and the vector types are defined.
+
+The tile is in the order the micro-kernel reads: wq[k/4][row][4], so one vpdpbusd (u8 x s8, 4 products summed into each
+32-bit lane) takes 16 weight rows x 4 k against a broadcast of 4 bytes of x; beside it, per group of G weights (32; Q6_K 16,
+its scales' span) and row, the float scale s and offset m of w = s q + m. Per group the MR8 x 16 int32 sums are converted once
+and scaled into float accumulators:
+  acc[i] += float(sum_k q[r, k] xq[i, k]) * (s[r, g] dx[i, g])  +  m[r, g] sx[i, g]      (sx: the group's sum of rounded x)
+The weights are the unsigned operand (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, Q5_0 0..31, Q8_0 + 128, ...), their shift folded
+into m, which meets the sums of the rounded x, so it cancels exactly (as in quant_matmul's tile8).
+
+x's rounding needs every row of x before the first panel, more than a stack holds for a long prefill, so the kernel takes a
+scratch buffer (its fourth argument): each part rounds all of x into its own region (parts run side by side with no barrier
+between them; the rounding is ~1/20 of a part's work at 2 parts of a 576-row matrix, less for larger ones).
+"""
+from __future__ import annotations
+from tinyhet.kernels.quant_blocks import Q6_K
+
+NR8 = 16   # weight rows in a panel: one vector of 16 int32 lanes
+
+def group(ggml_type: int) -> int:
+  """Weights per scale group: Q6_K's scales cover 16, every other type's 32 (a half of a 32-weight sub-block shares its scale)."""
+  return 16 if ggml_type == Q6_K else 32
+
+def scratch_bytes(ggml_type: int, M: int, K: int) -> int:
+  """Bytes of scratch one part uses: x's int8 quants, and per block of 32 its scale, per group its sum."""
+  return M * K + 4 * M * (K // 32) + 4 * M * (K // group(ggml_type))
+
+SOURCE = r"""
+#define G %(G)d
+#define NG (K / G)
+#define NR8 16
+#if defined(__AVX512F__)
+#define MR8 8
+#else
+#define MR8 4
+#endif
+#define SCR ((size_t)M * K + 4 * (size_t)M * (K / 32) + 4 * (size_t)M * NG)
+INLINE i32x16 dpbusd(i32x16 acc, u8x64 a, i8x64 b) {
+#if defined(__AVX512VNNI__)
+  return __builtin_ia32_vpdpbusd512(acc, (i32x16)a, (i32x16)b);
+#else
+  return acc + dot4(a, b);
+#endif
+}
+
+/* every row of x: xq its int8 quants (x's order), xd per block of 32 the scale max|x|/127, xs per group the sum of the rounded x */
+INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd, float *restrict xs) {
+  for (int i = 0; i < M; i++) for (int b = 0; b < K / 32; b++) {
+    const float *xb = x + (size_t)i * K + b * 32;
+    f32x16 lo = load16(xb), hi = load16(xb + 16);
+    float amax = 0.0f;
+    for (int l = 0; l < 16; l++) {
+      float a = lo[l] < 0 ? -lo[l] : lo[l], c = hi[l] < 0 ? -hi[l] : hi[l];
+      amax = a > amax ? a : amax; amax = c > amax ? c : amax;
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+    /* round to nearest even: adding 1.5 * 2^23 puts the integer in the low mantissa bits */
+    i32x16 ql = (i32x16)(lo * inv + 12582912.0f) - 0x4B400000, qh = (i32x16)(hi * inv + 12582912.0f) - 0x4B400000;
+    i8x16 l8 = __builtin_convertvector(ql, i8x16), h8 = __builtin_convertvector(qh, i8x16);
+    __builtin_memcpy(xq + (size_t)i * K + b * 32, &l8, 16); __builtin_memcpy(xq + (size_t)i * K + b * 32 + 16, &h8, 16);
+    xd[(size_t)i * (K / 32) + b] = d;
+    float sl = hsum(__builtin_convertvector(ql, f32x16)), sh = hsum(__builtin_convertvector(qh, f32x16));
+    if (G == 32) xs[(size_t)i * NG + b] = (sl + sh) * d;
+    else { xs[(size_t)i * NG + 2 * b] = sl * d; xs[(size_t)i * NG + 2 * b + 1] = sh * d; }
+  }
+}
+
+/* rows n0..n0+nr of W, columns k0..k0+kc, unpacked into wq[k/4][NR8][4] and per group ws[g][NR8], wm[g][NR8]; rows past nr
+   are zeros */
+INLINE void panel8(u8 *restrict wq, float *restrict ws, float *restrict wm, const u8 *restrict w, int n0, int nr, int k0, int kc) {
+  u32 *wq32 = (u32 *)wq;
+  for (int n = 0; n < NR8; n++) {
+    if (n >= nr) {
+      for (int k = 0; k < kc / 4; k++) wq32[k * NR8 + n] = 0;
+      for (int g = 0; g < kc / G; g++) { ws[g * NR8 + n] = 0.0f; wm[g * NR8 + n] = 0.0f; }
+      continue;
+    }
+    const u8 *wr = w + (size_t)(n0 + n) * ROWB;
+    for (int g = k0 / 32 / NSTEP; g < (k0 + kc) / 32 / NSTEP; g++) {
+#pragma clang loop unroll(full)
+      for (int jj = 0; jj < NSTEP; jj++) {
+        u8x32 q; float s0, s1, m0, m1;
+        qs(wr, g, jj, &q, &s0, &s1, &m0, &m1);
+        const int j = g * NSTEP + jj - k0 / 32;   /* the sub-block in the panel */
+        u32 q4[8]; __builtin_memcpy(q4, &q, 32);
+        for (int c = 0; c < 8; c++) wq32[(j * 8 + c) * NR8 + n] = q4[c];
+        if (G == 32) { ws[j * NR8 + n] = s0; wm[j * NR8 + n] = m0; }
+        else { ws[2 * j * NR8 + n] = s0; ws[(2 * j + 1) * NR8 + n] = s1; wm[2 * j * NR8 + n] = m0; wm[(2 * j + 1) * NR8 + n] = m1; }
+      }
+    }
+  }
+}
+
+/* out[m0..m0+mr, n0..n0+nr] (+)= the panel's product with rows m0..m0+mr of the rounded x; mr is a constant in each copy */
+INLINE void micro8(float *restrict out, const u8 *restrict wq, const float *restrict ws, const float *restrict wm, const i8 *restrict xq,
+                   const float *restrict xd, const float *restrict xs, int m0, const int mr, int n0, int nr, int k0, int kc) {
+  f32x16 acc[MR8];
+  for (int i = 0; i < mr; i++) {
+    float *o = out + (size_t)(m0 + i) * N + n0;
+    if (k0 == 0) acc[i] = (f32x16){0};
+    else if (nr == NR8) acc[i] = load16(o);
+    else for (int n = 0; n < 16; n++) acc[i][n] = n < nr ? o[n] : 0.0f;
+  }
+  for (int g = 0; g < kc / G; g++) {
+    i32x16 ia[MR8];
+    for (int i = 0; i < mr; i++) ia[i] = (i32x16){0};
+#pragma clang loop unroll(full)
+    for (int c = 0; c < G / 4; c++) {
+      u8x64 wv; __builtin_memcpy(&wv, wq + (size_t)(g * (G / 4) + c) * 64, 64);
+      for (int i = 0; i < mr; i++) {
+        int xb; __builtin_memcpy(&xb, xq + (size_t)(m0 + i) * K + k0 + g * G + 4 * c, 4);
+        ia[i] = dpbusd(ia[i], wv, (i8x64)((i32x16){0} + xb));
+      }
+    }
+    const f32x16 s = load16(ws + g * NR8), mn = load16(wm + g * NR8);
+    const int kg = (k0 + g * G) / G, kb = (k0 + g * G) / 32;
+    for (int i = 0; i < mr; i++)
+      acc[i] += __builtin_convertvector(ia[i], f32x16) * (s * xd[(size_t)(m0 + i) * (K / 32) + kb]) + mn * xs[(size_t)(m0 + i) * NG + kg];
+  }
+  for (int i = 0; i < mr; i++) {
+    float *o = out + (size_t)(m0 + i) * N + n0;
+    if (nr == NR8) store16(o, acc[i]);
+    else for (int n = 0; n < nr; n++) o[n] = acc[i][n];
+  }
+}
+
+INLINE void tiled8(float *restrict out, const u8 *restrict w, const float *restrict x, u8 *restrict scratch, int core_id, int r0, int r1) {
+  i8 *xq = (i8 *)(scratch + (size_t)core_id * SCR);
+  float *xd = (float *)(xq + (size_t)M * K), *xs = xd + (size_t)M * (K / 32);
+  round_x(x, xq, xd, xs);
+  u8 wq[KC * NR8] __attribute__((aligned(64))); float ws[KC / G * NR8] __attribute__((aligned(64))), wm[KC / G * NR8] __attribute__((aligned(64)));
+  for (int n0 = r0; n0 < r1; n0 += NR8) {
+    const int nr = r1 - n0 < NR8 ? r1 - n0 : NR8;
+    for (int k0 = 0; k0 < K; k0 += KC) {
+      const int kc = K - k0 < KC ? K - k0 : KC;
+      panel8(wq, ws, wm, w, n0, nr, k0, kc);
+      int m0 = 0;
+      for (; m0 + MR8 <= M; m0 += MR8) micro8(out, wq, ws, wm, xq, xd, xs, m0, MR8, n0, nr, k0, kc);
+      switch (M - m0) {
+%(tails)s
+      }
+    }
+  }
+}
+"""
+
+def source(ggml_type: int) -> str:
+  """The C of the int8 tiled kernel (tiled8) for `ggml_type`."""
+  tails = "\n".join(f"        case {i}: if ({i} < MR8) micro8(out, wq, ws, wm, xq, xd, xs, m0, {i}, n0, nr, k0, kc); break;" for i in range(1, 8))
+  return SOURCE % {"G": group(ggml_type), "tails": tails}
