@@ -27,7 +27,7 @@ def group(ggml_type: int) -> int:
 
 def scratch_bytes(ggml_type: int, M: int, K: int) -> int:
   """Bytes of scratch one part uses: x's int8 quants, and per block of 32 its scale, per group its sum."""
-  return M * K + 4 * M * (K // 32) + 4 * M * (K // group(ggml_type))
+  return M * (K + 64) + 4 * M * (K // 32) + 4 * M * (K // group(ggml_type))
 
 SOURCE = r"""
 #define G %(G)d
@@ -38,7 +38,9 @@ SOURCE = r"""
 #else
 #define MR8 4
 #endif
-#define SCR ((size_t)M * K + 4 * (size_t)M * (K / 32) + 4 * (size_t)M * NG)
+#define XK (K + 64)   /* x's quants a row apart: not a multiple of 4 KiB, so the tile's rows of x do not share an L1 set */
+typedef u32 u32x8 __attribute__((vector_size(32))); typedef unsigned long u64x8 __attribute__((vector_size(64)));
+#define SCR ((size_t)M * XK + 4 * (size_t)M * (K / 32) + 4 * (size_t)M * NG)
 INLINE i32x16 dpbusd(i32x16 acc, u8x64 a, i8x64 b) {
 #if defined(__AVX512VNNI__)
   return __builtin_ia32_vpdpbusd512(acc, (i32x16)a, (i32x16)b);
@@ -61,7 +63,7 @@ INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd
     /* round to nearest even: adding 1.5 * 2^23 puts the integer in the low mantissa bits */
     i32x16 ql = (i32x16)(lo * inv + 12582912.0f) - 0x4B400000, qh = (i32x16)(hi * inv + 12582912.0f) - 0x4B400000;
     i8x16 l8 = __builtin_convertvector(ql, i8x16), h8 = __builtin_convertvector(qh, i8x16);
-    __builtin_memcpy(xq + (size_t)i * K + b * 32, &l8, 16); __builtin_memcpy(xq + (size_t)i * K + b * 32 + 16, &h8, 16);
+    __builtin_memcpy(xq + (size_t)i * XK + b * 32, &l8, 16); __builtin_memcpy(xq + (size_t)i * XK + b * 32 + 16, &h8, 16);
     xd[(size_t)i * (K / 32) + b] = d;
     float sl = hsum(__builtin_convertvector(ql, f32x16)), sh = hsum(__builtin_convertvector(qh, f32x16));
     if (G == 32) xs[(size_t)i * NG + b] = (sl + sh) * d;
@@ -69,28 +71,32 @@ INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd
   }
 }
 
+/* 16 rows' 32 quants (8 dwords each) -> 8 vectors of 16 dwords, vector c lane n = row n's dword c: a pair of rows interleaved
+   into 8 qwords, then an 8 x 8 transpose of qwords in three butterflies (32 two-source shuffles for 512 bytes, in place of
+   128 scalar stores) */
+INLINE void transpose16(const u32x8 *restrict r, u8 *restrict dst) {
+  u64x8 v[8];
+  for (int k = 0; k < 8; k++) v[k] = (u64x8)__builtin_shufflevector(r[2 * k], r[2 * k + 1], %(zip8)s);
+%(butterflies)s
+  for (int c = 0; c < 8; c++) __builtin_memcpy(dst + 64 * c, &v[c], 64);
+}
+
 /* rows n0..n0+nr of W, columns k0..k0+kc, unpacked into wq[k/4][NR8][4] and per group ws[g][NR8], wm[g][NR8]; rows past nr
    are zeros */
 INLINE void panel8(u8 *restrict wq, float *restrict ws, float *restrict wm, const u8 *restrict w, int n0, int nr, int k0, int kc) {
-  u32 *wq32 = (u32 *)wq;
-  for (int n = 0; n < NR8; n++) {
-    if (n >= nr) {
-      for (int k = 0; k < kc / 4; k++) wq32[k * NR8 + n] = 0;
-      for (int g = 0; g < kc / G; g++) { ws[g * NR8 + n] = 0.0f; wm[g * NR8 + n] = 0.0f; }
-      continue;
-    }
-    const u8 *wr = w + (size_t)(n0 + n) * ROWB;
-    for (int g = k0 / 32 / NSTEP; g < (k0 + kc) / 32 / NSTEP; g++) {
+  for (int g = k0 / 32 / NSTEP; g < (k0 + kc) / 32 / NSTEP; g++) {
 #pragma clang loop unroll(full)
-      for (int jj = 0; jj < NSTEP; jj++) {
-        u8x32 q; float s0, s1, m0, m1;
-        qs(wr, g, jj, &q, &s0, &s1, &m0, &m1);
-        const int j = g * NSTEP + jj - k0 / 32;   /* the sub-block in the panel */
-        u32 q4[8]; __builtin_memcpy(q4, &q, 32);
-        for (int c = 0; c < 8; c++) wq32[(j * 8 + c) * NR8 + n] = q4[c];
+    for (int jj = 0; jj < NSTEP; jj++) {
+      const int j = g * NSTEP + jj - k0 / 32;   /* the sub-block in the panel */
+      u32x8 r[NR8];
+      for (int n = 0; n < NR8; n++) {
+        u8x32 q = (u8x32){0}; float s0 = 0.0f, s1 = 0.0f, m0 = 0.0f, m1 = 0.0f;
+        if (n < nr) qs(w + (size_t)(n0 + n) * ROWB, g, jj, &q, &s0, &s1, &m0, &m1);
+        r[n] = (u32x8)q;
         if (G == 32) { ws[j * NR8 + n] = s0; wm[j * NR8 + n] = m0; }
         else { ws[2 * j * NR8 + n] = s0; ws[(2 * j + 1) * NR8 + n] = s1; wm[2 * j * NR8 + n] = m0; wm[(2 * j + 1) * NR8 + n] = m1; }
       }
+      transpose16(r, wq + (size_t)j * 8 * 64);
     }
   }
 }
@@ -112,14 +118,16 @@ INLINE void micro8(float *restrict out, const u8 *restrict wq, const float *rest
     for (int c = 0; c < G / 4; c++) {
       u8x64 wv; __builtin_memcpy(&wv, wq + (size_t)(g * (G / 4) + c) * 64, 64);
       for (int i = 0; i < mr; i++) {
-        int xb; __builtin_memcpy(&xb, xq + (size_t)(m0 + i) * K + k0 + g * G + 4 * c, 4);
+        int xb; __builtin_memcpy(&xb, xq + (size_t)(m0 + i) * XK + k0 + g * G + 4 * c, 4);
         ia[i] = dpbusd(ia[i], wv, (i8x64)((i32x16){0} + xb));
       }
     }
     const f32x16 s = load16(ws + g * NR8), mn = load16(wm + g * NR8);
     const int kg = (k0 + g * G) / G, kb = (k0 + g * G) / 32;
-    for (int i = 0; i < mr; i++)
-      acc[i] += __builtin_convertvector(ia[i], f32x16) * (s * xd[(size_t)(m0 + i) * (K / 32) + kb]) + mn * xs[(size_t)(m0 + i) * NG + kg];
+    for (int i = 0; i < mr; i++) {   /* two multiply-adds, not a multiply, a multiply-add and an add */
+      acc[i] += __builtin_convertvector(ia[i], f32x16) * (s * xd[(size_t)(m0 + i) * (K / 32) + kb]);
+      acc[i] += mn * xs[(size_t)(m0 + i) * NG + kg];
+    }
   }
   for (int i = 0; i < mr; i++) {
     float *o = out + (size_t)(m0 + i) * N + n0;
@@ -130,7 +138,7 @@ INLINE void micro8(float *restrict out, const u8 *restrict wq, const float *rest
 
 INLINE void tiled8(float *restrict out, const u8 *restrict w, const float *restrict x, u8 *restrict scratch, int core_id, int r0, int r1) {
   i8 *xq = (i8 *)(scratch + (size_t)core_id * SCR);
-  float *xd = (float *)(xq + (size_t)M * K), *xs = xd + (size_t)M * (K / 32);
+  float *xd = (float *)(xq + (size_t)M * XK), *xs = xd + (size_t)M * (K / 32);
   round_x(x, xq, xd, xs);
   u8 wq[KC * NR8] __attribute__((aligned(64))); float ws[KC / G * NR8] __attribute__((aligned(64))), wm[KC / G * NR8] __attribute__((aligned(64)));
   for (int n0 = r0; n0 < r1; n0 += NR8) {
@@ -151,4 +159,15 @@ INLINE void tiled8(float *restrict out, const u8 *restrict w, const float *restr
 def source(ggml_type: int) -> str:
   """The C of the int8 tiled kernel (tiled8) for `ggml_type`."""
   tails = "\n".join(f"        case {i}: if ({i} < MR8) micro8(out, wq, ws, wm, xq, xd, xs, m0, {i}, n0, nr, k0, kc); break;" for i in range(1, 8))
-  return SOURCE % {"G": group(ggml_type), "tails": tails}
+  return SOURCE % {"G": group(ggml_type), "tails": tails, "zip8": ", ".join(f"{i}, {8 + i}" for i in range(8)), "butterflies": _butterflies()}
+
+def _butterflies() -> str:
+  """C of the 8 x 8 qword transpose v[k][l] -> v[l][k]: for bit b, rows k and k|b swap the lanes whose bit b differs from theirs."""
+  lines = []
+  for b in (1, 2, 4):
+    lo = ", ".join(str(8 + (l ^ b) if l & b else l) for l in range(8))
+    hi = ", ".join(str(8 + l if l & b else l ^ b) for l in range(8))
+    for k in (k for k in range(8) if not k & b):
+      lines.append(f"  {{ const u64x8 a = v[{k}], c = v[{k | b}]; v[{k}] = __builtin_shufflevector(a, c, {lo}); "
+                   f"v[{k | b}] = __builtin_shufflevector(a, c, {hi}); }}")
+  return "\n".join(lines)
