@@ -51,6 +51,9 @@ INLINE i32x16 dpbusd(i32x16 acc, u8x64 a, i8x64 b) {
 
 /* every row of x: xq its int8 quants (x's order), xd per block of 32 the scale max|x|/127, xs per group the sum of the rounded x */
 INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd, float *restrict xs) {
+  /* x inv rounded to float32 before its rounding to an integer (a fused multiply-add would round the exact product, and the
+     two differ where x inv lies within half a float32 step of a half-integer) */
+#pragma clang fp contract(off)
   for (int i = 0; i < M; i++) for (int b = 0; b < K / 32; b++) {
     const float *xb = x + (size_t)i * K + b * 32;
     f32x16 lo = load16(xb), hi = load16(xb + 16);

@@ -31,7 +31,10 @@ MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 whe
 DECODE_MAX_M = 32        # rows of x up to which the decode kernel runs (measured crossover: 32-64 rows); past it, the tiled one
 KC = 512                 # columns of a dequantized panel (a multiple of every block size)
 KQ8_MAX_M = 256          # rows of x up to which the K-quants' int8 decode kernel may run in the int8 mode
-INT8_TILED_MIN_M = 16    # rows of x from which the int8 mode takes its tiled kernel (kernels/int8_gemm.py), for any count past it
+# rows of x from which the int8 mode takes its tiled kernel (kernels/int8_gemm.py), for any count past it, by weights per block:
+# measured (one core, 4096 x 4096 and SmolLM2's 1536 x 576, 576 x 1536) against the float decode kernel for the 32-weight types
+# (0.7-0.9x at 1-2 rows, 1.35-1.7x at 4, 2-2.3x at 8) and the K-quants' int8 decode kernel (0.73-0.8x at 8, 1.0-1.3x at 16)
+INT8_TILED_MIN_M = {32: 4, 256: 16}
 
 _SOURCE = r"""
 typedef unsigned char u8; typedef unsigned short u16; typedef unsigned int u32; typedef unsigned long size_t;
@@ -346,7 +349,7 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   # the K-quants' int8 kernel serves small prefills too, up to KQ8_MAX_M rows (unless the tiled one is asked for): measured
   # (bench qmm, one core, 1536 x 1536) 1.5x the float tiled kernel at 64 rows, 0.98-1.04x at 512
   # past INT8_TILED_MIN_M rows the int8 tiled kernel (unless a kernel is asked for: tiled True, the float tiled one; False, decode)
-  gemm8 = int8 and tiled is None and supported_int8(ggml_type, K) and M >= INT8_TILED_MIN_M
+  gemm8 = int8 and tiled is None and supported_int8(ggml_type, K) and M >= INT8_TILED_MIN_M[LAYOUT[ggml_type][0]]
   kq8 = int8 and ggml_type in kquant_int8.KQ_INT8_TYPES and supported_int8(ggml_type, K) and tiled is not True and M <= KQ8_MAX_M
   tiled = True if gemm8 else False if kq8 else M > DECODE_MAX_M if tiled is None else tiled
   # the 32-weight types pay for x's rounding more than the integer products save at a few rows (measured: 0.4-0.7x at one row,

@@ -136,7 +136,7 @@ def test_kernels_call_nothing_outside_themselves(t):
   from tinygrad import Device
   from tinygrad.runtime.support.elf import elf_loader
   for rows, out, cols, parts in [(5, 1, 256, 1), (9, 1, 256, 1), (40, 1, 256, 1), (1, 1536, 768, 2), (40, 48, 512, 3), (100, 70, 1536, 2)]:
-    for int8 in ((False, True) if rows in (9, 1) and t != BF16 else (False,)):
+    for int8 in ((False, True) if rows in (9, 1, 40) and t != BF16 else (False,)):
       _, src = qmm.kernel_source(t, rows, out, cols, parts, int8=int8)
       elf_loader(Device["MESH"].compiler.compile(src))   # raises on a relocation against a symbol it does not define
 
@@ -151,7 +151,7 @@ INT8_TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
 
 @pytest.mark.parametrize("t", INT8_TYPES, ids=[NAMES[t] for t in INT8_TYPES])
 def test_int8_mode_is_the_exact_product_with_x_rounded_per_block(t):
-  # 9 rows: a full tile and a tail; past 8 rows the 32-weight types take the int8 kernel too
+  # 9 rows: the K-quants' int8 decode kernel (a full tile and a tail), the 32-weight types' int8 tiled kernel
   from tinyhet.kernels.quant_blocks import supported_int8
   rng = np.random.default_rng(t)
   cols = 512
@@ -171,13 +171,14 @@ def test_int8_mode_is_the_exact_product_with_x_rounded_per_block(t):
 @pytest.mark.parametrize("t", [Q4_K, Q5_K, Q6_K], ids=["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows,parts", [(1, 1), (3, 3), (8, 2), (17, 2)])   # one row; a tail; a full tile; tiles and a tail
 def test_kquant_int8_kernel_for_any_row_and_part_count(t, rows, parts):
-  # the q8_K-style kernel (x per super-block of 256, integer sums over the super-block): every row of a tile, every part
-  assert qmm.kernel_source(t, rows, 40, 768, parts, int8=True)[0].endswith("_int8k")
+  # the q8_K-style kernel (x per super-block of 256, integer sums over the super-block): every row of a tile, every part; 17
+  # rows, past the int8 tiled kernel's crossover, asked for by tiled=False
+  assert qmm.kernel_source(t, rows, 40, 768, parts, False, int8=True)[0].endswith("_int8k")
   rng = np.random.default_rng(rows * 7 + parts + t)
   b = random_blocks(40, 768, t, rng)
   x = rng.standard_normal((rows, 768), dtype=np.float32)
   want = rounded_to_int8(x, 256).astype(np.float64) @ reference(b, t, 768).astype(np.float64).T
-  got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (40, 768), parts, int8=True).numpy()
+  got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (40, 768), parts, False, int8=True).numpy()
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 def test_int8_mode_is_off_by_default_and_chosen_by_the_environment(monkeypatch):
@@ -189,10 +190,11 @@ def test_int8_mode_is_off_by_default_and_chosen_by_the_environment(monkeypatch):
   assert not any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
   monkeypatch.setenv("TINYHET_INT8_ACTIVATIONS", "1")
   assert any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
-  # F16, BF16 and the 32-weight types at prefill sizes have no int8 kernel: the float one, named as such
-  assert "_int8" not in qmm.kernel_source(F16, 1, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q5_0, 64, 64, 256, 1, int8=True)[0]
-  # the K-quants take their int8 kernel at prefill sizes too, unless the tiled (float) kernel is asked for
-  assert "_int8k" in qmm.kernel_source(Q4_K, 64, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q4_K, 64, 64, 256, 1, True, True)[0]
+  # F16 and BF16 have no int8 kernel: the float one, named as such; the 32-weight types below 4 rows neither
+  assert "_int8" not in qmm.kernel_source(F16, 1, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q5_0, 3, 64, 256, 1, int8=True)[0]
+  # past the crossover, for any count of rows, the int8 tiled kernel, unless the (float) tiled kernel is asked for
+  for t, rows in ((Q5_0, 4), (Q5_0, 5000), (Q4_K, 16), (Q4_K, 5000)): assert qmm.kernel_source(t, rows, 64, 256, 1, int8=True)[0].endswith("_int8t")
+  assert "_int8k" in qmm.kernel_source(Q4_K, 15, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q4_K, 64, 64, 256, 1, True, True)[0]
 
 @pytest.mark.parametrize("march", ["native -mno-avx512vnni", "x86-64-v3", "x86-64"], ids=["avx512-no-vnni", "avx2", "x86-64"])
 def test_each_cpu_path_the_source_has(march, tmp_path):
@@ -202,7 +204,9 @@ def test_each_cpu_path_the_source_has(march, tmp_path):
   import ctypes, platform, subprocess
   if platform.machine() != "x86_64": pytest.skip("the -march names are x86's")
   rng = np.random.default_rng(len(march))
-  for t, rows, int8 in [(Q4_K, 9, True), (Q5_K, 1, True), (Q6_K, 3, True), (Q8_0, 9, True), (Q4_K, 5, False), (F16, 1, False), (BF16, 40, False)]:
+  from tinyhet.kernels.int8_gemm import scratch_bytes
+  for t, rows, int8 in [(Q4_K, 9, True), (Q5_K, 1, True), (Q6_K, 3, True), (Q8_0, 9, True), (Q4_K, 5, False), (F16, 1, False), (BF16, 40, False),
+                        (Q4_K, 19, True), (Q6_K, 16, True), (Q5_0, 5, True)]:   # the last three: the int8 tiled kernel
     cols, out = cols_for(t) if not int8 else 512, 24
     name, src = qmm.kernel_source(t, rows, out, cols, 1, int8=int8)
     lib = tmp_path / f"{name}.so"
@@ -211,7 +215,28 @@ def test_each_cpu_path_the_source_has(march, tmp_path):
     b = random_blocks(out, cols, t, rng)
     x = rng.standard_normal((rows, cols), dtype=np.float32)
     got = np.zeros((rows, out), np.float32)
-    getattr(ctypes.CDLL(str(lib)), name)(*(ctypes.c_void_p(a.ctypes.data) for a in (got, b, x)), 0)
-    xr = rounded_to_int8(x, LAYOUT[t][0]) if int8 else x
+    scratch = [np.zeros(scratch_bytes(t, rows, cols), np.uint8)] if name.endswith("_int8t") else []
+    getattr(ctypes.CDLL(str(lib)), name)(*(ctypes.c_void_p(a.ctypes.data) for a in (got, b, x, *scratch)), 0)
+    xr = rounded_to_int8(x, 32 if scratch else LAYOUT[t][0]) if int8 else x
     want = xr.astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"{name} -march={march}")
+
+@pytest.mark.parametrize("t", INT8_TYPES, ids=[NAMES[t] for t in INT8_TYPES])
+def test_int8_tiled_kernel_is_the_exact_product_with_x_rounded_per_32(t):
+  # the int8 mode past its crossover (kernels/int8_gemm.py): x rounded per 32 for every type, the K-quants too. Rows: one past
+  # the crossover (odd: full 8-row tiles and a tail), a few hundred; weight rows not a multiple of the 16-row panel; columns
+  # past a whole 512-column panel; 1-3 parts
+  rng = np.random.default_rng(100 + t)
+  cols = 768 if LAYOUT[t][0] == 256 else 576
+  lo = qmm.INT8_TILED_MIN_M[LAYOUT[t][0]]
+  for rows, out, parts in ((lo + 1, 37, 3), (203, 21, 2), (lo, 5, 1)):
+    b = random_blocks(out, cols, t, rng)
+    x = rng.standard_normal((rows, cols), dtype=np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
+    x[0, 32:64] = 0                                               # an all-zero block: scale 0, no division by it
+    assert qmm.kernel_source(t, rows, out, cols, parts, int8=True)[0].endswith("_int8t")
+    want = rounded_to_int8(x, 32).astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
+    got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (out, cols), parts, int8=True).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"{rows} rows, {out} out, {parts} parts")
+    if LAYOUT[t][0] == 256:   # not the rounding per 256 of the K-quants' int8 decode kernel: the test tells the two apart
+      per256 = rounded_to_int8(x, 256).astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
+      assert np.abs(got - per256).max() > 1e-3 * np.abs(want).max()
