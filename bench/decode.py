@@ -278,10 +278,9 @@ def run_model(args, model_path, threads: int, gbps: float, log) -> dict:
   rows, skipped, model = [], {}, ""
   for name in args.engines.split(","):
     log(f"{name} ({threads} threads) ...")
-    # the int8 mode changes only decode-sized products: its engine runs the smallest batch and a short prompt
-    batches, prompts = (args.batches.split(",")[0], "16") if name == "tinyhet-int8" else (args.batches, args.prompts)
-    cmd = [sys.executable, "-m", "tinyhet.bench.decode", "--one-engine", "--engines", name, "--threads", str(threads), "--batches", batches,
-           "--prompts", prompts, "--context", str(args.context), "--steps", str(args.steps), "--rounds", str(args.rounds)]
+    # every engine the same rows: the int8 mode changes every product of block-quantized weights (decode, batches, prefill)
+    cmd = [sys.executable, "-m", "tinyhet.bench.decode", "--one-engine", "--engines", name, "--threads", str(threads), "--batches", args.batches,
+           "--prompts", args.prompts, "--context", str(args.context), "--steps", str(args.steps), "--rounds", str(args.rounds)]
     r = subprocess.run(cmd + (["--model", str(model_path)] if model_path else []), capture_output=True, text=True)
     if r.returncode != 0:
       last = (r.stderr.strip().splitlines() or ["no output"])[-1]
@@ -299,7 +298,8 @@ def run_model(args, model_path, threads: int, gbps: float, log) -> dict:
           "skipped": skipped, "rows": rows}
 
 def format_table(out: dict) -> str:
-  """One line per format: tinyhet's rate, llama.cpp's and the ratio for each row, resident weights against the file."""
+  """One line per format: tinyhet's rate, llama.cpp's and the ratio for each row (and the int8 mode's, where it ran), resident
+  weights against the file."""
   lines = [f"{out['threads']} threads, read bandwidth {out['read_gbps']:.1f} GB/s; decode at a context of {out['context']} tokens; "
            "each cell tinyhet / llama.cpp tok/s (ratio)"]
   def pick(rows, e, key, **match):
@@ -307,14 +307,13 @@ def format_table(out: dict) -> str:
   for fmt, run in out["formats"].items():
     rows, cells = run["rows"], []
     batches = sorted({r["batch"] for r in rows if r["decode_tok_s"]})
-    prompts = sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"] and r["engine"] != "tinyhet-int8"})
+    prompts = sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"]})
     for label, key, match in [(f"decode b{b}", "decode_tok_s", {"batch": b}) for b in batches] + \
                              [(f"prefill {n}", "prefill_tok_s", {"prompt_tokens": n}) for n in prompts]:
-      t, l = pick(rows, "tinyhet", key, **match), pick(rows, "llama.cpp", key, **match)
-      cells.append(f"{label} {t or 0:.1f}/{l or 0:.1f} ({t / l:.2f}x)" if t and l else f"{label} {t or 0:.1f}")
+      t, l, i8 = (pick(rows, e, key, **match) for e in ("tinyhet", "llama.cpp", "tinyhet-int8"))
+      i8 = f", int8 {i8:.1f}" + (f" ({i8 / l:.2f}x)" if l else "") if i8 else ""
+      cells.append(f"{label} {t or 0:.1f}/{l or 0:.1f} ({t / l:.2f}x{i8})" if t and l else f"{label} {t or 0:.1f}{i8}")
     if run["skipped"]: cells.append("skipped: " + ", ".join(run["skipped"]))
-    i8, l1 = pick(rows, "tinyhet-int8", "decode_tok_s", batch=1), pick(rows, "llama.cpp", "decode_tok_s", batch=1)
-    if i8: cells.append(f"int8 decode b1 {i8:.1f}" + (f" ({i8 / l1:.2f}x)" if l1 else ""))
     share = pick(rows, "tinyhet", "read_share", batch=1)
     res = pick(rows, "tinyhet", "weights_resident")
     cells.append(f"b1 read share {share:.0%}" if share else "")

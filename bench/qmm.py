@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
       np.testing.assert_allclose(got, new(*xm).numpy(), rtol=1e-5, atol=1e-5 * np.abs(got).max())
       if args.int8 and "_int8" in qmm.kernel_source(t, M, N, K, 1, int8=True)[0]:
         fns["int8"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), raw, x, tmp)
-      if args.int8 and qmm.kernel_source(t, M, N, K, 1, int8=True)[0].endswith("_int8t") and "_int8" in qmm.kernel_source(t, M, N, K, 1, False, True)[0]:
+      tiled8 = qmm.kernel_source(t, M, N, K, 1, int8=True)[0].endswith("_int8t")
+      if args.int8 and tiled8 and "_int8" in qmm.kernel_source(t, M, N, K, 1, False, True)[0]:
         # the int8 decode kernel the tiled one replaced past INT8_TILED_MIN_M rows
         fns["int8_decode"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), raw, x, tmp, tiled=False)
       if not args.no_ggml:

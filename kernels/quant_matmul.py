@@ -357,7 +357,7 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
   # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
   int8 = 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
-  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{'_int8' if int8 else ''}{' kt'[int8 - 1] if int8 > 1 else ''}"
+  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{['', '_int8', '_int8k', '_int8t'][int8]}"
   qb, sbb = LAYOUT[ggml_type]
   return name, _SOURCE % {"name": name, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled), "KC": KC,
                           "RB": 64 if M > 4 * MT_MAX or (M > MT_MAX and not int8) else 1 << 30,

@@ -94,10 +94,10 @@ def test_the_model_uses_it_for_k_quants_and_half_floats_on_the_pool_devices_only
   w_cpu = PackedWeight(kq.blocks.to("CPU"), kq.shape, Q6_K)
   assert not any("qmatmul" in n for n in kernels_run(lambda: linear(x.to("CPU"), w_cpu).realize()))   # tinygrad's CPU: its own kernels
 
-def test_a_q4_k_m_mix_runs_the_kernels_and_matches_the_float32_model():
+def mix_logits(device: str, packed: bool) -> tuple[list[np.ndarray], list[str]]:
   """A small Llama with each layer's matrices in the mix of types llama-quantize's Q4_K_M writes (Q4_K, Q6_K for some
-  down projections and V, Q5_0 where columns are not whole super-blocks), on MESH: prefill (the tiled kernel) and a decode step
-  give the logits of the same weights dequantized to float32 and run by tinygrad's own kernels."""
+  down projections and V, Q5_0 where columns are not whole super-blocks): the logits of a 40-token prefill and of a decode
+  step after it, and the kernels that ran."""
   from tinyhet.model.llama import DenseKVCache, LayerWeights, Llama, LlamaWeights, small_config
   cfg = small_config(n_layers=2, dim=256, n_heads=4, n_kv_heads=2, hidden_dim=512, vocab_size=96, max_context=64)
   rng = np.random.default_rng(1)
@@ -106,27 +106,42 @@ def test_a_q4_k_m_mix_runs_the_kernels_and_matches_the_float32_model():
   layers = [dict(wq=mat(qd, 256, Q4_K), wk=mat(kvd, 256, Q4_K), wv=mat(kvd, 256, Q6_K), wo=mat(256, qd, Q4_K), w_gate=mat(512, 256, Q5_K),
                  w_up=mat(512, 256, Q4_K), w_down=mat(256, 512, Q6_K if l == 0 else Q4_K)) for l in range(cfg.n_layers)]
   emb, norms = mat(96, 256, Q8_0), [rng.uniform(0.8, 1.2, 256).astype(np.float32) for _ in range(2 * cfg.n_layers + 1)]
-  def build(device, packed):
-    def m(spec):
-      b, shape, t = spec
-      if packed: return PackedWeight(Tensor(b, device=device), shape, t).realize()
-      return Tensor(dequantize_reference(b, t, shape[1]), device=device).realize()
-    ls = [LayerWeights(attn_norm=Tensor(norms[2 * l], device=device), ffn_norm=Tensor(norms[2 * l + 1], device=device),
-                       **{k: m(v) for k, v in layers[l].items()}) for l in range(cfg.n_layers)]
-    e = m(emb)
-    return Llama(cfg, LlamaWeights(tok_embeddings=e, layers=ls, norm=Tensor(norms[-1], device=device), output=e if cfg.tie_embeddings else m(emb)))
+  def m(spec):
+    b, shape, t = spec
+    if packed: return PackedWeight(Tensor(b, device=device), shape, t).realize()
+    return Tensor(dequantize_reference(b, t, shape[1]), device=device).realize()
+  ls = [LayerWeights(attn_norm=Tensor(norms[2 * l], device=device), ffn_norm=Tensor(norms[2 * l + 1], device=device),
+                     **{k: m(v) for k, v in layers[l].items()}) for l in range(cfg.n_layers)]
+  e = m(emb)
+  model = Llama(cfg, LlamaWeights(tok_embeddings=e, layers=ls, norm=Tensor(norms[-1], device=device), output=e if cfg.tie_embeddings else m(emb)))
   tokens = rng.integers(0, 96, (1, 40)).astype(np.int32)
-  logits = {}
-  for device, packed in (("MESH", True), ("CPU", False)):
-    model = build(device, packed)
-    cache = DenseKVCache(cfg, 1, 48, dtypes.float32, device)
-    pos = Tensor(np.arange(40, dtype=np.int32).reshape(1, 40), device=device)
-    names = kernels_run(lambda: logits.setdefault(device, [model.forward(Tensor(tokens, device=device), pos, cache).numpy()]))
-    logits[device].append(model.forward(Tensor([[5]], dtype=dtypes.int32, device=device), Tensor([[40]], dtype=dtypes.int32, device=device),
-                                        cache).numpy())
-    if packed: assert {"q4_k", "q5_k", "q6_k"} <= {n.split("_")[1] + "_" + n.split("_")[2] for n in names if n.startswith("qmatmul")}
-  for got, want in zip(logits["MESH"], logits["CPU"]):
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+  logits = []
+  cache = DenseKVCache(cfg, 1, 48, dtypes.float32, device)
+  pos = Tensor(np.arange(40, dtype=np.int32).reshape(1, 40), device=device)
+  names = kernels_run(lambda: logits.append(model.forward(Tensor(tokens, device=device), pos, cache).numpy()))
+  logits.append(model.forward(Tensor([[5]], dtype=dtypes.int32, device=device), Tensor([[40]], dtype=dtypes.int32, device=device), cache).numpy())
+  return logits, names
+
+@pytest.fixture(scope="module")
+def float32_mix_logits():
+  return mix_logits("CPU", False)[0]
+
+def test_a_q4_k_m_mix_runs_the_kernels_and_matches_the_float32_model(float32_mix_logits):
+  """The mix on MESH: prefill (the tiled kernel) and a decode step give the logits of the same weights dequantized to float32
+  and run by tinygrad's own kernels."""
+  got, names = mix_logits("MESH", True)
+  assert {"q4_k", "q5_k", "q6_k"} <= {n.split("_")[1] + "_" + n.split("_")[2] for n in names if n.startswith("qmatmul")}
+  for g, want in zip(got, float32_mix_logits):
+    np.testing.assert_allclose(g, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+def test_the_int8_mode_runs_the_int8_tiled_kernel_in_prefill_and_stays_near_the_float32_model(float32_mix_logits, monkeypatch):
+  # x rounded to 8 bits: logits within a few percent, not the float path's 1e-3
+  monkeypatch.setenv("TINYHET_INT8_ACTIVATIONS", "1")
+  got, names = mix_logits("MESH", True)
+  assert {"q4_k", "q5_k", "q6_k"} <= {n.split("_")[1] + "_" + n.split("_")[2] for n in names if n.endswith("_int8t")}
+  for g, want in zip(got, float32_mix_logits):
+    err = np.abs(g - want).max() / np.abs(want).max()
+    assert 1e-5 < err < 5e-2, err
 
 @pytest.mark.parametrize("t", [Q4_0, Q4_K, Q6_K, BF16], ids=["Q4_0", "Q4_K", "Q6_K", "BF16"])
 def test_kernels_call_nothing_outside_themselves(t):
