@@ -17,9 +17,13 @@ scratch buffer (its fourth argument): each part rounds all of x into its own reg
 between them; the rounding is ~1/20 of a part's work at 2 parts of a 576-row matrix, less for larger ones).
 """
 from __future__ import annotations
-from tinyhet.kernels.quant_blocks import Q6_K
+from tinyhet.kernels.quant_blocks import Q4_0, Q5_0, Q6_K, Q8_0
 
 NR8 = 16   # weight rows in a panel: one vector of 16 int32 lanes
+# the unsigned shift of the symmetric types' quants (w = s (q - OFF)): their offset is -OFF s, so the product's correction is
+# -OFF times the group's sum of x's quants, an integer of the row of x alone, which starts the int32 sums (one broadcast in
+# place of a multiply-add per group and row; measured below); the other types (w = s q + m) keep m's multiply-add
+OFFSET = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q6_K: 32}
 
 def group(ggml_type: int) -> int:
   """Weights per scale group: Q6_K's scales cover 16, every other type's 32 (a half of a 32-weight sub-block shares its scale)."""
@@ -31,6 +35,7 @@ def scratch_bytes(ggml_type: int, M: int, K: int) -> int:
 
 SOURCE = r"""
 #define G %(G)d
+#define OFF %(OFF)d
 #define NG (K / G)
 #define NR8 16
 #if defined(__AVX512F__)
@@ -49,7 +54,8 @@ INLINE i32x16 dpbusd(i32x16 acc, u8x64 a, i8x64 b) {
 #endif
 }
 
-/* every row of x: xq its int8 quants (x's order), xd per block of 32 the scale max|x|/127, xs per group the sum of the rounded x */
+/* every row of x: xq its int8 quants (x's order), xd per block of 32 the scale max|x|/127, xs per group the sum of the rounded x
+   (with OFF: in its place, as an int, -OFF times the sum of the quants) */
 INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd, float *restrict xs) {
   /* x inv rounded to float32 before its rounding to an integer (a fused multiply-add would round the exact product, and the
      two differ where x inv lies within half a float32 step of a half-integer) */
@@ -69,7 +75,12 @@ INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd
     __builtin_memcpy(xq + (size_t)i * XK + b * 32, &l8, 16); __builtin_memcpy(xq + (size_t)i * XK + b * 32 + 16, &h8, 16);
     xd[(size_t)i * (K / 32) + b] = d;
     float sl = hsum(__builtin_convertvector(ql, f32x16)), sh = hsum(__builtin_convertvector(qh, f32x16));
-    if (G == 32) xs[(size_t)i * NG + b] = (sl + sh) * d;
+    if (OFF) {
+      int *xo = (int *)xs + (size_t)i * NG;
+      if (G == 32) xo[b] = -OFF * (int)(sl + sh);
+      else { xo[2 * b] = -OFF * (int)sl; xo[2 * b + 1] = -OFF * (int)sh; }
+    }
+    else if (G == 32) xs[(size_t)i * NG + b] = (sl + sh) * d;
     else { xs[(size_t)i * NG + 2 * b] = sl * d; xs[(size_t)i * NG + 2 * b + 1] = sh * d; }
   }
 }
@@ -88,19 +99,22 @@ INLINE void transpose16(const u32x8 *restrict r, u8 *restrict dst) {
    are zeros */
 INLINE void panel8(u8 *restrict wq, float *restrict ws, float *restrict wm, const u8 *restrict w, int n0, int nr, int k0, int kc) {
   for (int g = k0 / 32 / NSTEP; g < (k0 + kc) / 32 / NSTEP; g++) {
+    /* a row's whole stored block at a time (its sub-blocks unrolled: a K-quant's d and dmin converted once, not per sub-block),
+       then each sub-block's 16 rows transposed */
+    u32x8 r[NSTEP][NR8];
+    for (int n = 0; n < NR8; n++) {
 #pragma clang loop unroll(full)
-    for (int jj = 0; jj < NSTEP; jj++) {
-      const int j = g * NSTEP + jj - k0 / 32;   /* the sub-block in the panel */
-      u32x8 r[NR8];
-      for (int n = 0; n < NR8; n++) {
+      for (int jj = 0; jj < NSTEP; jj++) {
+        const int j = g * NSTEP + jj - k0 / 32;   /* the sub-block in the panel */
         u8x32 q = (u8x32){0}; float s0 = 0.0f, s1 = 0.0f, m0 = 0.0f, m1 = 0.0f;
         if (n < nr) qs(w + (size_t)(n0 + n) * ROWB, g, jj, &q, &s0, &s1, &m0, &m1);
-        r[n] = (u32x8)q;
+        r[jj][n] = (u32x8)q;
         if (G == 32) { ws[j * NR8 + n] = s0; wm[j * NR8 + n] = m0; }
         else { ws[2 * j * NR8 + n] = s0; ws[(2 * j + 1) * NR8 + n] = s1; wm[2 * j * NR8 + n] = m0; wm[(2 * j + 1) * NR8 + n] = m1; }
       }
-      transpose16(r, wq + (size_t)j * 8 * 64);
     }
+#pragma clang loop unroll(full)
+    for (int jj = 0; jj < NSTEP; jj++) transpose16(r[jj], wq + (size_t)(g * NSTEP + jj - k0 / 32) * 8 * 64);
   }
 }
 
@@ -116,7 +130,8 @@ INLINE void micro8(float *restrict out, const u8 *restrict wq, const float *rest
   }
   for (int g = 0; g < kc / G; g++) {
     i32x16 ia[MR8];
-    for (int i = 0; i < mr; i++) ia[i] = (i32x16){0};
+    const int kg = (k0 + g * G) / G, kb = (k0 + g * G) / 32;
+    for (int i = 0; i < mr; i++) ia[i] = OFF ? (i32x16){0} + ((const int *)xs)[(size_t)(m0 + i) * NG + kg] : (i32x16){0};
 #pragma clang loop unroll(full)
     for (int c = 0; c < G / 4; c++) {
       u8x64 wv; __builtin_memcpy(&wv, wq + (size_t)(g * (G / 4) + c) * 64, 64);
@@ -126,10 +141,9 @@ INLINE void micro8(float *restrict out, const u8 *restrict wq, const float *rest
       }
     }
     const f32x16 s = load16(ws + g * NR8), mn = load16(wm + g * NR8);
-    const int kg = (k0 + g * G) / G, kb = (k0 + g * G) / 32;
     for (int i = 0; i < mr; i++) {   /* two multiply-adds, not a multiply, a multiply-add and an add */
       acc[i] += __builtin_convertvector(ia[i], f32x16) * (s * xd[(size_t)(m0 + i) * (K / 32) + kb]);
-      acc[i] += mn * xs[(size_t)(m0 + i) * NG + kg];
+      if (!OFF) acc[i] += mn * xs[(size_t)(m0 + i) * NG + kg];
     }
   }
   for (int i = 0; i < mr; i++) {
@@ -162,7 +176,7 @@ INLINE void tiled8(float *restrict out, const u8 *restrict w, const float *restr
 def source(ggml_type: int) -> str:
   """The C of the int8 tiled kernel (tiled8) for `ggml_type`."""
   tails = "\n".join(f"        case {i}: if ({i} < MR8) micro8(out, wq, ws, wm, xq, xd, xs, m0, {i}, n0, nr, k0, kc); break;" for i in range(1, 8))
-  return SOURCE % {"G": group(ggml_type), "tails": tails, "zip8": ", ".join(f"{i}, {8 + i}" for i in range(8)), "butterflies": _butterflies()}
+  return SOURCE % {"G": group(ggml_type), "OFF": OFFSET.get(ggml_type, 0), "tails": tails, "zip8": ", ".join(f"{i}, {8 + i}" for i in range(8)), "butterflies": _butterflies()}
 
 def _butterflies() -> str:
   """C of the 8 x 8 qword transpose v[k][l] -> v[l][k]: for bit b, rows k and k|b swap the lanes whose bit b differs from theirs."""

@@ -17,8 +17,10 @@ with the rows r of W split into `parts` contiguous ranges, one per core_id:
   outer-product micro-kernel (MR x NR accumulators in registers, no horizontal sums). No float copy of the matrix exists.
 They reach tinygrad as custom kernels (Tensor.custom_kernel with a compiled PROGRAM), so they are scheduled, captured by
 TinyJit and run by the worker pool (runtime/cpu_pool.py) like any other kernel.
-The int8-activation mode (off by default) swaps the decode kernel's tile: x rounded per 32 for the 32-weight types (tile8,
-from 8 rows of x), per super-block of 256 for the K-quants (kernels/kquant_int8.py's tile8k, from 1 row to KQ8_MAX_M).
+The int8-activation mode (off by default): from INT8_TILED_MIN_M rows of x on, for any count, the int8 tiled kernel
+(kernels/int8_gemm.py: x rounded per 32, a u8 panel reused for every row of x); below it the K-quants swap the decode kernel's
+tile for kernels/kquant_int8.py's tile8k (x per super-block of 256), the 32-weight types keep the float decode kernel (their
+int8 decode tile, tile8, x per 32, runs only when asked for by tiled=False).
 """
 from __future__ import annotations
 import dataclasses, functools, math
