@@ -176,7 +176,8 @@ INLINE void tiled8(float *restrict out, const u8 *restrict w, const float *restr
 def source(ggml_type: int) -> str:
   """The C of the int8 tiled kernel (tiled8) for `ggml_type`."""
   tails = "\n".join(f"        case {i}: if ({i} < MR8) micro8(out, wq, ws, wm, xq, xd, xs, m0, {i}, n0, nr, k0, kc); break;" for i in range(1, 8))
-  return SOURCE % {"G": group(ggml_type), "OFF": OFFSET.get(ggml_type, 0), "tails": tails, "zip8": ", ".join(f"{i}, {8 + i}" for i in range(8)), "butterflies": _butterflies()}
+  return SOURCE % {"G": group(ggml_type), "OFF": OFFSET.get(ggml_type, 0), "tails": tails, "butterflies": _butterflies(),
+                   "zip8": ", ".join(f"{i}, {8 + i}" for i in range(8))}
 
 def _butterflies() -> str:
   """C of the 8 x 8 qword transpose v[k][l] -> v[l][k]: for bit b, rows k and k|b swap the lanes whose bit b differs from theirs."""
