@@ -1,6 +1,6 @@
 """tinyhet bench int8: the int8-activation mode's accuracy against the float path (the default) on the same GGUF, in one
-process: per prompt, the relative error of the first logits (max |int8 - float| / max |float|; prompts shorter than the
-decode kernel's 32 rows, so the prompt's own products take the int8 kernel) and how many of N greedy tokens agree with the
+process: per prompt, the relative error of the first logits (max |int8 - float| / max |float|; the prompt's own products take
+the int8 kernels: past a few tokens the int8 tiled kernel, x per 32) and how many of N greedy tokens agree with the
 float path's (the length of the common prefix, and the share of positions with the same token). Speed: `tinyhet bench
 decode --engines tinyhet,tinyhet-int8,llama.cpp`."""
 from __future__ import annotations
