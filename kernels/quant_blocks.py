@@ -30,11 +30,15 @@ FLOAT_TYPES = (F16, BF16)
 # where each type keeps its float16 scales (byte offsets in the block): random blocks get finite, small ones there
 _SCALES = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,)}
 
-# The fifth bits of Q5_0/Q5_1 (one 32-bit word, bit i for weight i) as 16 lanes: lanes 0-15 are weights 0-15, or 16-31.
+# The fifth bits of Q5_0/Q5_1 (one 32-bit word, bit i for weight i) as bytes 0 or 16 (each byte of qh spread over 8 lanes and
+# tested against its lane's bit, as llama.cpp's bytes_from_bits_32; in place of 32 lanes of 32-bit shifts): q0 holds weights
+# 0-15, q1 16-31, as unsigned 5-bit quants
 _QH5 = """  u32 qh; __builtin_memcpy(&qh, b + %(qh)d, 4); u8x16 q; __builtin_memcpy(&q, b + %(qs)d, 16);
-  const u32x16 I = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; u32x16 h = (u32x16){0} + qh;
-  u32x16 q0 = __builtin_convertvector(q & 15, u32x16) | ((h >> I) & 1) << 4;
-  u32x16 q1 = __builtin_convertvector(q >> 4, u32x16) | ((h >> (I + 16)) & 1) << 4;"""
+  const u8x16 BIT = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  const u8x16 hv = (u8x16)((u32x4){0} + qh);
+  const u8x16 h0 = __builtin_shufflevector(hv, hv, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const u8x16 h1 = __builtin_shufflevector(hv, hv, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  u8x16 q0 = (q & 15) | ((u8x16)((h0 & BIT) != 0) & 16), q1 = (q >> 4) | ((u8x16)((h1 & BIT) != 0) & 16);"""
 
 # The K-quants' 6-bit scale and min of sub-block j (ggml's get_scale_min_k4; j is a constant in each unrolled copy)
 _SCALE_MIN_K4 = """  const u8 *s = b + 4; int sc, mn;
@@ -68,7 +72,7 @@ DEQUANT = {
   Q4_1: """  float d = h2f(b), m = h2f(b + 2); u8x16 q; __builtin_memcpy(&q, b + 4, 16);
   *lo = __builtin_convertvector(q & 15, f32x16) * d + m; *hi = __builtin_convertvector(q >> 4, f32x16) * d + m;""",
   Q5_0: "  float d = h2f(b);\n" + _QH5 % {"qh": 2, "qs": 6} + """
-  *lo = (__builtin_convertvector(q0, f32x16) - 16.0f) * d; *hi = (__builtin_convertvector(q1, f32x16) - 16.0f) * d;""",
+  *lo = __builtin_convertvector(q0, f32x16) * d + -16.0f * d; *hi = __builtin_convertvector(q1, f32x16) * d + -16.0f * d;   /* one fma (where there is one), the bits of (q - 16) d */""",
   Q5_1: "  float d = h2f(b), m = h2f(b + 2);\n" + _QH5 % {"qh": 4, "qs": 8} + """
   *lo = __builtin_convertvector(q0, f32x16) * d + m; *hi = __builtin_convertvector(q1, f32x16) * d + m;""",
   Q8_0: """  float d = h2f(b); i8x16 q0, q1; __builtin_memcpy(&q0, b + 2, 16); __builtin_memcpy(&q1, b + 18, 16);
@@ -119,7 +123,7 @@ def dequantize_reference(blocks: np.ndarray, ggml_type: int, cols: int) -> np.nd
 # half of 16 weights, a scale s and an offset m with w = s q + m: the dot product with x rounded to int8 per block is then
 # integer (u8 x s8, VNNI's vpdpbusd), scaled once per half. The signed types are shifted to unsigned and the shift goes to m.
 _QH5_U8 = _QH5 + """
-  u8x16 a = __builtin_convertvector(q0, u8x16), c = __builtin_convertvector(q1, u8x16);"""
+  u8x16 a = q0, c = q1;"""
 _KQ_SCALES = """
   *s0 = *s1 = d; *m0 = *m1 = -m;"""
 QUANTS = {

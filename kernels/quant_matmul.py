@@ -47,7 +47,7 @@ typedef signed char i8x16 __attribute__((vector_size(16)));
 typedef u16 u16x16 __attribute__((vector_size(32)));
 typedef short i16x16 __attribute__((vector_size(32)));
 typedef short i16x8 __attribute__((vector_size(16)));
-typedef u32 u32x16 __attribute__((vector_size(64)));
+typedef u32 u32x16 __attribute__((vector_size(64))); typedef u32 u32x4 __attribute__((vector_size(16)));
 /* no_builtin: clang must not turn zeroing or copy loops into calls to memset/memcpy, which a kernel cannot make (tinygrad
    loads it as a bare object: an external call does not link) */
 #define KERNEL __attribute__((no_builtin("memset"), no_builtin("memcpy")))
