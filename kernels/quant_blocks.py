@@ -72,7 +72,8 @@ DEQUANT = {
   Q4_1: """  float d = h2f(b), m = h2f(b + 2); u8x16 q; __builtin_memcpy(&q, b + 4, 16);
   *lo = __builtin_convertvector(q & 15, f32x16) * d + m; *hi = __builtin_convertvector(q >> 4, f32x16) * d + m;""",
   Q5_0: "  float d = h2f(b);\n" + _QH5 % {"qh": 2, "qs": 6} + """
-  *lo = __builtin_convertvector(q0, f32x16) * d + -16.0f * d; *hi = __builtin_convertvector(q1, f32x16) * d + -16.0f * d;   /* one fma (where there is one), the bits of (q - 16) d */""",
+  /* (q - 16) d as one fma where there is one (the same bits) */
+  *lo = __builtin_convertvector(q0, f32x16) * d + -16.0f * d; *hi = __builtin_convertvector(q1, f32x16) * d + -16.0f * d;""",
   Q5_1: "  float d = h2f(b), m = h2f(b + 2);\n" + _QH5 % {"qh": 4, "qs": 8} + """
   *lo = __builtin_convertvector(q0, f32x16) * d + m; *hi = __builtin_convertvector(q1, f32x16) * d + m;""",
   Q8_0: """  float d = h2f(b); i8x16 q0, q1; __builtin_memcpy(&q0, b + 2, 16); __builtin_memcpy(&q1, b + 18, 16);
