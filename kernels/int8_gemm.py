@@ -17,13 +17,46 @@ scratch buffer (its fourth argument): each part rounds all of x into its own reg
 between them; the rounding is ~1/20 of a part's work at 2 parts of a 576-row matrix, less for larger ones).
 """
 from __future__ import annotations
-from tinyhet.kernels.quant_blocks import Q4_0, Q5_0, Q6_K, Q8_0
+from tinyhet.kernels.quant_blocks import Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0
 
 NR8 = 16   # weight rows in a panel: one vector of 16 int32 lanes
 # the unsigned shift of the symmetric types' quants (w = s (q - OFF)): their offset is -OFF s, so the product's correction is
 # -OFF times the group's sum of x's quants, an integer of the row of x alone, which starts the int32 sums (one broadcast in
 # place of a multiply-add per group and row; measured below); the other types (w = s q + m) keep m's multiply-add
 OFFSET = {Q4_0: 8, Q5_0: 16, Q8_0: 128, Q6_K: 32}
+
+# Q4_K and Q5_K: a row's super-block unpacked whole (its 8 scales and mins at once, by ggml's kmask trick, and its 256 quants
+# 64 at a time, as kquant_int8's tile8k reads them) in place of 8 sub-blocks' scalar scale decoding: V0 holds sub-blocks 0
+# and 2, V1 1 and 3, V2 4 and 6, V3 5 and 7
+_KROW = {
+  Q4_K: """  u8x64 A, B; __builtin_memcpy(&A, b + 16, 64); __builtin_memcpy(&B, b + 80, 64);
+  const u8x64 V0 = A & 15, V1 = A >> 4, V2 = B & 15, V3 = B >> 4;""",
+  Q5_K: """  u8x64 A, B; u8x32 h; __builtin_memcpy(&A, b + 48, 64); __builtin_memcpy(&B, b + 112, 64); __builtin_memcpy(&h, b + 16, 32);
+  const u8x64 H0 = __builtin_shufflevector(h, h >> 2, %(i64)s), H1 = __builtin_shufflevector(h >> 4, h >> 6, %(i64)s);
+  const u8x64 V0 = (A & 15) | (H0 & 1) << 4, V1 = (A >> 4) | (H0 >> 1 & 1) << 4,
+              V2 = (B & 15) | (H1 & 1) << 4, V3 = (B >> 4) | (H1 >> 1 & 1) << 4;""",
+}
+KROW = r"""
+/* one row's super-block b: r[jj][n] its sub-block jj's 32 quants, ws/wm its scales d sc_jj and offsets -dmin m_jj */
+INLINE void krow(const u8 *restrict b, u32x8 (*restrict r)[NR8], int n, float *restrict ws, float *restrict wm, int j0) {
+  u32 ut[4]; __builtin_memcpy(ut, b + 4, 12);
+  ut[3] = ((ut[2] >> 4) & 0x0f0f0f0fu) | ((ut[1] >> 6) & 0x03030303u) << 4;
+  const u32 ua = ut[1] & 0x3f3f3f3fu;
+  ut[1] = (ut[2] & 0x0f0f0f0fu) | ((ut[0] >> 6) & 0x03030303u) << 4;
+  ut[2] = ua; ut[0] &= 0x3f3f3f3fu;
+  u8x16 sm; __builtin_memcpy(&sm, ut, 16);   /* bytes 0-7 the scales of sub-blocks 0-7, 8-15 their mins */
+  const float d = h2f(b), dm = -h2f(b + 2);
+  const f32x16 f = __builtin_convertvector(sm, f32x16) * (f32x16){d, d, d, d, d, d, d, d, dm, dm, dm, dm, dm, dm, dm, dm};
+  for (int jj = 0; jj < 8; jj++) { ws[(j0 + jj) * NR8 + n] = f[jj]; wm[(j0 + jj) * NR8 + n] = f[8 + jj]; }
+%(quants)s
+  const u8x64 V[4] = {V0, V1, V2, V3};
+  for (int v = 0; v < 4; v++) {
+    r[(v & 1) + 4 * (v >> 1)][n] = (u32x8)__builtin_shufflevector(V[v], V[v], %(lo)s);
+    r[(v & 1) + 4 * (v >> 1) + 2][n] = (u32x8)__builtin_shufflevector(V[v], V[v], %(hi)s);
+  }
+}
+#define KROW 1
+"""
 
 def group(ggml_type: int) -> int:
   """Weights per scale group: Q6_K's scales cover 16, every other type's 32 (a half of a 32-weight sub-block shares its scale)."""
@@ -95,6 +128,7 @@ INLINE void transpose16(const u32x8 *restrict r, u8 *restrict dst) {
   for (int c = 0; c < 8; c++) __builtin_memcpy(dst + 64 * c, &v[c], 64);
 }
 
+%(krow)s
 /* rows n0..n0+nr of W, columns k0..k0+kc, unpacked into wq[k/4][NR8][4] and per group ws[g][NR8], wm[g][NR8]; rows past nr
    are zeros */
 INLINE void panel8(u8 *restrict wq, float *restrict ws, float *restrict wm, const u8 *restrict w, int n0, int nr, int k0, int kc) {
@@ -102,6 +136,15 @@ INLINE void panel8(u8 *restrict wq, float *restrict ws, float *restrict wm, cons
     /* a row's whole stored block at a time (its sub-blocks unrolled: a K-quant's d and dmin converted once, not per sub-block),
        then each sub-block's 16 rows transposed */
     u32x8 r[NSTEP][NR8];
+#if defined(KROW)
+    for (int n = 0; n < NR8; n++) {
+      if (n < nr) { krow(w + (size_t)(n0 + n) * ROWB + (size_t)g * SBB, r, n, ws, wm, g * NSTEP - k0 / 32); continue; }
+      for (int jj = 0; jj < NSTEP; jj++) {   /* rows past nr: zeros */
+        const int j = g * NSTEP + jj - k0 / 32;
+        r[jj][n] = (u32x8){0}; ws[j * NR8 + n] = 0.0f; wm[j * NR8 + n] = 0.0f;
+      }
+    }
+#else
     for (int n = 0; n < NR8; n++) {
 #pragma clang loop unroll(full)
       for (int jj = 0; jj < NSTEP; jj++) {
@@ -113,6 +156,7 @@ INLINE void panel8(u8 *restrict wq, float *restrict ws, float *restrict wm, cons
         else { ws[2 * j * NR8 + n] = s0; ws[(2 * j + 1) * NR8 + n] = s1; wm[2 * j * NR8 + n] = m0; wm[(2 * j + 1) * NR8 + n] = m1; }
       }
     }
+#endif
 #pragma clang loop unroll(full)
     for (int jj = 0; jj < NSTEP; jj++) transpose16(r[jj], wq + (size_t)(g * NSTEP + jj - k0 / 32) * 8 * 64);
   }
@@ -176,7 +220,10 @@ INLINE void tiled8(float *restrict out, const u8 *restrict w, const float *restr
 def source(ggml_type: int) -> str:
   """The C of the int8 tiled kernel (tiled8) for `ggml_type`."""
   tails = "\n".join(f"        case {i}: if ({i} < MR8) micro8(out, wq, ws, wm, xq, xd, xs, m0, {i}, n0, nr, k0, kc); break;" for i in range(1, 8))
-  return SOURCE % {"G": group(ggml_type), "OFF": OFFSET.get(ggml_type, 0), "tails": tails, "butterflies": _butterflies(),
+  i64 = ", ".join(map(str, range(64)))
+  krow = KROW % {"quants": _KROW[ggml_type] % {"i64": i64}, "lo": ", ".join(map(str, range(32))), "hi": ", ".join(map(str, range(32, 64)))} \
+    if ggml_type in _KROW else ""
+  return SOURCE % {"G": group(ggml_type), "OFF": OFFSET.get(ggml_type, 0), "tails": tails, "butterflies": _butterflies(), "krow": krow,
                    "zip8": ", ".join(f"{i}, {8 + i}" for i in range(8))}
 
 def _butterflies() -> str:
