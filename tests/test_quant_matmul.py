@@ -255,3 +255,15 @@ def test_int8_tiled_kernel_is_the_exact_product_with_x_rounded_per_32(t):
     if LAYOUT[t][0] == 256:   # not the rounding per 256 of the K-quants' int8 decode kernel: the test tells the two apart
       per256 = rounded_to_int8(x, 256).astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
       assert np.abs(got - per256).max() > 1e-3 * np.abs(want).max()
+
+@settings(max_examples=6, deadline=None)
+@given(t=st.sampled_from(INT8_TYPES), rows=st.integers(16, 40), out=st.integers(48, 90), parts=st.sampled_from([2, 3]), seed=st.integers(0, 2**16))
+def test_int8_tiled_kernel_gives_the_same_bits_for_any_part_count(t, rows, out, parts, seed):
+  # each part rounds all of x into its own scratch region and sums each of its output rows in one order: the split changes
+  # which core computes a row, not its bits
+  rng = np.random.default_rng(seed)
+  cols = LAYOUT[t][0] * (1 if LAYOUT[t][0] == 256 else 4)
+  b, x = Tensor(random_blocks(out, cols, t, rng), device="MESH"), rng.standard_normal((rows, cols), dtype=np.float32)
+  got = [qmm.quant_matmul(Tensor(x, device="MESH"), b, t, (out, cols), p, int8=True).numpy() for p in (1, parts)]
+  assert qmm.kernel_parts(out, parts) == parts and qmm.kernel_source(t, rows, out, cols, parts, int8=True)[0].endswith("_int8t")
+  np.testing.assert_array_equal(got[0], got[1])
