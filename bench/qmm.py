@@ -24,13 +24,13 @@ def direct(ggml_type: int, M: int, N: int, K: int, int8: bool, out: np.ndarray, 
   ctypes as llama.cpp's side is: its time without the jit's launch costs."""
   import ctypes, os, subprocess
   from tinygrad import Device
-  from tinyhet.kernels import int8_gemm, quant_matmul as qmm
+  from tinyhet.kernels import quant_matmul as qmm
   name, src = qmm.kernel_source(ggml_type, M, N, K, 1, tiled, int8=int8)
   so = os.path.join(tmp, name + ".so")
   march = list(getattr(Device["MESH"].compiler, "args", None) or ["-march=native"])
   subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", *march, "-x", "c", "-", "-o", so],
                  input=src.encode(), check=True)
-  scratch = [np.zeros(int8_gemm.scratch_bytes(ggml_type, M, K), np.uint8)] if name.endswith("_int8t") else []
+  scratch = [np.zeros(n, np.uint8)] if (n := qmm.scratch_bytes(name, ggml_type, M, K)) else []
   keep = [np.ascontiguousarray(a) for a in (out, w, x, *scratch)]   # the arrays live as long as the call that writes and reads them
   fn, args = getattr(ctypes.CDLL(so), name), [ctypes.c_void_p(a.ctypes.data) for a in keep]
   assert keep[0] is out, "out must be a contiguous array"
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q5_0,F16,BF16")
   ap.add_argument("--rows", default="1,16,512", help="rows of x")
   ap.add_argument("--shape", default="1536,1536", help="N,K of the weight")
-  ap.add_argument("--int8", action="store_true", help="also the int8-activation kernel (block types; its tiled kernel past "
+  ap.add_argument("--int8", action="store_true", help="also the int8-activation mode's kernel (block types; its tiled kernel past "
                   "quant_matmul.INT8_TILED_MIN_M rows, beside the int8 decode kernel where one runs at that count)")
   ap.add_argument("--rounds", type=int, default=5, help="rounds in which the kernels and llama.cpp take turns; the least time of each")
   ap.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's ggml_mul_mat (llama-cpp-python not installed)")
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
       fns["new"]()
       # the same kernel: the shared object's product is the jitted one's
       np.testing.assert_allclose(got, new(*xm).numpy(), rtol=1e-5, atol=1e-5 * np.abs(got).max())
-      if args.int8 and "_int8" in qmm.kernel_source(t, M, N, K, 1, int8=True)[0]:
+      int8_name = qmm.kernel_source(t, M, N, K, 1, int8=True)[0]
+      if args.int8 and ("_int8" in int8_name or int8_name.endswith("_bf16t")):   # BF16: the mode's kernel rounds x to bfloat16
         fns["int8"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), raw, x, tmp)
       tiled8 = qmm.kernel_source(t, M, N, K, 1, int8=True)[0].endswith("_int8t")
       if args.int8 and tiled8 and "_int8" in qmm.kernel_source(t, M, N, K, 1, False, True)[0]:
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:5} {M:4} rows: ggml_mul_mat {r['ggml_ms']:8.3f} ms: the float kernel is {r['ggml_ms'] / r['new_ms']:.2f}x llama.cpp")
       if "int8_ms" in r:
         vs = f", {r['ggml_ms'] / r['int8_ms']:.2f}x llama.cpp" if "ggml_ms" in r else ""
-        r["int8_kernel"] = "tiled" if qmm.kernel_source(t, M, N, K, 1, int8=True)[0].endswith("_int8t") else "decode"
+        r["int8_kernel"] = "tiled" if int8_name.endswith("_int8t") else "bf16 tiled" if int8_name.endswith("_bf16t") else "decode"
         if "int8_decode_ms" in r: vs += f", {r['int8_decode_ms'] / r['int8_ms']:.2f}x the int8 decode kernel ({r['int8_decode_ms']:.3f} ms)"
         if not args.json: print(f"{name:5} {M:4} rows: int8 {r['int8_kernel']} kernel {r['int8_ms']:8.3f} ms, {r['new_ms'] / r['int8_ms']:.2f}x "
                                 f"the float kernel{vs}")

@@ -67,6 +67,20 @@ def scratch_bytes(ggml_type: int, M: int, K: int) -> int:
   """Bytes of scratch one part uses: x's int8 quants, and per block of 32 its scale, per group its sum."""
   return M * (K + 64) + 4 * M * (K // 32) + 4 * M * (K // group(ggml_type))
 
+TRANSPOSE = r"""
+typedef u32 u32x8 __attribute__((vector_size(32))); typedef unsigned long u64x8 __attribute__((vector_size(64)));
+/* 16 rows' 32 quants (8 dwords each) -> 8 vectors of 16 dwords, vector c lane n = row n's dword c: a pair of rows interleaved
+   into 8 qwords, then an 8 x 8 transpose of qwords in three butterflies (32 two-source shuffles for 512 bytes, in place of
+   128 scalar stores) */
+INLINE void transpose16(const u32x8 *restrict r, u8 *restrict dst) {
+  u64x8 v[8];
+  for (int k = 0; k < 8; k++) v[k] = (u64x8)__builtin_shufflevector(r[2 * k], r[2 * k + 1], %(zip8)s);
+%(butterflies)s
+  for (int c = 0; c < 8; c++) __builtin_memcpy(dst + 64 * c, &v[c], 64);
+}
+
+"""
+
 SOURCE = r"""
 #define G %(G)d
 #define OFF %(OFF)d
@@ -78,7 +92,6 @@ SOURCE = r"""
 #define MR8 4
 #endif
 #define XK (K + 64)   /* x's quants a row apart: not a multiple of 4 KiB, so the tile's rows of x do not share an L1 set */
-typedef u32 u32x8 __attribute__((vector_size(32))); typedef unsigned long u64x8 __attribute__((vector_size(64)));
 #define SCR ((size_t)M * XK + 4 * (size_t)M * (K / 32) + 4 * (size_t)M * NG)
 INLINE i32x16 dpbusd(i32x16 acc, u8x64 a, i8x64 b) {
 #if defined(__AVX512VNNI__)
@@ -117,16 +130,6 @@ INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd
     else if (G == 32) xs[(size_t)i * NG + b] = (sl + sh) * d;
     else { xs[(size_t)i * NG + 2 * b] = sl * d; xs[(size_t)i * NG + 2 * b + 1] = sh * d; }
   }
-}
-
-/* 16 rows' 32 quants (8 dwords each) -> 8 vectors of 16 dwords, vector c lane n = row n's dword c: a pair of rows interleaved
-   into 8 qwords, then an 8 x 8 transpose of qwords in three butterflies (32 two-source shuffles for 512 bytes, in place of
-   128 scalar stores) */
-INLINE void transpose16(const u32x8 *restrict r, u8 *restrict dst) {
-  u64x8 v[8];
-  for (int k = 0; k < 8; k++) v[k] = (u64x8)__builtin_shufflevector(r[2 * k], r[2 * k + 1], %(zip8)s);
-%(butterflies)s
-  for (int c = 0; c < 8; c++) __builtin_memcpy(dst + 64 * c, &v[c], 64);
 }
 
 %(krow)s
@@ -224,8 +227,11 @@ def source(ggml_type: int) -> str:
   i64 = ", ".join(map(str, range(64)))
   krow = KROW % {"quants": _KROW[ggml_type] % {"i64": i64}, "lo": ", ".join(map(str, range(32))), "hi": ", ".join(map(str, range(32, 64)))} \
     if ggml_type in _KROW else ""
-  return SOURCE % {"G": group(ggml_type), "OFF": OFFSET.get(ggml_type, 0), "tails": tails, "butterflies": _butterflies(), "krow": krow,
-                   "zip8": ", ".join(f"{i}, {8 + i}" for i in range(8))}
+  return transpose_source() + SOURCE % {"G": group(ggml_type), "OFF": OFFSET.get(ggml_type, 0), "tails": tails, "krow": krow}
+
+def transpose_source() -> str:
+  """The C of transpose16 (16 rows of 8 dwords -> 8 vectors of 16 dwords), shared with kernels/bf16_gemm.py."""
+  return TRANSPOSE % {"butterflies": _butterflies(), "zip8": ", ".join(f"{i}, {8 + i}" for i in range(8))}
 
 def _butterflies() -> str:
   """C of the 8 x 8 qword transpose v[k][l] -> v[l][k]: for bit b, rows k and k|b swap the lanes whose bit b differs from theirs."""

@@ -20,14 +20,15 @@ TinyJit and run by the worker pool (runtime/cpu_pool.py) like any other kernel.
 The int8-activation mode (off by default): from INT8_TILED_MIN_M rows of x on, for any count, the int8 tiled kernel
 (kernels/int8_gemm.py: x rounded per 32, a u8 panel reused for every row of x); below it the K-quants swap the decode kernel's
 tile for kernels/kquant_int8.py's tile8k (x per super-block of 256), the 32-weight types keep the float decode kernel (their
-int8 decode tile, tile8, x per 32, runs only when asked for by tiled=False).
+int8 decode tile, tile8, x per 32, runs only when asked for by tiled=False). BF16 weights in that mode: from BF16_TILED_MIN_M
+rows, kernels/bf16_gemm.py (x rounded to bfloat16, vdpbf16ps).
 """
 from __future__ import annotations
 import dataclasses, functools, math
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
-from tinyhet.kernels.quant_blocks import DEQUANT, LAYOUT, NAMES, QUANTS, supported, supported_int8
-from tinyhet.kernels import int8_gemm, kquant_int8
+from tinyhet.kernels.quant_blocks import BF16, DEQUANT, LAYOUT, NAMES, QUANTS, supported, supported_int8
+from tinyhet.kernels import bf16_gemm, int8_gemm, kquant_int8
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
 MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
 DECODE_MAX_M = 32        # rows of x up to which the decode kernel runs (measured crossover: 32-64 rows); past it, the tiled one
@@ -37,6 +38,9 @@ KQ8_MAX_M = 256          # rows of x up to which the K-quants' int8 decode kerne
 # measured (one core, 4096 x 4096 and SmolLM2's 1536 x 576, 576 x 1536) against the float decode kernel for the 32-weight types
 # (0.7-0.9x at 1-2 rows, 1.35-1.7x at 4, 2-2.3x at 8) and the K-quants' int8 decode kernel (0.73-0.8x at 8, 1.0-1.3x at 16)
 INT8_TILED_MIN_M = {32: 4, 256: 16}
+# rows of x from which the int8 (reduced-precision) mode rounds x to bfloat16 for BF16 weights (bf16_gemm.py): measured 1.7x
+# the float decode kernel at 4 rows of 4096 x 4096, 3.0x at 16, 2.0x the float tiled kernel at 512
+BF16_TILED_MIN_M = 4
 
 _SOURCE = r"""
 typedef unsigned char u8; typedef unsigned short u16; typedef unsigned int u32; typedef unsigned long size_t;
@@ -322,6 +326,8 @@ KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *res
   int r0 = (int)((long)core_id * N / PARTS), r1 = (int)((long)(core_id + 1) * N / PARTS);
 #if INT8 == 3
   tiled8(out, w, x, scratch, core_id, r0, r1); return;
+#elif INT8 == 4
+  tiledb(out, w, x, scratch, core_id, r0, r1); return;
 #endif
   if (TILED) { tiled(out, w, x, r0, r1); return; }
   /* weight rows in blocks of RB, every tile of x against one block before the next, so that a block is read from memory once
@@ -352,14 +358,16 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   # (bench qmm, one core, 1536 x 1536) 1.5x the float tiled kernel at 64 rows, 0.98-1.04x at 512
   # past INT8_TILED_MIN_M rows the int8 tiled kernel (unless a kernel is asked for: tiled True, the float tiled one; False, decode)
   gemm8 = int8 and tiled is None and supported_int8(ggml_type, K) and M >= INT8_TILED_MIN_M[LAYOUT[ggml_type][0]]
+  gemmb = int8 and tiled is None and ggml_type == BF16 and M >= BF16_TILED_MIN_M   # x rounded to bfloat16, vdpbf16ps
+  gemm8 = gemm8 or gemmb
   kq8 = int8 and ggml_type in kquant_int8.KQ_INT8_TYPES and supported_int8(ggml_type, K) and tiled is not True and M <= KQ8_MAX_M
   tiled = True if gemm8 else False if kq8 else M > DECODE_MAX_M if tiled is None else tiled
   # the 32-weight types pay for x's rounding more than the integer products save at a few rows (measured: 0.4-0.7x at one row,
   # 1.1-1.3x at 16); the K-quants gain from one row on (1.3-1.6x at one, ~2x at 16)
   int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
   # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
-  int8 = 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
-  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{['', '_int8', '_int8k', '_int8t'][int8]}"
+  int8 = 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
+  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]}"
   qb, sbb = LAYOUT[ggml_type]
   return name, _SOURCE % {"name": name, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled), "KC": KC,
                           "RB": 64 if M > 4 * MT_MAX or (M > MT_MAX and not int8) else 1 << 30,
@@ -367,10 +375,16 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
                           "micro_tails": "\n".join(f"        case {i}: if ({i} < MR) micro(out, wf, x, m0, {i}, n0, nr, k0, kc); break;"
                                                    for i in range(1, 8)),
                           "dequant": DEQUANT[ggml_type], "int8": int8,
-                          "kint8": kquant_int8.source(ggml_type) if int8 == 2 else int8_gemm.source(ggml_type) if int8 == 3 else "",
-                          "quants": QUANTS.get(ggml_type, ""), "scratch": "u8 *restrict scratch, " if int8 == 3 else "",
+                          "kint8": kquant_int8.source(ggml_type) if int8 == 2 else int8_gemm.source(ggml_type) if int8 == 3 else
+                                   bf16_gemm.source() if int8 == 4 else "",
+                          "quants": QUANTS.get(ggml_type, ""), "scratch": "u8 *restrict scratch, " if int8 >= 3 else "",
                           "i32": ", ".join(map(str, range(32))), "i64": ", ".join(map(str, range(64))),
                           **{f"l{k}": ", ".join(str(4 * i + k) for i in range(16)) for k in range(4)}}
+
+def scratch_bytes(name: str, ggml_type: int, M: int, K: int) -> int:
+  """Bytes per part of the kernel `name`'s fourth buffer (the int8 and bf16 tiled kernels: each part's rounded x); 0: none."""
+  if name.endswith("_int8t"): return int8_gemm.scratch_bytes(ggml_type, M, K)
+  return bf16_gemm.scratch_bytes(M, K) if name.endswith("_bf16t") else 0
 
 def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, int], threads: int, tiled: bool | None = None,
                  int8: bool = False) -> Tensor:
@@ -384,8 +398,8 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
   name, src = kernel_source(ggml_type, M, N, K, parts, tiled, int8)
   xs = x.reshape(M, K).cast(dtypes.float32).contiguous()
   out = Tensor.empty(M, N, dtype=dtypes.float32, device=x.device)
-  # the int8 tiled kernel's fourth buffer: each part's x rounded to int8 (kernels/int8_gemm.py)
-  scratch = [Tensor.empty(parts * int8_gemm.scratch_bytes(ggml_type, M, K), dtype=dtypes.uint8, device=x.device)] if name.endswith("_int8t") else []
+  nscratch = scratch_bytes(name, ggml_type, M, K)
+  scratch = [Tensor.empty(parts * nscratch, dtype=dtypes.uint8, device=x.device)] if nscratch else []
   nbuf = 3 + len(scratch)
 
   def program(*params: UOp) -> UOp:

@@ -151,7 +151,7 @@ def test_kernels_call_nothing_outside_themselves(t):
   from tinygrad import Device
   from tinygrad.runtime.support.elf import elf_loader
   for rows, out, cols, parts in [(5, 1, 256, 1), (9, 1, 256, 1), (40, 1, 256, 1), (1, 1536, 768, 2), (40, 48, 512, 3), (100, 70, 1536, 2)]:
-    for int8 in ((False, True) if rows in (9, 1, 40) and t != BF16 else (False,)):
+    for int8 in ((False, True) if rows in (9, 1, 40) else (False,)):
       _, src = qmm.kernel_source(t, rows, out, cols, parts, int8=int8)
       elf_loader(Device["MESH"].compiler.compile(src))   # raises on a relocation against a symbol it does not define
 
@@ -163,6 +163,11 @@ def rounded_to_int8(x: np.ndarray, block: int = 32) -> np.ndarray:
   return (np.round(xb * inv) * (amax / np.float32(127))).reshape(x.shape)
 
 INT8_TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
+
+def rounded_to_bf16(x: np.ndarray) -> np.ndarray:
+  """x rounded to bfloat16 as the int8 mode's BF16 kernel rounds it: to nearest, ties to an even last bit (no NaN here)."""
+  b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+  return ((b + 0x7fff + ((b >> 16) & 1)) >> 16 << 16).astype(np.uint32).view(np.float32)
 
 @pytest.mark.parametrize("t", INT8_TYPES, ids=[NAMES[t] for t in INT8_TYPES])
 def test_int8_mode_is_the_exact_product_with_x_rounded_per_block(t):
@@ -219,9 +224,8 @@ def test_each_cpu_path_the_source_has(march, tmp_path):
   import ctypes, platform, subprocess
   if platform.machine() != "x86_64": pytest.skip("the -march names are x86's")
   rng = np.random.default_rng(len(march))
-  from tinyhet.kernels.int8_gemm import scratch_bytes
   for t, rows, int8 in [(Q4_K, 9, True), (Q5_K, 1, True), (Q6_K, 3, True), (Q8_0, 9, True), (Q4_K, 5, False), (F16, 1, False), (BF16, 40, False),
-                        (Q4_K, 19, True), (Q6_K, 16, True), (Q5_0, 5, True)]:   # the last three: the int8 tiled kernel
+                        (Q4_K, 19, True), (Q6_K, 16, True), (Q5_0, 5, True), (BF16, 9, True)]:   # the last four: the tiled int8, bf16 kernels
     cols, out = cols_for(t) if not int8 else 512, 24
     name, src = qmm.kernel_source(t, rows, out, cols, 1, int8=int8)
     lib = tmp_path / f"{name}.so"
@@ -230,9 +234,9 @@ def test_each_cpu_path_the_source_has(march, tmp_path):
     b = random_blocks(out, cols, t, rng)
     x = rng.standard_normal((rows, cols), dtype=np.float32)
     got = np.zeros((rows, out), np.float32)
-    scratch = [np.zeros(scratch_bytes(t, rows, cols), np.uint8)] if name.endswith("_int8t") else []
+    scratch = [np.zeros(n, np.uint8)] if (n := qmm.scratch_bytes(name, t, rows, cols)) else []
     getattr(ctypes.CDLL(str(lib)), name)(*(ctypes.c_void_p(a.ctypes.data) for a in (got, b, x, *scratch)), 0)
-    xr = rounded_to_int8(x, 32 if scratch else LAYOUT[t][0]) if int8 else x
+    xr = (rounded_to_bf16(x) if t == BF16 else rounded_to_int8(x, 32 if scratch else LAYOUT[t][0])) if int8 else x
     want = xr.astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"{name} -march={march}")
 
@@ -267,3 +271,19 @@ def test_int8_tiled_kernel_gives_the_same_bits_for_any_part_count(t, rows, out, 
   got = [qmm.quant_matmul(Tensor(x, device="MESH"), b, t, (out, cols), p, int8=True).numpy() for p in (1, parts)]
   assert qmm.kernel_parts(out, parts) == parts and qmm.kernel_source(t, rows, out, cols, parts, int8=True)[0].endswith("_int8t")
   np.testing.assert_array_equal(got[0], got[1])
+
+def test_the_int8_mode_rounds_x_to_bf16_for_bf16_weights_in_batches_and_prefill():
+  # kernels/bf16_gemm.py (vdpbf16ps): the exact product with x rounded to bfloat16, told apart from the float32 product;
+  # below BF16_TILED_MIN_M rows, and in the float path, x stays float32
+  rng = np.random.default_rng(7)
+  lo = qmm.BF16_TILED_MIN_M
+  assert "_bf16t" not in qmm.kernel_source(BF16, lo - 1, 64, 544, 1, int8=True)[0] and "_bf16t" not in qmm.kernel_source(BF16, 512, 64, 544, 1)[0]
+  for rows, out, parts in ((lo + 1, 37, 3), (203, 21, 2), (lo, 5, 1)):
+    b = random_blocks(out, 544, BF16, rng)
+    x = rng.standard_normal((rows, 544), dtype=np.float32)
+    assert qmm.kernel_source(BF16, rows, out, 544, parts, int8=True)[0].endswith("_bf16t")
+    w = reference(b, BF16, 544).astype(np.float64)
+    want = rounded_to_bf16(x).astype(np.float64) @ w.T
+    got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), BF16, (out, 544), parts, int8=True).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"{rows} rows, {out} out, {parts} parts")
+    assert np.abs(got - x.astype(np.float64) @ w.T).max() > 1e-4 * np.abs(want).max()

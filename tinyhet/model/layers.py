@@ -51,7 +51,8 @@ _FLOAT_TYPES = {dtypes.float16: quant_blocks.F16, dtypes.bfloat16: quant_blocks.
 def int8_activations() -> bool:
   """The int8-activation mode (off by default; TINYHET_INT8_ACTIVATIONS=1, `tinyhet run --int8-activations`): x rounded to int8
   per block (kernels/quant_matmul.py says which) and integer dot products (VNNI where the CPU has it) against block-quantized
-  weights, as llama.cpp does, in decode, batches and prefill; float16/bfloat16 weights stay float32. Read when a kernel is chosen:
+  weights, as llama.cpp does, in decode, batches and prefill; bfloat16 weights from 4 rows with x rounded to bfloat16; float16
+  weights stay float32. Read when a kernel is chosen:
   a captured step keeps the mode it was captured in."""
   return os.environ.get("TINYHET_INT8_ACTIVATIONS", "0") not in ("", "0")
 
