@@ -25,8 +25,9 @@ def parse_args(argv):
   ap.add_argument("--kv-memory", default="512M", help="KV pool of the decode node started here (default 512M)")
   ap.add_argument("--float-weights", action="store_true", help="dequantize a GGUF's weights to float32 on both nodes (default: "
                   "keep the quantized blocks, dequantized inside the matmul kernels)")
-  ap.add_argument("--int8-activations", action="store_true", help="round activations to int8 per block of 32 for integer dot products "
-                  "against quantized weights (faster, not the float32 reference's numbers; sets TINYHET_INT8_ACTIVATIONS=1)")
+  ap.add_argument("--int8-activations", action="store_true", help="round activations to int8 per block for integer dot products "
+                  "against quantized weights, to bfloat16 against BF16 weights (faster, not the float32 reference's numbers; sets "
+                  "TINYHET_INT8_ACTIVATIONS=1)")
   ap.add_argument("--raw", action="store_true", help="no chat template: complete the prompt as plain text")
   ap.add_argument("--json", action="store_true", help="print one JSON object instead of the text and the table")
   ap.add_argument("--quiet", action="store_true", help="no progress on stderr")
