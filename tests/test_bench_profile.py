@@ -1,4 +1,5 @@
-"""tinyhet bench profile: the matrix products are named by their shape, and on a small random model (one short prefill, one\ndecode step) its groups add up to the kernels it timed."""
+"""tinyhet bench profile: the matrix products are named by their shape, and on a small random model (one short prefill, one
+decode step) its groups add up to the kernels it timed."""
 import json, subprocess, sys
 from tinyhet.bench.profile import group
 
