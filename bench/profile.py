@@ -12,7 +12,8 @@ import argparse, collections, contextlib, ctypes, json, re, sys, time
 
 class KernelTimes:
   """Wall time and launch count per kernel name, from every pool launch while installed (captures and eager launches)."""
-  def __init__(self): self.t, self.n, self.src = collections.defaultdict(float), collections.defaultdict(int), {}
+  def __init__(self):
+    self.t, self.cpu, self.n, self.src = collections.defaultdict(float), collections.defaultdict(float), collections.defaultdict(int), {}
 
   @contextlib.contextmanager
   def installed(self):
@@ -27,24 +28,25 @@ class KernelTimes:
       pool, size = ct.pool(), ctypes.sizeof(ct.Command)
       for j, (_, prg, _, _) in enumerate(g.calls):
         one = (ct.Command * 1).from_address(ctypes.addressof(g.cmds) + j * size)
-        st = time.perf_counter()
+        st, ct0 = time.perf_counter(), time.thread_time()
         pool.run(one)
-        times.add(prg.arg.function_name, time.perf_counter() - st, prg)
+        times.add(prg.arg.function_name, time.perf_counter() - st, prg, time.thread_time() - ct0)
     def prog(p, *bufs, **kw):
-      st = time.perf_counter()
+      st, ct0 = time.perf_counter(), time.thread_time()
       out = prog_call(p, *bufs, **kw)
-      times.add(p.name, time.perf_counter() - st, None)
+      times.add(p.name, time.perf_counter() - st, None, time.thread_time() - ct0)
       return out
     ct.PoolGraph.__call__, ct.PoolProgram.__call__ = graph, prog
     try: yield self
     finally: ct.PoolGraph.__call__, ct.PoolProgram.__call__ = graph_call, prog_call
 
-  def add(self, name: str, s: float, prg):
+  def add(self, name: str, s: float, prg, cpu: float = 0.0):
     self.t[name] += s
+    self.cpu[name] += cpu
     self.n[name] += 1
     if prg is not None and name not in self.src: self.src[name] = prg
 
-  def clear(self): self.t.clear(); self.n.clear()
+  def clear(self): self.t.clear(); self.cpu.clear(); self.n.clear()
 
 class _NoRun:
   @staticmethod
@@ -64,17 +66,20 @@ def group(name: str, vocab: int) -> tuple[str, float]:
 
 def report(times: KernelTimes, wall: float, reps: int, vocab: int) -> dict:
   """Rows per group (ms per run, share of the run's wall time, GFLOP/s for the products) and the time outside kernels."""
-  rows = collections.defaultdict(lambda: [0.0, 0, 0.0])
+  rows = collections.defaultdict(lambda: [0.0, 0, 0.0, 0.0])
   for name, s in times.t.items():
     g, flop = group(name, vocab)
     r = rows[g]
     r[0] += s / reps
     r[1] += times.n[name] // reps
     r[2] += flop * times.n[name] / reps
+    r[3] += times.cpu[name] / reps
   kern = sum(r[0] for r in rows.values())
   out = {"wall_ms": wall * 1e3, "kernels_ms": kern * 1e3, "outside_ms": (wall - kern) * 1e3, "groups": {}}
-  for g, (s, n, flop) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
-    out["groups"][g] = {"ms": s * 1e3, "launches": n, "share": s / wall if wall else 0.0, "gflops": flop / s / 1e9 if flop and s else None}
+  for g, (s, n, flop, cpu) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
+    # cpu: the calling thread's CPU time (part 0's); with one thread the kernel's own, steady on a shared machine
+    out["groups"][g] = {"ms": s * 1e3, "cpu_ms": cpu * 1e3, "launches": n, "share": s / wall if wall else 0.0,
+                        "gflops": flop / s / 1e9 if flop and s else None, "gflops_cpu": flop / cpu / 1e9 if flop and cpu else None}
   return out
 
 def summary(rep: dict) -> dict:
@@ -88,10 +93,10 @@ def show(title: str, rep: dict, top: int) -> None:
   print(f"\n{title}: {rep['wall_ms']:.1f} ms a run unprofiled, kernels {rep['kernels_ms']:.1f} ms run one at a time, "
         f"outside kernels {rep['outside_ms']:.1f} ms ({rep['outside_ms'] / rep['wall_ms']:.0%})")
   for k, ms in sorted(summary(rep).items(), key=lambda kv: -kv[1]): print(f"  {k:<22}{ms:9.1f} ms  {ms / rep['wall_ms']:6.1%}")
-  print(f"  {'kernel group':<60}{'ms':>9}{'launches':>9}{'share':>8}{'GFLOP/s':>9}")
+  print(f"  {'kernel group':<52}{'ms':>9}{'cpu ms':>9}{'launches':>9}{'share':>8}{'GFLOP/s':>9}{'(cpu)':>7}")
   for g, r in list(rep["groups"].items())[:top]:
-    gf = f"{r['gflops']:.1f}" if r["gflops"] else ""
-    print(f"  {g[:60]:<60}{r['ms']:9.2f}{r['launches']:9d}{r['share']:8.1%}{gf:>9}")
+    gf, gc = (f"{r[k]:.1f}" if r[k] else "" for k in ("gflops", "gflops_cpu"))
+    print(f"  {g[:52]:<52}{r['ms']:9.2f}{r['cpu_ms']:9.2f}{r['launches']:9d}{r['share']:8.1%}{gf:>9}{gc:>7}")
 
 def timed(fn, reps: int) -> float:
   """Least wall time of reps calls of fn (after two warm-up calls: capture and first replay)."""
