@@ -10,7 +10,9 @@ of SmolLM2 at 32 tokens (2.7 s of a 2.9 s prefill), where the kernels took ~6 ms
   finish  x, q, K, V -> the next x, assigned into one of two buffers used in turn (a replay writes its output buffer
           again: the layer's input must not be that buffer)
 Attention inside the prompt is causal over the T positions, reading K and V back from the KV dtype, as the dense cache of
-the one-prompt path does. Layers whose weights differ in type or shape from layer 0's (a GGUF may store some in another
+the one-prompt path does: on CPU devices by the C prefill tiles of kernels/cpu_attention.py over K, V packed into blocks
+(tinygrad's (T, T) scores, max, exp and p @ V were half of a 512-token SmolLM2 prefill's time; `tinyhet bench profile`),
+elsewhere by tinygrad's kernels with a causal mask. Layers whose weights differ in type or shape from layer 0's (a GGUF may store some in another
 type) get captures of their own: one pair per weight signature. Once captured, a half is replayed straight from its
 capture (`Replay`), without TinyJit's per-call work of re-deriving each input's view.
 """
@@ -60,7 +62,7 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: tuple[int, Tensor, T
   pool = pack_kv(k, v, BLOCK)                                                  # (nb, 2, KVH, BLOCK * D)
   return paged_attention(q.reshape(T, H, D), pool, table, lens, table.shape[1], threads=threads, shared_table=True).reshape(1, T, H, D)
 
-KEEP = 4   # captures kept per model, the most recently used: each holds its intermediate buffers (the (T, T) scores among them)
+KEEP = 4   # captures kept per model, the most recently used: each holds its intermediate buffers (off CPU devices the (T, T) scores among them)
 
 def layer_jit(model, T: int, kv_dtype: DType) -> LayerJit:
   """The model's capture for prompts of T tokens (made on first use), most recently used last."""
