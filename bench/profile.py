@@ -6,7 +6,9 @@ is timed with the wall clock; the sum over kernels against the same work run nor
 the Python of the captures) gives the time outside the kernels: Python, the captures' input patching, the pool's wake-ups.
 Kernels are grouped: the matrix products per (type, rows, out, in) with their GFLOP/s, attention, elementwise/reductions
 (norms, RoPE, SiLU, casts, copies), the logits. The baseline is the matmul kernels' own rate alone on one core
-(`tinyhet bench qmm`), not measured here; the unprofiled time is measured in the same run."""
+(`tinyhet bench qmm`), not measured here; the unprofiled time is measured in the same run. With more than one thread each
+launch run alone wakes the pool's sleeping workers, which overstates short kernels (a SmolLM2 batch-16 step's launches summed
+to ~2x its unprofiled time): for shares, profile with TINYHET_CPU_THREADS=1 and read the CPU-time columns."""
 from __future__ import annotations
 import argparse, collections, contextlib, ctypes, json, re, sys, time
 
