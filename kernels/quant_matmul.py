@@ -396,7 +396,8 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
   M = math.prod(int(s) for s in lead)
   parts = kernel_parts(N, threads)
   name, src = kernel_source(ggml_type, M, N, K, parts, tiled, int8)
-  xs = x.reshape(M, K).cast(dtypes.float32).contiguous()
+  xs = x.reshape(M, K).cast(dtypes.float32)
+  xs = xs if xs.uop.has_buffer_identity(after_ok=True) else xs.contiguous()   # a kernel's output as it is: no copy
   out = Tensor.empty(M, N, dtype=dtypes.float32, device=x.device)
   nscratch = scratch_bytes(name, ggml_type, M, K)
   scratch = [Tensor.empty(parts * nscratch, dtype=dtypes.uint8, device=x.device)] if nscratch else []
