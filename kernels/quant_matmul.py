@@ -370,7 +370,8 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
   M = math.prod(int(s) for s in lead)
   parts = kernel_parts(N, threads)
   name, src = kernel_source(ggml_type, M, N, K, parts, tiled, int8)
-  xs = x.reshape(M, K).cast(dtypes.float32).contiguous()
+  xs = x.reshape(M, K).cast(dtypes.float32)
+  xs = xs if xs.uop.has_buffer_identity(after_ok=True) else xs.contiguous()   # a kernel's output as it is: no copy
   out = Tensor.empty(M, N, dtype=dtypes.float32, device=x.device)
 
   def program(*params: UOp) -> UOp:

@@ -19,10 +19,11 @@ def prefill(llama, ids, **kw):
   logits = llama.prefill(Tensor([ids], dtype=dtypes.int32, device="MESH"), on_layer=lambda l, k, v: kv.setdefault(l, (k, v)), **kw)
   return logits.numpy(), kv
 
-@pytest.mark.parametrize("T", [4, 8])
+@pytest.mark.parametrize("T", [4, 8, 37])   # 37: three 16-token blocks, the last partial, and five 8-row tiles of the C attention
 def test_captured_layers_give_the_dense_paths_bits(llama, T):
   ids = [int(t) for t in np.random.default_rng(T).integers(0, 300, T)]
   got, got_kv = prefill(llama, ids)
+  assert llama._layer_jits[(T, dtypes.float16)].tiled is not None    # on MESH (a CPU device): the C prefill tiles, no (T, T) scores
   got_kv = {l: (k.numpy().copy(), v.numpy().copy()) for l, (k, v) in got_kv.items()}
   want, want_kv = prefill(llama, ids, cache=DenseKVCache(llama.cfg, 1, T, device="MESH"))
   # the same numbers up to rounding: tinygrad fuses the two attention forms differently, so float32 sums differ in their last

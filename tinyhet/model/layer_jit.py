@@ -10,15 +10,22 @@ of SmolLM2 at 32 tokens (2.7 s of a 2.9 s prefill), where the kernels took ~6 ms
   finish  x, q, K, V -> the next x, assigned into one of two buffers used in turn (a replay writes its output buffer
           again: the layer's input must not be that buffer)
 Attention inside the prompt is causal over the T positions, reading K and V back from the KV dtype, as the dense cache of
-the one-prompt path does. Layers whose weights differ in type or shape from layer 0's (a GGUF may store some in another
+the one-prompt path does: on CPU devices by the C prefill tiles of kernels/cpu_attention.py over K, V packed into blocks
+(tinygrad's (T, T) scores, max, exp and p @ V were half of a 512-token SmolLM2 prefill's time; `tinyhet bench profile`),
+elsewhere by tinygrad's kernels with a causal mask. Layers whose weights differ in type or shape from layer 0's (a GGUF may store some in another
 type) get captures of their own: one pair per weight signature. Once captured, a half is replayed straight from its
 capture (`Replay`), without TinyJit's per-call work of re-deriving each input's view.
 """
 from __future__ import annotations
 import dataclasses, sys
+import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
 from tinygrad.uop.ops import Ops
+from tinyhet.device.cpu_threads import pool_threads
+from tinyhet.kernels import cpu_attention
+from tinyhet.kernels.kv_pack import pack_kv
+from tinyhet.kernels.paged_attention import paged_attention
 from tinyhet.model.layers import attention
 from tinyhet.model.packed import PackedWeight
 
@@ -37,7 +44,25 @@ def layer_from(template, names: tuple[str, ...], tensors: tuple[Tensor, ...]):
     new[n] = type(old)(t, old.shape, old.ggml_type) if isinstance(old, PackedWeight) else t   # PackedWeight or BF16Weight
   return dataclasses.replace(template, **new)
 
-KEEP = 4   # captures kept per model, the most recently used: each holds its intermediate buffers (the (T, T) scores among them)
+BLOCK = 16   # tokens per block of the packed K, V the CPU attention kernels read
+
+def tiled_inputs(T: int, device: str) -> tuple[Tensor, Tensor]:
+  """The block table (1, ceil(T / BLOCK)) of a prompt's own packed blocks, 0..n-1, and each row's context length (T,),
+  position + 1 (causal), as the C attention kernels take them."""
+  nb = -(-T // BLOCK)
+  return (Tensor(np.arange(nb, dtype=np.int32).reshape(1, nb), device=device).realize(),
+          Tensor(np.arange(1, T + 1, dtype=np.int32), device=device).realize())
+
+def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: tuple[int, Tensor, Tensor]) -> Tensor:
+  """Causal attention of a prompt's q (1, T, H, D) over its own k, v (T, KVH, D) in the KV dtype, by the C prefill tiles:
+  K, V packed into the paged layout (a small copy: T x KVH x D x 2 values), each tile of rows reading a block once for the
+  group's heads. -> (1, T, H, D) float32."""
+  threads, table, lens = tiled
+  _, T, H, D = q.shape
+  pool = pack_kv(k, v, BLOCK)                                                  # (nb, 2, KVH, BLOCK * D)
+  return paged_attention(q.reshape(T, H, D), pool, table, lens, table.shape[1], threads=threads, shared_table=True).reshape(1, T, H, D)
+
+KEEP = 4   # captures kept per model, the most recently used: each holds its intermediate buffers (off CPU devices the (T, T) scores among them)
 
 def layer_jit(model, T: int, kv_dtype: DType) -> LayerJit:
   """The model's capture for prompts of T tokens (made on first use), most recently used last."""
@@ -77,9 +102,12 @@ class LayerJit:
   """The two captured halves of a prefill layer for one prompt length and KV dtype, per weight signature."""
   def __init__(self, model, T: int, kv_dtype: DType):
     self.model, self.T, self.kv_dtype, cfg = model, T, kv_dtype, model.cfg
-    self.allowed = Tensor.ones(T, T, dtype=dtypes.bool, device=model.device).tril().reshape(1, T, T).realize()   # causal
+    dev, threads = model.device, pool_threads(model.device)
+    # on a CPU device attention runs in kernels/cpu_attention.py's prefill tiles (block table and lengths below); elsewhere
+    # tinygrad's kernels over the (T, T) scores with this causal mask
+    self.tiled = (threads, *tiled_inputs(T, dev)) if threads and cpu_attention.supported(dev, kv_dtype, cfg.head_dim, BLOCK) else None
+    self.allowed = None if self.tiled else Tensor.ones(T, T, dtype=dtypes.bool, device=dev).tril().reshape(1, T, T).realize()
     self.halves: dict[tuple, Replay] = {}
-    dev = model.device
     # the prompt's ends, captured too: each cost ~5-16 ms of tinygrad scheduling per prefill (~10% of 100 tokens' TTFT)
     positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(dev).realize()
     self.rope = tuple(t.realize() for t in model.rope(positions))      # cos, sin of positions 0..T-1: the same every prompt
@@ -102,9 +130,11 @@ class LayerJit:
       self.halves[key] = Replay(qkv)
     else:
       def finish(x: Tensor, q: Tensor, k: Tensor, v: Tensor, x_out: Tensor, *weights: Tensor):
-        # K, V read back as float32 in their own kernels, as DenseKVCache does (float16 inside attention is slow scalar code)
-        k, v = k.reshape(1, *k.shape), v.reshape(1, *v.shape)
-        att = attention(q, k.float().contiguous(), v.float().contiguous(), allowed)
+        if self.tiled:   # a CPU device: K, V packed into blocks, the C kernels' causal prefill tiles (no (T, T) scores)
+          att = tiled_attention(q, k, v, self.tiled)
+        else:   # K, V read back as float32 in their own kernels, as DenseKVCache does (float16 inside attention is slow scalar code)
+          k, v = k.reshape(1, *k.shape), v.reshape(1, *v.shape)
+          att = attention(q, k.float().contiguous(), v.float().contiguous(), allowed)
         x_out.assign(model._finish_layer(0, x, att, layer_from(template, FINISH, weights))).realize()
       self.halves[key] = Replay(finish)
     return self.halves[key]

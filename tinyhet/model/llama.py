@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Protocol
 from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
-from tinyhet.device.cpu_threads import kernel_threads
-from tinyhet.model.layers import Matrix, apply_rope, attention, linear, rms_norm, rope_tables
+from tinyhet.device.cpu_threads import kernel_threads, pool_threads
+from tinyhet.model.layers import Matrix, apply_rope, attention, linear, rms_norm, rope_tables, stored_format
 from tinyhet.model.packed import PackedWeight
 
 @dataclass(frozen=True)
@@ -211,7 +211,8 @@ class Llama:
     x = x + linear(att.reshape(B, T, cfg.n_heads * cfg.head_dim), w.wo)      # (B, T, dim)
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
     # gate realized on its own: fused with up into one kernel, tinygrad's CPU code ran both reductions at half the speed
-    gate = linear(h, w.w_gate).contiguous()                                  # (B, T, hidden)
+    gate = linear(h, w.w_gate)                                               # (B, T, hidden)
+    if stored_format(w.w_gate) is None or not pool_threads(x.device): gate = gate.contiguous()   # (the C kernels' output is a buffer)
     return x + linear(gate.silu() * linear(h, w.w_up), w.w_down)
 
   def _logits(self, x: Tensor, all_rows: bool = False) -> Tensor:
