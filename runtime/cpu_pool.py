@@ -36,6 +36,7 @@ SOURCE = r"""
 #include <pthread.h>
 #include <stdio.h>
 #include <stdint.h>
+#include <string.h>
 #include <stdatomic.h>
 #include <limits.h>
 #include <linux/futex.h>
@@ -204,6 +205,20 @@ int pool_replicas(int n, const u64 *base, const u64 *len, const u64 *copies, int
   return 0;
 }
 
+/* First touch of a range by the threads that will read it (the KV pools): part `part` of `parts` zeroes its share of the
+   range, whole pages [base + n*part/parts, base + n*(part+1)/parts) rounded to page boundaries, so a page lands on the
+   node of the thread that ran the part (the kernel's first-touch policy, where no mbind policy says otherwise), and
+   writes the CPU it ran on to ((int *)cpu_out)[part]. Run as a split kernel: part t on pool thread t. */
+void pool_touch_part(u64 base, u64 nbytes, u64 parts, u64 cpu_out, u64 part) {
+  const u64 page = 4096, end = base + nbytes;
+  u64 first = base / page, last = (end + page - 1) / page, n = last - first;
+  u64 lo = (first + n * part / parts) * page, hi = (first + n * (part + 1) / parts) * page;
+  if (lo < base) lo = base;
+  if (hi > end) hi = end;
+  if (hi > lo) memset((void *)lo, 0, hi - lo);
+  ((int *)cpu_out)[part] = sched_getcpu();
+}
+
 int pool_threads(void) { return P.n; }
 long pool_wakes(int id) { return id > 0 && id < P.n ? atomic_load(&W[id].wakes) : -1; }
 """ % {"max_args": MAX_ARGS, "types": _TYPES, "args": _ARGS}
@@ -264,6 +279,18 @@ class CpuPool:
     """The CPU worker `thread` is pinned to (None for the caller, thread 0, or without pinning)."""
     cpus = sorted(os.sched_getaffinity(0)) if self.pin and hasattr(os, "sched_getaffinity") else []
     return cpus[thread % len(cpus)] if thread > 0 and cpus else None
+
+  def touch(self, addr: int, nbytes: int, parts: int | None = None) -> list[int]:
+    """Zero [addr, addr + nbytes) in `parts` shares of whole pages (default: one per thread), share t by pool thread t, so
+    that each share's pages are first touched, and so placed (no mbind policy on the range: the node of the CPU that touched
+    them), where thread t runs. Returns the CPU each share ran on (all the caller's where the pool was busy: serial)."""
+    parts = self.threads if parts is None else parts
+    if not 1 <= parts <= self.threads or addr <= 0 or nbytes <= 0: raise ValueError(f"touch: {parts} parts of {nbytes} bytes at {addr:#x}")
+    cpus = (ctypes.c_int * parts)(*([-1] * parts))
+    fn = ctypes.cast(self.lib.pool_touch_part, ctypes.c_void_p).value
+    cmd = (Command * 1)(Command(fn, 5, 4, parts, 0, (ctypes.c_uint64 * MAX_ARGS)(addr, nbytes, parts, ctypes.addressof(cpus))))
+    self.run(cmd)
+    return list(cpus)
 
   def wakes(self, worker: int) -> int:
     """How many split kernels worker (1..threads-1) has taken part in: a kernel of k parts wakes workers 1..k-1 only."""

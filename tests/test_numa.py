@@ -69,3 +69,40 @@ def test_replicated_weights_are_read_from_each_threads_copy_with_real_threads():
   one = replicate([w.uop.base.buffer], nodes=[0])                          # by default each thread reads its pinned CPU's node's copy
   try: assert one.thread_copy == [0] * pool().threads
   finally: one.close()
+
+def test_kv_pool_pages_are_first_touched_by_the_pool_thread_of_their_share_with_real_threads():
+  # the decode pool's first touch (CpuPool.touch, kv/paged_cache.first_touch): share t of a range, whole pages, is zeroed by
+  # pool thread t, which reports the CPU it ran on: a worker's is the CPU it is pinned to, and each share's pages are on that
+  # CPU's node (move_pages), pages outside the range untouched. On this one-node VM every node is 0: that the pages follow
+  # their toucher to another node is the kernel's first-touch policy, not seen here
+  import os
+  from tinyhet.device.cpu_threads import pool
+  p = pool()
+  if p.threads < 2: pytest.skip("needs 2 CPU threads for the pool")
+  a = Arena(4 << 20, "touch-test", hugepages=False)
+  page, lo, n = 4096, a.base + 8 * 4096, 37 * 4096 + 100        # not whole pages at the end: the last share stops at lo + n
+  assert set(numa.page_nodes(a.base, 64 * page)) == {-2}        # nothing touched yet
+  cpus = p.touch(lo, n, 2)
+  assert len(cpus) == 2 and all(c in os.sched_getaffinity(0) for c in cpus)
+  assert cpus[1] == p.pinned_cpu(1)
+  where = numa.cpu_nodes()
+  pages = 38                                                    # the range's pages; share t: pages [38t/2, 38(t+1)/2)
+  got = numa.page_nodes(lo, pages * page)
+  for t in range(2): assert set(got[pages * t // 2:pages * (t + 1) // 2]) == {where.get(cpus[t], 0)}, (t, got)
+  assert set(numa.page_nodes(a.base, 8 * page)) == {-2} and set(numa.page_nodes(lo + pages * page, 8 * page)) == {-2}
+  ctypes.memset(lo, 7, n)                                       # a pool's span reused: touch zeroes it (whole range, no more)
+  ctypes.memset(lo + n, 9, 1)
+  p.touch(lo, n, 2)
+  assert ctypes.string_at(lo, n) == bytes(n) and ctypes.string_at(lo + n, 1) == b"\x09"
+  for parts, nbytes in ((0, n), (p.threads + 1, n), (1, 0)):
+    with pytest.raises(ValueError): p.touch(lo, nbytes, parts)
+
+def test_a_decode_pool_is_zeroed_by_its_first_touch():
+  from tinygrad import dtypes
+  from tinyhet.device.cpu_threads import pool, pool_threads
+  from tinyhet.kv.paged_cache import create_pool, first_touch
+  if pool_threads("MESH") < 2: pytest.skip("needs 2 CPU threads for the pool")
+  t = create_pool(40, 2, 64, 16, dtypes.float16, "MESH")
+  assert t.uop.base.op.name == "BUFFER" and (t.float().numpy() == 0).all()
+  assert first_touch(t, pool().threads) is not None
+  assert first_touch(create_pool(4, 2, 64, 16, dtypes.float16, "CPU"), 2) is None    # not registered memory: zeroed by a kernel

@@ -29,8 +29,26 @@ SCRATCH_BYTES = 256 << 20   # attention keeps (rows, n_heads, splits, head_dim +
 
 def create_pool(num_blocks: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: DType, device: str = "CPU") -> Tensor:
   """One layer's block pool: a realized, zeroed buffer of shape (num_blocks, 2, n_kv_heads, block_size * head_dim) on device.
-  Every pool is made here, so the device that holds KV (MESH: registered memory) is chosen in one place."""
-  return Tensor.zeros(num_blocks, 2, n_kv_heads, block_size * head_dim, dtype=dtype, device=device).contiguous().realize()
+  Every pool is made here, so the device that holds KV (MESH: registered memory) is chosen in one place. In registered host
+  memory on a device whose kernels run on the worker pool, the zeroing is the pool's first touch (first_touch): block range
+  t of the pool is written first by pool thread t, so its pages are on that thread's NUMA node."""
+  shape = (num_blocks, 2, n_kv_heads, block_size * head_dim)
+  if (threads := pool_threads(device)) > 1:
+    pool = Tensor.empty(*shape, dtype=dtype, device=device)
+    pool.uop.buffer.ensure_allocated()
+    if first_touch(pool, threads) is not None: return pool
+  return Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize()
+
+def first_touch(pool: Tensor, threads: int) -> list[int] | None:
+  """Zero a realized pool in registered host memory in `threads` shares of whole pages, share t by the CPU pool's thread t
+  (runtime/cpu_pool.py: CpuPool.touch), before anything else writes it: the shares' pages land on the threads' nodes
+  (where no mbind policy, numa = interleave, decides instead). The CPU each share ran on, or None (not registered host
+  memory: the caller zeroes it another way)."""
+  from tinyhet.device.backend import NotRegistered, region_of
+  from tinyhet.device.cpu_threads import pool as cpu_pool
+  try: region, offset = region_of(pool.uop.base.buffer)
+  except NotRegistered: return None
+  return cpu_pool().touch(region.addr + offset, pool.uop.base.buffer.nbytes, threads)
 
 def _host_view(buf: Buffer) -> memoryview | None:
   # zero-copy view of a host-memory buffer (CPU, MESH); None where the device needs a copy
