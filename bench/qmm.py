@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         # the int8 decode kernel the tiled one replaced past INT8_TILED_MIN_M rows
         fns["int8_decode"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), raw, x, tmp, tiled=False)
       if not args.no_ggml:
-        from bench.ggml_matmul import GgmlMatmul
+        from tinyhet.bench.ggml_matmul import GgmlMatmul
         fns["ggml"] = GgmlMatmul(raw, t, (N, K), x)
       best = best_of(fns, n, args.rounds)
       t_new = best["new"]

@@ -1,6 +1,6 @@
 """bench decode's table: an engine that measured only some rows gets a dash in the others, and the ratio column compares
 tinyhet with the best baseline that has the row (tinyhet-int8, tinyhet's own other mode, is not a baseline)."""
-from bench.decode import table
+from tinyhet.bench.decode import table
 
 def row(engine, batch=None, prompt=None, rate=None, share=None):
   return {"engine": engine, "batch": batch, "prompt_tokens": prompt, "decode_tok_s": rate if batch else None,

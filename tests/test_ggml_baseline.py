@@ -5,7 +5,7 @@ import pytest
 from tinyhet.kernels.quant_blocks import BF16, F16, Q4_K, Q5_0, Q6_K, Q8_0, NAMES, dequantize_reference, random_blocks
 
 pytest.importorskip("llama_cpp")
-from bench.ggml_matmul import GgmlMatmul  # noqa: E402
+from tinyhet.bench.ggml_matmul import GgmlMatmul  # noqa: E402
 
 # x rounded to 8 bits (q8_K, q8_0) or to F16/BF16 by ggml: the bound on the relative error of the product
 @pytest.mark.parametrize("t,tol", [(Q4_K, 3e-2), (Q6_K, 3e-2), (Q5_0, 3e-2), (Q8_0, 3e-2), (F16, 2e-3), (BF16, 1e-2)],
