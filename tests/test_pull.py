@@ -99,35 +99,42 @@ def llama():
 @pytest.mark.parametrize("chunk,suffix", [(16, 40)])
 def test_a_prefill_over_a_pulled_prefix_gives_the_whole_prompts_logits_and_suffix_kv(pair, llama, chunk, suffix):
   """The prefix's K, V made by a real prefill, stored at scattered blocks of the holder's pools, pulled over tcp; the
-  suffix's prefill over them gives the logits and K, V (suffix rows) of the whole prompt's prefill."""
+  suffix's prefill over them gives the logits and K, V (suffix rows) of the whole prompt's prefill. Twice, with other
+  prompts: the second prefill reuses the first's pools (engine.prefill.pull_pools), stale blocks and all."""
   from tinyhet.engine.prefill import prefill_pulled_logits
   from tinyhet.model.chunked_prefill import chunked_prefill, prompt_pools
   from tinyhet.model.llama import DenseKVCache
   holder, puller, peer, _, _ = pair
   cached, bs = 48, 16
-  ids = [int(t) for t in np.random.default_rng(chunk).integers(0, 256, cached + suffix)]
-  own, _ = prompt_pools(llama, cached, dtypes.float16, bs)                  # the prefix's K, V as a decode node would hold them
-  chunked_prefill(llama, Tensor([ids[:cached]], dtype=dtypes.int32, device="MESH"), 512, dtypes.float16, pools=own, table=[0, 1, 2])
-  bb, where = own[0].nbytes() // 3, [5, 0, 3]
-  regions = [holder.arena("MESH").alloc(6 * bb) for _ in own]
-  for r, pool in zip(regions, own):
-    data = pool.numpy().reshape(3, -1).view(np.uint8)
-    for i, b in enumerate(where): r.view(b * bb, bb)[:] = data[i].tobytes()
-  reservation = {"prefix_blocks": where, "read_pools": grant(holder, regions, where, bb=bb), "block_bytes": bb}
-  kv = {}
-  llama.prefill_chunk = chunk
-  try:
-    logits, figures = prefill_pulled_logits(llama, ids, cached, bs, dtypes.float16, lambda pools: PrefixPull(puller, peer, reservation, pools),
-                                            lambda l, k, v: kv.setdefault(l, (k.numpy(), v.numpy())))
-  finally: llama.prefill_chunk = 0
-  assert figures["pulled_bytes"] == 3 * bb * len(own)
-  want_kv = {}
-  want = llama.prefill(Tensor([ids], dtype=dtypes.int32, device="MESH"), on_layer=lambda l, k, v: want_kv.setdefault(l, (k.numpy(), v.numpy())),
-                       cache=DenseKVCache(llama.cfg, 1, len(ids), device="MESH")).numpy()[0]
-  np.testing.assert_allclose(logits, want, rtol=2e-2, atol=2e-3)
-  assert int(np.argmax(logits)) == int(np.argmax(want))
-  for l, (k, v) in kv.items():
-    assert k.shape[0] == suffix
-    np.testing.assert_allclose(k, want_kv[l][0][cached:], rtol=2e-2, atol=2e-2)
-    np.testing.assert_allclose(v, want_kv[l][1][cached:], rtol=2e-2, atol=2e-2)
+  used = []
+  for seed in (chunk, chunk + 1):
+    ids = [int(t) for t in np.random.default_rng(seed).integers(0, 256, cached + suffix)]
+    own, _ = prompt_pools(llama, cached, dtypes.float16, bs)                  # the prefix's K, V as a decode node would hold them
+    chunked_prefill(llama, Tensor([ids[:cached]], dtype=dtypes.int32, device="MESH"), 512, dtypes.float16, pools=own, table=[0, 1, 2])
+    bb, where = own[0].nbytes() // 3, [5, 0, 3]
+    regions = [holder.arena("MESH").alloc(6 * bb) for _ in own]
+    for r, pool in zip(regions, own):
+      data = pool.numpy().reshape(3, -1).view(np.uint8)
+      for i, b in enumerate(where): r.view(b * bb, bb)[:] = data[i].tobytes()
+    reservation = {"prefix_blocks": where, "read_pools": grant(holder, regions, where, bb=bb), "block_bytes": bb}
+    kv = {}
+    def start(pools):
+      used.append([id(p) for p in pools])
+      return PrefixPull(puller, peer, reservation, pools)
+    llama.prefill_chunk = chunk
+    try:
+      logits, figures = prefill_pulled_logits(llama, ids, cached, bs, dtypes.float16, start, lambda l, k, v: kv.setdefault(l, (k.numpy(), v.numpy())))
+    finally: llama.prefill_chunk = 0
+    assert figures["pulled_bytes"] == 3 * bb * len(own)
+    want_kv = {}
+    want = llama.prefill(Tensor([ids], dtype=dtypes.int32, device="MESH"), on_layer=lambda l, k, v: want_kv.setdefault(l, (k.numpy(), v.numpy())),
+                         cache=DenseKVCache(llama.cfg, 1, len(ids), device="MESH")).numpy()[0]
+    np.testing.assert_allclose(logits, want, rtol=2e-2, atol=2e-3)
+    assert int(np.argmax(logits)) == int(np.argmax(want))
+    assert sorted(kv) == list(range(llama.cfg.n_layers))
+    for l, (k, v) in kv.items():
+      assert k.shape[0] == suffix
+      np.testing.assert_allclose(k, want_kv[l][0][cached:], rtol=2e-2, atol=2e-2)
+      np.testing.assert_allclose(v, want_kv[l][1][cached:], rtol=2e-2, atol=2e-2)
+  assert used[0] == used[1]                                                   # the second request ran on the first's pools
   with pytest.raises(ValueError): prefill_pulled_logits(llama, ids, 40, bs, dtypes.float16, None)   # not whole blocks

@@ -139,6 +139,21 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
     return chunked_prefill(model, np.array([token_ids[start:]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
                            start=start, buckets=SUFFIX_BUCKETS).numpy()[0]
 
+def pull_pools(model: Llama, nb: int, block_size: int, kv_dtype) -> list[Tensor]:
+  """Pools of nb blocks for a pulled prefix, the previous request's again where nothing else holds them any more (making 2 x
+  n_layers zeroed pools cost ~0.3 s of a SmolLM2 turn). Their stale blocks past a prompt are never read: a chunk's K, V are
+  written before its attention reads them, and positions past the prompt are masked."""
+  from tinyhet.model.chunked_prefill import prompt_pools
+  kept = model.__dict__.setdefault("_pull_pools", {})
+  key = (nb, block_size, kv_dtype)
+  pools = kept.get(key)
+  # in use elsewhere (a pull still holding the list, or a pool itself): more references than kept's, the loop's and the call's
+  if pools is None or sys.getrefcount(pools) > 3 or any(sys.getrefcount(p) > 3 for p in pools):
+    pools = prompt_pools(model, nb * block_size, kv_dtype, block_size)[0]
+    kept.clear()                     # one set kept: the conversation's growing prefix moves to the next bucket
+    kept[key] = pools
+  return pools
+
 def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, block_size: int, kv_dtype, start_pull, on_layer=None):
   """Prefill prompt_ids[cached:] over a prefix whose K, V are pulled from a decode node: pools of the decode node's block size
   (blocks 0.. the prefix's, pulled by start_pull(pools) -> tinyhet.kv.pull.PrefixPull, each layer waited for just before the
@@ -146,7 +161,7 @@ def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, bloc
   suffix is padded to its bucket and the pools' block count too, so the captures serve the turns of a growing conversation.
   on_layer(l, k, v) gets the suffix's K, V only (tokens cached..n-1). Returns (logits (vocab,), the pull's figures)."""
   from tinygrad.helpers import ceildiv
-  from tinyhet.model.chunked_prefill import chunked_prefill, prompt_pools
+  from tinyhet.model.chunked_prefill import chunked_prefill
   from tinyhet.model.llama import _config_chunk
   n, suffix = len(prompt_ids), list(prompt_ids[cached:])
   if cached % block_size or not 0 < cached < n: raise ValueError(f"a pulled prefix is whole blocks short of the prompt, got {cached} of {n}")
@@ -154,13 +169,12 @@ def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, bloc
   T = prefill_bucket(len(suffix)) if len(suffix) <= chunk else len(suffix)
   C = min(chunk, T)
   nb = prefill_bucket(ceildiv(cached + ceildiv(T, C) * C, block_size))
-  pools, _ = prompt_pools(model, nb * block_size, kv_dtype, block_size)
+  pools = pull_pools(model, nb, block_size, kv_dtype)
   pull = start_pull(pools)
-  def layer(l: int, k: Tensor, v: Tensor): on_layer(l, k[cached:n].contiguous().realize(), v[cached:n].contiguous().realize())
   try:
     tokens = Tensor([suffix + [0] * (T - len(suffix))], dtype=dtypes.int32, device=model.device)
-    logits = chunked_prefill(model, tokens, chunk, kv_dtype, layer if on_layer is not None else None, None, len(suffix), pools,
-                             list(range(nb)), cached, before_layer=pull.wait).numpy()[0]
+    logits = chunked_prefill(model, tokens, chunk, kv_dtype, on_layer, None, len(suffix), pools, list(range(nb)), cached,
+                             before_layer=pull.wait, layer_from=cached).numpy()[0]
   except BaseException:
     pull.abort()                 # no read may still fill pools after they are gone
     raise

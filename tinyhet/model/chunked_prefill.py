@@ -125,7 +125,7 @@ def _write(t: Tensor, a: np.ndarray) -> None:
 
 def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer=None, progress=None, n_valid: int | None = None,
                     pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0, buckets: tuple[int, ...] = (),
-                    on_chunk=None, before_layer=None) -> Tensor:
+                    on_chunk=None, before_layer=None, layer_from: int = 0) -> Tensor:
   """tokens (1, T) int32 (a Tensor, or ids on the host) at positions start..start+T-1 -> logits (1, vocab) of row n_valid - 1 (default T - 1).
   pools/table: per-layer pools holding the K, V of positions 0..start-1 at the blocks of `table` (its entries cover at
   least the plan's positions, the last chunk's pads included); None makes the prompt's own (start must be 0). The last
@@ -135,13 +135,16 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
   as a chunk's K, V of layer l are in pools[l], its blocks b0..b1-1 (the prompt's, pads past n_valid left out; a chunk of
   pads alone is no piece); True: it took them (on_layer is not called for that layer), False at piece 0: on_layer gets the
   layer whole at the end. before_layer(l), if given, runs before layer l of the first chunk (a pulled prefix's layer l is
-  waited for there: tinyhet.kv.pull)."""
+  waited for there: tinyhet.kv.pull). layer_from: the first position on_layer's K, V hold (a multiple of the block size; a
+  pulled prefix's suffix hands out its own tokens only), to start + n_valid - 1."""
   cfg = model.cfg
   T = len(tokens[0]) if not isinstance(tokens, Tensor) else tokens.shape[1]
   n_valid = T if n_valid is None else n_valid
   plan = padded_plan(T, chunk, start, buckets)
   span = plan[-1][0] + plan[-1][2]                            # positions the pools must hold, the last chunk's pads included
   own = pools is None                                          # the prompt's own pools: block i holds prompt positions of block i
+  if layer_from % (pools[0].shape[3] // cfg.head_dim if pools is not None else BLOCK) or not 0 <= layer_from <= start:
+    raise ValueError(f"chunked_prefill: layer_from must be a block boundary in 0..start, got {layer_from}")
   if pools is None:
     if start: raise ValueError("chunked_prefill: start > 0 needs the pools holding the tokens before")
     pools, nb = prompt_pools(model, span, kv_dtype)
@@ -170,8 +173,9 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
         b1 = ceildiv(min(p0 + n, start + n_valid), bs)
         if not on_chunk(l, pools[l], p0 // bs, b1, ci, len(real)): whole.add(l)
       if on_layer is not None and l in whole and ci == len(plan) - 1:    # the layer's K, V are all in place: hand them out
-        k, v = unpack_kv(pools[l][:ceildiv(start + T, bs)] if table == list(range(nb)) else pools[l][Tensor(table[:ceildiv(start + T, bs)])],
-                         start + T, cfg.head_dim)
+        b0, b1 = layer_from // bs, ceildiv(start + (T if not layer_from else n_valid), bs)
+        k, v = unpack_kv(pools[l][b0:b1] if table == list(range(nb)) else pools[l][Tensor(table[b0:b1])],
+                         start + (T if not layer_from else n_valid) - layer_from, cfg.head_dim)
         on_layer(l, k.contiguous().realize(), v.contiguous().realize())
       out = cj.x[1] if x is not cj.x[1] else cj.x[2]
       cj.half(l, FINISH)(x, cj.q, pools[l], cj.tables, cj.lens, out, *layer_tensors(w, FINISH), kv_max_blocks=mb)
