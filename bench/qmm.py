@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
       int8_name = qmm.kernel_source(t, M, N, K, 1, int8=True)[0]
       if args.int8 and ("_int8" in int8_name or int8_name.endswith("_bf16t")):   # BF16: the mode's kernel rounds x to bfloat16
         fns["int8"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), raw, x, tmp)
-      tiled8 = qmm.kernel_source(t, M, N, K, 1, int8=True)[0].endswith("_int8t")
+      tiled8 = int8_name.endswith("_int8t")
       if args.int8 and tiled8 and "_int8" in qmm.kernel_source(t, M, N, K, 1, False, True)[0]:
         # the int8 decode kernel the tiled one replaced past INT8_TILED_MIN_M rows
         fns["int8_decode"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), raw, x, tmp, tiled=False)

@@ -143,8 +143,6 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
   plan = padded_plan(T, chunk, start, buckets)
   span = plan[-1][0] + plan[-1][2]                            # positions the pools must hold, the last chunk's pads included
   own = pools is None                                          # the prompt's own pools: block i holds prompt positions of block i
-  if layer_from % (pools[0].shape[3] // cfg.head_dim if pools is not None else BLOCK) or not 0 <= layer_from <= start:
-    raise ValueError(f"chunked_prefill: layer_from must be a block boundary in 0..start, got {layer_from}")
   if pools is None:
     if start: raise ValueError("chunked_prefill: start > 0 needs the pools holding the tokens before")
     pools, nb = prompt_pools(model, span, kv_dtype)
@@ -152,6 +150,9 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
   elif table is None or len(table) * (pools[0].shape[3] // cfg.head_dim) < span:
     raise ValueError(f"chunked_prefill: the block table must cover {span} positions")
   nb, bs = len(table), pools[0].shape[3] // cfg.head_dim
+  if layer_from % bs or not 0 <= layer_from <= start:
+    raise ValueError(f"chunked_prefill: layer_from must be a block boundary in 0..start, got {layer_from}")
+  end = start + (n_valid if layer_from else T)                 # on_layer's K, V: positions layer_from..end-1
   real = [c for c in plan if c[0] - start < n_valid]                   # chunks holding prompt rows: the pieces on_chunk sends
   whole = set() if on_chunk is not None and own and all(C % bs == 0 for _, _, C in plan[:-1]) else set(range(cfg.n_layers))
   toks = (tokens.numpy() if isinstance(tokens, Tensor) else np.asarray(tokens)).astype(np.int32).reshape(-1)
@@ -173,9 +174,8 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
         b1 = ceildiv(min(p0 + n, start + n_valid), bs)
         if not on_chunk(l, pools[l], p0 // bs, b1, ci, len(real)): whole.add(l)
       if on_layer is not None and l in whole and ci == len(plan) - 1:    # the layer's K, V are all in place: hand them out
-        b0, b1 = layer_from // bs, ceildiv(start + (T if not layer_from else n_valid), bs)
-        k, v = unpack_kv(pools[l][b0:b1] if table == list(range(nb)) else pools[l][Tensor(table[b0:b1])],
-                         start + (T if not layer_from else n_valid) - layer_from, cfg.head_dim)
+        b0, b1 = layer_from // bs, ceildiv(end, bs)
+        k, v = unpack_kv(pools[l][b0:b1] if table == list(range(nb)) else pools[l][Tensor(table[b0:b1])], end - layer_from, cfg.head_dim)
         on_layer(l, k.contiguous().realize(), v.contiguous().realize())
       out = cj.x[1] if x is not cj.x[1] else cj.x[2]
       cj.half(l, FINISH)(x, cj.q, pools[l], cj.tables, cj.lens, out, *layer_tensors(w, FINISH), kv_max_blocks=mb)
