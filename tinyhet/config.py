@@ -10,7 +10,12 @@ File: the path in TINYHET_CONFIG, else ./tinyhet.toml if it exists. Keys are the
 
 Environment variables override the file: TINYHET_NODE, HET_BACKEND, TINYHET_ARENA_BYTES, TINYHET_HUGEPAGES, TINYHET_TRANSPORT, TINYHET_TOKEN,
 TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE,
-TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS, TINYHET_STAGING_BUFFERS.
+TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS, TINYHET_STAGING_BUFFERS,
+TINYHET_TRUSTED_WRITERS ("prefill0,prefill1").
+
+trusted_writers: the peers (node names) whose KV a decode node keeps in its prefix cache and shares with later requests.
+KV written by any other peer serves the request it was written for and is never shared; KV the node computed itself is
+always kept.
 
 RDMA (the verbs transport): rdma_device names the device as `ibv_devices` lists it (e.g. "mlx5_0"); empty takes the first
 device whose port rdma_port is ACTIVE. rdma_gid_index picks the source GID on RoCE; -1 chooses one (a RoCE v2 GID,
@@ -47,6 +52,7 @@ class Config:
   numa: str = "off"                      # off | interleave: the arenas' pages alternate over the nodes | replicate: weights per node
   prefill_chunk: int = 512               # a prompt longer than this is prefilled in chunks of this many tokens (tiled attention)
   staging_buffers: int = 2               # host buffers a GPU's packed layers leave through, copied asynchronously; 0 = copy on the prefill thread
+  trusted_writers: tuple[str, ...] = ()  # peers whose KV a decode node caches and shares (prefill nodes); others' serves its own request only
 
   def __post_init__(self): validate(self, "config")
 
@@ -76,6 +82,13 @@ def parse_peers(text: str | dict, what: str) -> dict[str, str]:
     peers[str(name).strip()] = addr.strip()
   return peers
 
+def parse_names(text: str | list | tuple, what: str) -> tuple[str, ...]:
+  """'a,b' or a list of names -> ('a', 'b'); empty entries are dropped."""
+  items = text.split(",") if isinstance(text, str) else text
+  if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
+    raise ConfigError(f"{what}: {text!r} is not a list of node names (use 'name1,name2')")
+  return tuple(x.strip() for x in items if x.strip())
+
 def validate(cfg: Config, source: str):
   def bad(name, msg):
     err = ConfigError(f"{source}: {name} = {getattr(cfg, name)!r} {msg}")
@@ -100,6 +113,8 @@ def validate(cfg: Config, source: str):
   if not isinstance(cfg.staging_buffers, int) or not 0 <= cfg.staging_buffers <= 64:
     bad("staging_buffers", "must be between 0 (copy each layer on the prefill thread) and 64")
   check("rdma_gid_index")
+  if not isinstance(cfg.trusted_writers, tuple) or not all(isinstance(n, str) and 0 < len(n.encode()) <= 200 for n in cfg.trusted_writers):
+    bad("trusted_writers", "must be node names of at most 200 bytes each")
 
 # field -> (environment variable, parser)
 _PARSERS = {
@@ -120,6 +135,7 @@ _PARSERS = {
   "prefill_chunk": ("TINYHET_PREFILL_CHUNK", lambda v, w: _int(v, w)),
   "numa": ("TINYHET_NUMA", lambda v, w: str(v)),
   "staging_buffers": ("TINYHET_STAGING_BUFFERS", lambda v, w: _int(v, w)),
+  "trusted_writers": ("TINYHET_TRUSTED_WRITERS", parse_names),
 }
 
 def _int(v, what) -> int:

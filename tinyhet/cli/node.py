@@ -89,8 +89,9 @@ def serve(args, stop: threading.Event) -> int:
   if cfg.numa == "replicate":             # the weights once per NUMA node, each worker thread reading its own node's (one node: nothing)
     from tinyhet.device.numa_replicas import replicate_weights
     node.replicas = replicate_weights(model)
+  from tinyhet.model.fingerprint import fingerprint
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids,
-                      prefix_cache=not args.no_prefix_cache)
+                      prefix_cache=not args.no_prefix_cache, fingerprint=fingerprint(args.model, model.cfg, not args.float_weights))
   decode.tokenizer = tok                 # stop strings end sequences on the node
   from tinyhet.service.node_roles import ServiceExtras
   extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
@@ -98,7 +99,8 @@ def serve(args, stop: threading.Event) -> int:
     address = node.serve(host, int(port))
     # capture the decode step before saying ready: a client's first request (and its TTFT) must not share the CPU with it
     decode.warm_up()
-    print(json.dumps({"address": address, "node": node.name, "model": model_id, "kv_blocks": blocks, "block_size": cfg.kv_block_size,
+    print(json.dumps({"address": address, "node": node.name, "model": model_id, "fingerprint": decode.fingerprint, "kv_blocks": blocks,
+                      "block_size": cfg.kv_block_size, "trusted_writers": sorted(decode.trusted_writers),
                       "transports": node.endpoint.transports, "role": args.role}), flush=True)
     decode.run(stop, warm_up=False)
   finally:
@@ -133,14 +135,16 @@ def main_prefill(args) -> int:
   from tinyhet.device.memory import local_node
   from tinyhet.service.prefill_node import PrefillNode
   node = local_node()
+  from tinyhet.model.fingerprint import fingerprint
   model, _, model_id = service_model.load(args.model, "HET", args.max_context, args.quiet, packed=not args.float_weights)
-  prefill = PrefillNode(model, node, model_id)
+  prefill = PrefillNode(model, node, model_id, fingerprint=fingerprint(args.model, model.cfg, not args.float_weights))
   heartbeat.install(node.endpoint, "prefill", lambda: {**prefill.status(), "max_context": model.cfg.max_context})
   try: address = node.serve(host, int(port))
   except OSError as e:
     print(f"tinyhet node: cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port", file=sys.stderr)
     return 2
-  print(json.dumps({"address": address, "node": node.name, "model": model_id, "role": "prefill", "transports": node.endpoint.transports}), flush=True)
+  print(json.dumps({"address": address, "node": node.name, "model": model_id, "fingerprint": prefill.fingerprint, "role": "prefill",
+                    "transports": node.endpoint.transports}), flush=True)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   if args.stdin_stop: threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()

@@ -19,6 +19,8 @@ def parse_args(argv):
   ap.add_argument("--queue-timeout", type=number_in(0, 86400, "seconds"), default=60.0, help="seconds a request waits for KV room before 503")
   ap.add_argument("--api-key", action="append", default=[], metavar="KEY", help="a key /v1/* accepts as 'Authorization: Bearer KEY' (repeatable; "
                   "also TINYHET_API_KEY, comma-separated); without any, the API is open. /health, /ready and /metrics are always open")
+  ap.add_argument("--shared-prefix-cache", action="store_true", help="let requests of different API keys share cached KV (default: each "
+                  "key's requests share only with that key's, so no tenant learns from a cache hit what another sent)")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns the router)")
   add_ray_args(ap)
   args = ap.parse_args(argv)
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
   try: sock = socket.create_server((host, int(port)), backlog=1024)
   except OSError as e: return fail(f"cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port")
   from tinyhet.service.http_api import Service, parse_keys
-  app, replicas = Service(cluster, tok, model_id, metrics, api_keys=parse_keys(args.api_key, os.environ.get("TINYHET_API_KEY"))).app(), None
+  app, replicas = Service(cluster, tok, model_id, metrics, api_keys=parse_keys(args.api_key, os.environ.get("TINYHET_API_KEY")),
+                        shared_prefix_cache=args.shared_prefix_cache).app(), None
   if args.ray is not None:
     replicas = ray_cluster.start(args, cluster, args.model)
     replicas.mount(app, token)

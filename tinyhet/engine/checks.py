@@ -22,9 +22,10 @@ def check_prompt(cfg, prompt_ids, max_new_tokens: int | None = None) -> None:
 
 SHAPE = ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "dim")   # what a decode node's KV blocks and logits depend on
 
-def check_compatible(cfg, model_id: str, info: dict, where: str) -> None:
-  """A decode node's decode.info reply `info` is for this model (its shape, and its id where both have one) and speaks this
-  node's KV notice format (tinyhet.kv.notices), else IncompatibleDecodeNode naming both."""
+def check_compatible(cfg, model_id: str, info: dict, where: str, fingerprint: str = "") -> None:
+  """A decode node's decode.info reply `info` is for this model (its shape, its id and its fingerprint where both have one:
+  tinyhet.model.fingerprint, the weights' content and kernel mode, not a file name) and speaks this node's KV notice format
+  (tinyhet.kv.notices), else IncompatibleDecodeNode naming both."""
   mine = {k: getattr(cfg, k) for k in SHAPE}
   theirs = {k: info.get("config", {}).get(k) for k in SHAPE}
   if info.get("kv_notice_format", 1) != NOTICE_FORMAT:
@@ -33,3 +34,7 @@ def check_compatible(cfg, model_id: str, info: dict, where: str) -> None:
   if mine != theirs or (model_id and info.get("model") and model_id != info["model"]):
     raise IncompatibleDecodeNode(f"decode node {where} serves {info.get('model') or 'a model'} {theirs}, this node has {model_id or 'a model'} "
                                  f"{mine}: start every node with the same --model")
+  if fingerprint and info.get("fingerprint") and fingerprint != info["fingerprint"]:
+    raise IncompatibleDecodeNode(f"decode node {where} serves {info.get('model') or 'a model'} of fingerprint {info['fingerprint']}, this node "
+                                 f"{model_id or 'a model'} of fingerprint {fingerprint}: the same name but other weights or another kernel mode "
+                                 "(--float-weights, TINYHET_INT8_ACTIVATIONS): start every node from the same model file with the same flags")

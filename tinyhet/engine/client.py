@@ -18,11 +18,11 @@ LOCAL_SUFFIX_SHARE = 0.25   # as the router's: a decode node holding all but thi
 class DecodeClient:
   """A prefill node's handle on one decode node: checks the model matches, then runs requests against it."""
   def __init__(self, node: LocalNode, address: str, model: Llama, model_id: str = "", transport: str | None = None,
-               staging_buffers: int | None = None):
+               staging_buffers: int | None = None, fingerprint: str = ""):
     self.node, self.model = node, model
     self.ctl = ControlClient(node.endpoint, address)
     self.info = self.ctl.call("decode.info")
-    check_compatible(model.cfg, model_id, self.info, f"{self.ctl.peer} at {address}")
+    check_compatible(model.cfg, model_id, self.info, f"{self.ctl.peer} at {address}", fingerprint)
     self.peer = node.endpoint.connect(address, transport)
     self.endpoint = node.endpoint            # what posts the layer writes (a benchmark may put a slower link in front of it)
     self.kv_dtype = getattr(dtypes, self.info["kv_dtype"])

@@ -32,6 +32,7 @@ from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_prompt, is_int
 from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
 from tinyhet.runtime.arena import Region
+from tinyhet.model.fingerprint import cache_key
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
 from tinyhet.model.sampling import Sampler, sample_batch
@@ -58,18 +59,29 @@ def token_item(tok) -> dict:
   if isinstance(tok, tuple): return {"token": tok[0], "logprob": tok[1], "top_logprobs": tok[2]}
   return {"token": tok}
 
+def check_salt(salt) -> None:
+  """A cache salt: a string of at most 256 bytes (the router sends a digest of the tenant's key and cache_salt)."""
+  if not isinstance(salt, str) or len(salt.encode()) > 256:
+    raise ValueError(f"cache_salt must be a string of at most 256 bytes, got {str(salt)[:40]!r}")
+
 def _check_timeout(timeout):
   if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:
     raise ValueError(f"timeout must be a number of seconds in (0, 3600], got {timeout!r}")
 
 class DecodeNode:
   def __init__(self, model: Llama, node: LocalNode, kv_blocks: int, block_size: int = 16, kv_dtype: str = "float16",
-               max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = (), prefix_cache: bool = True):
+               max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = (), prefix_cache: bool = True,
+               fingerprint: str = "", trusted_writers: tuple[str, ...] | None = None):
+    """model_id: the model's name (what clients ask for); fingerprint: what determines its KV (tinyhet.model.fingerprint;
+    default the name), which keys the prefix cache with the KV dtype. trusted_writers: the peers whose KV is cached and
+    shared (default node.config.trusted_writers); KV any other peer writes serves its own request only."""
     cfg = model.cfg
     if cfg.n_layers >= 1 << LAYER_BITS: raise ValueError(f"{cfg.n_layers} layers do not fit the {LAYER_BITS}-bit layer field of a notice")
     self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
+    self.fingerprint = fingerprint or model_id
+    self.trusted_writers = frozenset(node.config.trusted_writers if trusted_writers is None else trusted_writers)
     self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_blocks + 1, block_size, kv_dtype, device="MESH",   # +1: PAD_SEQ's
-                              max_seq_len=cfg.max_context, prefix_cache=prefix_cache, model_id=model_id)
+                              max_seq_len=cfg.max_context, prefix_cache=prefix_cache, model_id=cache_key(self.fingerprint, kv_dtype))
     self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs, capacity=kv_blocks)
     self.pool_regions = [_pool_region(self.cache.pool_buffer(layer)) for layer in range(cfg.n_layers)]   # exposed per reservation
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
@@ -93,7 +105,7 @@ class DecodeNode:
   def _serve_info(self, conn) -> dict:
     c, bm = self.model.cfg, self.cache.block_manager
     with self.cond: open_seqs = len(self.scheduler.incoming) + len(self.scheduler.running) + len(self.scheduler.waiting)
-    return {"model": self.model_id, "kv_notice_format": NOTICE_FORMAT,
+    return {"model": self.model_id, "fingerprint": self.fingerprint, "cache_key": bm.model_id, "kv_notice_format": NOTICE_FORMAT,
             "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
             "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
             "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(), "host": host_id(),
@@ -103,21 +115,28 @@ class DecodeNode:
             "prefix_queried_tokens": bm.queried_tokens, "prefix_hit_tokens": bm.matched_tokens, "preemptions": self.scheduler.num_preemptions,
             "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
-  def _serve_lookup(self, conn, prompt_ids: list[int]) -> dict:
-    """How many of these prompt tokens the prefix cache holds now (a request here would prefill only the rest)."""
+  def _serve_lookup(self, conn, prompt_ids: list[int], cache_salt: str = "") -> dict:
+    """How many of these prompt tokens the prefix cache holds now for this salt (a request here would prefill only the rest)."""
     check_prompt(self.model.cfg, prompt_ids, 1)
-    with self.cond: return {"cached_tokens": len(self.cache.block_manager.match(prompt_ids)) * self.cache.block_size}
+    check_salt(cache_salt)
+    with self.cond: return {"cached_tokens": len(self.cache.block_manager.match(prompt_ids, salt=cache_salt)) * self.cache.block_size}
+
+  def vouches_for(self, writer: str | None) -> bool:
+    """Whether KV that writer wrote may be cached and shared: this node's own (None, or its own name), or a trusted writer's."""
+    return writer is None or writer == self.node.name or writer in self.trusted_writers
 
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, writer: str | None = None,
-                     use_cache: bool = False) -> dict:
+                     use_cache: bool = False, cache_salt: str = "") -> dict:
     check_prompt(self.model.cfg, prompt_ids, max_new_tokens)
     _check_timeout(timeout)
+    check_salt(cache_salt)
     if writer is not None and (not isinstance(writer, str) or not 0 < len(writer.encode()) <= 200):
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
     if not isinstance(use_cache, bool): raise ValueError(f"use_cache must be true or false, got {use_cache!r}")
-    seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens)
+    seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens, cache_salt=cache_salt)
     # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
-    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer if writer is None else writer)
+    seq.writer = conn.peer if writer is None else writer
+    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=seq.writer)
     deadline = time.monotonic() + timeout
     with self.cond:
       try:
@@ -132,6 +151,9 @@ class DecodeNode:
         raise
       self.landed[seq.seq_id] = Landing(self.model.cfg.n_layers)
       cached = self.cache.block_manager.cached_length(seq.seq_id)
+      # KV from a writer this node does not vouch for serves this request only: nothing past the hit is cached as it leaves
+      # (not the prompt's blocks, nor the tokens decoded over them), unless a recompute here replaces it (_prefill)
+      if not self.vouches_for(seq.writer): seq.cache_limit = cached
       # a hit's shared blocks are not the writer's: it writes (and its descriptors cover) the suffix's blocks only
       table = self.cache.block_manager.block_table(seq.seq_id)
       prefix, blocks = table[:cached // self.cache.block_size], table[cached // self.cache.block_size:]
@@ -322,6 +344,8 @@ class DecodeNode:
           else: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
+          with self.cond:
+            for s in batch: self._kv_known_complete(s, is_prefill)
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
         # the whole batch sampled at once, without the lock (reservations and notices go on meanwhile): the step's sequences
         # keep their blocks and tokens until this thread postprocesses them
@@ -351,6 +375,13 @@ class DecodeNode:
           self.cond.notify_all()
       with self.cond: self.in_step = set()
 
+  def _kv_known_complete(self, s: Sequence, in_prefill: bool) -> None:
+    """A step over s failed: what its blocks hold past the tokens known complete is not cached as it leaves. A failed
+    prefill: only its hit (shared blocks, never written); a failed decode step: all but the slot that step was writing."""
+    bm = self.cache.block_manager
+    known = bm.cached_length(s.seq_id) if in_prefill else bm.length(s.seq_id) - 1
+    s.cache_limit = known if s.cache_limit is None else min(s.cache_limit, known)
+
   def _prefill(self, s: Sequence) -> np.ndarray:
     """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
     to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
@@ -359,7 +390,9 @@ class DecodeNode:
       logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit)[None]
     else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
     s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
-    with self.cond: self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
+    with self.cond:
+      s.cache_limit = None                      # every token's KV is this node's own now (a recompute replaced a peer's)
+      self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
     if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):    # a submitted one's first prefill
       from tinyhet.engine.prompt_logprobs import prompt_logprobs
       s.extra["prompt_sent"] = True

@@ -45,9 +45,11 @@ class LocalEngine:
     t0 = time.perf_counter()
     bm.allocate(seq, T, list(prompt_ids))
     out: list[int] = []
+    hit = complete = bm.cached_length(seq)   # tokens whose KV is known stored: a failure caches nothing past them
     try:
-      if (hit := bm.cached_length(seq)) > 0: token = sampler(prefill_suffix_logits(self.model, cache, seq, list(prompt_ids), hit), T)
+      if hit > 0: token = sampler(prefill_suffix_logits(self.model, cache, seq, list(prompt_ids), hit), T)
       else: token, _ = prefill_first_token(self.model, prompt_ids, sampler, cache.kv_dtype, cache.layer_storer(seq), progress)
+      complete = T
       t1 = time.perf_counter()
       marks = []
       while True:
@@ -57,6 +59,7 @@ class LocalEngine:
         if token in stop_ids or len(out) == max_tokens: break
         bm.append_slot(seq)
         token = sampler(self.engine.step([seq], [token])[0])
-    finally: bm.deallocate(seq, list(prompt_ids) + out)   # its full blocks stay cached (their KV is stored: its length's worth)
+        complete += 1                          # the step stored its input token's KV
+    finally: bm.deallocate(seq, (list(prompt_ids) + out)[:complete])   # its full blocks stay cached, as far as their KV is known stored
     return out, {"ttft_s": t1 - t0, "decode_s": time.perf_counter() - t1, "decode_tokens": len(out) - 1, "decode_tok_s": decode_rate(marks),
                  "cached_tokens": hit}

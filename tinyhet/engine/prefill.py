@@ -169,13 +169,19 @@ def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, bloc
   T = prefill_bucket(len(suffix)) if len(suffix) <= chunk else len(suffix)
   C = min(chunk, T)
   nb = prefill_bucket(ceildiv(cached + ceildiv(T, C) * C, block_size))
-  pools = pull_pools(model, nb, block_size, kv_dtype)
-  pull = start_pull(pools)
+  pools, pull = pull_pools(model, nb, block_size, kv_dtype), None
   try:
+    pull = start_pull(pools)
     tokens = Tensor([suffix + [0] * (T - len(suffix))], dtype=dtypes.int32, device=model.device)
     logits = chunked_prefill(model, tokens, chunk, kv_dtype, on_layer, None, len(suffix), pools, list(range(nb)), cached,
                              before_layer=pull.wait, layer_from=cached).numpy()[0]
   except BaseException:
-    pull.abort()                 # no read may still fill pools after they are gone
+    drop_pull_pools(model, pools)   # half filled, maybe still being filled: no later job gets them
+    if pull is not None: pull.abort()   # no read may still fill pools after they are gone; its host staging freed
     raise
   return logits, pull.finish()
+
+def drop_pull_pools(model: Llama, pools: list[Tensor]) -> None:
+  """Forget pools a failed pull was filling: the next pull_pools makes new ones."""
+  kept = model.__dict__.get("_pull_pools", {})
+  for key in [k for k, v in kept.items() if v is pools]: del kept[key]

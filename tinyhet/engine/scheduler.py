@@ -10,7 +10,8 @@ max_new_tokens past what the whole pool holds is cut to that (the request ends w
 
 With the block manager's prefix cache on, admission shares the cached blocks a sequence's tokens start with (the engine then
 computes only the rest: cached_length), and a finished or preempted sequence's full blocks stay cached, evicted (least
-recently used) before any running sequence is preempted.
+recently used) before any running sequence is preempted. Only KV the node vouches for is cached: a sequence whose engine set
+cache_limit (a failed step or prefill, a prompt written by a peer it does not trust) caches at most that many tokens.
 
 Sequences prefilled elsewhere (disaggregated) arrive through reserve_incoming (blocks held before the prefill node starts
 writing), then commit_incoming when the transfer lands, or abort_incoming when it fails.
@@ -39,6 +40,9 @@ class Sequence:
   status: SequenceStatus = SequenceStatus.WAITING
   num_preemptions: int = 0
   extra: dict = field(default_factory=dict)   # the engine's per-sequence state (sampling parameters, a reply channel)
+  cache_salt: str = ""            # its tenant's salt: it shares cached blocks only with sequences of the same salt
+  writer: str | None = None       # the peer that wrote its prompt's KV (a prefill node); None: computed on this node
+  cache_limit: int | None = None  # tokens at most whose KV may enter the prefix cache as it leaves; None: all it stores
 
   def __post_init__(self):
     if self.num_prompt_tokens < 0: self.num_prompt_tokens = len(self.token_ids)
@@ -90,8 +94,8 @@ class Scheduler:
     while self.waiting and len(self.running) + len(self.incoming) < self.max_num_seqs:   # an incoming sequence will run here too
       seq = self.waiting[0]
       if scheduled and batched + seq.num_tokens > self.max_num_batched_tokens: break
-      if not self.bm.can_allocate(seq.num_tokens, seq.token_ids): break   # first come, first served: later requests wait too
-      self.bm.allocate(seq.seq_id, seq.num_tokens, seq.token_ids)
+      if not self.bm.can_allocate(seq.num_tokens, seq.token_ids, seq.cache_salt): break   # first come, first served: later requests wait too
+      self.bm.allocate(seq.seq_id, seq.num_tokens, seq.token_ids, seq.cache_salt)
       self.waiting.popleft()
       seq.status = SequenceStatus.RUNNING
       self.running.append(seq)
@@ -114,7 +118,7 @@ class Scheduler:
 
   def preempt(self, seq: Sequence) -> None:
     """Free seq's blocks (its full ones stay cached: its recompute may find them) and queue it first for recompute."""
-    self.bm.deallocate(seq.seq_id, seq.token_ids)
+    self.bm.deallocate(seq.seq_id, self.cacheable(seq))
     seq.status = SequenceStatus.WAITING
     seq.num_preemptions += 1
     self.num_preemptions += 1
@@ -131,10 +135,16 @@ class Scheduler:
     return finished
 
   def finish(self, seq: Sequence) -> None:
-    """Stop a running sequence (done, or cancelled by its client) and free its blocks; its full ones stay cached."""
+    """Stop a running sequence (done, cancelled by its client, or failed) and free its blocks; its full ones stay cached, up
+    to its cache_limit."""
     self.running.remove(seq)
-    self.bm.deallocate(seq.seq_id, seq.token_ids)
+    self.bm.deallocate(seq.seq_id, self.cacheable(seq))
     seq.status = SequenceStatus.FINISHED
+
+  @staticmethod
+  def cacheable(seq: Sequence) -> list[int]:
+    """The tokens whose KV may stay cached as seq leaves: all it stores, or its first cache_limit."""
+    return seq.token_ids if seq.cache_limit is None else seq.token_ids[:seq.cache_limit]
 
   # ***** sequences prefilled on another node *****
 
@@ -144,8 +154,8 @@ class Scheduler:
     writes from bm.cached_length on)."""
     self.check_fits(seq)
     ids = seq.token_ids if use_cache else None
-    if not self.bm.can_allocate(seq.num_tokens, ids) or len(self.running) + len(self.incoming) >= self.max_num_seqs: return False
-    self.bm.reserve(seq.seq_id, seq.num_tokens, ids)
+    if not self.bm.can_allocate(seq.num_tokens, ids, seq.cache_salt) or len(self.running) + len(self.incoming) >= self.max_num_seqs: return False
+    self.bm.reserve(seq.seq_id, seq.num_tokens, ids, seq.cache_salt)
     seq.status = SequenceStatus.INCOMING
     self.incoming[seq.seq_id] = seq
     return True

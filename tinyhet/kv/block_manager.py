@@ -15,8 +15,10 @@ Invariants (check() asserts every one):
      block with a hash sits in the LRU queue of cached blocks, every other free block in the plain free queue
 
 Prefix cache (prefix_cache=True, vLLM's automatic prefix caching): a full block is named by block_hashes: a hash of the
-previous block's hash, its tokens and the model. cache_blocks gives a sequence's full blocks their hashes (the caller says
-their KV is stored); deallocate with the token ids does it as the sequence leaves, and its hashed blocks stay in the pool,
+previous block's hash, its tokens, the model's fingerprint (tinyhet.model.fingerprint: what determines the KV) and the
+sequence's salt (its tenant's: allocate(salt=...)); sequences of different salts never share a block. cache_blocks gives
+a sequence's full blocks their hashes (the caller says their KV is stored: only KV the node vouches for, see
+tinyhet.engine.scheduler's cache_limit); deallocate with the token ids does it as the sequence leaves, and its hashed blocks stay in the pool,
 free but cached, least recently used first out. A new sequence's allocate(token_ids=...) shares the longest chain of cached
 full blocks its prompt starts with (refcount + 1), at most up to its last token (that one is computed for its logits, so
 the last, partial block is always the sequence's own), and takes fresh blocks for the rest: plain free blocks first, then
@@ -27,11 +29,11 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 
-def block_hashes(token_ids, block_size: int, model_id: str = "", n_blocks: int | None = None) -> list[int]:
+def block_hashes(token_ids, block_size: int, model_id: str = "", n_blocks: int | None = None, salt: str = "") -> list[int]:
   """The chained hashes of the full blocks of token_ids (the first n_blocks of them): 64-bit integers, the same in every
-  process (the router computes them too), hash_i = H(hash_{i-1}, tokens of block i, model_id)."""
+  process (the router computes them too), hash_i = H(hash_{i-1}, tokens of block i, model_id, salt)."""
   n = len(token_ids) // block_size if n_blocks is None else min(n_blocks, len(token_ids) // block_size)
-  out, prev, mid = [], b"\0" * 8, model_id.encode()
+  out, prev, mid = [], b"\0" * 8, model_id.encode() + (b"|" + salt.encode() if salt else b"")
   for i in range(n):
     h = hashlib.blake2b(prev, digest_size=8, person=b"tinyhet-kv")
     h.update(b",".join(str(t).encode() for t in token_ids[i * block_size:(i + 1) * block_size]))
@@ -52,6 +54,7 @@ class BlockManager:
     self.block_hash: dict[int, int] = {}     # block -> the hash of the tokens it stores in full
     self.hash_block: dict[int, int] = {}     # hash -> block
     self.hit_tokens: dict[int, int] = {}     # seq_id -> tokens its allocation found cached
+    self.salts: dict[int, str] = {}          # seq_id -> its salt, where it has one (its blocks are hashed with it)
     self.queried_tokens = self.matched_tokens = self.evictions = 0   # prompt tokens looked up / found (vLLM counts tokens)
     self.ref_counts: list[int] = [0] * num_blocks
     self.tables: dict[int, list[int]] = {}
@@ -94,33 +97,36 @@ class BlockManager:
 
   # ***** allocation *****
 
-  def match(self, token_ids, n_tokens: int | None = None) -> list[int]:
-    """The cached blocks a new sequence of these tokens would share: the longest chain of its full blocks found cached, at
-    most up to its last token (n_tokens - 1 tokens: the last one is computed, for its logits)."""
+  def match(self, token_ids, n_tokens: int | None = None, salt: str = "") -> list[int]:
+    """The cached blocks a new sequence of these tokens (and this salt) would share: the longest chain of its full blocks
+    found cached, at most up to its last token (n_tokens - 1 tokens: the last one is computed, for its logits)."""
     n = len(token_ids) if n_tokens is None else n_tokens
     if not self.prefix_cache or n < 1: return []
     hit = []
-    for h in block_hashes(token_ids, self.block_size, self.model_id, (n - 1) // self.block_size):
+    for h in block_hashes(token_ids, self.block_size, self.model_id, (n - 1) // self.block_size, salt):
       if (b := self.hash_block.get(h)) is None: break
       hit.append(b)
     return hit
 
-  def fresh_needed(self, n_tokens: int, token_ids=None) -> int:
+  def fresh_needed(self, n_tokens: int, token_ids=None, salt: str = "") -> int:
     """Free blocks an allocation of n_tokens tokens (with these token ids) would take: its blocks less the hit, plus the hit's
     blocks that are free (cached, refcount 0) now."""
-    hit = self.match(token_ids, n_tokens) if token_ids is not None else []
+    hit = self.match(token_ids, n_tokens, salt) if token_ids is not None else []
     return self.blocks_needed(n_tokens) - len(hit) + sum(1 for b in hit if self.ref_counts[b] == 0)
 
-  def can_allocate(self, n_tokens: int, token_ids=None) -> bool: return self.fresh_needed(n_tokens, token_ids) <= self.num_free
+  def can_allocate(self, n_tokens: int, token_ids=None, salt: str = "") -> bool:
+    return self.fresh_needed(n_tokens, token_ids, salt) <= self.num_free
 
-  def allocate(self, seq_id: int, n_tokens: int, token_ids=None) -> list[int]:
+  def allocate(self, seq_id: int, n_tokens: int, token_ids=None, salt: str = "") -> list[int]:
     """Blocks for a new sequence of n_tokens tokens (a prompt, or a preempted sequence being recomputed). With token_ids and
-    the prefix cache on, its first cached_length(seq_id) tokens are shared cached blocks (their KV is there already)."""
+    the prefix cache on, its first cached_length(seq_id) tokens are shared cached blocks (their KV is there already): blocks
+    hashed with the same salt only. Its own blocks are hashed with that salt when they are cached (cache_blocks)."""
     self._new(seq_id, n_tokens)
-    hit = self.match(token_ids, n_tokens) if token_ids is not None else []
-    if self.fresh_needed(n_tokens, token_ids) > self.num_free:
+    if not isinstance(salt, str): raise ValueError(f"sequence {seq_id}: the salt must be a string, got {salt!r}")
+    hit = self.match(token_ids, n_tokens, salt) if token_ids is not None else []
+    if self.fresh_needed(n_tokens, token_ids, salt) > self.num_free:
       raise PoolFull(f"KV pool full: sequence {seq_id} ({n_tokens} tokens, {len(hit)} blocks cached) needs "
-                     f"{self.fresh_needed(n_tokens, token_ids)} blocks, {self.num_free} of {self.num_blocks} are free; "
+                     f"{self.fresh_needed(n_tokens, token_ids, salt)} blocks, {self.num_free} of {self.num_blocks} are free; "
                      "wait for sequences to finish or preempt one (the scheduler does both)")
     for b in hit:                             # taken before _take may evict: a hit block is never its own eviction's victim
       if self.ref_counts[b] == 0: del self.cached_free[b]
@@ -132,6 +138,7 @@ class BlockManager:
       self.queried_tokens += n_tokens
       self.matched_tokens += len(hit) * self.block_size
     self.hit_tokens[seq_id] = len(hit) * self.block_size
+    if salt: self.salts[seq_id] = salt
     return self.tables[seq_id]
 
   def cached_length(self, seq_id: int) -> int:
@@ -143,7 +150,7 @@ class BlockManager:
     KV is stored. A block whose hash another block holds already stays unhashed. Returns how many blocks are hashed now."""
     if not self.prefix_cache: return 0
     table, n = self.tables[self._known(seq_id)], min(self.lengths[seq_id], len(token_ids))
-    hashes = block_hashes(token_ids, self.block_size, self.model_id, n // self.block_size)
+    hashes = block_hashes(token_ids, self.block_size, self.model_id, n // self.block_size, self.salts.get(seq_id, ""))
     for b, h in zip(table, hashes):
       if self.block_hash.get(b) == h or h in self.hash_block: continue
       if b in self.block_hash: raise AssertionError(f"block {b} holds other tokens than sequence {seq_id}'s: its hash differs")
@@ -181,15 +188,16 @@ class BlockManager:
     shared = table[:-1] if partial else table
     for b in shared: self.ref_counts[b] += 1
     self.tables[child], self.lengths[child], self.hit_tokens[child] = shared + copy, n, 0
+    if parent in self.salts: self.salts[child] = self.salts[parent]
     return (table[-1], copy[0]) if partial else None
 
   # ***** incoming transfers *****
 
-  def reserve(self, seq_id: int, n_tokens: int, token_ids=None) -> list[int]:
+  def reserve(self, seq_id: int, n_tokens: int, token_ids=None, salt: str = "") -> list[int]:
     """Hold blocks for n_tokens tokens that a prefill node will write (a transfer): with token_ids, the cached prefix's blocks
     are shared and only the rest (from cached_length on) are written. The blocks stay held until commit (the transfer
     landed) or release_reservation (it failed)."""
-    blocks = self.allocate(seq_id, n_tokens, token_ids)
+    blocks = self.allocate(seq_id, n_tokens, token_ids, salt)
     self.reserved.add(seq_id)
     return blocks
 
@@ -224,6 +232,7 @@ class BlockManager:
     for b in range(self.num_blocks): assert (b in free) == (counts[b] == 0), f"block {b}: refcount {counts[b]}, free={b in free}"
     assert self.reserved <= set(self.tables), "a reservation without blocks"
     assert self.hit_tokens.keys() == self.tables.keys(), "hit lengths differ from the sequences"
+    assert self.salts.keys() <= self.tables.keys(), "a salt without a sequence"
 
   # ***** helpers *****
 
@@ -250,6 +259,7 @@ class BlockManager:
         else: self.free_ids.append(b)
     del self.lengths[seq_id]
     del self.hit_tokens[seq_id]
+    self.salts.pop(seq_id, None)
 
   def _new(self, seq_id: int, n_tokens: int) -> None:
     if seq_id in self.tables: raise ValueError(f"sequence {seq_id} already has blocks")

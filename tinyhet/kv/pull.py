@@ -7,6 +7,10 @@ overlaps the compute of the layers before it. The reads go through the read gran
   pull = PrefixPull(endpoint, peer, reservation, pools)   # posts every layer's read into pools[l][0:len(prefix_blocks)]
   pull.wait(l)                                            # layer l's prefix is in pools[l]; raises the read's failure
   pull.finish()                                           # every read done: the figures (bytes, seconds in flight, stall)
+  pull.abort()                                            # a failed prefill: wait out every read, free the host staging
+
+A read that fails raises PullFailed from wait(l) (the prefill node then computes the prefix itself, tinyhet.service.prefill_node);
+the pools it was filling are not handed to another job (tinyhet.engine.prefill.pull_pools).
 
 Where a pool lies decides how it fills: a pool in registered host memory (HET on a CPU) is read into in place; elsewhere (a
 GPU) the bytes land in a host region of this node first and wait(l) copies layer l in.
@@ -23,6 +27,9 @@ from tinyhet.device.backend import NotRegistered, region_of
 from tinyhet.runtime.arena import Region
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Span
+
+class PullFailed(RuntimeError):
+  """A prefix read failed (the holder withdrew its grant, the link broke, it timed out): compute the prefix instead."""
 
 def pull_spec(reservation: dict) -> tuple[list[int], list[RegionDescriptor]]:
   """The prefix blocks and per-layer read descriptors of a reservation (empty where nothing was cached); a malformed one raises."""
@@ -42,17 +49,22 @@ class PrefixPull:
     self.host: Region | None = None
     self.t0 = time.perf_counter()
     self.transfers, self.waited, self.copied = [], 0.0, set()
-    for l, pool in enumerate(pools):
-      try: region, off = region_of(pool.uop.buffer)          # the pool is registered host memory: read straight into it
-      except NotRegistered:
-        if self.host is None: self.host = node.arena("MESH").alloc(len(pools) * self.nbytes, align=4096)
-        region, off = self.host, l * self.nbytes
-      spans = [Span(region, off + i * bb, descs[l], b * bb, bb) for i, b in enumerate(blocks)]
-      self.transfers.append(node.endpoint.read(peer, spans))
+    try:
+      for l, pool in enumerate(pools):
+        try: region, off = region_of(pool.uop.buffer)          # the pool is registered host memory: read straight into it
+        except NotRegistered:
+          if self.host is None: self.host = node.arena("MESH").alloc(len(pools) * self.nbytes, align=4096)
+          region, off = self.host, l * self.nbytes
+        spans = [Span(region, off + i * bb, descs[l], b * bb, bb) for i, b in enumerate(blocks)]
+        self.transfers.append(node.endpoint.read(peer, spans))
+    except Exception as e:                 # the reads posted so far end before the caller forgets the pools
+      self.abort()
+      raise PullFailed(f"the pull of a cached prefix could not be posted: {type(e).__name__}: {e}") from e
 
   def wait(self, layer: int, timeout: float = 60.0):
     t = time.perf_counter()
-    self.transfers[layer].wait(timeout)
+    try: self.transfers[layer].wait(timeout)
+    except Exception as e: raise PullFailed(f"the pull of layer {layer}'s cached prefix failed: {type(e).__name__}: {e}") from e
     if self.host is not None and layer not in self.copied:    # landed in host memory: into the device pool's first blocks
       data = self.host.view(layer * self.nbytes, self.nbytes)
       dst = self.pools[layer].uop.buffer.view(self.nbytes, dtypes.uint8, 0).ensure_allocated()
@@ -68,10 +80,18 @@ class PrefixPull:
     self.host = None
     return {"pulled_bytes": self.nbytes * len(self.pools), "pull_s": max(0.0, end - self.t0), "pull_wait_s": self.waited}
 
-  def abort(self):
+  def abort(self, timeout: float = 30.0) -> bool:
+    """Wait for every read to end, landed or failed; then the host staging is freed. False where a read did not end within
+    timeout: its staging is kept (a late byte must land in memory nobody else was given), and the caller drops the pools."""
+    settled = True
     for t in self.transfers:
-      try: t.wait(30)
-      except Exception: pass
+      try: t.wait(timeout)
+      except TimeoutError: settled = False
+      except Exception: pass               # failed: it writes nothing more
+    if settled and self.host is not None:
+      self.host.free()
+      self.host = None
+    return settled
 
 class PullCost:
   """Measured rates, kept as running averages: the link's (bytes/s of this node's writes and pulls) and the prefill's

@@ -58,6 +58,9 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
   for name, fine in unsupported.items():
     if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
       raise ApiError(f"'{name}' is not supported by this server: leave it out", name)
+  cache_salt = body.get("cache_salt")           # vLLM's field: requests share cached KV only with the same salt (tinyhet.service.tenancy)
+  if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= 256):
+    raise ApiError("'cache_salt' must be a non-empty string of at most 256 characters", "cache_salt")
   rti = body.get("return_token_ids", False)
   if not isinstance(rti, bool): raise ApiError("'return_token_ids' must be true or false", "return_token_ids")
   options, logprobs, echo = sampling_options(body, n_vocab), _logprobs(body, chat), False
@@ -68,7 +71,7 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
     if echo and logprobs is not None: options["prompt_logprobs"] = logprobs      # the prompt's own, from the prefill's logits
   return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p), "seed": seed,
           "stream": bool(stream), "include_usage": bool(opts and opts.get("include_usage")), "stop": stop, "chat": chat,
-          "return_token_ids": rti, "options": options, "logprobs": logprobs, "echo": echo}
+          "return_token_ids": rti, "options": options, "logprobs": logprobs, "echo": echo, "cache_salt": cache_salt}
 
 # the sampling options beyond temperature and top_p: name -> (the range's check, what to send); the decode node applies them
 _RANGES = {"presence_penalty": (lambda v: _is_num(v) and -2 <= v <= 2, "a number in -2..2"),

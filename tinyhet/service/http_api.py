@@ -12,9 +12,10 @@ Requests are checked here (4xx in OpenAI's error shape, saying what to change), 
 thread each; a client that goes away cancels its request and the nodes free what it held.
 """
 from __future__ import annotations
-import asyncio, hmac, json, threading, time, uuid
+import asyncio, json, threading, time, uuid
 from tinyhet.service.api_schema import ApiError, parse_chat, parse_completion
 from tinyhet.service.logprobs import LogprobFormatter
+from tinyhet.service.tenancy import key_identity, matching_key, tenant_salt
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None,
                    headers: dict | None = None):
@@ -24,10 +25,7 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 def key_matches(header: bytes | None, keys: list[bytes]) -> bool:
   """Authorization: Bearer KEY against every key, each compared in constant time (no early exit on the first match either)."""
-  if header is None or not header[:7].lower() == b"bearer ": return False
-  given, ok = header[7:].strip(), False
-  for k in keys: ok |= hmac.compare_digest(given, k)
-  return ok
+  return matching_key(header, keys) is not None
 
 class KeyCheck:
   """ASGI middleware: /v1/* needs one of the API keys; everything else (/health, /ready, /metrics) is open."""
@@ -36,7 +34,8 @@ class KeyCheck:
   async def __call__(self, scope, receive, send):
     if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
       header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
-      if not key_matches(header, self.keys):
+      if (key := matching_key(header, self.keys)) is not None: scope["tinyhet.tenant"] = key_identity(key)   # its cache salt
+      else:
         reply = error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'", "invalid_request_error",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return await reply(scope, receive, send)
@@ -49,9 +48,11 @@ def parse_keys(flags: list[str] | None, env: str | None) -> list[str]:
 
 class Service:
   """The HTTP side: one Cluster, the tokenizer, the metrics; api_keys: none (open), or the keys /v1/* accepts."""
-  def __init__(self, cluster, tokenizer, model_id: str, metrics, retry_after_s: int = 1, api_keys: list[str] | None = None):
+  def __init__(self, cluster, tokenizer, model_id: str, metrics, retry_after_s: int = 1, api_keys: list[str] | None = None,
+               shared_prefix_cache: bool = False):
+    """shared_prefix_cache: tenants (API keys) share cached KV (tinyhet.service.tenancy); by default they never do."""
     self.cluster, self.tok, self.model_id, self.metrics, self.retry_after_s = cluster, tokenizer, model_id, metrics, retry_after_s
-    self.api_keys = list(api_keys or [])
+    self.api_keys, self.shared_prefix_cache = list(api_keys or []), shared_prefix_cache
 
   def app(self):
     from starlette.applications import Starlette
@@ -95,6 +96,7 @@ class Service:
       try: body = json.loads(await request.body())
       except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ApiError(f"the body is not JSON: {e}") from None
       p = (parse_chat if chat else parse_completion)(body, self.tok, self.model_id, self.cluster.max_context())
+      p["cache_salt"] = tenant_salt(request.scope.get("tinyhet.tenant", ""), p.get("cache_salt"), self.shared_prefix_cache)
     except ApiError as e:
       self.metrics.rejected.labels(str(e.status)).inc()
       return error_response(e.status, str(e), param=e.param, code=e.code)
@@ -146,7 +148,7 @@ class Running:
     self.t0, self.t_last, self.n_tokens = time.perf_counter(), None, 0
     self.decoder, self.text, self.sent, self.stopped = svc.tok.stream_decoder(), "", 0, False
     self.req = Request(p["prompt_ids"], p["max_tokens"], self._emit, p["temperature"], p["top_p"], p["seed"], list(svc.tok.stop_ids),
-                       options=p["options"], stop=list(p["stop"]))
+                       options=p["options"], stop=list(p["stop"]), cache_salt=p["cache_salt"])
     self.items: list = []                   # (token, logprobs) of the tokens counted, for the logprobs of the reply
     self.prompt_text = svc.tok.decode(p["prompt_ids"]) if p["echo"] else ""
     self.lp = LogprobFormatter(svc.tok, p["chat"], 0 if p["echo"] and p["logprobs"] is not None else len(self.prompt_text))

@@ -20,10 +20,12 @@ def install_submit(decode) -> None:
   from tinyhet.engine.scheduler import Sequence
 
   def serve_submit(conn, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                   stop_ids: list[int] | None = None, options: dict | None = None, stop: list[str] | None = None):
+                   stop_ids: list[int] | None = None, options: dict | None = None, stop: list[str] | None = None, cache_salt: str = ""):
+    from tinyhet.engine.decode_node import check_salt
     check_prompt(decode.model.cfg, prompt_ids, max_new_tokens)
+    check_salt(cache_salt)
     sampler = Sampler(temperature, top_p, seed, **(options or {}))      # a bad setting fails before an id is taken
-    seq = Sequence(decode.new_seq_id(), list(prompt_ids), max_new_tokens)
+    seq = Sequence(decode.new_seq_id(), list(prompt_ids), max_new_tokens, cache_salt=cache_salt)
     seq.extra.update(queue=queue.SimpleQueue(), sampler=sampler, want_logits=False,
                      stop_ids=set(stop_ids if stop_ids is not None else decode.stop_ids))
     try: decode.set_stop_strings(seq, stop)     # before the sequence joins the batch
@@ -62,7 +64,8 @@ def decode_status(decode) -> dict:
   # read without decode.cond: a `both` node's batching loop can hold it while it waits for the model (a long prefill), and a
   # heartbeat must not wait that long; a count a moment stale is what a heartbeat is anyway
   bm, s = decode.cache.block_manager, decode.scheduler
-  return {"model": decode.model_id, "kv_blocks": s.capacity, "free_blocks": bm.num_free, "block_size": decode.cache.block_size,
+  return {"model": decode.model_id, "fingerprint": decode.fingerprint, "cache_key": bm.model_id,
+          "kv_blocks": s.capacity, "free_blocks": bm.num_free, "block_size": decode.cache.block_size,
           "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
           "max_context": decode.model.cfg.max_context, "cached_blocks": bm.num_cached, "prefix_queried_tokens": bm.queried_tokens,
           "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache,
@@ -79,7 +82,7 @@ class ServiceExtras:
       # it, and its scheduler flips process-wide flags while it works), so prefill jobs run on the batching loop's thread:
       # before each step the loop runs queued prefills (DecodeNode.between_steps), without its lock, so that this node's own
       # control requests go on meanwhile.
-      self.prefill = PrefillNode(decode.model, decode.node, decode.model_id, on_job=lambda: self._wake(decode))
+      self.prefill = PrefillNode(decode.model, decode.node, decode.model_id, on_job=lambda: self._wake(decode), fingerprint=decode.fingerprint)
       def prefill_first():                   # queued prefills before the next decode step; all of them while nothing decodes
         if self.prefill.jobs.qsize():
           self.prefill.run_one()

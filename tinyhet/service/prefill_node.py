@@ -10,15 +10,17 @@ One control request (tinyhet.runtime.control) does the whole job:
 The router then sends decode.generate to the decode node on the connection that reserved. A transport error on a write
 reconnects to the decode node and resends every layer once, after prefill. A job whose caller has gone away (the router
 gave the reservation up) stops before its next write is posted, so no bytes land in blocks that may belong to another sequence by then.
+A pull of a cached prefix that fails half-way (tinyhet.kv.pull.PullFailed) costs the job its pull, not its answer: the
+prefix is computed here and every layer sent again (its pools are dropped, its staging freed).
 """
 from __future__ import annotations
-import queue, select, socket, threading, time  # select.poll: select.select raises for a descriptor >= 1024
+import queue, select, socket, sys, threading, time  # select.poll: select.select raises for a descriptor >= 1024
 from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
 from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
 from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible, check_prompt
 from tinyhet.engine.prefill import busy_time, prefill_first_token, prefill_pulled_logits
-from tinyhet.kv.pull import PrefixPull, PullCost, pull_spec
+from tinyhet.kv.pull import PrefixPull, PullCost, PullFailed, pull_spec
 from tinyhet.runtime.control import ControlClient
 from tinyhet.runtime.transport import TransportError
 from tinyhet.model.sampling import Sampler
@@ -48,10 +50,13 @@ class Job:
     except (OSError, ValueError): return True
 
 class PrefillNode:
-  def __init__(self, model, node, model_id: str = "", transport: str | None = None, on_job=None, staging_buffers: int | None = None):
+  def __init__(self, model, node, model_id: str = "", transport: str | None = None, on_job=None, staging_buffers: int | None = None,
+               fingerprint: str = ""):
     """on_job(): called when a job is queued (a `both` node wakes its batching loop, whose thread runs the jobs).
-    staging_buffers: default node.config.staging_buffers (tinyhet.kv.sender.SendBuffers)."""
+    staging_buffers: default node.config.staging_buffers (tinyhet.kv.sender.SendBuffers). fingerprint: the model's
+    (tinyhet.model.fingerprint); a decode node of another one is refused."""
     self.model, self.node, self.model_id, self.transport, self.on_job = model, node, model_id, transport, on_job
+    self.fingerprint = fingerprint
     self.jobs: queue.Queue[Job] = queue.Queue()
     self.queued_tokens = 0                       # prompt tokens waiting or being prefilled: the router's measure of load
     self.count_lock = threading.Lock()
@@ -64,6 +69,7 @@ class PrefillNode:
 
   def status(self) -> dict:
     return {"queued": self.jobs.qsize(), "queued_tokens": self.queued_tokens, "prefills": self.served, "model": self.model_id,
+            "fingerprint": self.fingerprint,
             "link_gbps": round(self.cost.link_bps / 1e9, 4), "prefill_tok_s": round(self.cost.prefill_tok_s, 1)}
 
   def _serve_run(self, conn, prompt_ids: list[int], decode: str, reservation: dict, temperature: float = 0.0, top_p: float = 1.0,
@@ -110,7 +116,7 @@ class PrefillNode:
       ctl = ControlClient(self.node.endpoint, address)
       try: info = ctl.call("decode.info", reply_timeout=10)
       finally: ctl.close()
-      check_compatible(self.model.cfg, self.model_id, info, f"at {address}")
+      check_compatible(self.model.cfg, self.model_id, info, f"at {address}", self.fingerprint)
       self.decoders[address] = (self.node.endpoint.connect(address, self.transport), getattr(dtypes, info["kv_dtype"]))
     return self.decoders[address]
 
@@ -139,10 +145,16 @@ class PrefillNode:
     sampler, n, pull = job.sampling["sampler"], len(job.prompt_ids), {}
     try:
       if pulled:
-        logits, pull = prefill_pulled_logits(self.model, job.prompt_ids, cached, r["block_size"], kv_dtype,
-                                             lambda pools: PrefixPull(self.node, peer, r, pools), send_layer)
-        self.cost.saw_transfer(pull["pulled_bytes"], pull["pull_s"])
-      else: _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer, on_chunk=send_chunk)
+        try:
+          logits, pull = prefill_pulled_logits(self.model, job.prompt_ids, cached, r["block_size"], kv_dtype,
+                                               lambda pools: PrefixPull(self.node, peer, r, pools), send_layer)
+          self.cost.saw_transfer(pull["pulled_bytes"], pull["pull_s"])
+        except PullFailed as e:   # its pools are dropped and its reads ended: compute the prefix here, and send every layer again
+          print(f"tinyhet: prefill node {self.node.name}: {e}; computing the prefix instead", file=sys.stderr, flush=True)
+          sender.abort()
+          sender, pulled, pull = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted), False, {}
+          kept.clear()
+      if not pulled: _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer, on_chunk=send_chunk)
       first = sampler.draw(logits, n, job.prompt_ids)     # the same draw again, with its logprobs when asked for
       t_prefill = time.perf_counter()
       if not pulled: self.cost.saw_prefill(n, t_prefill - t0)

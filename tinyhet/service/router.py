@@ -63,12 +63,12 @@ class Node:
   def free_blocks(self) -> int:
     s = self.status
     return min(s.get("free_blocks", 0) - sum(b for _, b in self.recent), s.get("kv_blocks", 0) - self.reserved_blocks)
-  def cached_tokens(self, ids: list[int]) -> int:
-    """Prompt tokens this node's prefix cache would give ids, from its heartbeat's summary (the block manager's rule: a chain
-    of full blocks, at most up to the last token)."""
+  def cached_tokens(self, ids: list[int], salt: str = "") -> int:
+    """Prompt tokens this node's prefix cache would give ids under this tenant salt, from its heartbeat's summary (the block
+    manager's rule: a chain of full blocks, at most up to the last token, hashed with the node's cache key)."""
     if not self.cached or not ids: return 0
     bs, n = self.status.get("block_size", 16), 0
-    for h in block_hashes(ids, bs, self.status.get("model", ""), (len(ids) - 1) // bs):
+    for h in block_hashes(ids, bs, self.status.get("cache_key", self.status.get("model", "")), (len(ids) - 1) // bs, salt):
       if h not in self.cached: break
       n += bs
     return n
@@ -93,6 +93,7 @@ class Request:
   options: dict = field(default_factory=dict)     # the nodes' further sampling options (tinyhet.model.sampling.OPTIONS)
   stop: list[str] = field(default_factory=list)   # stop strings: the decode node ends the sequence at one (the HTTP side cuts the text)
   prompt_logprobs: list | None = None             # the prompt's own logprobs, from the node that prefilled it (options["prompt_logprobs"])
+  cache_salt: str = ""                            # its tenant's salt (tinyhet.service.tenancy): it shares cached KV with that tenant only
   generated: list[int] = field(default_factory=list)
   cancelled: threading.Event = field(default_factory=threading.Event)
   clients: set = field(default_factory=set)
@@ -121,6 +122,7 @@ class Cluster:
     self.max_queue, self.queue_timeout, self.hb_interval = max_queue, queue_timeout, hb_interval
     self.nodes = {a: Node(a, r) for a, r in nodes.items()}
     self.hb_timeout = hb_timeout                # for nodes added at run time (add_node)
+    self.fingerprint: str | None = None         # the model's fingerprint (tinyhet.model.fingerprint): the first node's; others must match
     self.cond = threading.Condition()
     self.waiting = 0
     self.prefill_s_per_token = 0.0              # an average of the prefills seen, for the planner's prefill_queue_s
@@ -131,8 +133,13 @@ class Cluster:
   # ---- node state
   def _beat(self, node: Node, beat: dict):
     with self.cond:
+      fp = beat.get("fingerprint")
+      if fp and self.fingerprint is None and beat.get("model") == self.model_id: self.fingerprint = fp
       if beat.get("model") != self.model_id:
         node.up, node.reason = False, f"serves {beat.get('model')!r}, this router {self.model_id!r}: start every node with the same --model"
+      elif fp and fp != self.fingerprint:
+        node.up, node.reason = False, (f"serves {self.model_id!r} of fingerprint {fp}, the cluster's is {self.fingerprint}: the same name but "
+                                       "other weights or another kernel mode (--float-weights): start every node from the same model file and flags")
       else: node.up, node.reason = True, ""
       node.status = beat
       hashes = beat.get("cached_hashes")
@@ -183,7 +190,7 @@ class Cluster:
 
   # ---- choosing nodes
   def _admit(self, prompt_tokens: int, new_tokens: int = 0, ids: list[int] | None = None,
-             cancelled: threading.Event | None = None) -> tuple[Node, int]:
+             cancelled: threading.Event | None = None, salt: str = "") -> tuple[Node, int]:
     """A decode-capable node with room for the prompt and a little headroom (admission by need: a sequence grows a block at
     a time, and a full pool evicts cached blocks, then preempts), and the blocks now counted there for the request (release
     them after). Without room anywhere the request waits in the queue, unless max_queue requests wait already; a prompt no
@@ -197,7 +204,7 @@ class Cluster:
         while True:
           if cancelled is not None and cancelled.is_set(): raise Cancelled()
           up = [n for n in self.nodes.values() if n.up and n.can_decode]
-          hit = {n: n.cached_tokens(ids) if ids else 0 for n in up}
+          hit = {n: n.cached_tokens(ids, salt) if ids else 0 for n in up}
           fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n])]
           if fits:
             node = min(fits, key=lambda n: (n.decode_load() - OVERLAP_WEIGHT * hit[n] / max(1, prompt_tokens), -n.free_blocks()))
@@ -266,7 +273,7 @@ class Cluster:
       left = req.max_tokens - len(req.generated)
       if left <= 0: return "length"
       ids = req.prompt_ids + req.generated          # after a lost node: what the client has seen becomes prompt
-      try: decode, blocks = self._admit(len(ids), left, ids, req.cancelled)
+      try: decode, blocks = self._admit(len(ids), left, ids, req.cancelled, req.cache_salt)
       except Cancelled: return "cancelled"
       try: self._attempt(req, decode, ids, left)
       except Cancelled: return "cancelled"
@@ -314,17 +321,18 @@ class Cluster:
     sampling = dict(temperature=req.temperature, top_p=req.top_p, options={**req.options, "output_from": len(req.prompt_ids)})
     ctl = self._open(req, decode, "decode node lost")
     try:
-      prefill = self._choose_prefill(decode, len(ids), left, self._cached(ctl, decode, ids))
+      salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}      # a node of an older tinyhet takes no salt: an unsalted request works there
+      prefill = self._choose_prefill(decode, len(ids), left, self._cached(ctl, decode, ids, req.cache_salt))
       try:
         if prefill is None:
           self._count(decode, "prefill+decode")
           stream = ctl.stream("decode.submit", prompt_ids=ids, max_new_tokens=left, seed=req.seed, stop_ids=req.stop_ids,
-                              **({"stop": req.stop} if req.stop else {}), **sampling)
+                              **({"stop": req.stop} if req.stop else {}), **salt, **sampling)
         else:
           # the prefill node writes the KV: the reservation's blocks open to it, not to this router (tcp checks every frame)
           # use_cache: a hit's shared blocks come with a read grant for the prefill node, which pulls (or recomputes) them
           r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=left, timeout=self.queue_timeout, writer=prefill.status.get("node"),
-                       use_cache=bool(decode.status.get("prefix_cache")))
+                       use_cache=bool(decode.status.get("prefix_cache")), **salt)
           self._done(req, decode, {"cached_tokens": r.get("cached_tokens", 0)}, len(ids))
       except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       if prefill is not None:
@@ -366,13 +374,13 @@ class Cluster:
       self.metrics.kv_seconds.observe(p["transfer_s"])
     return p
 
-  def _cached(self, ctl: ControlClient, node: Node, ids: list[int]) -> int:
+  def _cached(self, ctl: ControlClient, node: Node, ids: list[int], salt: str = "") -> int:
     """The prompt tokens the decode node holds: its heartbeat's summary, or, where that shows less (a turn that ended a moment
     ago, before the next beat), the node's own answer (decode.lookup: one round trip, asked only when a prefill node could
     take the request instead)."""
-    cached = node.cached_tokens(ids)
+    cached = node.cached_tokens(ids, salt)
     if cached < len(ids) - node.status.get("block_size", 16) and node.status.get("prefix_cache") and self._prefill_nodes(node):
-      try: cached = max(cached, int(ctl.call("decode.lookup", prompt_ids=ids)["cached_tokens"]))
+      try: cached = max(cached, int(ctl.call("decode.lookup", prompt_ids=ids, **({"cache_salt": salt} if salt else {}))["cached_tokens"]))
       except Exception: pass                  # an older node without lookup, or a failing one: the summary's figure
     return cached
 
