@@ -1,5 +1,7 @@
-"""A small random-weight decode node in another process, with a test-only digest request, and a writer that plays the
-prefill node's part by hand (reserve, write layers, generate) with its own name, endpoint and registered memory."""
+"""A small random-weight decode node in another process, with test-only requests (test.digest: every block's digest;
+test.cached: every cached block's bytes; test.fail: make the next prefill or decode step fail; test.withdraw_reads: take
+back a reservation's read grants) and decode.submit, and a writer that plays the prefill node's part by hand (reserve,
+write layers, generate) with its own name, endpoint and registered memory."""
 import json, os, subprocess, sys
 import numpy as np
 from tinyhet.config import load_config
@@ -17,11 +19,48 @@ def _digest(conn):
   return {"blocks": [[hashlib.sha1(c.read_block_bytes(l, b)).hexdigest()[:16] for b in range(c.block_manager.num_blocks)]
                      for l in range(c.n_layers)], "arena_in_use": node.arena("MESH").in_use}
 node.endpoint.handle("test.digest", _digest)
+def _cached(conn):       # every cached block: its hash and each layer's bytes
+  c = decode.cache
+  with decode.cond: held = list(c.block_manager.hash_block.items())
+  return {"blocks": [[h, [c.read_block_bytes(l, b).hex() for l in range(c.n_layers)]] for h, b in held], "key": c.block_manager.model_id}
+node.endpoint.handle("test.cached", _cached)
+# faults, one-shot, armed by test.fail: a prefill that stores its first layer and fails, a decode step that fails before it runs
+FAULTS = set()
+_storer, _step = decode.cache.layer_storer, decode.engine.step
+def _faulty_storer(seq_id):
+  store = _storer(seq_id)
+  def run(layer, k, v):
+    if layer > 0 and "prefill" in FAULTS:
+      FAULTS.discard("prefill")
+      raise RuntimeError("injected: the prefill failed after its first layer")
+    return store(layer, k, v)
+  return run
+def _faulty_step(*a, **kw):
+  if "step" in FAULTS:
+    FAULTS.discard("step")
+    raise RuntimeError("injected: the decode step failed")
+  return _step(*a, **kw)
+decode.cache.layer_storer, decode.engine.step = _faulty_storer, _faulty_step
+def _fail(conn, what):
+  if what not in ("prefill", "step"): raise ValueError(f"no fault {what!r}")
+  FAULTS.add(what)
+  return {}
+node.endpoint.handle("test.fail", _fail)
+def _withdraw_reads(conn, seq_id, from_layer):   # the holder takes back a reservation's read grants of these layers (a pull then fails)
+  seq = decode.scheduler.incoming[seq_id]
+  n = decode.model.cfg.n_layers
+  for d in seq.extra["descs"][n + from_layer:]: node.endpoint.withdraw(d)
+  return {}
+node.endpoint.handle("test.withdraw_reads", _withdraw_reads)
+from tinyhet.service.node_roles import install_submit
+install_submit(decode)
 '''
 
 class DecodeNodeProcess:
-  def __init__(self, blocks: int = 64, bs: int = 4):
-    env = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_NODE": "guarded-decode", "TINYHET_ARENA_BYTES": "256M"}
+  def __init__(self, blocks: int = 64, bs: int = 4, trusted: tuple[str, ...] = ()):
+    """trusted: the writers whose KV the node caches (tinyhet.config's trusted_writers)."""
+    env = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_NODE": "guarded-decode", "TINYHET_ARENA_BYTES": "256M",
+           "TINYHET_TRUSTED_WRITERS": ",".join(trusted)}
     # warmed up before it says it is ready, so that an idle node holds no block (warm-up borrows scratch blocks)
     script = DECODE_NODE.format(small=SMALL, blocks=blocks, bs=bs).replace("decode.run(stop)", DIGEST + "decode.run(stop, warm_up=False)")
     script = script.replace("print(json.dumps(", "decode.warm_up()\nprint(json.dumps(")
@@ -94,3 +133,11 @@ def clean_request(w: Writer) -> list[int]:
   w.fill(kv_bytes(len(r["blocks"]) * r["block_bytes"], seed=1))
   w.write_layers(r, range(SMALL["n_layers"]))
   return generate(w, r, timeout=10)
+
+def submit(w: Writer, prompt: list[int], new: int, **kw) -> tuple[list[int], dict]:
+  """decode.submit: the node prefills the prompt itself; (every token, the done item)."""
+  out, done = [], {}
+  for item in w.ctl.stream("decode.submit", prompt_ids=list(prompt), max_new_tokens=new, reply_timeout=10, **kw):
+    if "token" in item: out.append(item["token"])
+    if item.get("done"): done = item
+  return out, done

@@ -1,14 +1,16 @@
 """decode.reserve with the prefix cache (use_cache) and decode.lookup, on a real decode node process (tests/decode_util.py):
 a reservation that hits gets the cached length and descriptors of its suffix's blocks only, so a write into a shared
 block is refused like any write outside the reservation, and the cached bytes stay as they were; bad lookups are refused
-and the node keeps serving."""
-import dataclasses
+and the node keeps serving. Only KV the node vouches for is cached: a token holder that is not a trusted writer cannot
+plant KV for later requests (the poisoning attack), and a failed prefill or decode step caches nothing past the tokens
+whose KV is known complete."""
+import dataclasses, itertools
 import pytest
 from tinyhet.runtime.control import ControlError
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import TransportError
 from tinyhet.runtime.transport import Span
-from decode_util import Writer, generate, kv_bytes
+from decode_util import Writer, generate, kv_bytes, submit
 from test_e2e import SMALL
 
 def reserve(w: Writer, prompt: list[int], new: int = 2) -> dict:
@@ -103,3 +105,74 @@ def test_a_hit_gets_a_read_grant_for_its_prefix_only_and_hostile_pulls_are_refus
   finally:
     w.close()
     intruder.close()
+
+def clean_answer(w: Writer, prompt: list[int], n: int) -> list[int]:
+  """A clean node's greedy tokens: the node's own prefill of the whole prompt, under a salt no request used before (so
+  nothing cached can be shared with it)."""
+  got, done = submit(w, prompt, n, cache_salt=f"clean-{next(CLEAN)}")
+  assert done["cached_tokens"] == 0
+  return got
+
+CLEAN = itertools.count()
+
+def test_a_token_holder_cannot_plant_kv_for_other_requests(guarded_node):
+  """The poisoning attack: a peer holding the cluster token (not a trusted writer) reserves prompt P, writes bytes of its
+  choosing, decodes a token, and leaves. A later request whose prompt starts with P finds nothing cached and decodes the
+  tokens a clean node gives; a trusted writer's KV for the same P is cached and shared."""
+  attacker, victim = Writer("kv-attacker", guarded_node.address), Writer("kv-victim", guarded_node.address)
+  try:
+    prompt = [61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73]               # 3 full blocks of 4, and one more token
+    r = reserve(attacker, prompt)
+    assert r["cached_tokens"] == 0
+    attacker.fill(kv_bytes(len(r["blocks"]) * r["block_bytes"], seed=66))
+    attacker.write_layers(r, range(SMALL["n_layers"]))
+    generate(attacker, r, timeout=10)                                            # the sequence ran on its bytes and left
+    longer = [*prompt, 5, 6, 7]
+    assert victim.ctl.call("decode.lookup", prompt_ids=longer)["cached_tokens"] == 0
+    got, done = submit(victim, longer, 5)
+    assert done["cached_tokens"] == 0
+    assert got == clean_answer(victim, longer, 5)
+    # the same attack through a trusted writer's name would be cached: kv-writer is one (the node's configuration)
+    w = Writer("kv-writer", guarded_node.address)
+    try:
+      r = reserve(w, [p + 100 for p in prompt])
+      w.fill(kv_bytes(len(r["blocks"]) * r["block_bytes"], seed=67))
+      w.write_layers(r, range(SMALL["n_layers"]))
+      generate(w, r, timeout=10)
+      assert victim.ctl.call("decode.lookup", prompt_ids=[p + 100 for p in longer])["cached_tokens"] == 12
+    finally: w.close()
+  finally:
+    attacker.close()
+    victim.close()
+
+def test_a_failed_prefill_caches_nothing_and_its_retry_gives_the_clean_tokens(guarded_node):
+  """The node's own prefill (decode.submit) fails after its first layer: the retry (the router's, on the same node) finds
+  nothing cached, reports cached_tokens 0 and gives a clean node's tokens."""
+  w = Writer("kv-router", guarded_node.address)
+  try:
+    prompt = [81 + i for i in range(13)]
+    w.ctl.call("test.fail", what="prefill")
+    with pytest.raises(ControlError, match="decode step failed"): submit(w, prompt, 4)
+    assert w.ctl.call("decode.lookup", prompt_ids=prompt)["cached_tokens"] == 0
+    got, done = submit(w, prompt, 4)
+    assert done["cached_tokens"] == 0 and got == clean_answer(w, prompt, 4)
+    assert w.ctl.call("decode.info")["open_sequences"] == 0
+  finally: w.close()
+
+def test_a_failed_decode_step_caches_only_the_tokens_whose_kv_was_stored(guarded_node):
+  """A 7-token prompt prefills, its first token is sampled, and the decode step that would store that token's KV (the
+  eighth slot, filling the second block) fails: only the first block is cached, and the next turn gives clean tokens."""
+  w = Writer("kv-router", guarded_node.address)
+  try:
+    prompt = [101, 102, 103, 104, 105, 106, 107]
+    w.ctl.call("test.fail", what="step")
+    first = []
+    with pytest.raises(ControlError, match="decode step failed"):
+      for item in w.ctl.stream("decode.submit", prompt_ids=prompt, max_new_tokens=4, reply_timeout=10):
+        if "token" in item: first.append(item["token"])
+    assert len(first) == 1                                                     # sampled after the prefill, before the step
+    turn = prompt + first + [9, 10]
+    assert w.ctl.call("decode.lookup", prompt_ids=turn)["cached_tokens"] == 4
+    got, done = submit(w, turn, 4)
+    assert done["cached_tokens"] == 4 and got == clean_answer(w, turn, 4)
+  finally: w.close()
