@@ -176,3 +176,37 @@ def test_a_failed_decode_step_caches_only_the_tokens_whose_kv_was_stored(guarded
     got, done = submit(w, turn, 4)
     assert done["cached_tokens"] == 4 and got == clean_answer(w, turn, 4)
   finally: w.close()
+
+def test_a_pull_that_fails_half_way_falls_back_to_computing_the_prefix_and_the_next_pull_is_clean(guarded_node):
+  """A prefill node (here, over tcp) pulls a cached prefix out of the decode node's blocks; the holder takes back the read
+  grants of every layer after the first, so the pull fails half-way: the job computes the prefix itself (no error, no
+  pulled tokens), the decode node's tokens equal a clean node's; the next job pulls over fresh pools and is clean too."""
+  from tinyhet.device.memory import local_node
+  from tinyhet.model.llama import Llama, random_weights, small_config
+  from tinyhet.model.sampling import Sampler
+  from tinyhet.runtime.control import ControlClient
+  from tinyhet.service.prefill_node import Job, PrefillNode
+  from test_e2e import TOKEN
+  node = local_node()
+  node.endpoint.token = TOKEN
+  cfg = small_config(**SMALL)
+  prefill = PrefillNode(Llama(cfg, random_weights(cfg, device="HET", seed=7), "HET"), node, transport="tcp")
+  w, ctl = Writer("kv-router", guarded_node.address), ControlClient(node.endpoint, guarded_node.address)
+  try:
+    prompt = [121 + i for i in range(13)]
+    submit(w, prompt, 1)                                                     # the node computes it: its 3 full blocks are cached
+    for turn, tail in enumerate(([7, 8, 9], [10, 11, 12])):
+      ids = prompt + tail
+      r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=4, timeout=10, use_cache=True)
+      assert r["cached_tokens"] == 12
+      if turn == 0: w.ctl.call("test.withdraw_reads", seq_id=r["seq_id"], from_layer=1)
+      out = prefill._prefill(Job(ids, guarded_node.address, r, {"sampler": Sampler()}))
+      assert out["pulled_tokens"] == (0 if turn == 0 else 12), out
+      got = [out["first_token"]] + [i["token"] for i in ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=out["first_token"],
+                                                                    seed=out["seed"], timeout=10) if "token" in i]
+      assert got == clean_answer(w, ids, 4), f"turn {turn}"
+    assert w.ctl.call("decode.info")["open_sequences"] == 0
+  finally:
+    ctl.close()
+    w.close()
+    prefill.close()
