@@ -66,6 +66,23 @@ def test_a_pull_outside_the_grant_is_refused_and_the_holder_keeps_serving(pair):
   assert (dst[1].numpy()[0] == stored[1][3 * BB:4 * BB]).all()
   peer.close()
 
+def test_a_pull_that_fails_half_way_ends_its_reads_and_frees_its_host_staging(pair):
+  """Pools tinyhet did not register (CPU) fill through a host region of the puller; a pull whose second layer is refused
+  raises PullFailed from wait, and abort (what a failed prefill calls) ends every read and gives that region back."""
+  from tinyhet.kv.pull import PullFailed
+  holder, puller, _, pools, _ = pair
+  arena = puller.arena("MESH")
+  before = arena.in_use
+  reads = grant(holder, pools[:1], [2]) + grant(holder, pools[1:], [2], owner="someone-else")     # layers 1, 2: not this peer's
+  dst = [Tensor.zeros(2, BB, dtype=dtypes.uint8, device="CPU").contiguous().realize() for _ in range(LAYERS)]
+  peer = puller.endpoint.connect(holder.endpoint.address, "tcp")
+  pull = PrefixPull(puller, peer, {"prefix_blocks": [2], "read_pools": reads, "block_bytes": BB}, dst)
+  assert pull.host is not None and arena.in_use > before
+  with pytest.raises(PullFailed, match="cached prefix failed"):        # layer 1's refusal (its connection dropped: layer 0's too, maybe)
+    for layer in range(LAYERS): pull.wait(layer)
+  assert pull.abort() and pull.host is None and arena.in_use == before
+  peer.close()
+
 def test_malformed_pull_specs_are_refused():
   for bad in ({"prefix_blocks": [1], "read_pools": []}, {"prefix_blocks": [], "read_pools": ["00"]}, {"prefix_blocks": [-1], "read_pools": ["x"]},
               {"prefix_blocks": "1", "read_pools": []}):

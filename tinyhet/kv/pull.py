@@ -26,9 +26,9 @@ from tinygrad.device import Buffer
 from tinyhet.device.backend import NotRegistered, region_of
 from tinyhet.runtime.arena import Region
 from tinyhet.runtime.descriptor import RegionDescriptor
-from tinyhet.runtime.transport import Span
+from tinyhet.runtime.transport import Span, TransportError
 
-class PullFailed(RuntimeError):
+class PullFailed(TransportError):
   """A prefix read failed (the holder withdrew its grant, the link broke, it timed out): compute the prefix instead."""
 
 def pull_spec(reservation: dict) -> tuple[list[int], list[RegionDescriptor]]:
