@@ -237,3 +237,23 @@ def test_stop_strings_end_the_sequence_on_the_decode_node(nodes, model):
   status, obj = call(nodes["router"], "POST", "/v1/completions", {"prompt": ids, "max_tokens": 40, "temperature": 0, "stop": [stop],
                                                                   "return_token_ids": True})
   assert status == 200 and obj["choices"][0]["finish_reason"] == "stop" and obj["choices"][0]["token_ids"] == ref[:n], obj
+
+def test_two_api_keys_never_share_cached_kv_and_one_key_does(nodes):
+  """Tenant isolation (tinyhet.service.tenancy): a prompt's blocks cached for one API key are a hit for that key only; another
+  key's identical prompt is prefilled in full (cached_tokens 0: no hit to show, in the usage or in the TTFT); cache_salt
+  separates one key's requests further; --shared-prefix-cache lets the keys share."""
+  keyed, ids = nodes["keyed"], [(7 * i) % 200 + 30 for i in range(40)]     # 40 tokens: 2 full blocks of 16 can be a hit
+  def cached(router, key: str, ids: list[int], **extra) -> int:
+    body = {"prompt": ids, "max_tokens": 2, "temperature": 0, **extra}
+    status, obj = call(router, "POST", "/v1/completions", body, {"Authorization": f"Bearer {key}"})
+    assert status == 200, obj
+    return obj["usage"]["prompt_tokens_details"]["cached_tokens"]
+  assert [cached(keyed, k, ids) for k in (KEYS[0], KEYS[0], KEYS[1], KEYS[1])] == [0, 32, 0, 32]
+  assert [cached(keyed, KEYS[0], ids, cache_salt="s") for _ in range(2)] == [0, 32]
+  assert call(keyed, "POST", "/v1/completions", {"prompt": ids, "cache_salt": 5}, {"Authorization": f"Bearer {KEYS[0]}"})[0] == 400
+  shared = Router("--both", nodes["both"].address, "--api-key", KEYS[0], "--api-key", KEYS[1], "--shared-prefix-cache")
+  try:
+    shared.wait_ready(nodes_up=1)
+    other = [t + 1 for t in ids]
+    assert [cached(shared, k, other) for k in KEYS] == [0, 32]
+  finally: shared.stop()
