@@ -1,6 +1,7 @@
 """The block manager's prefix cache over random request streams. A fake pool holds, at each (block, slot), what the KV of the
-token there depends on: the tokens up to and including it. A hit must find exactly that for every cached position, a write
-must never land in a block another sequence holds, and eviction must never change what a live sequence reads."""
+token there depends on: the tokens up to and including it, and the tenant salt of the sequence that wrote it. A hit must find
+exactly that for every cached position (a block written under another salt is never a hit), a write must never land in a
+block another sequence holds, and eviction must never change what a live sequence reads."""
 import pytest
 from hypothesis import given, settings, strategies as st
 from tinyhet.kv.block_manager import BlockManager, PoolFull, block_hashes
@@ -10,28 +11,29 @@ class Model:
     self.bm = BlockManager(num_blocks, block_size, prefix_cache=True, model_id="m")
     self.pool: dict[tuple[int, int], tuple[int, ...]] = {}
     self.tokens: dict[int, list[int]] = {}   # live sequences -> tokens whose KV they hold
+    self.salts: dict[int, str] = {}          # live sequences -> their tenant salt
     self.next_seq = 0
 
   def _write(self, sid: int, p: int) -> None:
     block, off = self.bm.slot(sid, p)
     assert self.bm.ref_counts[block] == 1, f"sequence {sid} writes position {p} into block {block}, which another sequence holds"
-    self.pool[(block, off)] = tuple(self.tokens[sid][:p + 1])
+    self.pool[(block, off)] = (self.salts[sid], *self.tokens[sid][:p + 1])
 
-  def allocate(self, prompt: list[int], reserve: bool) -> None:
+  def allocate(self, prompt: list[int], reserve: bool, salt: str = "") -> None:
     sid, self.next_seq = self.next_seq, self.next_seq + 1
-    fits = self.bm.can_allocate(len(prompt), prompt)
+    fits = self.bm.can_allocate(len(prompt), prompt, salt)
     queried, matched = self.bm.queried_tokens, self.bm.matched_tokens
     if not fits:
-      with pytest.raises(PoolFull): (self.bm.reserve if reserve else self.bm.allocate)(sid, len(prompt), prompt)
+      with pytest.raises(PoolFull): (self.bm.reserve if reserve else self.bm.allocate)(sid, len(prompt), prompt, salt)
       self.bm.check()
       return
-    (self.bm.reserve if reserve else self.bm.allocate)(sid, len(prompt), prompt)
-    self.tokens[sid] = list(prompt)
+    (self.bm.reserve if reserve else self.bm.allocate)(sid, len(prompt), prompt, salt)
+    self.tokens[sid], self.salts[sid] = list(prompt), salt
     hit = self.bm.cached_length(sid)
     assert hit % self.bm.block_size == 0 and 0 <= hit < len(prompt)
     assert (self.bm.queried_tokens - queried, self.bm.matched_tokens - matched) == (len(prompt), hit)
     for p in range(hit):    # a hit: the KV is there, equal to what computing the prompt would store
-      assert self.pool[self.bm.slot(sid, p)] == tuple(prompt[:p + 1]), f"sequence {sid} hit other tokens' KV at {p}"
+      assert self.pool[self.bm.slot(sid, p)] == (salt, *prompt[:p + 1]), f"sequence {sid} hit other tokens' (or another tenant's) KV at {p}"
     for p in range(hit, len(prompt)): self._write(sid, p)
 
   def append(self, sid: int, tok: int) -> None:
@@ -43,16 +45,17 @@ class Model:
   def free(self, sid: int, keep: bool) -> None:
     if self.bm.is_reserved(sid): self.bm.release_reservation(sid)
     else: self.bm.deallocate(sid, self.tokens[sid] if keep else None)
-    del self.tokens[sid]
+    del self.tokens[sid], self.salts[sid]
 
   def verify(self) -> None:
     self.bm.check()
     for sid, toks in self.tokens.items():
       assert self.bm.length(sid) == len(toks)
-      for p in range(len(toks)): assert self.pool[self.bm.slot(sid, p)] == tuple(toks[:p + 1]), f"sequence {sid}'s KV changed at {p}"
-    for b, h in self.bm.block_hash.items():   # a cached block holds the tokens its hash names
-      toks = self.pool[(b, self.bm.block_size - 1)]
-      assert block_hashes(list(toks), self.bm.block_size, "m")[-1] == h
+      for p in range(len(toks)):
+        assert self.pool[self.bm.slot(sid, p)] == (self.salts[sid], *toks[:p + 1]), f"sequence {sid}'s KV changed at {p}"
+    for b, h in self.bm.block_hash.items():   # a cached block holds the tokens its hash names, under its salt
+      salt, *toks = self.pool[(b, self.bm.block_size - 1)]
+      assert block_hashes(toks, self.bm.block_size, "m", salt=salt)[-1] == h
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 10]
 OPS = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "reserve", "append", "append", "free", "drop", "commit", "release"]),
@@ -67,7 +70,7 @@ def test_random_request_streams_share_only_the_right_kv(num_blocks, block_size, 
     committed = [s for s in seqs if not m.bm.is_reserved(s)]
     reserved = [s for s in seqs if m.bm.is_reserved(s)]
     prompt = PREFIXES[pick % len(PREFIXES)][:n] + tail or [pick % 4]
-    if op in ("alloc", "reserve"): m.allocate(prompt, reserve=op == "reserve")
+    if op in ("alloc", "reserve"): m.allocate(prompt, reserve=op == "reserve", salt=["", "", "tenant-a", "tenant-b"][pick // 7 % 4])
     elif op == "append" and committed: m.append(committed[pick % len(committed)], n % 4)
     elif op in ("free", "drop") and committed: m.free(committed[pick % len(committed)], keep=op == "free")
     elif op == "commit" and reserved: m.bm.commit(reserved[pick % len(reserved)])
