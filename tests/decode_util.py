@@ -40,10 +40,18 @@ def _faulty_step(*a, **kw):
     FAULTS.discard("step")
     raise RuntimeError("injected: the decode step failed")
   return _step(*a, **kw)
-decode.cache.layer_storer, decode.engine.step = _faulty_storer, _faulty_step
-def _fail(conn, what):
-  if what not in ("prefill", "step"): raise ValueError(f"no fault {what!r}")
-  FAULTS.add(what)
+import tinyhet.engine.prefill as _prefill_module
+_suffix = _prefill_module.prefill_suffix_logits
+def _faulty_suffix(*a, **kw):    # a prefix-cache hit's prefill (the rest of the prompt): fails before it runs
+  if "prefill" in FAULTS:
+    FAULTS.discard("prefill")
+    raise RuntimeError("injected: the suffix prefill failed")
+  return _suffix(*a, **kw)
+decode.cache.layer_storer, decode.engine.step, _prefill_module.prefill_suffix_logits = _faulty_storer, _faulty_step, _faulty_suffix
+def _fail(conn, what):           # "clear": no fault armed any more
+  if what not in ("prefill", "step", "clear"): raise ValueError(f"no fault {what!r}")
+  if what == "clear": FAULTS.clear()
+  else: FAULTS.add(what)
   return {}
 node.endpoint.handle("test.fail", _fail)
 def _withdraw_reads(conn, seq_id, from_layer):   # the holder takes back a reservation's read grants of these layers (a pull then fails)
