@@ -80,9 +80,10 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
       procs.append(Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args))
       flags = ["--both", procs[0].info["address"]]
     else:
-      procs.append(Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args))
+      # the decode node caches what the prefill node writes only as its trusted writer (tinyhet.config's trusted_writers)
+      procs.append(Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args, env={"TINYHET_NODE": "bench-prefill"}))
       procs.append(Proc("node", "--role", "decode", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args,
-                        *([] if cache else ["--no-prefix-cache"])))
+                        *([] if cache else ["--no-prefix-cache"]), env={"TINYHET_TRUSTED_WRITERS": "bench-prefill"}))
       flags = ["--prefill", procs[0].info["address"], "--decode", procs[1].info["address"]]
     router = Proc("serve", "--listen", "127.0.0.1:0", *flags, *model_args)
     procs.append(router)

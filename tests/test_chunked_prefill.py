@@ -76,6 +76,32 @@ def test_a_cached_prefix_suffix_in_captured_chunks_gives_the_uncached_tokens_and
     assert all(cache.read_block_bytes(0, b) == data for b, data in marks.items())
   finally: llama.prefill_chunk = 0
 
+def test_the_local_engine_caches_nothing_past_what_a_failed_request_stored(llama):
+  """LocalEngine's prefix cache after a failure: a prefill that fails after its first layer caches none of the prompt; a
+  decode step that fails caches only the blocks whose every slot was stored (a 15-token prompt: the slot the step was to
+  fill is the 16th: only the first block is cached), and the request after either hits only that block."""
+  from tinyhet.engine.local_engine import LocalEngine
+  engine = LocalEngine(llama, 64, block_size=8, prefix_cache=True)
+  bm, storer, step = engine.cache.block_manager, engine.cache.layer_storer, engine.engine.step
+  def failing_storer(seq_id):
+    store = storer(seq_id)
+    def run(layer, k, v):
+      if layer > 0: raise RuntimeError("injected: the prefill failed after its first layer")
+      return store(layer, k, v)
+    return run
+  engine.cache.layer_storer = failing_storer
+  prompt = ids_of(20, 8)
+  with pytest.raises(RuntimeError, match="injected"): engine.generate(prompt, 3)
+  assert bm.num_cached == 0
+  engine.cache.layer_storer = storer
+  def failing_step(*a, **kw): raise RuntimeError("injected: the decode step failed")
+  engine.engine.step = failing_step
+  with pytest.raises(RuntimeError, match="injected"): engine.generate(prompt[:15], 3)
+  assert bm.num_cached == 1                               # the first block only: the second's 16th slot was never stored
+  engine.engine.step = step
+  assert engine.generate(prompt, 3)[1]["cached_tokens"] == 8
+  bm.check()
+
 @pytest.mark.parametrize("chunk", [16, 37])
 @settings(max_examples=1, deadline=None)
 @given(T=st.integers(97, 111), seed=st.integers(0, 1000))

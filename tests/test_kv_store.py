@@ -23,9 +23,12 @@ LAST: dict = {}    # the conversation the multi-turn test left on a node, for th
 
 @pytest.fixture(scope="module")
 def store():
-  # the prefill node writes and pulls over tcp (the transport that checks every frame; on one host auto would pick shm)
-  procs = {"prefill": node("prefill", env={"TINYHET_TRANSPORT": "tcp"}), "d1": node("decode", "--kv-memory", "64M", "--max-seqs", "4"),
-           "d2": node("decode", "--kv-memory", "64M", "--max-seqs", "4"),
+  # the prefill node writes and pulls over tcp (the transport that checks every frame; on one host auto would pick shm); the
+  # decode nodes cache what it writes: it is their trusted writer (tinyhet.config's trusted_writers)
+  trust = {"TINYHET_TRUSTED_WRITERS": "store-prefill"}
+  procs = {"prefill": node("prefill", env={"TINYHET_TRANSPORT": "tcp", "TINYHET_NODE": "store-prefill"}),
+           "d1": node("decode", "--kv-memory", "64M", "--max-seqs", "4", env=trust),
+           "d2": node("decode", "--kv-memory", "64M", "--max-seqs", "4", env=trust),
            "plain": node("decode", "--kv-memory", "64M", "--max-seqs", "4", "--no-prefix-cache")}
   routers = []
   try:
@@ -115,7 +118,7 @@ def test_a_pool_full_of_cached_blocks_still_admits_new_work(store):
   it with cached blocks; new prompts are still admitted (cached blocks count as free and are evicted, least recently used
   first) and give the no-cache tokens, and the newest conversation's next turn is still a hit that the prefill node pulls."""
   _, plain, procs = store
-  small = node("decode", "--kv-memory", "4M", "--max-seqs", "2")
+  small = node("decode", "--kv-memory", "4M", "--max-seqs", "2", env={"TINYHET_TRUSTED_WRITERS": "store-prefill"})
   router = StoreRouter("--prefill", procs["prefill"].address, "--decode", small.address)
   try:
     router.wait_ready(nodes_up=2)
