@@ -248,7 +248,13 @@ def test_two_api_keys_never_share_cached_kv_and_one_key_does(nodes):
     status, obj = call(router, "POST", "/v1/completions", body, {"Authorization": f"Bearer {key}"})
     assert status == 200, obj
     return obj["usage"]["prompt_tokens_details"]["cached_tokens"]
+  def node_hits() -> int:             # the node's own count of prompt tokens it did not compute (what a short TTFT would show)
+    return call(keyed, "GET", "/ready", headers={"Authorization": f"Bearer {KEYS[0]}"})[1]["nodes"][0].get("prefix_hit_tokens", 0)
+  before = node_hits()
   assert [cached(keyed, k, ids) for k in (KEYS[0], KEYS[0], KEYS[1], KEYS[1])] == [0, 32, 0, 32]
+  deadline = time.monotonic() + 10    # the node's count arrives with its next heartbeat
+  while node_hits() - before < 64 and time.monotonic() < deadline: time.sleep(0.1)
+  assert node_hits() - before == 64   # two hits of 32: the other key's first request was prefilled in full, in time as in tokens
   assert [cached(keyed, KEYS[0], ids, cache_salt="s") for _ in range(2)] == [0, 32]
   assert call(keyed, "POST", "/v1/completions", {"prompt": ids, "cache_salt": 5}, {"Authorization": f"Bearer {KEYS[0]}"})[0] == 400
   shared = Router("--both", nodes["both"].address, "--api-key", KEYS[0], "--api-key", KEYS[1], "--shared-prefix-cache")

@@ -20,6 +20,11 @@ def check_prompt(cfg, prompt_ids, max_new_tokens: int | None = None) -> None:
   if len(prompt_ids) + max_new_tokens > cfg.max_context:
     raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's context ({cfg.max_context})")
 
+def check_salt(salt) -> None:
+  """A cache salt: a string of at most 256 bytes (the router sends a digest of the tenant's key and cache_salt)."""
+  if not isinstance(salt, str) or len(salt.encode()) > 256:
+    raise ValueError(f"cache_salt must be a string of at most 256 bytes, got {str(salt)[:40]!r}")
+
 SHAPE = ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "dim")   # what a decode node's KV blocks and logits depend on
 
 def check_compatible(cfg, model_id: str, info: dict, where: str, fingerprint: str = "") -> None:

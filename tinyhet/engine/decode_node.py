@@ -19,6 +19,11 @@ A sequence arrives in three steps, each a control request (tinyhet.runtime.contr
                    over shm/verbs when every layer landed, the writer says its writes are done, or its connections close.
 A full pool never crashes the node: reservations wait, and a decode step that needs a block preempts the newest sequence,
 which is recomputed here later (its prompt and generated tokens prefilled again on this node).
+The prefix cache holds only KV this node vouches for: what it computed, or what a writer in its trusted_writers
+(tinyhet.config) wrote; another writer's KV serves its own request (cache_limit: nothing past the hit is cached as it
+leaves). A failed prefill caches nothing past its hit, a failed decode step nothing past the tokens stored before it. Block
+hashes are keyed by the model's fingerprint with the KV dtype (tinyhet.model.fingerprint) and by the request's cache_salt
+(decode.reserve, decode.submit and decode.lookup take one: tinyhet.service.tenancy), so tenants share no block.
 """
 from __future__ import annotations
 import itertools, queue, threading, time
@@ -29,7 +34,7 @@ from tinyhet.device.backend import region_of
 from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, NOTICE_FORMAT, Landing, split_notice
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
-from tinyhet.engine.checks import check_prompt, is_int
+from tinyhet.engine.checks import check_prompt, check_salt, is_int
 from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
 from tinyhet.runtime.arena import Region
 from tinyhet.model.fingerprint import cache_key
@@ -58,11 +63,6 @@ def token_item(tok) -> dict:
   if isinstance(tok, tuple) and tok[0] == "prompt": return {"prompt_logprobs": tok[1]}
   if isinstance(tok, tuple): return {"token": tok[0], "logprob": tok[1], "top_logprobs": tok[2]}
   return {"token": tok}
-
-def check_salt(salt) -> None:
-  """A cache salt: a string of at most 256 bytes (the router sends a digest of the tenant's key and cache_salt)."""
-  if not isinstance(salt, str) or len(salt.encode()) > 256:
-    raise ValueError(f"cache_salt must be a string of at most 256 bytes, got {str(salt)[:40]!r}")
 
 def _check_timeout(timeout):
   if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:

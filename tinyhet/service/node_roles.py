@@ -15,13 +15,12 @@ import queue
 from tinyhet.service import heartbeat
 
 def install_submit(decode) -> None:
-  from tinyhet.engine.checks import check_prompt
+  from tinyhet.engine.checks import check_prompt, check_salt
   from tinyhet.model.sampling import Sampler
   from tinyhet.engine.scheduler import Sequence
 
   def serve_submit(conn, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                    stop_ids: list[int] | None = None, options: dict | None = None, stop: list[str] | None = None, cache_salt: str = ""):
-    from tinyhet.engine.decode_node import check_salt
     check_prompt(decode.model.cfg, prompt_ids, max_new_tokens)
     check_salt(cache_salt)
     sampler = Sampler(temperature, top_p, seed, **(options or {}))      # a bad setting fails before an id is taken
