@@ -23,7 +23,7 @@ def test_env_file_variable(tmp_path):
   ('tcp_streams = 0', "tcp_streams"), ('hugepages = "maybe"', "boolean"), ('[peers]\nx = "nohostport"', "host:port"),
   ('transport = ', "config file"), ('kv_dtype = "int4"', "kv_dtype"),
   ('rdma_device = "mlx5 0"', "rdma_device"), ('rdma_port = 0', "rdma_port"), ('rdma_port = "one"', "not an integer"),
-  ('rdma_gid_index = -2', "rdma_gid_index"), ('rdma_gid_index = 256', "rdma_gid_index"),
+  ('rdma_gid_index = -2', "rdma_gid_index"), ('rdma_gid_index = 256', "rdma_gid_index"), ('trusted_writers = 5', "trusted_writers"),
 ])
 def test_bad_files_name_the_problem(tmp_path, text, message):
   (p := tmp_path / "c.toml").write_text(text)
@@ -51,6 +51,14 @@ def test_rdma_options():
   with pytest.raises(ConfigError, match="TINYHET_RDMA_PORT"): load_config(env={"TINYHET_RDMA_PORT": "first"})
   with pytest.raises(ConfigError, match="rdma_port = 300 must be a port number"): load_config(env={"TINYHET_RDMA_PORT": "300"})
   with pytest.raises(ConfigError, match="rdma_device = 'a/b' is not an RDMA device name"): load_config(env={"TINYHET_RDMA_DEVICE": "a/b"})
+
+def test_trusted_writers():
+  """The peers whose KV a decode node caches: none by default; a comma list in the environment, a list in the file."""
+  assert Config().trusted_writers == ()
+  assert load_config(env={"TINYHET_TRUSTED_WRITERS": "prefill0, prefill1,"}).trusted_writers == ("prefill0", "prefill1")
+  assert load_config(env={}, trusted_writers=("p",)).trusted_writers == ("p",)
+  with pytest.raises(ConfigError, match="trusted_writers"): load_config(env={"TINYHET_TRUSTED_WRITERS": "x" * 201})
+  with pytest.raises(ConfigError, match="trusted_writers"): load_config(env={}, trusted_writers=(1,))
 
 # the transports' fields are checked by one rule (runtime/settings.py), whichever layer meets the value first
 TRANSPORT_FIELDS = ("transport", "tcp_streams", "rdma_device", "rdma_port", "rdma_gid_index")
