@@ -181,3 +181,16 @@ def test_kv_aware_routing_follows_the_cached_prefix():
   assert c._admit(len(ids), 8, ids)[0] is other
   c._beat(holder, {**holder.status, "cached_hashes": "junk"})                         # a bad summary is no summary
   assert holder.cached_tokens(ids) == 0
+
+def test_kv_aware_routing_hashes_with_the_nodes_cache_key_and_the_tenants_salt():
+  """A node's heartbeat names the key its block hashes are made with (its model's fingerprint and KV dtype); the router
+  finds a tenant's prefix there under that tenant's salt only (tinyhet.service.tenancy), and admits it by that hit."""
+  from tinyhet.kv.block_manager import block_hashes
+  ids = list(range(1, 161))
+  holder, other = state("decode", running=2), state("decode", running=1)
+  c = cluster(holder, other)
+  c._beat(holder, {**holder.status, "cache_key": "fp/float16", "cached_hashes": block_hashes(ids[:144], 16, "fp/float16", salt="t1")})
+  assert holder.cached_tokens(ids, "t1") == 144
+  assert holder.cached_tokens(ids) == 0 and holder.cached_tokens(ids, "t2") == 0     # another tenant (or none) sees no hit
+  assert c._admit(len(ids), 8, ids, salt="t1")[0] is holder
+  assert c._admit(len(ids), 8, ids, salt="t2")[0] is other                          # no hit for it: the less loaded node
