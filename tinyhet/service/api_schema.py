@@ -51,10 +51,13 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
   stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
   if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
     raise ApiError("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
-  unsupported = {"best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-                 "suffix": (None, ""), "response_format": (None, {"type": "text"}), "prediction": (None,), "audio": (None,),
-                 "modalities": (None, ["text"]), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-                 "use_beam_search": (None, False), "prompt_logprobs": (None,)}
+  # tools, tool_choice, response_format and guided_*: tinyhet.service.tools and structured (constrain_request)
+  unsupported = {"best_of": (None, 1), "functions": (None, []), "function_call": (None, "none"),
+                 "suffix": (None, ""), "prediction": (None,), "audio": (None,),
+                 "modalities": (None, ["text"]), "use_beam_search": (None, False), "prompt_logprobs": (None,)}
+  if not chat:
+    for name in ("tools", "tool_choice"):
+      if body.get(name) is not None: raise ApiError(f"'{name}' is for chat completions (/v1/chat/completions): leave it out here", name)
   for name, fine in unsupported.items():
     if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
       raise ApiError(f"'{name}' is not supported by this server: leave it out", name)
@@ -120,21 +123,14 @@ def parse_completion(body, tok, model_id: str, max_context: int | None) -> dict:
   if isinstance(prompt, str): ids = _encode(tok.encode, prompt, "prompt")
   elif isinstance(prompt, list) and all(_is_int(t) for t in prompt): ids = list(prompt)
   else: raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
-  return _common(body, tok, model_id, max_context, ids, chat=False)
+  from tinyhet.service.structured import constrain_request
+  return constrain_request(_common(body, tok, model_id, max_context, ids, chat=False), body)
 
 def parse_chat(body, tok, model_id: str, max_context: int | None) -> dict:
   """POST /v1/chat/completions: messages [{role, content}], content a string or a list of {"type": "text", "text"} parts."""
   if not isinstance(body, dict): raise ApiError("the body must be a JSON object")
-  msgs = body.get("messages")
-  if not isinstance(msgs, list) or not msgs: raise ApiError("'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
-  clean = []
-  for i, m in enumerate(msgs):
-    if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-      raise ApiError(f"messages[{i}] must be an object whose 'role' is system, developer, user or assistant", "messages")
-    content = m.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-      content = "".join(p["text"] for p in content)
-    if not isinstance(content, str): raise ApiError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-  ids = _encode(tok.encode_chat, clean, "messages")
-  return _common(body, tok, model_id, max_context, ids, chat=True)
+  from tinyhet.service import tools
+  from tinyhet.service.structured import constrain_request
+  clean, spec = tools.clean_messages(body.get("messages")), tools.parse_tools(body, tok)     # the tool turns, the tools
+  ids = _encode(lambda m: tools.encode(tok, m, spec), clean, "messages")
+  return constrain_request(_common(body, tok, model_id, max_context, ids, chat=True), body, spec)
