@@ -203,7 +203,7 @@ def test_sampling_options_on_the_nodes(nodes, model):
   sampled = dict(temperature=0.9, top_p=0.8, top_k=20, min_p=0.05, frequency_penalty=0.5, seed=11)
   want = model[0].reference_generate(ids, 6, temperature=0.9, top_p=0.8, seed=11, options=dict(top_k=20, min_p=0.05, frequency_penalty=0.5))
   assert ask(**sampled) == want
-  for field, value in (("n", 2), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("top_k", -2),
+  for field, value in (("n", 2), ("response_format", {"type": "xml"}), ("tools", [{"type": "function"}]), ("top_k", -2),
                        ("min_p", 1.5), ("presence_penalty", 3), ("repetition_penalty", 0), ("logit_bias", {"999": 1}),
                        ("logit_bias", {"5": 101}),
                        ("logprobs", 6), ("echo", 1), ("best_of", 3)):
