@@ -1,11 +1,7 @@
 """Checking OpenAI request bodies: each field's type and range, the model's name and the context's length. A bad body
 raises ApiError (HTTP 4xx) whose message says which field to change and how; nothing else is raised for any JSON value."""
 from __future__ import annotations
-
-class ApiError(ValueError):
-  def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-    super().__init__(message)
-    self.param, self.status, self.code = param, status, code
+from tinyhet.service.api_error import ApiError
 
 def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
 def _is_num(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -123,14 +119,13 @@ def parse_completion(body, tok, model_id: str, max_context: int | None) -> dict:
   if isinstance(prompt, str): ids = _encode(tok.encode, prompt, "prompt")
   elif isinstance(prompt, list) and all(_is_int(t) for t in prompt): ids = list(prompt)
   else: raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
-  from tinyhet.service.structured import constrain_request
+  from tinyhet.service.tools import constrain_request
   return constrain_request(_common(body, tok, model_id, max_context, ids, chat=False), body)
 
 def parse_chat(body, tok, model_id: str, max_context: int | None) -> dict:
   """POST /v1/chat/completions: messages [{role, content}], content a string or a list of {"type": "text", "text"} parts."""
   if not isinstance(body, dict): raise ApiError("the body must be a JSON object")
   from tinyhet.service import tools
-  from tinyhet.service.structured import constrain_request
   clean, spec = tools.clean_messages(body.get("messages")), tools.parse_tools(body, tok)     # the tool turns, the tools
   ids = _encode(lambda m: tools.encode(tok, m, spec), clean, "messages")
-  return constrain_request(_common(body, tok, model_id, max_context, ids, chat=True), body, spec)
+  return tools.constrain_request(_common(body, tok, model_id, max_context, ids, chat=True), body, spec)

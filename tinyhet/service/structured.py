@@ -13,7 +13,7 @@ JSON is written compactly (", " and ": " between items, no other whitespace), so
 """
 from __future__ import annotations
 import json
-from tinyhet.service.api_schema import ApiError
+from tinyhet.service.api_error import ApiError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -69,15 +69,3 @@ def output_grammar(body: dict) -> tuple[str | None, str | None]:
   name = given[0]
   text = _response_format(body[name]) if name == "response_format" else _guided(name, body[name])
   return text, (name if text is not None else None)
-
-def constrain_request(p: dict, body: dict, tools=None) -> dict:
-  """A parsed request (api_schema) with its grammar in the nodes' sampling options and its tool spec (tools.ToolSpec) in
-  p["tools"]: a forced tool call's grammar, or the response_format / guided_* field's. Both at once is a 400."""
-  from tinyhet.service.tools import tool_grammar
-  text, field = output_grammar(body)
-  if tools is not None and field is not None:
-    raise ApiError(f"'{field}' together with 'tools' is not supported: send one of them (or tool_choice none)", field)
-  if tools is not None: text = tool_grammar(tools)
-  if text is not None: p["options"]["grammar"] = text
-  p["tools"] = tools
-  return p

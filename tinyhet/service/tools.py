@@ -15,8 +15,8 @@ grammar (tinyhet.engine.grammar) to calls of the tools (that one), each call's a
 from __future__ import annotations
 import json, re, uuid
 from dataclasses import dataclass
-from tinyhet.service.api_schema import ApiError
-from tinyhet.service.structured import JSON_OPTIONS
+from tinyhet.service.api_error import ApiError
+from tinyhet.service.structured import JSON_OPTIONS, _checked, output_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -141,7 +141,6 @@ def call_schema(f: dict, fmt: str) -> dict:
 
 def tool_grammar(spec: ToolSpec) -> str | None:
   """For required and named tool_choice: the grammar of the reply, calls only (one, or several with parallel_tool_calls)."""
-  from tinyhet.service.structured import _checked
   if spec.choice not in ("required", "named"): return None
   fs = [t["function"] for t in spec.tools if spec.choice == "required" or t["function"]["name"] == spec.name]
   schema = {"anyOf": [call_schema(f, spec.format) for f in fs], "x-guidance": JSON_OPTIONS}
@@ -227,3 +226,14 @@ def reply_message(text: str, spec: ToolSpec, reason: str) -> tuple[dict, str]:
 def delta_calls(calls: list[dict], first_index: int) -> list[dict]:
   """Calls as a stream's delta.tool_calls: each whole in one chunk, with its index among the reply's calls."""
   return [{"index": first_index + k, **c} for k, c in enumerate(calls)]
+
+def constrain_request(p: dict, body: dict, tools=None) -> dict:
+  """A parsed request (api_schema) with its grammar in the nodes' sampling options and its tool spec (tools.ToolSpec) in
+  p["tools"]: a forced tool call's grammar, or the response_format / guided_* field's. Both at once is a 400."""
+  text, field = output_grammar(body)
+  if tools is not None and field is not None:
+    raise ApiError(f"'{field}' together with 'tools' is not supported: send one of them (or tool_choice none)", field)
+  if tools is not None: text = tool_grammar(tools)
+  if text is not None: p["options"]["grammar"] = text
+  p["tools"] = tools
+  return p
