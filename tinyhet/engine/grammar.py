@@ -64,6 +64,7 @@ class Grammars:
       if (m := self.compiled.get(text)) is None:
         m = LLMatcher(self.vocab[0], check_grammar(text), log_level=0)
         if m.is_error(): raise GrammarError(f"the grammar does not compile: {m.get_error()[:300]}")
+        m.compute_bitmask()                 # the first mask builds the lexer's states (~10 ms on a 49k vocabulary): here, once per grammar
         self.compiled[text], self.compiles = m, self.compiles + 1
         while len(self.compiled) > CACHED_GRAMMARS: self.compiled.popitem(last=False)
       self.compiled.move_to_end(text)
