@@ -136,3 +136,17 @@ def test_llama3_format_and_native_templates():
     def encode(self, text, add_special=True): return list(text.encode())
     def token_text(self, i): return ""
   assert bytes(tools.encode(Tok(), [{"role": "user", "content": "x"}], tools.parse_tools({"tools": [WEATHER]}, Tok()))) == b"[w]<tool_call>"
+
+def test_parallel_required_calls_all_validate():
+  """tool_choice required with parallel_tool_calls: one or more calls, each of a given function with valid arguments (the
+  byte vocabulary has no end token, so the reply runs to the step limit and only its finished calls count)."""
+  fns = [WEATHER, {"type": "function", "function": {"name": "n", "parameters": SCHEMA}}]
+  spec = tools.parse_tools({"tools": fns, "tool_choice": "required"}, ByteTokenizer())
+  g = tools.tool_grammar(spec)
+  for seed in range(3):
+    out, = generate([constrained(g, seed)], seed, steps=300)
+    content, calls = tools.parse_output(bytes(out).decode(), spec)
+    assert calls and (content is None or "<tool_call>".startswith(content[:11]))     # what is left: the unfinished last call
+    for c in calls:
+      jsonschema.validate(json.loads(c["function"]["arguments"]), next(f["function"]["parameters"] for f in fns if f["function"]["name"] ==
+                                                                         c["function"]["name"]))

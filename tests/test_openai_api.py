@@ -237,3 +237,20 @@ def test_stop_strings_end_the_sequence_on_the_decode_node(nodes, model):
   status, obj = call(nodes["router"], "POST", "/v1/completions", {"prompt": ids, "max_tokens": 40, "temperature": 0, "stop": [stop],
                                                                   "return_token_ids": True})
   assert status == 200 and obj["choices"][0]["finish_reason"] == "stop" and obj["choices"][0]["token_ids"] == ref[:n], obj
+
+def test_structured_output_through_a_prefill_node(nodes):
+  """Disaggregated: the prefill node draws the first token under the grammar, the decode node the rest (each builds the
+  request's Constraint from the same grammar text and the tokens so far); the keyed `both` router serves it alone."""
+  import re
+  jsonschema = pytest.importorskip("jsonschema")
+  schema = {"type": "object", "properties": {"k": {"enum": ["ab", "cd"]}, "v": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["k", "v"], "additionalProperties": False}
+  for router, headers in ((nodes["router"], {}), (nodes["keyed"], {"Authorization": f"Bearer {KEYS[0]}"})):
+    for seed in (1, 2):
+      status, obj = call(router, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 60, "temperature": 1.0, "seed": seed,
+                                                             "guided_json": schema}, headers)
+      assert status == 200 and obj["choices"][0]["finish_reason"] == "stop", obj
+      jsonschema.validate(json.loads(obj["choices"][0]["text"]), schema)
+    status, obj = call(router, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "id?"}], "max_tokens": 20,
+                                                                "temperature": 1.0, "seed": 3, "guided_regex": "[A-Z][0-9]{4}"}, headers)
+    assert status == 200 and re.fullmatch("[A-Z][0-9]{4}", obj["choices"][0]["message"]["content"]), obj
