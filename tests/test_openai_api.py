@@ -246,11 +246,10 @@ def test_structured_output_through_a_prefill_node(nodes):
   schema = {"type": "object", "properties": {"k": {"enum": ["ab", "cd"]}, "v": {"type": "integer", "minimum": 0, "maximum": 999}},
             "required": ["k", "v"], "additionalProperties": False}
   for router, headers in ((nodes["router"], {}), (nodes["keyed"], {"Authorization": f"Bearer {KEYS[0]}"})):
-    for seed in (1, 2):
-      status, obj = call(router, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 60, "temperature": 1.0, "seed": seed,
-                                                             "guided_json": schema}, headers)
-      assert status == 200 and obj["choices"][0]["finish_reason"] == "stop", obj
-      jsonschema.validate(json.loads(obj["choices"][0]["text"]), schema)
+    status, obj = call(router, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 60, "temperature": 1.0, "seed": 1,
+                                                           "guided_json": schema}, headers)
+    assert status == 200 and obj["choices"][0]["finish_reason"] == "stop", obj
+    jsonschema.validate(json.loads(obj["choices"][0]["text"]), schema)
     status, obj = call(router, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "id?"}], "max_tokens": 20,
                                                                 "temperature": 1.0, "seed": 3, "guided_regex": "[A-Z][0-9]{4}"}, headers)
     assert status == 200 and re.fullmatch("[A-Z][0-9]{4}", obj["choices"][0]["message"]["content"]), obj
