@@ -150,3 +150,15 @@ def test_parallel_required_calls_all_validate():
     for c in calls:
       jsonschema.validate(json.loads(c["function"]["arguments"]), next(f["function"]["parameters"] for f in fns if f["function"]["name"] ==
                                                                          c["function"]["name"]))
+
+def test_vllm_structured_outputs_is_guided_under_one_field():
+  from tinyhet.service.api_error import ApiError
+  for key, guided, value in (("json", "guided_json", SCHEMA), ("regex", "guided_regex", "a+"), ("choice", "guided_choice", ["a", "b"]),
+                             ("grammar", "guided_grammar", 'root ::= "x"')):
+    assert output_grammar({"structured_outputs": {key: value}}) == (output_grammar({guided: value})[0], "structured_outputs")
+  assert output_grammar({"structured_outputs": {"json_object": True}})[0] == output_grammar({"response_format": {"type": "json_object"}})[0]
+  for bad in ({}, {"regex": "a", "choice": ["a"]}, {"xml": "x"}, {"regex": "("}, "a+"):
+    with pytest.raises(ApiError) as e: output_grammar({"structured_outputs": bad})
+    assert e.value.param == "structured_outputs"
+  with pytest.raises(ApiError) as e: output_grammar({"guided_regex": "a", "structured_outputs": {"regex": "b"}})
+  assert e.value.param == "structured_outputs"

@@ -9,6 +9,7 @@ does not compile is a 400 naming its field.
   guided_regex    a regular expression (Rust regex syntax)           the whole output matches it
   guided_choice   a list of strings                                  the output is one of them
   guided_grammar  a Lark grammar (llguidance's dialect) or a GBNF one (llama.cpp's)
+  structured_outputs  newer vLLM's one object for the same: {"json" | "regex" | "choice" | "grammar": ..., or "json_object": true}
 JSON is written compactly (", " and ": " between items, no other whitespace), so a model cannot spend its tokens on blanks.
 """
 from __future__ import annotations
@@ -61,11 +62,23 @@ def _guided(name: str, v) -> str:
   except Exception as e: raise ApiError(f"'guided_grammar' is neither Lark nor GBNF: {str(e)[:300]}", name) from None
   return _checked(text, name)
 
+STRUCTURED = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
+
+def _structured_outputs(v) -> str:
+  given = {k: x for k, x in v.items() if x is not None} if isinstance(v, dict) else None
+  if given == {"json_object": True}: return schema_grammar({"type": "object"}, "structured_outputs")
+  if not given or len(given) != 1 or next(iter(given)) not in STRUCTURED:
+    raise ApiError("'structured_outputs' must hold one of json, regex, choice, grammar (or json_object: true)", "structured_outputs")
+  name, value = next(iter(given.items()))
+  try: return _guided(STRUCTURED[name], value)
+  except ApiError as e: raise ApiError(str(e).replace(STRUCTURED[name], f"structured_outputs.{name}"), "structured_outputs") from None
+
 def output_grammar(body: dict) -> tuple[str | None, str | None]:
   """(grammar text, the field that asked for it) of a request body, or (None, None) without one."""
-  given = [k for k in ("response_format", *GUIDED) if body.get(k) is not None]
+  given = [k for k in ("response_format", *GUIDED, "structured_outputs") if body.get(k) is not None]
   if len(given) > 1: raise ApiError(f"'{given[1]}' and '{given[0]}' both constrain the output: send one of them", given[1])
   if not given: return None, None
   name = given[0]
-  text = _response_format(body[name]) if name == "response_format" else _guided(name, body[name])
+  text = (_response_format(body[name]) if name == "response_format" else _structured_outputs(body[name]) if name == "structured_outputs" else
+          _guided(name, body[name]))
   return text, (name if text is not None else None)
