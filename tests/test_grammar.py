@@ -162,3 +162,15 @@ def test_vllm_structured_outputs_is_guided_under_one_field():
     assert e.value.param == "structured_outputs"
   with pytest.raises(ApiError) as e: output_grammar({"guided_regex": "a", "structured_outputs": {"regex": "b"}})
   assert e.value.param == "structured_outputs"
+
+def test_tool_choice_auto_is_free_and_none_leaves_the_tools_out():
+  tok, msgs = ByteTokenizer(), [{"role": "user", "content": "hi"}]
+  def parsed(**body):
+    p = tools.constrain_request({"options": {}}, {"tools": [WEATHER], **body}, spec := tools.parse_tools({"tools": [WEATHER], **body}, tok))
+    return p, spec
+  p, spec = parsed()
+  assert spec.choice == "auto" and "grammar" not in p["options"] and b"<tools>" in bytes(tools.encode(tok, msgs, spec))
+  p, spec = parsed(tool_choice="none")
+  assert spec is None and "grammar" not in p["options"] and tools.encode(tok, msgs, spec) == tok.encode_chat(msgs)
+  for choice in ("required", {"type": "function", "function": {"name": "w"}}):
+    assert "%json" in parsed(tool_choice=choice)[0]["options"]["grammar"]
