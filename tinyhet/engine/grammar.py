@@ -15,7 +15,7 @@ sequences without a grammar are not looked at. llguidance over xgrammar: no depe
 and a mask costs microseconds on a 49k vocabulary.
 """
 from __future__ import annotations
-import collections, threading
+import collections, os, threading
 from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
@@ -105,12 +105,14 @@ class Constraint:
   def allowed(self, tokens) -> np.ndarray:
     """(n_vocab,) bool: the tokens the grammar admits after the sequence's output so far (computed once per state)."""
     self.sync(tokens)
-    if self.mask_at != self.consumed:
-      bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-      self.mask = np.unpackbits(bits, bitorder="little")[:self.n_vocab].astype(bool)
-      self.mask_at = self.consumed
-      if self.matcher.is_error(): raise GrammarError(f"the grammar failed: {self.matcher.get_error()[:200]}")
+    if self.mask_at != self.consumed: self.set_mask(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8))
     return self.mask
+
+  def set_mask(self, bits: np.ndarray) -> None:
+    """The mask of the current state from llguidance's bitmask (one bit a token, little-endian words)."""
+    self.mask = np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.n_vocab].astype(bool)
+    self.mask_at = self.consumed
+    if self.matcher.is_error(): raise GrammarError(f"the grammar failed: {self.matcher.get_error()[:200]}")
 
   def done(self, tokens) -> bool:
     """The output so far completes the grammar and nothing more may follow (an end-of-reply token, if drawn, ends it too)."""
@@ -118,6 +120,29 @@ class Constraint:
     return self.matcher.is_stopped()
 
 _executor: ThreadPoolExecutor | None = None
+_masker = None              # llguidance's LLExecutor: a batch's masks in parallel, in Rust threads
+MASK_THREADS = max(1, min(8, (os.cpu_count() or 1) // 4))    # a few: the decode step's kernels run on the same cores meanwhile
+
+def fill_masks(rows) -> None:
+  """The masks of rows [(Constraint, tokens)] for their current states, several at once through llguidance's executor; a
+  row whose output left its grammar is skipped here (sample_batch raises it for that row)."""
+  global _masker
+  todo = []
+  for c, t in rows:
+    try: c.sync(t)
+    except GrammarError: continue
+    if c.mask_at != c.consumed: todo.append(c)
+  if len(todo) < 2 or len({c.width for c in todo}) > 1:
+    for c in todo: c.allowed(())
+    return
+  from llguidance import LLExecutor
+  if _masker is None: _masker = LLExecutor(MASK_THREADS)
+  words = (todo[0].width + 31) // 32
+  bits = np.zeros((len(todo), words), dtype=np.int32)
+  _masker.unsafe_compute_mask_ptr([(c.matcher, k) for k, c in enumerate(todo)], bits.ctypes.data, words * 4, len(todo))
+  for k, c in enumerate(todo):
+    try: c.set_mask(bits[k])
+    except GrammarError: pass
 
 def prefetch(samplers, tokens) -> Future | None:
   """Start computing the masks of a batch's constrained rows (samplers[i].constraint over tokens[i]) on the grammar thread,
@@ -127,8 +152,4 @@ def prefetch(samplers, tokens) -> Future | None:
   rows = [(s.constraint, t) for s, t in zip(samplers, tokens) if s.constraint is not None]
   if not rows: return None
   if _executor is None: _executor = ThreadPoolExecutor(1, thread_name_prefix="tinyhet-grammar")
-  def masks():
-    for c, t in rows:
-      try: c.allowed(t)
-      except GrammarError: pass
-  return _executor.submit(masks)
+  return _executor.submit(fill_masks, rows)

@@ -211,11 +211,9 @@ def sample_batch(logits: np.ndarray, samplers: list[Sampler], positions: list[in
   if not ok: return out
   xs, ss = x[ok], [samplers[i] for i in ok]
   proc = processed(xs, ss, [tokens[i] for i in ok])
-  if allowed:
-    proc = proc.copy() if proc is xs else proc
-    for r, i in enumerate(ok):
-      if i in allowed: proc[r, ~allowed[i]] = -np.inf
   lps = log_softmax(xs[[r for r, s in enumerate(ss) if s.logprobs is not None]]) if any(s.logprobs is not None for s in ss) else None
+  for r, i in enumerate(ok):      # in place: proc is x[ok]'s copy or processed's, and the logprobs (raw logits) are read already
+    if i in allowed: np.copyto(proc[r], -np.inf, where=~allowed[i])
   hot = [r for r, s in enumerate(ss) if s.temperature > 0]
   if hot:
     temps = np.array([[ss[r].temperature] for r in hot], dtype=np.float32)
