@@ -13,7 +13,7 @@ does not compile is a 400 naming its field.
 JSON is written compactly (", " and ": " between items, no other whitespace), so a model cannot spend its tokens on blanks.
 """
 from __future__ import annotations
-import json
+import functools, json
 from tinyhet.service.api_error import ApiError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -79,6 +79,16 @@ def output_grammar(body: dict) -> tuple[str | None, str | None]:
   if len(given) > 1: raise ApiError(f"'{given[1]}' and '{given[0]}' both constrain the output: send one of them", given[1])
   if not given: return None, None
   name = given[0]
-  text = (_response_format(body[name]) if name == "response_format" else _structured_outputs(body[name]) if name == "structured_outputs" else
-          _guided(name, body[name]))
+  try: key = json.dumps(body[name])            # key order kept: a schema's properties come out in its order
+  except (TypeError, ValueError): key = None
+  text = _compiled(name, key) if key is not None else _grammar_of(name, body[name])
   return text, (name if text is not None else None)
+
+@functools.lru_cache(maxsize=256)
+def _compiled(name: str, key: str) -> str | None:
+  """A field's grammar, compiled once per distinct value (the JSON text of it): a schema sent again costs a lookup."""
+  return _grammar_of(name, json.loads(key))
+
+def _grammar_of(name: str, value) -> str | None:
+  return (_response_format(value) if name == "response_format" else _structured_outputs(value) if name == "structured_outputs" else
+          _guided(name, value))
