@@ -19,11 +19,9 @@ A sequence arrives in three steps, each a control request (tinyhet.runtime.contr
                    over shm/verbs when every layer landed, the writer says its writes are done, or its connections close.
 A full pool never crashes the node: reservations wait, and a decode step that needs a block preempts the newest sequence,
 which is recomputed here later (its prompt and generated tokens prefilled again on this node).
-The prefix cache holds only KV this node vouches for: what it computed, or what a writer in its trusted_writers
-(tinyhet.config) wrote; another writer's KV serves its own request (cache_limit: nothing past the hit is cached as it
-leaves). A failed prefill caches nothing past its hit, a failed decode step nothing past the tokens stored before it. Block
-hashes are keyed by the model's fingerprint with the KV dtype (tinyhet.model.fingerprint) and by the request's cache_salt
-(decode.reserve, decode.submit and decode.lookup take one: tinyhet.service.tenancy), so tenants share no block.
+The prefix cache holds only KV the node vouches for (its own, or a trusted_writers peer's; a failed prefill or step caches
+nothing past what it stored: Sequence.cache_limit), hashed under the model's fingerprint (tinyhet.model.fingerprint) and
+the request's cache_salt (decode.reserve / submit / lookup take one: tinyhet.service.tenancy).
 """
 from __future__ import annotations
 import itertools, queue, threading, time
@@ -73,9 +71,8 @@ class DecodeNode:
   def __init__(self, model: Llama, node: LocalNode, kv_blocks: int, block_size: int = 16, kv_dtype: str = "float16",
                max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = (), prefix_cache: bool = True,
                fingerprint: str = "", trusted_writers: tuple[str, ...] | None = None):
-    """model_id: the model's name (what clients ask for); fingerprint: what determines its KV (tinyhet.model.fingerprint;
-    default the name), which keys the prefix cache with the KV dtype. trusted_writers: the peers whose KV is cached and
-    shared (default node.config.trusted_writers); KV any other peer writes serves its own request only."""
+    """model_id: the model's name; fingerprint: what determines its KV (default the name); trusted_writers: the peers whose KV
+    is cached and shared (default node.config.trusted_writers)."""
     cfg = model.cfg
     if cfg.n_layers >= 1 << LAYER_BITS: raise ValueError(f"{cfg.n_layers} layers do not fit the {LAYER_BITS}-bit layer field of a notice")
     self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
@@ -134,9 +131,8 @@ class DecodeNode:
     if writer is not None and (not isinstance(writer, str) or not 0 < len(writer.encode()) <= 200):
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
     if not isinstance(use_cache, bool): raise ValueError(f"use_cache must be true or false, got {use_cache!r}")
-    seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens, cache_salt=cache_salt)
     # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
-    seq.writer = conn.peer if writer is None else writer
+    seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens, cache_salt=cache_salt, writer=conn.peer if writer is None else writer)
     seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=seq.writer)
     deadline = time.monotonic() + timeout
     with self.cond:
@@ -152,8 +148,7 @@ class DecodeNode:
         raise
       self.landed[seq.seq_id] = Landing(self.model.cfg.n_layers)
       cached = self.cache.block_manager.cached_length(seq.seq_id)
-      # KV from a writer this node does not vouch for serves this request only: nothing past the hit is cached as it leaves
-      # (not the prompt's blocks, nor the tokens decoded over them), unless a recompute here replaces it (_prefill)
+      # another writer's KV serves this request only: nothing past the hit (nor what is decoded over it) is cached as it leaves
       if not self.vouches_for(seq.writer): seq.cache_limit = cached
       # a hit's shared blocks are not the writer's: it writes (and its descriptors cover) the suffix's blocks only
       table = self.cache.block_manager.block_table(seq.seq_id)
@@ -357,8 +352,10 @@ class DecodeNode:
           else: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
-          with self.cond:
-            for s in batch: self._kv_known_complete(s, is_prefill)
+          with self.cond:                      # nothing past its hit (a prefill) or the slot the step was writing is cached
+            for s in batch:
+              known = self.cache.block_manager.cached_length(s.seq_id) if is_prefill else self.cache.block_manager.length(s.seq_id) - 1
+              s.cache_limit = known if s.cache_limit is None else min(s.cache_limit, known)
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
         if masks is not None: masks.result()
         # the whole batch sampled at once, without the lock (reservations and notices go on meanwhile): the step's sequences
@@ -388,13 +385,6 @@ class DecodeNode:
           for s in finished: s.extra["queue"].put(None)
           self.cond.notify_all()
       with self.cond: self.in_step = set()
-
-  def _kv_known_complete(self, s: Sequence, in_prefill: bool) -> None:
-    """A step over s failed: what its blocks hold past the tokens known complete is not cached as it leaves. A failed
-    prefill: only its hit (shared blocks, never written); a failed decode step: all but the slot that step was writing."""
-    bm = self.cache.block_manager
-    known = bm.cached_length(s.seq_id) if in_prefill else bm.length(s.seq_id) - 1
-    s.cache_limit = known if s.cache_limit is None else min(s.cache_limit, known)
 
   def _prefill(self, s: Sequence) -> np.ndarray:
     """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
