@@ -25,6 +25,7 @@ setup(
     "prometheus-client",  # the router's /metrics
     "tokenizers",
     "jinja2",
+    "cryptography",       # Ed25519 node keys: every handshake proves a node's name (tinyhet.runtime.identity)
   ],
   extras_require={
     # pyverbs must come from the same rdma-core as the system's libibverbs. The PyPI sdist builds

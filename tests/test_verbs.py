@@ -11,7 +11,7 @@ from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Endpoint, Piece, Span, TransportError, TransportUnavailable
 from tinyhet.runtime.memory_node import fill
 from tinyhet.runtime.verbs import QPInfo, SendWindow, WorkRequest, plan_work_requests, choose_gid_index, address_route, WRITE, WRITE_IMM, READ
-from transport_util import MemoryNode, TOKEN, sha
+from transport_util import MemoryNode, TOKEN, raw_auth, sha
 
 def pyverbs_or_skip():
   try: return verbs.pyverbs()
@@ -275,8 +275,7 @@ def test_endpoint_without_verbs_never_offers_it():
     sock = socket.create_connection((host, int(port)), timeout=10)
     hello = wire.recv_json(sock)
     assert "verbs" not in hello["transports"]
-    wire.send_json(sock, {"node": "raw", "transport": "verbs", "nonce": wire.new_nonce(), "proof": wire.proof(TOKEN, hello["nonce"], "client", "raw"),
-                          "verbs": GOOD})
+    wire.send_json(sock, raw_auth(hello, "raw", "verbs", verbs=GOOD))
     assert "is not served" in wire.recv_json(sock)["error"]
     sock.close()
 
