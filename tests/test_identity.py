@@ -1,0 +1,130 @@
+"""Peer identity: a node's name is proven by its key (tinyhet.runtime.identity), against a memory node in another process.
+A second peer using a bound name is refused, so is a peer that cannot sign for the key it presents, and while a name's
+connections live no other key takes it; grants (an exposure's owner) hold against a peer that only claims the name;
+region ids are random; bad handshake bytes are refused and the node serves the next peer."""
+import json, os, socket, struct, time
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from tinyhet.config import ConfigError, load_config
+from tinyhet.runtime import wire
+from tinyhet.runtime.arena import Arena
+from tinyhet.runtime.identity import Identity, transcript
+from tinyhet.runtime.settings import TransportSettings
+from tinyhet.runtime.transport import Endpoint, Span, TransportError, auth_message
+from transport_util import MemoryNode, TOKEN
+
+PREFILL = Identity.generate()          # the prefill node's key pair: the memory node binds "prefill0" to it
+
+@pytest.fixture(scope="module")
+def node():
+  n = MemoryNode("decode0", extra=("--peer-key", f"prefill0={PREFILL.public}"))
+  yield n
+  n.close()
+
+def endpoint(name: str, identity: Identity | None = None, **settings) -> Endpoint:
+  return Endpoint(name, settings=TransportSettings(token=TOKEN, **settings), identity=identity)
+
+def handshake(address: str, message) -> dict | None:
+  """Send one handshake answer (a dict, or raw bytes) after the node's hello; the node's reply, or None when it hung up."""
+  host, _, port = address.rpartition(":")
+  with socket.create_connection((host, int(port)), timeout=10) as s:
+    hello = wire.recv_json(s)
+    s.sendall(message(hello) if callable(message) else message)
+    try: s.shutdown(socket.SHUT_WR)       # all of it: a message cut short is dropped at once, not at the handshake deadline
+    except OSError: pass                  # the node hung up already
+    try: return wire.recv_json(s)
+    except (ConnectionError, wire.ProtocolError, struct.error, TimeoutError): return None
+
+def framed(obj: dict) -> bytes:
+  data = json.dumps(obj).encode()
+  return struct.pack("<I", len(data)) + data
+
+def test_a_second_peer_with_the_prefill_nodes_name_is_refused(node):
+  with endpoint("prefill0", PREFILL) as real, endpoint("prefill0") as impostor:
+    assert real.connect(node.address, "tcp").name == "decode0"           # the key bound to the name: in
+    with pytest.raises(TransportError, match="not the one bound to that name"): impostor.connect(node.address, "tcp")
+    with pytest.raises(TransportError, match="not the one bound to that name"): impostor.connect(node.address, "shm")
+
+def test_a_peer_without_the_right_key_cannot_complete_the_handshake(node):
+  other = Identity.generate()
+  def signed_by_another_key(hello):      # presents prefill0's public key, but signs with a key it holds
+    m = auth_message(PREFILL, TOKEN, "prefill0", hello, "ctl")
+    m["sig"] = other.sign(transcript("client", "prefill0", PREFILL.public, hello["node"], hello["nonce"], m["nonce"], "ctl"))
+    return framed(m)
+  def replayed(hello):                   # a signature of another challenge (another nonce) of the same node
+    m = auth_message(PREFILL, TOKEN, "prefill0", {**hello, "nonce": wire.new_nonce()}, "ctl")
+    m["proof"] = wire.proof(TOKEN, hello["nonce"], "client", "prefill0")
+    return framed(m)
+  for forge in (signed_by_another_key, replayed):
+    assert "did not sign this challenge" in handshake(node.address, forge)["error"]
+  assert "error" not in handshake(node.address, lambda hello: framed(auth_message(PREFILL, TOKEN, "prefill0", hello, "ctl")))
+
+def test_a_node_answering_under_a_bound_name_with_another_key_is_refused(node):
+  # the client side of the same rule: a writer that binds "decode0" to a key refuses a node that cannot sign with it
+  with endpoint("w", peer_keys={"decode0": Identity.generate().public}) as ep:
+    with pytest.raises(TransportError, match="another key than the one peer_keys binds"): ep.connect(node.address, "tcp")
+  with endpoint("w2", peer_keys={"decode0": node.public_key}) as ep: assert ep.connect(node.address, "tcp").name == "decode0"
+
+def test_two_live_connections_cannot_hold_one_name(node):
+  with endpoint("writer-a") as first:
+    peer = first.connect(node.address, "tcp")
+    with endpoint("writer-a") as second:
+      with pytest.raises(TransportError, match="held by another live connection"): second.connect(node.address, "tcp")
+      peer.close()                          # the name is free once its connections are gone (the node notices the close)
+      deadline = time.monotonic() + 10
+      while True:
+        try:
+          second.connect(node.address, "tcp")
+          break
+        except TransportError as e:
+          if "held by another" not in str(e) or time.monotonic() > deadline: raise
+
+def test_a_grant_for_one_peer_is_refused_to_another(node):
+  desc, region = node.expose(1 << 16, owner="prefill0", allowed=[[4096, 8192]], access="write")
+  arena = Arena(1 << 20, "grant-writer", hugepages=False)
+  src = arena.alloc(1 << 16)
+  np.frombuffer(src.view(), np.uint8)[:] = 7
+  before = node.sha(region)
+  with endpoint("prefill0", PREFILL) as owner, endpoint("mallory") as other:
+    for ep in (owner, other): ep.register(arena)
+    mallory = other.connect(node.address, "tcp")
+    with pytest.raises(TransportError, match="not exposed to mallory"): other.write(mallory, [Span(src, 0, desc, 4096, 8192)]).wait(10)
+    assert node.sha(region) == before                                    # no byte of it landed
+    owner.write(owner.connect(node.address, "tcp"), [Span(src, 0, desc, 4096, 8192)]).wait(10)
+    assert node.sha(region, 4096, 8192) != node.sha(region, 0, 8192)   # the owner's did
+
+def test_region_ids_are_not_guessable(node):
+  ids = [node.expose(4096)[0].region_id for _ in range(32)]
+  assert len(set(ids)) == len(ids) and all(0 < i < 1 << 63 for i in ids)
+  assert not any(b - a == 1 for a, b in zip(ids, ids[1:]))               # not a counter
+  assert max(ids) - min(ids) > 1 << 48                                   # spread over the 63-bit space, not a small range
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20), lambda c: st.lists(c, max_size=3)
+                       | st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=8)
+AUTH_KEYS = ("node", "transport", "nonce", "key", "sig", "proof", "session", "stream", "streams")
+FIELDS = st.fixed_dictionaries({}, optional={k: JSONISH for k in AUTH_KEYS})
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=st.one_of(st.binary(max_size=64), FIELDS.map(framed), st.binary(max_size=32).map(lambda b: struct.pack("<I", len(b)) + b)))
+def test_bad_handshake_bytes_are_refused_and_the_node_goes_on(node, garbage):
+  reply = handshake(node.address, garbage)
+  assert reply is None or "error" in reply                                # never an OK
+  assert "error" not in handshake(node.address, lambda hello: framed(auth_message(PREFILL, TOKEN, "prefill0", hello, "ctl")))
+
+def test_key_files_and_peer_keys_in_the_config(tmp_path):
+  path = str(tmp_path / "node.key")
+  me = Identity.generate()
+  me.save(path)
+  assert Identity.load(path).public == me.public and os.stat(path).st_mode & 0o777 == 0o600
+  os.chmod(path, 0o644)
+  with pytest.raises(ValueError, match="readable by others: chmod 600"): Identity.load(path)
+  with pytest.raises(ConfigError, match="peer_keys"): load_config(env={"TINYHET_PEER_KEYS": "a=nothex"})
+  assert load_config(env={"TINYHET_PEER_KEYS": f"a={me.public}"}).peer_keys == {"a": me.public}
+  cluster = tmp_path / "cluster.toml"
+  cluster.write_text(f'[nodes.spark]\ndevice = "dgx-spark"\nrole = "prefill"\naddress = "10.0.0.1:7471"\npublic_key = "{me.public}"\n'
+                     '[nodes.mac]\ndevice = "m3-ultra"\nrole = "decode"\naddress = "10.0.0.2:7470"\n')
+  cfg = load_config(env={"TINYHET_CLUSTER": str(cluster)})
+  assert cfg.peer_keys == {"spark": me.public} and cfg.trusted_writers == ("spark",)
+  assert load_config(env={"TINYHET_CLUSTER": str(cluster), "TINYHET_TRUSTED_WRITERS": ""}).trusted_writers == ()
+  assert load_config(env={}).trusted_writers is None
