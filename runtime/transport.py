@@ -43,6 +43,7 @@ class Peer:
   address: str
   transport: str
   link: object
+  key: str = ""              # the public key it proved its name with at the handshake
   def close(self): self.link.close()
 
 def transport_module(name: str):
@@ -177,7 +178,7 @@ class Endpoint:
     except BaseException:
       sock.close()
       raise
-    peer = Peer(hello["node"], address, chosen, link)     # a name the server proved (client_auth)
+    peer = Peer(hello["node"], address, chosen, link, hello["key"])     # a name and key the server proved (client_auth)
     with self.lock: self._peers.append(peer)
     return peer
 

@@ -128,3 +128,59 @@ def test_key_files_and_peer_keys_in_the_config(tmp_path):
   assert cfg.peer_keys == {"spark": me.public} and cfg.trusted_writers == ("spark",)
   assert load_config(env={"TINYHET_CLUSTER": str(cluster), "TINYHET_TRUSTED_WRITERS": ""}).trusted_writers == ()
   assert load_config(env={}).trusted_writers is None
+
+# ---------------------------------------------------------------- on a decode node (tests/decode_util.py) and a prefill node
+
+def test_an_intruder_under_a_writers_name_is_refused_while_the_writer_is_connected(guarded_node):
+  from decode_util import TOKEN as DECODE_TOKEN, Writer
+  w = Writer("kv-owner", guarded_node.address)
+  try:
+    r = w.reserve()
+    with Endpoint("kv-owner", token=DECODE_TOKEN) as intruder:       # today's name check alone would let it write into r's blocks
+      with pytest.raises(TransportError, match="held by another live connection"): intruder.connect(guarded_node.address, "tcp")
+    w.ctl.call("decode.release", seq_id=r["seq_id"])
+  finally: w.close()
+
+def test_a_prefill_node_writes_only_what_the_decode_node_granted_it_for_this_prompt(guarded_node):
+  """A reservation the router passes on is signed by the decode node (tinyhet.kv.grants): for one writer, one prompt and its
+  own descriptors. A caller that hands a prefill node another prompt, another reservation's descriptors or grant, or a
+  reservation for another writer is refused before any byte is written, and the node serves the next job."""
+  import threading
+  from decode_util import TOKEN as DECODE_TOKEN
+  from test_e2e import SMALL
+  from tinyhet.device.memory import LocalNode
+  from tinyhet.kv.grants import check_grant
+  from tinyhet.model.llama import Llama, random_weights, small_config
+  from tinyhet.runtime.control import ControlClient, ControlError
+  from tinyhet.service.prefill_node import PrefillNode
+  node = LocalNode(load_config(env={}, token=DECODE_TOKEN, node="identity-prefill", arena_bytes=64 << 20))
+  cfg = small_config(**SMALL)
+  prefill = PrefillNode(Llama(cfg, random_weights(cfg, device="CPU", seed=7), "CPU"), node, "small-random", "tcp", staging_buffers=0)
+  address = node.serve()
+  with Endpoint("identity-router", token=DECODE_TOKEN) as router:
+    decode, asked = ControlClient(router, guarded_node.address), ControlClient(router, address)
+    try:
+      prompt, other_prompt = [3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]
+      r = decode.call("decode.reserve", prompt_ids=prompt, max_new_tokens=2, timeout=10, writer="identity-prefill")
+      other = decode.call("decode.reserve", prompt_ids=other_prompt, max_new_tokens=2, timeout=10, writer="identity-prefill")
+      for_someone_else = decode.call("decode.reserve", prompt_ids=prompt, max_new_tokens=2, timeout=10, writer="another-prefill")
+      decode_key = router.connect(guarded_node.address, "tcp").key
+      check_grant("guarded-decode", decode_key, "identity-prefill", r, prompt)              # the real one holds
+      forged = [(r, prompt[::-1]), ({**r, "pools": other["pools"]}, prompt), ({**other, "grant": r["grant"]}, other_prompt),
+                (for_someone_else, prompt)]
+      for reservation, ids in forged:
+        reply = {}
+        def ask():
+          try: asked.call("prefill.run", prompt_ids=ids, decode=guarded_node.address, reservation=reservation, timeout=60)
+          except ControlError as e: reply["error"] = str(e)
+        t = threading.Thread(target=ask)
+        t.start()
+        prefill.run_one(timeout=30)                     # this thread is the model's, as a node's main thread is
+        t.join(30)
+        assert "was not granted" in reply.get("error", ""), reply
+      assert decode.call("decode.info")["open_sequences"] == 3                             # nothing was written or released by them
+    finally:
+      decode.close()
+      asked.close()
+      prefill.close()
+      node.endpoint.close()
