@@ -212,7 +212,7 @@ class Endpoint:
 
   def _choose(self, wanted: str, hello: dict, address: str) -> str:
     theirs = set(hello.get("transports") or [])
-    same_host = hello.get("host") == self.host and bool(hello.get("unix")) and hello.get("uid") == os.getuid()   # shm: same user too
+    same_host = hello.get("host") == self.host and bool(hello.get("unix")) and hello.get("uid") == os.geteuid()   # shm: same user too
     if wanted == "auto":      # a peer on this host shares memory: one memcpy beats a trip through the NIC
       if same_host and "shm" in self.transports and "shm" in theirs: return "shm"
       return "verbs" if "verbs" in self.transports and "verbs" in theirs else "tcp"
@@ -256,7 +256,7 @@ class Endpoint:
       return f"authentication failed: {peer!r} did not sign this challenge with the key it presented"
     if unix_sock is not None and transport == "shm":       # a mapped arena is no fence: only a peer that could read this process anyway
       _, uid, _ = struct.unpack("3i", unix_sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-      if uid != os.getuid(): return f"shm is served to processes of user {os.getuid()} only (the peer runs as {uid}): use tcp"
+      if uid != os.geteuid(): return f"shm is served to processes of user {os.geteuid()} only (the peer runs as {uid}): use tcp"
     if (why := self.names.claim(peer, key)) is not None: return f"authentication failed: {why}"
     return None
 
@@ -312,7 +312,7 @@ class Endpoint:
       sock.settimeout(self.handshake_timeout)
       nonce = wire.new_nonce()
       wire.send_json(sock, {"tinyhet": wire.PROTOCOL, "node": self.name, "host": self.host, "nonce": nonce, "key": self.identity.public,
-                            "transports": self.served, "unix": self.unix_name, "uid": os.getuid()})
+                            "transports": self.served, "unix": self.unix_name, "uid": os.geteuid()})
       auth = wire.recv_json(sock, deadline)
       transport = auth.get("transport")
       if (why := self._check_auth(auth, nonce, sock if unix else None)) is not None:

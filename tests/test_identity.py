@@ -2,7 +2,7 @@
 A second peer using a bound name is refused, so is a peer that cannot sign for the key it presents, and while a name's
 connections live no other key takes it; grants (an exposure's owner) hold against a peer that only claims the name;
 region ids are random; bad handshake bytes are refused and the node serves the next peer."""
-import json, os, socket, struct, time
+import json, os, socket, struct, subprocess, sys, time
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -93,6 +93,42 @@ def test_a_grant_for_one_peer_is_refused_to_another(node):
     assert node.sha(region) == before                                    # no byte of it landed
     owner.write(owner.connect(node.address, "tcp"), [Span(src, 0, desc, 4096, 8192)]).wait(10)
     assert node.sha(region, 4096, 8192) != node.sha(region, 0, 8192)   # the owner's did
+
+AS_NOBODY = """
+import encodings.idna, json, os, socket, sys  # noqa: F401
+from tinyhet.runtime import shm, tcp, wire  # noqa: F401  (imported while this process can still read the venv)
+from tinyhet.runtime.settings import TransportSettings
+from tinyhet.runtime.transport import Endpoint, TransportError, auth_message
+address, token = sys.argv[1:]
+ep = Endpoint("nobody-writer", settings=TransportSettings(token=token))
+os.setegid(65534)
+os.seteuid(65534)
+out = {}
+try: out["shm"] = ep.connect(address, "shm").transport
+except TransportError as e: out["shm"] = str(e)
+host, _, port = address.rpartition(":")
+with socket.create_connection((host, int(port)), timeout=10) as s: hello = wire.recv_json(s)
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as u:     # a client that asks for shm anyway
+  u.connect(hello["unix"])
+  unix_hello = wire.recv_json(u)
+  wire.send_json(u, auth_message(ep.identity, token, "nobody-writer", unix_hello, "shm"))
+  out["asked"] = wire.recv_json(u).get("error")
+out["auto"] = ep.connect(address).transport
+print(json.dumps(out), flush=True)
+os._exit(0)
+"""
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another user (nobody)")
+def test_shm_is_refused_to_another_user_and_auto_takes_tcp(node):
+  """shm hands a peer the arenas' memfds, a fence no grant can narrow: only a process of the same user (which could read
+  this one's memory anyway) gets them. The same host and another user: refused with the fix, and auto picks tcp."""
+  got = json.loads(subprocess.run([sys.executable, "-c", AS_NOBODY, node.address, TOKEN], capture_output=True, text=True, timeout=60,
+                                  check=True).stdout)
+  assert "same host and user" in got["shm"] and got["auto"] == "tcp"
+  assert got["asked"] == "shm is served to processes of user 0 only (the peer runs as 65534): use tcp"
+  with endpoint("root-writer") as ep:
+    assert ep.connect(node.address).transport == "shm"
+    assert any(line.startswith("shm: served only to processes of this user") for line in ep.guarantees())
 
 def test_region_ids_are_not_guessable(node):
   ids = [node.expose(4096)[0].region_id for _ in range(32)]
