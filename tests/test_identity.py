@@ -220,3 +220,16 @@ def test_a_prefill_node_writes_only_what_the_decode_node_granted_it_for_this_pro
       asked.close()
       prefill.close()
       node.endpoint.close()
+
+def test_the_reservation_keeps_its_proven_writer_and_whether_it_is_trusted(guarded_node):
+  """What the prefix cache reads: a sequence's extra["writer"] is the proven name of the only peer whose writes land in
+  its blocks (the reserver, or the writer it names), extra["trusted_writer"] whether the node's trusted_writers (here
+  TINYHET_TRUSTED_WRITERS; default the cluster file's prefill nodes) names it."""
+  from decode_util import TRUSTED_WRITER, Writer
+  w = Writer("writers-router", guarded_node.address)
+  try:
+    own = w.reserve(prompt=(1, 2, 3))["seq_id"]
+    named = w.ctl.call("decode.reserve", prompt_ids=[1, 2], max_new_tokens=1, writer=TRUSTED_WRITER)["seq_id"]
+    assert w.ctl.call("test.writer", seq_id=named) == {"writer": TRUSTED_WRITER, "trusted_writer": True}
+    assert w.ctl.call("test.writer", seq_id=own) == {"writer": "writers-router", "trusted_writer": False}
+  finally: w.close()
