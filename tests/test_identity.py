@@ -159,11 +159,18 @@ def test_key_files_and_peer_keys_in_the_config(tmp_path):
   assert load_config(env={"TINYHET_PEER_KEYS": f"a={me.public}"}).peer_keys == {"a": me.public}
   cluster = tmp_path / "cluster.toml"
   cluster.write_text(f'[nodes.spark]\ndevice = "dgx-spark"\nrole = "prefill"\naddress = "10.0.0.1:7471"\npublic_key = "{me.public}"\n'
-                     '[nodes.mac]\ndevice = "m3-ultra"\nrole = "decode"\naddress = "10.0.0.2:7470"\n')
+                     '[nodes.mac]\ndevice = "m3-ultra"\nrole = "decode"\naddress = "10.0.0.2:7470"\n'
+                     '[[links]]\nnodes = ["spark", "mac"]\nbandwidth_gbit_s = 10\n')
   cfg = load_config(env={"TINYHET_CLUSTER": str(cluster)})
   assert cfg.peer_keys == {"spark": me.public} and cfg.trusted_writers == ("spark",)
   assert load_config(env={"TINYHET_CLUSTER": str(cluster), "TINYHET_TRUSTED_WRITERS": ""}).trusted_writers == ()
   assert load_config(env={}).trusted_writers is None
+  from tinyhet.planner.catalog import ClusterFileError
+  from tinyhet.planner.cluster_file import load_cluster
+  assert {n.name for n in load_cluster(cluster).nodes} == {"spark", "mac"}                # the planner and the router read it too
+  cluster.write_text(cluster.read_text().replace(me.public, "abc"))
+  with pytest.raises(ClusterFileError, match="nodes.spark.public_key"): load_cluster(cluster)
+  with pytest.raises(ConfigError, match="nodes.spark.public_key"): load_config(env={"TINYHET_CLUSTER": str(cluster)})
 
 # ---------------------------------------------------------------- on a decode node (tests/decode_util.py) and a prefill node
 
