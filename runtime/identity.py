@@ -2,9 +2,14 @@
 other side's fresh nonce. The shared token (wire.proof) says a peer belongs to the cluster; the signature says which node
 it is, and a name that the settings bind to a public key (peer_keys) can be claimed only with that key's private half.
 
-A name no setting binds is held by the first key that proves it until the last connection under it closes (Names):
+A name no setting binds is held by the first key that proves it until the last connection under it closes (Names; TCP
+keepalive frees the name of a peer that vanished without closing within ~25 s):
 two live connections never hold one name under different keys, but such a name is only as strong as "whoever held it
 first", so a node that grants anything to a peer (a decode node's trusted writers) should bind that peer's key.
+
+What this proves is who opened a connection. The bytes after the handshake are neither encrypted nor authenticated, so
+it holds against other peers, not against someone on the network path who can inject into a live TCP stream (run the
+cluster on a network you trust, or under WireGuard/IPsec).
 
 Key files are PKCS#8 PEM (`openssl genpkey -algorithm ed25519 -out node.key`, or `tinyhet keygen`), readable by their
 owner only; public keys are written as 64 hex digits (the raw 32 bytes).
@@ -56,10 +61,6 @@ def verify(public: str, message: str, signature) -> bool:
   except InvalidSignature: return False
   return True
 
-def check_public_key(value) -> str | None:
-  """None when value is a public key as peer_keys writes them (64 lowercase hex digits), else what one is."""
-  return None if isinstance(value, str) and PUBLIC_KEY.fullmatch(value) else "is not a public key (64 hex digits, as `tinyhet keygen` prints)"
-
 def transcript(role: str, name: str, key: str, other: str, their_nonce: str, own_nonce: str, transport: str = "") -> str:
   """What a side signs: its role, name and key, the other side's name and fresh nonce (so a signature answers one
   challenge of one node, and cannot be replayed to another), its own nonce and the transport asked for."""
@@ -88,7 +89,3 @@ class Names:
       if held is None: return
       held[1] -= 1
       if held[1] <= 0: del self.live[name]
-
-  def key_of(self, name: str) -> str | None:
-    with self.lock: held = self.live.get(name)
-    return held[0] if held else self.bound.get(name)

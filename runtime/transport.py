@@ -35,6 +35,13 @@ HANDSHAKE_TIMEOUT = 10.0      # one deadline for a whole server-side handshake (
 MAX_NAME_BYTES = 200         # a node name in a handshake
 MAX_UNAUTHENTICATED = 64      # connections still in their handshake; more are closed at once so that they cannot use up the fds
 ACCEPT_BACKOFF = (0.01, 1.0)  # seconds the accept loop sleeps after EMFILE / no thread (doubling up to the maximum), then retries
+KEEPALIVE = (10, 5, 3)        # idle s, probe interval s, probes: a peer gone without a FIN frees its name within ~25 s (identity.Names)
+
+def keep_alive(sock: socket.socket):
+  sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+  for opt, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+    if hasattr(socket, opt): sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 @dataclass
 class Peer:
@@ -288,7 +295,7 @@ class Endpoint:
         self.unauthenticated += 1
         self._sockets.add(sock)
       try:
-        if srv.family == socket.AF_INET or srv.family == socket.AF_INET6: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if srv.family == socket.AF_INET or srv.family == socket.AF_INET6: keep_alive(sock)
         self._spawn("tinyhet-serve", self._serve_connection, sock)
         backoff = 0.0
       except (RuntimeError, OSError):           # no thread could be started: drop this peer, retry later
