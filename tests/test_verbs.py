@@ -291,6 +291,10 @@ def verbs_config():
   first device with an active port."""
   return load_config(env={"TINYHET_RDMA_DEVICE": rxe} if (rxe := rxe_device()) else {})
 
+def serving(cfg):
+  """A node that serves verbs: only one whose own transport setting is verbs does (Endpoint.served; the README's trust notes)."""
+  return dataclasses.replace(cfg, transport="verbs")
+
 def skip_without_verbs():
   if (reason := verbs.unavailable_reason(verbs_config())) is not None:
     pytest.skip(f"verbs is unavailable: {reason} (no Soft-RoCE device either: bench/softroce.sh adds one where the rdma_rxe module loads)")
@@ -304,7 +308,7 @@ def test_loopback_write_read_notify_and_errors(rdma):
   region, local, back = target_arena.alloc(8 << 20, 4096), writer_arena.alloc(8 << 20), writer_arena.alloc(4 << 20)
   fill(local.view(), 3)
   try:
-    with Endpoint("target", token=TOKEN, config=cfg) as target, Endpoint("writer", token=TOKEN, config=cfg) as writer:
+    with Endpoint("target", token=TOKEN, config=serving(cfg)) as target, Endpoint("writer", token=TOKEN, config=cfg) as writer:
       desc = target.expose(region)
       assert desc.rkey and "verbs" in desc.transports
       peer = writer.connect(target.listen(), "verbs")
@@ -337,7 +341,8 @@ REMOTE_BYTES = 4 << 20
 @pytest.fixture(scope="module")
 def verbs_node():
   skip_without_verbs()
-  n = MemoryNode()                  # takes the first device with an active port: under bench/softroce.sh, rxe0 (or rxe1, its peer)
+  # serves verbs (a node must ask to); takes the first device with an active port: under bench/softroce.sh, rxe0 (or rxe1, its peer)
+  n = MemoryNode(extra=("--transport", "verbs"))
   n.desc, n.region = n.expose(REMOTE_BYTES)
   n.ask(cmd="fill", region=n.region, seed=1)
   n.image = np.empty(REMOTE_BYTES, np.uint8)
@@ -384,7 +389,7 @@ def test_gpu_memory_takes_rdma_writes(rdma):
   fill(local.view(), 5)
   buf = Buffer("CUDA", 1 << 20, dtypes.uint8).ensure_allocated()
   try:
-    with Endpoint("gpu", token=TOKEN, config=cfg) as target, Endpoint("writer", token=TOKEN, config=cfg) as writer:
+    with Endpoint("gpu", token=TOKEN, config=serving(cfg)) as target, Endpoint("writer", token=TOKEN, config=cfg) as writer:
       reg = verbs.register_gpu_buffer(target.verbs, buf)
       assert reg.via in ("dma-buf", "nvidia-peermem") and reg.rkey
       desc = RegionDescriptor("gpu", 1, reg.addr, reg.rkey, 0, reg.nbytes, frozenset({"verbs"}))
