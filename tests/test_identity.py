@@ -150,9 +150,11 @@ def test_bad_handshake_bytes_are_refused_and_the_node_goes_on(node, garbage):
 
 def test_key_files_and_peer_keys_in_the_config(tmp_path):
   path = str(tmp_path / "node.key")
-  me = Identity.generate()
-  me.save(path)
-  assert Identity.load(path).public == me.public and os.stat(path).st_mode & 0o777 == 0o600
+  made = subprocess.run([sys.executable, "-m", "tinyhet", "keygen", "--out", path], capture_output=True, text=True, timeout=60)
+  me = Identity.load(path)                                   # `tinyhet keygen`: the private key to the file, the public key printed
+  assert made.returncode == 0 and made.stdout.strip() == me.public and os.stat(path).st_mode & 0o777 == 0o600
+  again = subprocess.run([sys.executable, "-m", "tinyhet", "keygen", "--out", path], capture_output=True, text=True, timeout=60)
+  assert again.returncode == 2 and "is never overwritten" in again.stderr and Identity.load(path).public == me.public
   os.chmod(path, 0o644)
   with pytest.raises(ValueError, match="readable by others: chmod 600"): Identity.load(path)
   with pytest.raises(ConfigError, match="peer_keys"): load_config(env={"TINYHET_PEER_KEYS": "a=nothex"})
