@@ -5,7 +5,7 @@ region ids are random; bad handshake bytes are refused and the node serves the n
 import json, os, socket, struct, subprocess, sys, time
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from tinyhet.config import ConfigError, load_config
 from tinyhet.runtime import wire
 from tinyhet.runtime.arena import Arena
@@ -147,6 +147,15 @@ def test_bad_handshake_bytes_are_refused_and_the_node_goes_on(node, garbage):
   reply = handshake(node.address, garbage)
   assert reply is None or "error" in reply                                # never an OK
   assert "error" not in handshake(node.address, lambda hello: framed(auth_message(PREFILL, TOKEN, "prefill0", hello, "ctl")))
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(AUTH_KEYS[:6]), value=JSONISH)
+def test_a_good_handshake_with_any_one_field_changed_is_refused(node, field, value):
+  def changed(hello):
+    good = auth_message(PREFILL, TOKEN, "prefill0", hello, "ctl")
+    assume(good[field] != value)
+    return framed({**good, field: value})
+  assert "authentication failed" in handshake(node.address, changed)["error"]
 
 def test_key_files_and_peer_keys_in_the_config(tmp_path):
   path = str(tmp_path / "node.key")
