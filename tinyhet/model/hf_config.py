@@ -102,7 +102,8 @@ def _window(directory, c: dict, n_layers: int) -> int | None:
 
 def read_hf_config(directory: pathlib.Path, max_context: int | None = None) -> tuple[LlamaConfig, dict]:
   """(LlamaConfig, what was read) from a Hugging Face config.json. What was read: {"architecture", "used": {field: value},
-  "ignored": [metadata fields], "sliding_window": window or None}."""
+  "checked": {field: value} (model-changing fields at a value tinyhet runs), "ignored": [metadata fields], "sliding_window":
+  the window of a windowed layer (the context is capped to it) or None}."""
   directory = pathlib.Path(directory)
   try: c = json.loads((directory / "config.json").read_text())
   except (OSError, ValueError) as e: raise WeightsError(f"{directory}: cannot read config.json ({e}); a Hugging Face model needs it") from None
@@ -133,6 +134,7 @@ def read_hf_config(directory: pathlib.Path, max_context: int | None = None) -> t
                     max_context=min(ctx, max_context) if max_context else ctx, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                     name=c.get("_name_or_path") or directory.name, arch=c["model_type"], qkv_bias=qkv_bias, qk_norm=qk_norm)
   read = {"architecture": arch, "used": {k: v for k, v in c.items() if classify(k) == USED},
+          "checked": {k: v for k, v in c.items() if isinstance(classify(k), tuple)},
           "ignored": sorted(k for k in c if classify(k) == METADATA), "sliding_window": window}
   return cfg, read
 
