@@ -94,3 +94,20 @@ def test_quantized_qwen_gguf_rows_permute_as_blocks(tmp_path):
   packed, deq = (all_logits(load_model(path, "CPU", quiet=True, packed=p)[0], ids) for p in (True, False))
   assert np.abs(packed - deq).max() < 1e-3
   assert np.abs(packed - want).max() / np.abs(want).max() < 0.05
+
+def test_info_names_the_architecture_and_what_was_read(tmp_path):
+  import subprocess, sys
+  def info(path, *flags):
+    out = subprocess.run([sys.executable, "-m", "tinyhet", "info", "--model", str(path), *flags], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+  d = FIXTURES[[p.name for p in FIXTURES].index("tf5-qwen3")]
+  j = json.loads(info(d, "--json"))
+  assert j["architecture"] == "Qwen3ForCausalLM" and j["layout"] == ["per-head q/k RMSNorm", "tied embeddings"]
+  assert j["config_used"]["head_dim"] == 32 and "transformers_version" in j["config_ignored"] and j["config_checked"]["hidden_act"] == "silu"
+  text = info(d)
+  assert "architecture Qwen3ForCausalLM" in text and "ignored     architectures" in text
+  g = json.loads(info(write_gguf_from_hf(FIXTURES[[p.name for p in FIXTURES].index("tf4-qwen2")], tmp_path / "q.gguf"), "--json"))
+  assert g["architecture"] == "qwen2" and g["layout"][0] == "q/k/v biases" and "pre-tokenizer qwen2" in g["tokenizer"]
+  bad = subprocess.run([sys.executable, "-m", "tinyhet", "info", "--model", str(tmp_path)], capture_output=True, text=True, timeout=300)
+  assert bad.returncode != 0 and "config.json" in bad.stderr and "Traceback" not in bad.stderr

@@ -120,7 +120,7 @@ def gguf_config(g: GGUFFile, max_context: int | None = None) -> LlamaConfig:
                      norm_eps=kv.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5), rope_theta=kv.get(f"{arch}.rope.freq_base", 10000.0),
                      max_context=min(ctx, max_context) if max_context else ctx, tie_embeddings="output.weight" not in g.tensors,
                      rope_freq_factors=freq_factors, name=kv.get("general.name", g.path.stem), arch=arch,
-                     qkv_bias="blk.0.attn_q.bias" in g.tensors, qk_norm=arch == "qwen3" or "blk.0.attn_q_norm.weight" in g.tensors)
+                     qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
 
 def gguf_layer_names(cfg: LlamaConfig) -> dict[str, str]:
   """LayerWeights field -> its GGUF name within a layer (blk.N.<name>), for cfg's family."""
