@@ -86,6 +86,9 @@ def test_a_sliding_window_caps_the_context_where_it_would_matter(tmp_path):
   types = q | {"layer_types": ["full_attention", "sliding_attention"]}                           # 5.x names each layer
   assert read_hf_config(write(tmp_path, types))[0].max_context == 4096
   assert read_hf_config(write(tmp_path, types | {"layer_types": ["full_attention"] * 2}))[0].max_context == 32768
+  ministral = HUB["mistralai/Ministral-8B-Instruct-2410"] | {"model_type": "ministral", "architectures": ["MinistralForCausalLM"],
+                                                            "sliding_window": 4096, "layer_types": ["sliding_attention", "full_attention"]}
+  assert read_hf_config(write(tmp_path, ministral))[0].max_context == 4096    # transformers' Ministral: windows by layer_types
 
 @settings(max_examples=40, deadline=None)
 @given(st.dictionaries(st.text(st.characters(codec="ascii"), min_size=1, max_size=12),

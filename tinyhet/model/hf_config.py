@@ -44,6 +44,7 @@ FIELDS: dict[str, str | tuple] = {
 }
 # model_type -> (architecture, transformers' default max_position_embeddings, q/k/v biases, per-head q/k norms)
 MODEL_TYPES = {"llama": ("LlamaForCausalLM", 2048, False, False), "mistral": ("MistralForCausalLM", 4096 * 32, False, False),
+               "ministral": ("MinistralForCausalLM", 32768, False, False),   # Mistral's layout, windows per layer_types
                "qwen2": ("Qwen2ForCausalLM", 32768, True, False), "qwen3": ("Qwen3ForCausalLM", 32768, False, True)}
 ROPE_TYPES = {"default": set(), "linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -87,9 +88,8 @@ def _rope(directory, c: dict) -> tuple[float, RopeScaling | None, float | None]:
 
 def _window(directory, c: dict, n_layers: int) -> int | None:
   """The sliding window if any layer uses one (transformers' rules per family), else None."""
-  window = c.get("sliding_window")
-  if c["model_type"] in ("llama", "mistral"): return window
-  types = c.get("layer_types")
+  window, types = c.get("sliding_window"), c.get("layer_types")
+  if c["model_type"] in ("llama", "mistral") or (c["model_type"] == "ministral" and types is None): return window   # every layer
   if types is None:   # Qwen configs before layer_types: layers from max_window_layers on slide, when use_sliding_window
     if not c.get("use_sliding_window") or window is None: return None
     types = ["sliding_attention" if i >= c.get("max_window_layers", n_layers) else "full_attention" for i in range(n_layers)]
