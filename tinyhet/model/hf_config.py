@@ -56,7 +56,8 @@ def classify(field: str) -> str | tuple | None:
   return None
 
 def _refuse(directory, field: str, value, why: str) -> WeightsError:
-  return WeightsError(f"{directory}/config.json: {field} = {json.dumps(value)} {why}")
+  name = field if all(p.isidentifier() for p in field.split(".")) else json.dumps(field)   # a name with a newline stays on one line
+  return WeightsError(f"{directory}/config.json: {name} = {json.dumps(value)} {why}")
 
 def _rope(directory, c: dict) -> tuple[float, RopeScaling | None, float | None]:
   """(rope_theta, Llama 3.1 scaling, linear scaling factor) from transformers 5's rope_parameters or 4.x's rope_theta/rope_scaling."""
