@@ -71,6 +71,8 @@ def test_metadata_transformers_5_adds_is_ignored(tmp_path):
   ("Qwen/Qwen3-0.6B", {"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
   ("Qwen/Qwen3-0.6B", {"model_type": "qwen3_moe"}, "model_type 'qwen3_moe' is not supported"),
   ("Qwen/Qwen3-0.6B", {"num_hidden_layers": 0}, "num_hidden_layers is missing or not a positive integer"),
+  ("Qwen/Qwen3-0.6B", {"rms_norm_eps": "small"}, "wrong type"),
+  ("Qwen/Qwen3-0.6B", {"num_key_value_heads": 3}, "not a multiple of n_kv_heads=3"),
 ])
 def test_model_changing_fields_are_refused_in_one_line_naming_them(name, change, says, tmp_path):
   with pytest.raises(WeightsError) as e: read_hf_config(write(tmp_path, HUB[name] | change))

@@ -123,17 +123,21 @@ def read_hf_config(directory: pathlib.Path, max_context: int | None = None) -> t
     if not isinstance(c.get(key), int) or isinstance(c.get(key), bool) or c[key] < 1:
       raise WeightsError(f"{directory}/config.json: {key} is missing or not a positive integer")
     return c[key]
-  theta, scaling, linear = _rope(directory, c)
-  n_heads, n_layers = need("num_attention_heads"), need("num_hidden_layers")
-  head_dim = c.get("head_dim") or need("hidden_size") // n_heads
-  ctx = c.get("max_position_embeddings") or default_ctx
-  if (window := _window(directory, c, n_layers)) is not None: ctx = min(ctx, window)
-  cfg = LlamaConfig(dim=need("hidden_size"), n_layers=n_layers, n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
-                    head_dim=head_dim, hidden_dim=need("intermediate_size"), vocab_size=need("vocab_size"),
-                    norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-                    rope_freq_factors=None if linear is None else (linear,) * (head_dim // 2),
-                    max_context=min(ctx, max_context) if max_context else ctx, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-                    name=c.get("_name_or_path") or directory.name, arch=c["model_type"], qkv_bias=qkv_bias, qk_norm=qk_norm)
+  try:
+    theta, scaling, linear = _rope(directory, c)
+    n_heads, n_layers = need("num_attention_heads"), need("num_hidden_layers")
+    head_dim = c.get("head_dim") or need("hidden_size") // n_heads
+    ctx = c.get("max_position_embeddings") or default_ctx
+    if (window := _window(directory, c, n_layers)) is not None: ctx = min(ctx, window)
+    cfg = LlamaConfig(dim=need("hidden_size"), n_layers=n_layers, n_heads=n_heads, n_kv_heads=c.get("num_key_value_heads") or n_heads,
+                      head_dim=head_dim, hidden_dim=need("intermediate_size"), vocab_size=need("vocab_size"),
+                      norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+                      rope_freq_factors=None if linear is None else (linear,) * (head_dim // 2),
+                      max_context=min(ctx, max_context) if max_context else ctx, tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                      name=c.get("_name_or_path") or directory.name, arch=c["model_type"], qkv_bias=qkv_bias, qk_norm=qk_norm)
+  except WeightsError: raise
+  except (TypeError, ValueError, ZeroDivisionError) as e:   # a field of the wrong type (a string for a number, ...), heads that do not divide
+    raise WeightsError(f"{directory}/config.json: a field has a value of the wrong type ({type(e).__name__}: {e})") from None
   read = {"architecture": arch, "used": {k: v for k, v in c.items() if classify(k) == USED},
           "checked": {k: v for k, v in c.items() if isinstance(classify(k), tuple)},
           "ignored": sorted(k for k in c if classify(k) == METADATA), "sliding_window": window}
