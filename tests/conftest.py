@@ -9,8 +9,8 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def guarded_node():
   """One small random-weight decode node process (tests/decode_util.py) for the guard, fuzz and soak tests. It caches KV that
-  kv-writer and kv-intruder write (its trusted writers); every other peer's serves its own request only."""
-  from decode_util import DecodeNodeProcess
-  n = DecodeNodeProcess(trusted=("kv-writer", "kv-intruder"))
+  pf-trusted, kv-writer and kv-intruder write (its trusted writers); every other peer's serves its own request only."""
+  from decode_util import TRUSTED_WRITER, DecodeNodeProcess
+  n = DecodeNodeProcess(trusted=(TRUSTED_WRITER, "kv-writer", "kv-intruder"))
   yield n
   n.close()

@@ -19,6 +19,9 @@ def _digest(conn):
   return {"blocks": [[hashlib.sha1(c.read_block_bytes(l, b)).hexdigest()[:16] for b in range(c.block_manager.num_blocks)]
                      for l in range(c.n_layers)], "arena_in_use": node.arena("MESH").in_use}
 node.endpoint.handle("test.digest", _digest)
+def _writer(conn, seq_id):   # who may write a reserved sequence's blocks, as the prefix cache reads it
+  return {k: decode.scheduler.incoming[seq_id].extra[k] for k in ("writer", "trusted_writer")}
+node.endpoint.handle("test.writer", _writer)
 def _cached(conn):       # every cached block: its hash and each layer's bytes
   c = decode.cache
   with decode.cond: held = list(c.block_manager.hash_block.items())
@@ -64,8 +67,10 @@ from tinyhet.service.node_roles import install_submit
 install_submit(decode)
 '''
 
+TRUSTED_WRITER = "pf-trusted"       # the guarded node's trusted_writers (a name no test's writer takes unless it means to)
+
 class DecodeNodeProcess:
-  def __init__(self, blocks: int = 64, bs: int = 4, trusted: tuple[str, ...] = ()):
+  def __init__(self, blocks: int = 64, bs: int = 4, trusted: tuple[str, ...] = (TRUSTED_WRITER,)):
     """trusted: the writers whose KV the node caches (tinyhet.config's trusted_writers)."""
     env = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_NODE": "guarded-decode", "TINYHET_ARENA_BYTES": "256M",
            "TINYHET_TRUSTED_WRITERS": ",".join(trusted)}

@@ -54,7 +54,7 @@ def test_rdma_options():
 
 def test_trusted_writers():
   """The peers whose KV a decode node caches: none by default; a comma list in the environment, a list in the file."""
-  assert Config().trusted_writers == ()
+  assert Config().trusted_writers is None                       # none (or a cluster file's prefill nodes: tests/test_identity.py)
   assert load_config(env={"TINYHET_TRUSTED_WRITERS": "prefill0, prefill1,"}).trusted_writers == ("prefill0", "prefill1")
   assert load_config(env={}, trusted_writers=("p",)).trusted_writers == ("p",)
   with pytest.raises(ConfigError, match="trusted_writers"): load_config(env={"TINYHET_TRUSTED_WRITERS": "x" * 201})

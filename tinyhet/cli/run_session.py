@@ -2,7 +2,7 @@
 tokenizer, the decode node's client) that answers prompts. A plain run makes one and ends; the resident process
 (tinyhet.cli.resident_server) keeps one for every later run."""
 from __future__ import annotations
-import json, os, socket, subprocess, sys, threading, time
+import json, os, subprocess, sys, threading, time
 from tinyhet.cli.common import RunError
 
 def say(args, msg: str):
@@ -17,12 +17,13 @@ class LocalDecodeNode:
     # its own process group: a Ctrl-C at the terminal reaches this process only, which then stops the node (once, cleanly);
     # the node dies with this process anyway (its stdin closes, and PR_SET_PDEATHSIG: tinyhet.cli.node.die_with_parent, which
     # fires when the thread that started it ends: start it from the thread that outlives it, the main one)
-    # this process writes the prompts' KV and is the node's only writer: the node caches it (tinyhet.config's trusted_writers)
-    from tinyhet.config import load_config
-    me = load_config().node or f"{socket.gethostname()}-{os.getpid()}"    # the name this process's LocalNode takes
+    # its one writer is this process: bound to this process's key, and trusted (its KV may be cached: tinyhet.runtime.identity)
+    from tinyhet.device.memory import local_node
+    me = local_node()
+    keys = ",".join(x for x in (os.environ.get("TINYHET_PEER_KEYS", ""), f"{me.name}={me.endpoint.identity.public}") if x)
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0,
                                  env={**os.environ, "TINYHET_NODE": "decode-local", "TINYHET_PARENT_PID": str(os.getpid()),
-                                      "TINYHET_TRUSTED_WRITERS": me})
+                                      "TINYHET_PEER_KEYS": keys, "TINYHET_TRUSTED_WRITERS": me.name})
     self.ready, self.info, self.errors = threading.Event(), None, []
     threading.Thread(target=self._stdout, daemon=True, name="tinyhet-decode-stdout").start()
     self.stderr_reader = threading.Thread(target=self._stderr, args=(args.quiet,), daemon=True, name="tinyhet-decode-stderr")

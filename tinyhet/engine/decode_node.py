@@ -4,12 +4,15 @@ requests a prefill node uses to hand it a sequence.
 A sequence arrives in three steps, each a control request (tinyhet.runtime.control):
   decode.reserve   prompt ids, max_new_tokens -> a sequence id, its block table and per-layer pool descriptors of its own
                    (tcp lets only the writer write, and only into these blocks; the writer is the reserving peer, or the node
-                   named by `writer`, as a router names its prefill node). With use_cache, a prefix-cache hit's shared
-                   blocks (prefix_blocks) come with read-only descriptors (read_pools) for the same peer, so it can pull
-                   them until the sequence leaves; the write descriptors cover the suffix only. The blocks are held (admission
-                   waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
-                   one transport write per layer or per chunk of a layer, each with a notice (tinyhet.kv.notices: sequence,
-                   layer, piece, last; counted only from the writer).
+                   named by `writer`, as a router names its prefill node: a name its handshake proved, never one it claimed).
+                   The reply's `grant` is this node's signature of what it granted (tinyhet.kv.grants), which the writer
+                   checks against the prompt it is asked to prefill. The sequence keeps the writer's name (extra["writer"])
+                   and whether this node's configuration trusts it as a prefill writer (extra["trusted_writer"]).
+                   With use_cache, a prefix-cache hit's shared blocks (prefix_blocks) come with read-only descriptors
+                   (read_pools) for the same peer, so it can pull them until the sequence leaves; the write descriptors
+                   cover the suffix only. The blocks are held (admission waits while the pool is full); the prefill node
+                   writes each layer's packed K, V straight into them with one transport write per layer or per chunk of a
+                   layer, each with a notice (tinyhet.kv.notices: sequence, layer, piece, last; counted only from the writer).
   decode.generate  the first token (sampled by the prefill node) and sampling options (the prefill node's seed: draws depend on
                    (seed, position) only, so the stream goes on where it began) -> once every layer's notice has
                    arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
@@ -19,9 +22,8 @@ A sequence arrives in three steps, each a control request (tinyhet.runtime.contr
                    over shm/verbs when every layer landed, the writer says its writes are done, or its connections close.
 A full pool never crashes the node: reservations wait, and a decode step that needs a block preempts the newest sequence,
 which is recomputed here later (its prompt and generated tokens prefilled again on this node).
-The prefix cache holds only KV the node vouches for (its own, or a trusted_writers peer's; a failed prefill or step caches
-nothing past what it stored: Sequence.cache_limit), hashed under the model's fingerprint (tinyhet.model.fingerprint) and
-the request's cache_salt (decode.reserve / submit / lookup take one: tinyhet.service.tenancy).
+The prefix cache holds only KV the node vouches for (its own or a trusted_writers peer's; a failure caches nothing past what
+it stored: cache_limit), hashed under the model's fingerprint and the request's cache_salt (tinyhet.service.tenancy).
 """
 from __future__ import annotations
 import itertools, queue, threading, time
@@ -29,6 +31,7 @@ from dataclasses import asdict
 import numpy as np
 from tinygrad import dtypes
 from tinyhet.device.backend import region_of
+from tinyhet.kv.grants import sign_grant
 from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, NOTICE_FORMAT, Landing, split_notice
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
@@ -71,13 +74,12 @@ class DecodeNode:
   def __init__(self, model: Llama, node: LocalNode, kv_blocks: int, block_size: int = 16, kv_dtype: str = "float16",
                max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = (), prefix_cache: bool = True,
                fingerprint: str = "", trusted_writers: tuple[str, ...] | None = None):
-    """model_id: the model's name; fingerprint: what determines its KV (default the name); trusted_writers: the peers whose KV
-    is cached and shared (default node.config.trusted_writers)."""
     cfg = model.cfg
     if cfg.n_layers >= 1 << LAYER_BITS: raise ValueError(f"{cfg.n_layers} layers do not fit the {LAYER_BITS}-bit layer field of a notice")
     self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
     self.fingerprint = fingerprint or model_id
-    self.trusted_writers = frozenset(node.config.trusted_writers if trusted_writers is None else trusted_writers)
+    # peers whose written KV this node may vouch for (node config trusted_writers, default the cluster file's prefill nodes)
+    self.trusted_writers = frozenset((node.config.trusted_writers or ()) if trusted_writers is None else trusted_writers)
     self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_blocks + 1, block_size, kv_dtype, device="MESH",   # +1: PAD_SEQ's
                               max_seq_len=cfg.max_context, prefix_cache=prefix_cache, model_id=cache_key(self.fingerprint, kv_dtype))
     self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs, capacity=kv_blocks)
@@ -119,10 +121,6 @@ class DecodeNode:
     check_salt(cache_salt)
     with self.cond: return {"cached_tokens": len(self.cache.block_manager.match(prompt_ids, salt=cache_salt)) * self.cache.block_size}
 
-  def vouches_for(self, writer: str | None) -> bool:
-    """Whether KV that writer wrote may be cached and shared: this node's own (None, or its own name), or a trusted writer's."""
-    return writer is None or writer == self.node.name or writer in self.trusted_writers
-
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, writer: str | None = None,
                      use_cache: bool = False, cache_salt: str = "") -> dict:
     check_prompt(self.model.cfg, prompt_ids, max_new_tokens)
@@ -131,9 +129,11 @@ class DecodeNode:
     if writer is not None and (not isinstance(writer, str) or not 0 < len(writer.encode()) <= 200):
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
     if not isinstance(use_cache, bool): raise ValueError(f"use_cache must be true or false, got {use_cache!r}")
-    # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
-    seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens, cache_salt=cache_salt, writer=conn.peer if writer is None else writer)
-    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=seq.writer)
+    # the peer whose writes and notices count: the reserver, or the prefill node a router names for it. Names are proven
+    # (a signature at the handshake, tinyhet.runtime.identity), so a grant to one peer is refused to every other
+    owner = conn.peer if writer is None else writer
+    seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens, cache_salt=cache_salt, writer=owner)
+    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=owner, writer=owner, trusted_writer=owner in self.trusted_writers)
     deadline = time.monotonic() + timeout
     with self.cond:
       try:
@@ -149,20 +149,21 @@ class DecodeNode:
       self.landed[seq.seq_id] = Landing(self.model.cfg.n_layers)
       cached = self.cache.block_manager.cached_length(seq.seq_id)
       # another writer's KV serves this request only: nothing past the hit (nor what is decoded over it) is cached as it leaves
-      if not self.vouches_for(seq.writer): seq.cache_limit = cached
+      if seq.writer != self.node.name and seq.writer not in self.trusted_writers: seq.cache_limit = cached
       # a hit's shared blocks are not the writer's: it writes (and its descriptors cover) the suffix's blocks only
       table = self.cache.block_manager.block_table(seq.seq_id)
       prefix, blocks = table[:cached // self.cache.block_size], table[cached // self.cache.block_size:]
     # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
     # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves. A write grant for the
     # suffix's blocks; with a hit, a read grant for the prefix's shared blocks (the prefill node pulls them: PrefixPull)
-    bb, ep, owner = self.cache.block_nbytes, self.node.endpoint, seq.extra["owner"]
+    bb, ep = self.cache.block_nbytes, self.node.endpoint
     descs = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in blocks], access="write") for r in self.pool_regions]
     reads = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in prefix], access="read") for r in self.pool_regions] if prefix else []
     seq.extra["descs"] = descs + reads
     self._attach(conn, seq)
-    return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
-            "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
+    reply = {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
+             "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
+    return {**reply, "grant": sign_grant(ep.identity, ep.name, owner, reply, seq.token_ids)}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,
