@@ -39,8 +39,9 @@ def test_bounded_queue_then_503():
   admitted = []
   waiters = [threading.Thread(target=lambda: admitted.append(c._admit(16))) for _ in range(2)]
   for t in waiters: t.start()
-  deadline = time.monotonic() + 5
+  deadline = time.monotonic() + 60
   while c.waiting < 2 and time.monotonic() < deadline: time.sleep(0.01)
+  assert c.waiting == 2, "the two waiters did not queue"
   with pytest.raises(Overloaded, match="2 requests wait already"): c._admit(16)
   with c.cond:                                    # room appears: the waiters are admitted
     a.status["free_blocks"] = 100
