@@ -7,6 +7,7 @@ import http.client, json, os, signal, subprocess, sys, threading, time
 from ray.cluster_utils import Cluster
 
 SPEC, PROMPTS, N, TOKEN = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), os.environ["TINYHET_TOKEN"]
+ADMIN = os.environ["TINYHET_ADMIN_KEY"]        # the router's admin key: /admin/replicas and /ready's node list
 HOST_MEMORY = 256 << 20            # the Ray memory of each decode host: its KV pool is a quarter of it
 out: dict = {"phases": {}}
 NODE_PIDS: set[int] = set()
@@ -15,7 +16,7 @@ class Router:
   def __init__(self, address: str):
     self.host, port = address.rsplit(":", 1)
     self.port = int(port)
-  def request(self, method, path, body=None, token=TOKEN, raw=None):
+  def request(self, method, path, body=None, token=ADMIN, raw=None):
     c = http.client.HTTPConnection(self.host, self.port, timeout=120)
     try:
       headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
@@ -167,9 +168,10 @@ try:
   out["phases"]["leave"] = time.monotonic() - t
 
   # the admin endpoint's bad input: nothing changes
-  bad = [("POST", {"decode": 3}, None), ("GET", None, "wrong"), ("POST", {"decode": -1}, TOKEN), ("POST", {"decode": 0, "both": 0}, TOKEN),
-         ("POST", {"wizard": 1}, TOKEN), ("POST", {"decode": "2"}, TOKEN), ("POST", {"decode": True}, TOKEN), ("POST", [1], TOKEN),
-         ("POST", "{not json", TOKEN), ("POST", {"decode": 10**6}, TOKEN)]
+  # no key, a wrong one, the nodes' cluster token (not the admin's), a non-ASCII one (bytes, not a 500); then bad counts
+  bad = [("POST", {"decode": 3}, None), ("GET", None, "wrong"), ("POST", {"decode": 3}, TOKEN), ("GET", None, "caf\xe9"),
+         ("POST", {"decode": -1}, ADMIN), ("POST", {"decode": 0, "both": 0}, ADMIN), ("POST", {"wizard": 1}, ADMIN), ("POST", {"decode": "2"}, ADMIN),
+         ("POST", {"decode": True}, ADMIN), ("POST", [1], ADMIN), ("POST", "{not json", ADMIN), ("POST", {"decode": 10**6}, ADMIN)]
   out["admin_bad"] = [router.request(m, "/admin/replicas", b if not isinstance(b, str) else None, token=tok, raw=b if isinstance(b, str) else None)
                       for m, b, tok in bad]
   out["admin_after"] = router.request("GET", "/admin/replicas")[1]["want"]

@@ -28,11 +28,12 @@ one over the `both` node."""
   finally:
     for p in procs.values(): p.stop()
 
-def call(router, method: str, path: str, body=None, headers=None) -> tuple[int, dict]:
+def call(router, method: str, path: str, body=None, headers=None, raw: bytes | None = None) -> tuple[int, dict]:
   host, port = router.address.rsplit(":", 1)
   c = http.client.HTTPConnection(host, int(port), timeout=120)
   try:
-    c.request(method, path, body=None if body is None else json.dumps(body), headers={"Content-Type": "application/json", **(headers or {})})
+    c.request(method, path, body=raw if raw is not None else None if body is None else json.dumps(body),
+              headers={"Content-Type": "application/json", **(headers or {})})
     r = c.getresponse()
     text = r.read()
     try: return r.status, json.loads(text)
@@ -239,3 +240,46 @@ def test_stop_strings_end_the_sequence_on_the_decode_node(nodes, model):
   status, obj = call(nodes["router"], "POST", "/v1/completions", {"prompt": ids, "max_tokens": 40, "temperature": 0, "stop": [stop],
                                                                   "return_token_ids": True})
   assert status == 200 and obj["choices"][0]["finish_reason"] == "stop" and obj["choices"][0]["token_ids"] == ref[:n], obj
+
+def test_ready_and_health_show_the_nodes_only_with_the_admin_key(nodes):
+  from test_service import ADMIN
+  for name in ("router", "keyed"):
+    router = nodes[name]
+    for headers in ({}, {"Authorization": f"Bearer {KEYS[0]}"}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer caf\xe9"},
+                    {"Authorization": f"Bearer {ADMIN}x"}):
+      assert call(router, "GET", "/ready", headers=headers) == (200, {"ready": True}), (name, headers)
+      assert call(router, "GET", "/health", headers=headers) == (200, {"status": "ok"}), (name, headers)
+    status, obj = call(router, "GET", "/ready", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert status == 200 and obj["ready"] and {n["address"] for n in obj["nodes"]} == set(router.nodes) - {"ray"} and \
+      all("node" in n for n in obj["nodes"] if n["up"]), obj
+  assert call(nodes["keyed"], "GET", "/v1/models", headers={"Authorization": "Bearer caf\xe9"})[0] == 401     # a non-ASCII key: no 500
+
+def send(router, head: bytes, body_parts=()) -> tuple[int, dict]:
+  """A raw HTTP/1.1 request (head without its blank line), its body sent in parts: (status, JSON reply)."""
+  host, port = router.address.rsplit(":", 1)
+  with socket.create_connection((host, int(port)), timeout=60) as s:
+    s.sendall(head + b"\r\n\r\n")
+    try:
+      for part in body_parts: s.sendall(part)
+    except (BrokenPipeError, ConnectionResetError): pass      # the server answered before the body's end, and closed
+    reply = b""
+    while (got := s.recv(1 << 16)): reply += got
+  status = int(reply.split(b" ", 2)[1])
+  return status, json.loads(reply.split(b"\r\n\r\n", 1)[1])
+
+def test_body_size_and_json_depth_limits(nodes):
+  from tinyhet.service.http_guard import MAX_BODY_BYTES, MAX_JSON_DEPTH
+  router = nodes["router"]
+  path = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+  status, obj = send(router, path + f"Content-Length: {MAX_BODY_BYTES + 1}".encode())           # said in advance: refused before it is sent
+  assert status == 413 and obj["error"]["code"] == "request_too_large" and set(obj["error"]) == {"message", "type", "param", "code"}, obj
+  over = json.dumps({"prompt": "x" * MAX_BODY_BYTES}).encode()                                   # not said: refused as it arrives
+  chunks = [b"%x\r\n%s\r\n" % (len(over[i:i + (1 << 20)]), over[i:i + (1 << 20)]) for i in range(0, len(over), 1 << 20)]
+  status, obj = send(router, path + b"Transfer-Encoding: chunked", [*chunks, b"0\r\n\r\n"])
+  assert status == 413 and obj["error"]["code"] == "request_too_large", obj
+  for depth in (MAX_JSON_DEPTH + 1, 100_000):                 # 100,000 deep: Python's parser would recurse past its limit (a 500)
+    deep = '{"prompt": [1], "max_tokens": 1, "x": ' + "[" * depth + "]" * depth + "}"
+    status, obj = call(router, "POST", "/v1/completions", headers={"Content-Length": str(len(deep))}, raw=deep.encode())
+    assert status == 400 and obj["error"]["code"] == "json_too_deep", obj
+  fine = '{"prompt": [1], "max_tokens": 1, "user": "[[[[[[", "metadata": ' + "[" * 8 + "]" * 8 + "}"   # brackets in strings do not count
+  assert call(router, "POST", "/v1/completions", raw=fine.encode())[0] == 200

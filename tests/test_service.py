@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 SPEC = "random:max_context=256"
 TOKEN = "service-test-token"
+ADMIN = "service-test-admin-key"       # the routers' admin key: /ready's node list
 ENV = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_ARENA_BYTES": "256M"}
 
 class Proc:
@@ -45,15 +46,17 @@ def free_port() -> int:
 
 class Router(Proc):
   def __init__(self, *args, env: dict | None = None):
-    super().__init__("serve", "--listen", "127.0.0.1:0", "--model", SPEC, *args, env=env)
+    super().__init__("serve", "--listen", "127.0.0.1:0", "--model", SPEC, *args, env={"TINYHET_ADMIN_KEY": ADMIN, **(env or {})})
   @property
   def nodes(self) -> dict[str, str]: return self.info()["nodes"]
-  def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout=120) -> tuple[int, dict, dict]:
+  def request(self, method: str, path: str, body=None, raw: bytes | None = None, timeout=120, headers: dict | None = None) -> tuple[int, dict, dict]:
+    """One HTTP request; /ready is asked with the admin key (its node list), unless headers say otherwise."""
     host, port = self.address.rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    if headers is None: headers = {"Authorization": f"Bearer {ADMIN}"} if path == "/ready" else {}
     try:
       data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-      c.request(method, path, body=data, headers={"Content-Type": "application/json"})
+      c.request(method, path, body=data, headers={"Content-Type": "application/json", **headers})
       r = c.getresponse()
       text = r.read()
       try: obj = json.loads(text)
