@@ -240,6 +240,10 @@ def test_stop_strings_end_the_sequence_on_the_decode_node(nodes, model):
   status, obj = call(nodes["router"], "POST", "/v1/completions", {"prompt": ids, "max_tokens": 40, "temperature": 0, "stop": [stop],
                                                                   "return_token_ids": True})
   assert status == 200 and obj["choices"][0]["finish_reason"] == "stop" and obj["choices"][0]["token_ids"] == ref[:n], obj
+  # a stop string the decode node would refuse is refused here, before a token streams (it used to fail after the first)
+  for stream in (False, True):
+    status, obj = call(nodes["router"], "POST", "/v1/completions", {"prompt": ids, "max_tokens": 4, "stop": ["x" * 201], "stream": stream})
+    assert status == 400 and obj["error"]["param"] == "stop", obj
 
 def test_ready_and_health_show_the_nodes_only_with_the_admin_key(nodes):
   from test_service import ADMIN

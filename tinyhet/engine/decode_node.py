@@ -209,9 +209,9 @@ class DecodeNode:
   def set_stop_strings(self, seq: Sequence, stop) -> None:
     """Stop strings (a request's `stop`) end the sequence here, its blocks freed at once, as a stop id does. Matched on the
     text decoded from the tokens generated on this node (the first token included)."""
+    from tinyhet.model.request_rules import check_stop      # the rule the HTTP API checked already
     if stop is None: return
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and 0 < len(x) <= 200 for x in stop):
-      raise ValueError(f"stop must be a list of at most 4 non-empty strings of at most 200 characters, got {str(stop)[:80]!r}")
+    stop = check_stop(stop)
     if stop and self.tokenizer is None: raise ValueError("this decode node has no tokenizer to match stop strings: leave stop out")
     if stop: seq.extra.update(stop_strings=stop, stop_decoder=self.tokenizer.stream_decoder(), stop_tail="")
 
