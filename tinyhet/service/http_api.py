@@ -15,7 +15,7 @@ thread each; a client that goes away cancels its request and the nodes free what
 from __future__ import annotations
 import asyncio, json, threading, time, uuid
 from tinyhet.service.api_schema import ApiError, parse_chat, parse_completion
-from tinyhet.service.http_guard import MAX_BODY_BYTES, BodyLimit, authorization, error_response, is_admin, key_matches, parse_body  # noqa: F401
+from tinyhet.service.http_guard import MAX_BODY_BYTES, BodyLimit, authorization, error_response, is_admin, key_matches, parse_body
 from tinyhet.service.logprobs import LogprobFormatter
 
 class KeyCheck:
