@@ -125,7 +125,7 @@ def _write(t: Tensor, a: np.ndarray) -> None:
 
 def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer=None, progress=None, n_valid: int | None = None,
                     pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0, buckets: tuple[int, ...] = (),
-                    on_chunk=None, before_layer=None, layer_from: int = 0) -> Tensor:
+                    on_chunk=None, before_layer=None, layer_from: int = 0, on_hidden=None) -> Tensor:
   """tokens (1, T) int32 (a Tensor, or ids on the host) at positions start..start+T-1 -> logits (1, vocab) of row n_valid - 1 (default T - 1).
   pools/table: per-layer pools holding the K, V of positions 0..start-1 at the blocks of `table` (its entries cover at
   least the plan's positions, the last chunk's pads included); None makes the prompt's own (start must be 0). The last
@@ -136,7 +136,9 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
   pads alone is no piece); True: it took them (on_layer is not called for that layer), False at piece 0: on_layer gets the
   layer whole at the end. before_layer(l), if given, runs before layer l of the first chunk (a pulled prefix's layer l is
   waited for there: tinyhet.kv.pull). layer_from: the first position on_layer's K, V hold (a multiple of the block size; a
-  pulled prefix's suffix hands out its own tokens only), to start + n_valid - 1."""
+  pulled prefix's suffix hands out its own tokens only), to start + n_valid - 1. on_hidden(x, p0, n), if given, gets each
+  chunk's last-layer rows, x (1, C, dim) realized, its first n rows the prompt's positions p0..p0+n-1 (a prompt's own
+  logprobs: tinyhet.engine.prompt_logprobs); x is overwritten by the next chunk."""
   cfg = model.cfg
   T = len(tokens[0]) if not isinstance(tokens, Tensor) else tokens.shape[1]
   n_valid = T if n_valid is None else n_valid
@@ -181,6 +183,7 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
       cj.half(l, FINISH)(x, cj.q, pools[l], cj.tables, cj.lens, out, *layer_tensors(w, FINISH), kv_max_blocks=mb)
       x = out
       if progress is not None and ci == len(plan) - 1: progress(l + 1)
+    if on_hidden is not None and p0 - start < n_valid: on_hidden(x, p0, min(n, start + n_valid - p0))
     if p0 - start <= n_valid - 1 < p0 - start + n:
       _write(cj.row, np.array([n_valid - 1 - (p0 - start)], np.int32))
       logits = cj.logits(x, cj.row)
