@@ -100,9 +100,12 @@ def llama():
 def test_a_prefill_over_a_pulled_prefix_gives_the_whole_prompts_logits_and_suffix_kv(pair, llama, chunk, suffix):
   """The prefix's K, V made by a real prefill, stored at scattered blocks of the holder's pools, pulled over tcp; the
   suffix's prefill over them gives the logits and K, V (suffix rows) of the whole prompt's prefill. Twice, with other
-  prompts: the second prefill reuses the first's pools (engine.prefill.pull_pools), stale blocks and all."""
+  prompts: the second prefill reuses the first's pools (engine.prefill.pull_pools), stale blocks and all. The first hands
+  the suffix's K, V out per layer (on_layer), the second as each chunk's blocks in the pools (on_chunk, as the prefill
+  node's sender takes them: blocks from the prefix's end on, one piece a chunk, no layer unpacked)."""
   from tinyhet.engine.prefill import prefill_pulled_logits
   from tinyhet.model.chunked_prefill import chunked_prefill, prompt_pools
+  from tinyhet.kernels.kv_pack import unpack_kv
   from tinyhet.model.llama import DenseKVCache
   holder, puller, peer, _, _ = pair
   cached, bs = 48, 16
@@ -117,14 +120,25 @@ def test_a_prefill_over_a_pulled_prefix_gives_the_whole_prompts_logits_and_suffi
       data = pool.numpy().reshape(3, -1).view(np.uint8)
       for i, b in enumerate(where): r.view(b * bb, bb)[:] = data[i].tobytes()
     reservation = {"prefix_blocks": where, "read_pools": grant(holder, regions, where, bb=bb), "block_bytes": bb}
-    kv = {}
+    kv, pieces = {}, {}
+    def take(l, pool, b0, b1, piece, n_pieces):                             # the blocks as they lie in the pool, read now
+      rows = [t.numpy() for t in unpack_kv(Tensor(pool.numpy()[b0:b1]), (b1 - b0) * bs, llama.cfg.head_dim)]   # K, V (n * bs, KVH, D)
+      pieces.setdefault(l, []).append((b0, b1, piece, n_pieces, rows))
+      return True
     def start(pools):
       used.append([id(p) for p in pools])
       return PrefixPull(puller, peer, reservation, pools)
     llama.prefill_chunk = chunk
     try:
-      logits, figures = prefill_pulled_logits(llama, ids, cached, bs, dtypes.float16, start, lambda l, k, v: kv.setdefault(l, (k.numpy(), v.numpy())))
+      logits, figures = prefill_pulled_logits(llama, ids, cached, bs, dtypes.float16, start, lambda l, k, v: kv.setdefault(l, (k.numpy(), v.numpy())),
+                                              take if seed != chunk else None)
     finally: llama.prefill_chunk = 0
+    if seed != chunk:                                                         # pieces, in order, from the prefix's end to the prompt's
+      assert not kv
+      for l, ps in pieces.items():
+        assert [p[:4] for p in ps] == [(3, 4, 0, 3), (4, 5, 1, 3), (5, 6, 2, 3)]
+        k, v = (np.concatenate([p[4][i] for p in ps])[:suffix] for i in (0, 1))
+        kv[l] = (k, v)
     assert figures["pulled_bytes"] == 3 * bb * len(own)
     want_kv = {}
     want = llama.prefill(Tensor([ids], dtype=dtypes.int32, device="MESH"), on_layer=lambda l, k, v: want_kv.setdefault(l, (k.numpy(), v.numpy())),

@@ -156,12 +156,14 @@ def pull_pools(model: Llama, nb: int, block_size: int, kv_dtype) -> list[Tensor]
     kept[key] = pools
   return pools
 
-def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, block_size: int, kv_dtype, start_pull, on_layer=None):
+def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, block_size: int, kv_dtype, start_pull, on_layer=None, on_chunk=None):
   """Prefill prompt_ids[cached:] over a prefix whose K, V are pulled from a decode node: pools of the decode node's block size
   (blocks 0.. the prefix's, pulled by start_pull(pools) -> tinyhet.kv.pull.PrefixPull, each layer waited for just before the
   suffix's first chunk computes it), then the chunked prefill continues from there (tinyhet.model.chunked_prefill). The
   suffix is padded to its bucket and the pools' block count too, so the captures serve the turns of a growing conversation.
-  on_layer(l, k, v) gets the suffix's K, V only (tokens cached..n-1). Returns (logits (vocab,), the pull's figures)."""
+  on_layer(l, k, v) gets the suffix's K, V only (tokens cached..n-1); on_chunk, where given, each chunk's blocks of a layer
+  in the pools as they are stored (chunked_prefill's: blocks cached // block_size.., a sender writes them as they lie,
+  KVSender.send_chunk), so no layer is unpacked for the sender. Returns (logits (vocab,), the pull's figures)."""
   from tinygrad.helpers import ceildiv
   from tinyhet.model.chunked_prefill import chunked_prefill
   from tinyhet.model.llama import _config_chunk
@@ -176,7 +178,7 @@ def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, bloc
   try:
     tokens = Tensor([suffix + [0] * (T - len(suffix))], dtype=dtypes.int32, device=model.device)
     logits = chunked_prefill(model, tokens, chunk, kv_dtype, on_layer, None, len(suffix), pools, list(range(nb)), cached,
-                             before_layer=pull.wait, layer_from=cached).numpy()[0]
+                             before_layer=pull.wait, layer_from=cached, on_chunk=on_chunk).numpy()[0]
   except BaseException:
     pull.abort()                 # no read may still fill pools after they are gone
     raise

@@ -179,7 +179,7 @@ class KVSender:
     self.ring = buffers.ring(self.layer_bytes)
     self.keep: list[Tensor] = []              # K, V or packed layers stay alive until their writes have landed
     self.computed: dict[int, float] = {}      # when each layer's K, V were handed over (perf_counter; chunked: its last piece)
-    self.cached = r.get("cached_tokens", 0)   # the reservation's blocks start past a cached prefix (no chunk pieces then)
+    self.cached = r.get("cached_tokens", 0)   # the reservation's blocks start past a cached prefix (chunk pieces: from there)
     self.pieces: list[tuple] = []             # send_chunk's arguments, in order
     self.handoff_s = 0.0                      # time the prefill thread spent in send()
 
@@ -225,16 +225,18 @@ class KVSender:
     the prefill's own pool on HET (its block i is the prompt's block i, in the decode node's layout), and are written from
     there into this reservation's blocks b0..b1-1 (clipped to them) with the notice of this piece of the layer (the last of
     n_pieces: the decode node counts the layer once every piece has landed). False, with nothing sent, where that cannot
-    be (the pool is not in registered host memory, or has another block size or dtype; the reservation starts past a
-    cached prefix; more pieces than a notice counts): the caller then sends the layer whole (send)."""
+    be (the pool is not in registered host memory, or has another block size or dtype; more pieces than a notice counts;
+    the reservation starts past a cached prefix and the pieces do not start there): the caller then sends the layer whole
+    (send). Past a cached prefix of c blocks (a pulled prefix's suffix) the pool's block c + i goes to the reservation's block i."""
     t0 = time.perf_counter()
     try:
-      if piece == 0 and not self._can_send_from(pool, n_pieces): return False
+      if piece == 0 and not self._can_send_from(pool, n_pieces, b0): return False
       self.pieces.append((layer, pool, b0, b1, piece, n_pieces))         # for a resend over a new link (resend_pieces)
       if self.writer.error is not None: return True
       region, offset = region_of(pool.uop.base.buffer)
-      blocks = range(min(b0, len(self.blocks)), min(b1, len(self.blocks)))
-      spans = [Span(region, offset + b * self.block_bytes, self.pools[layer], self.blocks[b] * self.block_bytes, self.block_bytes) for b in blocks]
+      first, bb = self.cached // self.block_size, self.block_bytes     # the pool's block `first` is the reservation's block 0
+      blocks = range(max(b0, first), min(b1, first + len(self.blocks)))
+      spans = [Span(region, offset + b * bb, self.pools[layer], self.blocks[b - first] * bb, bb) for b in blocks]
       self.keep.append(pool)                                            # the writer reads it after the prefill has returned
       if piece == n_pieces - 1: self.computed[layer] = t0
       try: self.writer.post((layer, piece), spans, notice_value(self.seq_id, layer, piece, piece == n_pieces - 1))
@@ -243,9 +245,9 @@ class KVSender:
       return True
     finally: self.handoff_s += time.perf_counter() - t0
 
-  def _can_send_from(self, pool: Tensor, n_pieces: int) -> bool:
+  def _can_send_from(self, pool: Tensor, n_pieces: int, b0: int) -> bool:
     cfg = self.cfg
-    if self.cached or not 0 < n_pieces <= MAX_PIECES or pool.dtype != self.kv_dtype: return False
+    if b0 * self.block_size != self.cached or not 0 < n_pieces <= MAX_PIECES or pool.dtype != self.kv_dtype: return False
     if tuple(pool.shape[1:]) != (2, cfg.n_kv_heads, self.block_size * cfg.head_dim) or pool.uop.base.op is not Ops.BUFFER: return False
     try: region_of(pool.uop.base.buffer)
     except NotRegistered: return False

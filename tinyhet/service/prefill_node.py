@@ -136,7 +136,7 @@ class PrefillNode:
       kept.append((layer, k, v))
       sender.send(layer, k, v)
 
-    def send_chunk(*piece) -> bool:     # a chunked prefill's blocks of a layer, as each chunk computes them (not past a cached prefix)
+    def send_chunk(*piece) -> bool:     # a chunked prefill's blocks of a layer, as each chunk computes them (a pulled prefix's suffix too)
       if isinstance(sender.writer.error, CallerGone): raise sender.writer.error
       return sender.send_chunk(*piece)
 
@@ -144,7 +144,7 @@ class PrefillNode:
     try:
       if pulled:
         logits, pull = prefill_pulled_logits(self.model, job.prompt_ids, cached, r["block_size"], kv_dtype,
-                                             lambda pools: PrefixPull(self.node, peer, r, pools), send_layer)
+                                             lambda pools: PrefixPull(self.node, peer, r, pools), send_layer, send_chunk)
         self.cost.saw_transfer(pull["pulled_bytes"], pull["pull_s"])
       else: _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer, on_chunk=send_chunk, on_hidden=scorer)
       first = sampler.draw(logits, n, job.prompt_ids)     # the same draw again, with its logprobs when asked for
