@@ -37,13 +37,14 @@ class RowHead:
     self.replay(x, self.next, self.logits, self.rows)
     return self.rows.numpy()
 
-KEEP = 3   # heads kept per model, the most recently used (each holds C x vocab float32 of logits)
+KEEP_BYTES = 256 << 20   # the heads kept per model, the most recently used, hold at most this much of logits (C x vocab float32 each)
 
 def row_head(model: Llama, C: int) -> RowHead:
+  """The model's head over C rows (made on first use; a prompt of each bucket length has its own), most recently used last."""
   heads = model.__dict__.setdefault("_row_heads", {})
   h = heads.pop(C, None) or RowHead(model, C)
   heads[C] = h
-  while len(heads) > KEEP: heads.pop(next(iter(heads)))
+  while len(heads) > 1 and sum(c for c in heads) * model.cfg.vocab_size * 4 > KEEP_BYTES: heads.pop(next(iter(heads)))
   return h
 
 class PromptLogprobs:
