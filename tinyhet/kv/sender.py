@@ -200,23 +200,26 @@ class KVSender:
   def _spans(self, layer: int, region: Region, offset: int) -> list[Span]:
     return [Span(region, offset + i * self.block_bytes, self.pools[layer], b * self.block_bytes, self.block_bytes) for i, b in enumerate(self.blocks)]
 
-  def send(self, layer: int, k: Tensor, v: Tensor):
-    """Queue layer's K, V (T, KVH, D), realized on the prefill device. After a write has failed, nothing more is posted:
-    check() or finish() raises that failure (the caller may send every layer again over a new link)."""
+  def send(self, layer: int, k: Tensor, v: Tensor, first_row: int = 0):
+    """Queue layer's K, V (T, KVH, D), realized on the prefill device, from row first_row on (a whole prompt computed again
+    over a cached prefix sends the suffix's rows: in host memory a numpy view of them, not a slice realized per layer).
+    After a write has failed, nothing more is posted: check() or finish() raises that failure (the caller may send every
+    layer again over a new link)."""
     self.computed[layer] = t0 = time.perf_counter()
-    try: self._hand_off(layer, k, v)
+    try: self._hand_off(layer, k, v, first_row)
     except Exception:
       if self.writer.error is None: raise
     finally: self.handoff_s += time.perf_counter() - t0
 
-  def _hand_off(self, layer: int, k: Tensor, v: Tensor):
+  def _hand_off(self, layer: int, k: Tensor, v: Tensor, first_row: int):
     if self.writer.error is not None: return
     notify = notice_value(self.seq_id, layer)
     if self.kv_dtype.fmt is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
       self.keep.extend((k, v))              # K, V in host memory: the writer thread packs them into the host region
       self.writer.post(layer, self._spans(layer, self.host_stage(), layer * self.layer_bytes), notify,
-                       functools.partial(pack_kv_host, ka, va, self.stage[layer]))
+                       functools.partial(pack_kv_host, ka[first_row:], va[first_row:], self.stage[layer]))
       return
+    if first_row: k, v = k[first_row:].contiguous().realize(), v[first_row:].contiguous().realize()
     packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
     self.keep.append(post_packed(self.writer, layer, packed, self.layer_bytes, functools.partial(self._spans, layer), notify, self.ring))
 

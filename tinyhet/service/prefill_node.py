@@ -122,7 +122,7 @@ class PrefillNode:
     def still_wanted():                         # on the writer thread, before each layer's write is posted
       if job.caller_gone(): raise CallerGone("the router gave the reservation up during prefill")
     sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
-    kept: list[tuple[int, Tensor, Tensor]] = []   # every layer's K, V, for a resend over a new link
+    kept: list[tuple[int, Tensor, Tensor, int]] = []   # every layer's K, V and first row sent, for a resend over a new link
     # a prefix-cache hit: the reservation's blocks are the suffix's; its prefix is pulled (read grant) or computed again here
     cached = len(pull_spec(r)[0]) * r["block_size"]
     sampler = job.sampling["sampler"]
@@ -132,9 +132,9 @@ class PrefillNode:
 
     def send_layer(layer: int, k: Tensor, v: Tensor):
       if isinstance(sender.writer.error, CallerGone): raise sender.writer.error    # stop prefilling for nobody
-      if cached and not pulled: k, v = k[cached:].contiguous().realize(), v[cached:].contiguous().realize()   # the suffix's rows only
-      kept.append((layer, k, v))
-      sender.send(layer, k, v)
+      first = cached if cached and not pulled else 0      # the whole prompt computed again: the suffix's rows only
+      kept.append((layer, k, v, first))
+      sender.send(layer, k, v, first)
 
     def send_chunk(*piece) -> bool:     # a chunked prefill's blocks of a layer, as each chunk computes them (a pulled prefix's suffix too)
       if isinstance(sender.writer.error, CallerGone): raise sender.writer.error
@@ -156,7 +156,7 @@ class PrefillNode:
         if job.caller_gone(): raise CallerGone("the router gave the reservation up during the transfer") from None
         peer, _ = self._decoder(job.decode, fresh=True)
         sender, old = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted), sender
-        for layer, k, v in kept: sender.send(layer, k, v)
+        for layer, k, v, first in kept: sender.send(layer, k, v, first)
         sender.resend_pieces(old)
         transfers = sender.finish(60)
     except BaseException as e:
