@@ -4,12 +4,15 @@ requests a prefill node uses to hand it a sequence.
 A sequence arrives in three steps, each a control request (tinyhet.runtime.control):
   decode.reserve   prompt ids, max_new_tokens -> a sequence id, its block table and per-layer pool descriptors of its own
                    (tcp lets only the writer write, and only into these blocks; the writer is the reserving peer, or the node
-                   named by `writer`, as a router names its prefill node). With use_cache, a prefix-cache hit's shared
-                   blocks (prefix_blocks) come with read-only descriptors (read_pools) for the same peer, so it can pull
-                   them until the sequence leaves; the write descriptors cover the suffix only. The blocks are held (admission
-                   waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
-                   one transport write per layer or per chunk of a layer, each with a notice (tinyhet.kv.notices: sequence,
-                   layer, piece, last; counted only from the writer).
+                   named by `writer`, as a router names its prefill node: a name its handshake proved, never one it claimed).
+                   The reply's `grant` is this node's signature of what it granted (tinyhet.kv.grants), which the writer
+                   checks against the prompt it is asked to prefill. The sequence keeps the writer's name (extra["writer"])
+                   and whether this node's configuration trusts it as a prefill writer (extra["trusted_writer"]).
+                   With use_cache, a prefix-cache hit's shared blocks (prefix_blocks) come with read-only descriptors
+                   (read_pools) for the same peer, so it can pull them until the sequence leaves; the write descriptors
+                   cover the suffix only. The blocks are held (admission waits while the pool is full); the prefill node
+                   writes each layer's packed K, V straight into them with one transport write per layer or per chunk of a
+                   layer, each with a notice (tinyhet.kv.notices: sequence, layer, piece, last; counted only from the writer).
   decode.generate  the first token (sampled by the prefill node) and sampling options (the prefill node's seed: draws depend on
                    (seed, position) only, so the stream goes on where it began) -> once every layer's notice has
                    arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
@@ -26,11 +29,13 @@ from dataclasses import asdict
 import numpy as np
 from tinygrad import dtypes
 from tinyhet.device.backend import region_of
+from tinyhet.kv.grants import sign_grant
 from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, NOTICE_FORMAT, Landing, split_notice
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_prompt, is_int
 from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
+from tinyhet.engine.grammar import constrain, prefetch
 from tinyhet.runtime.arena import Region
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
@@ -84,6 +89,8 @@ class DecodeNode:
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
     self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
+    # peers whose written KV this node may vouch for (node config trusted_writers, default the cluster file's prefill nodes)
+    self.trusted_writers = frozenset(node.config.trusted_writers or ())
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release", "lookup"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
     self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
@@ -116,8 +123,11 @@ class DecodeNode:
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
     if not isinstance(use_cache, bool): raise ValueError(f"use_cache must be true or false, got {use_cache!r}")
     seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens)
-    # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
-    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer if writer is None else writer)
+    # the peer whose writes and notices count: the reserver, or the prefill node a router names for it. Names are proven
+    # (a signature at the handshake, tinyhet.runtime.identity), so a grant to one peer is refused to every other
+    owner = conn.peer if writer is None else writer
+    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=owner, writer=owner,
+                     trusted_writer=owner in self.trusted_writers)
     deadline = time.monotonic() + timeout
     with self.cond:
       try:
@@ -138,13 +148,14 @@ class DecodeNode:
     # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
     # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves. A write grant for the
     # suffix's blocks; with a hit, a read grant for the prefix's shared blocks (the prefill node pulls them: PrefixPull)
-    bb, ep, owner = self.cache.block_nbytes, self.node.endpoint, seq.extra["owner"]
+    bb, ep = self.cache.block_nbytes, self.node.endpoint
     descs = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in blocks], access="write") for r in self.pool_regions]
     reads = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in prefix], access="read") for r in self.pool_regions] if prefix else []
     seq.extra["descs"] = descs + reads
     self._attach(conn, seq)
-    return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
-            "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
+    reply = {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
+             "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
+    return {**reply, "grant": sign_grant(ep.identity, ep.name, owner, reply, seq.token_ids)}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,
@@ -159,6 +170,7 @@ class DecodeNode:
     # raises on NaN, inf, negative or tiny temperatures, top_p outside (0, 1] and a bad seed; the prefill node's seed
     # continues its stream, since each draw depends on (seed, position) only
     sampler = Sampler(temperature, top_p, seed, **(options or {}))     # options: tinyhet.model.sampling.OPTIONS, checked there
+    constrain(sampler, self.tokenizer, self.model.cfg.vocab_size)       # a grammar's token masks (tinyhet.engine.grammar)
     seq.extra.update(sampler=sampler, first_token=first_token, want_logits=bool(return_logits),
                      stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids))
     self.set_stop_strings(seq, stop)
@@ -178,7 +190,7 @@ class DecodeNode:
       with self.cond:
         del self.landed[seq.seq_id]
         first = seq.extra["first_token"]
-        done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"] or self._hits_stop(seq, first)
+        done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"] or self._hits_stop(seq, first) or self.grammar_done(seq)
         if done and seq.status is SequenceStatus.RUNNING: self.scheduler.finish(seq)
         self.cond.notify_all()
       marks: list[float] = []
@@ -192,7 +204,7 @@ class DecodeNode:
       last = seq.extra.get("last_logits")
       yield {"done": True, "decode_tokens": len(marks), "decode_s": time.perf_counter() - t_ready, "decode_tok_s": decode_rate(marks),
              "first_token_wait_s": marks[0] - t_ready if marks else 0.0, "preemptions": seq.num_preemptions,
-             "landed_at": seq.extra.get("landed_at", {}),
+             "landed_at": seq.extra.get("landed_at", {}), "ended": bool(seq.extra.get("grammar_done")),
              **({"logits": last.tolist()} if last is not None else {})}
     finally:
       self._detach(conn.state.get("seqs", {}), seq)
@@ -220,6 +232,15 @@ class DecodeNode:
     tail = seq.extra["stop_tail"] + seq.extra["stop_decoder"].push(token)
     seq.extra["stop_tail"] = tail[-max(len(x) for x in stops):]       # enough to find a stop string that spans tokens
     return any(x in tail for x in stops)
+
+  def grammar_done(self, seq: Sequence) -> bool:
+    """The sequence's output completes its grammar (nothing more may follow): it ends as a stop id ends it."""
+    c = seq.extra["sampler"].constraint
+    if c is None: return False
+    try: ended = c.done(seq.token_ids)
+    except ValueError: ended = True            # output outside the grammar (cannot be drawn through its mask): end it there
+    if ended: seq.extra["grammar_done"] = True
+    return ended
 
   def new_seq_id(self) -> int:
     """An id for a new sequence: the counter modulo MAX_SEQ_ID (the notice's field), skipping ids a live sequence still holds
@@ -317,12 +338,15 @@ class DecodeNode:
           continue
         self.in_step = set(seqs)
       for batch in ([[s] for s in seqs] if is_prefill else [seqs]):    # a recompute runs each sequence at its own length
+        # a grammar's masks for this step, computed on the grammar thread while the step runs; rows without one cost nothing
+        masks = prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch])
         try:
           if is_prefill: logits = self._prefill(batch[0])
           else: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
+        if masks is not None: masks.result()
         # the whole batch sampled at once, without the lock (reservations and notices go on meanwhile): the step's sequences
         # keep their blocks and tokens until this thread postprocesses them
         draws = None if logits is None else sample_batch(logits[:len(batch)], [s.extra["sampler"] for s in batch], [s.num_tokens for s in batch],
@@ -344,7 +368,7 @@ class DecodeNode:
             for s in ok:
               d = new[s.seq_id]
               s.extra["queue"].put(d.token if d.logprob is None else (d.token, d.logprob, d.top))
-              if (d.token in s.extra["stop_ids"] or self._hits_stop(s, d.token)) and s not in finished: finished.append(s)
+              if (d.token in s.extra["stop_ids"] or self._hits_stop(s, d.token) or self.grammar_done(s)) and s not in finished: finished.append(s)
           for s in batch:
             if (s in finished or s.extra.get("cancelled")) and s.status is SequenceStatus.RUNNING: self.scheduler.finish(s)
           for s in finished: s.extra["queue"].put(None)

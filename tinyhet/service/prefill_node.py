@@ -7,6 +7,8 @@ One control request (tinyhet.runtime.control) does the whole job:
                 GPU through staging buffers, and writes them into the reserved blocks (notification (seq_id << 8) | layer)
                 while the next layer computes; every write confirmed; the reply is the first token (sampled here), the seed it
                 was sampled with (the decode node continues the (seed, position) stream with it) and the figures.
+Before a byte is written the reservation's grant is checked (tinyhet.kv.grants): signed by the decode node this node
+connected to, for this node and this prompt, so a caller cannot aim this node's writes or pulls at another request's blocks.
 The router then sends decode.generate to the decode node on the connection that reserved. A transport error on a write
 reconnects to the decode node and resends every layer once, after prefill. A job whose caller has gone away (the router
 gave the reservation up) stops before its next write is posted, so no bytes land in blocks that may belong to another sequence by then.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import queue, select, socket, threading, time  # select.poll: select.select raises for a descriptor >= 1024
 from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
+from tinyhet.kv.grants import check_grant
 from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
 from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible, check_prompt
 from tinyhet.engine.prefill import busy_time, prefill_first_token, prefill_pulled_logits
@@ -23,6 +26,7 @@ from tinyhet.kv.pull import PrefixPull, PullCost, pull_spec
 from tinyhet.runtime.control import ControlClient
 from tinyhet.runtime.transport import TransportError
 from tinyhet.model.sampling import Sampler
+from tinyhet.engine.grammar import constrain
 
 class CallerGone(RuntimeError):
   """The router closed the request's connection: the reservation is no longer ours to write."""
@@ -61,6 +65,7 @@ class PrefillNode:
     self.cost = PullCost()                       # pull a cached prefix or compute it again: this node's measured rates
     # host memory the layers leave from, kept between jobs; a GPU's packed layers leave through config.staging_buffers of it
     self.buffers = SendBuffers(node, node.config.staging_buffers if staging_buffers is None else staging_buffers)
+    self.tokenizer = None                        # the model's tokenizer (tinyhet node sets it): a request's grammar needs its vocabulary
     node.endpoint.handle("prefill.run", self._serve_run)
 
   def status(self) -> dict:
@@ -80,6 +85,7 @@ class PrefillNode:
     if len(reservation["pools"]) != cfg.n_layers:
       raise IncompatibleDecodeNode(f"the reservation has {len(reservation['pools'])} layers, this model {cfg.n_layers}: same --model everywhere")
     sampler = Sampler(temperature, top_p, seed, **(options or {}))     # a bad setting fails here, before the job queues
+    constrain(sampler, self.tokenizer, cfg.vocab_size)                   # a grammar's first token is drawn here (tinyhet.engine.grammar)
     job = Job(list(prompt_ids), decode, reservation, {"sampler": sampler}, conn.sock)
     with self.count_lock: self.queued_tokens += len(prompt_ids)
     self.jobs.put(job)
@@ -119,6 +125,7 @@ class PrefillNode:
     if job.caller_gone(): raise CallerGone("the router went away before this prefill started")
     r, t0 = job.reservation, time.perf_counter()
     peer, kv_dtype = self._decoder(job.decode)
+    check_grant(peer.name, peer.key, self.node.endpoint.name, r, job.prompt_ids)   # this node's writes and pulls go where the decode node said
     def still_wanted():                         # on the writer thread, before each layer's write is posted
       if job.caller_gone(): raise CallerGone("the router gave the reservation up during prefill")
     sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
