@@ -15,6 +15,7 @@ BENCHMARKS = {
   "gpu": ("tinyhet.bench.gpu_check", "the GPU check (bench/gpu_check.sh): HET checks, SmolLM2 and 70B shapes prefilled on the GPU"),
   "prefix": ("tinyhet.bench.prefix", "the decode node as a KV store: a multi-turn chat through the router, prefix cache on against off"),
   "profile": ("tinyhet.bench.profile", "where a prefill and a decode step spend their time, kernel by kernel (matmuls per shape, attention, rest)"),
+  "logprobs": ("tinyhet.bench.logprobs", "a prompt's own logprobs (echo): its prefill against a plain one; loglikelihood load vs llama-cpp-python"),
   "e2e": ("tinyhet.bench.e2e", "end to end: disaggregated against --no-disagg, decode against the memory-bandwidth bound"),
 }
 

@@ -189,6 +189,17 @@ def test_logprobs_read_by_the_openai_client(nodes, model):
     assert e.text.startswith(bytes(ids).decode()) and len(e.logprobs.token_logprobs) == len(ids) + 1 and e.logprobs.token_logprobs[0] is None
     assert e.logprobs.token_logprobs[1:len(ids)] == pytest.approx([lp[i, ids[i + 1]] for i in range(len(ids) - 1)], abs=2e-2)
     assert e.logprobs.text_offset[:3] == [0, 1, 2]
+    # a 40-token prompt twice: the second finds its first two blocks cached (the prefill node computes them again rather than
+    # pull them; the `both` node prefills the prefix alone for its rows): the same logprobs, the reference's, either time
+    long = prompt(9, 40)
+    lp_long = ref_logprobs(model, long)
+    for attempt in range(2):
+      out = client.completions.create(model=model[1], prompt=long, max_tokens=1, temperature=0, logprobs=3, echo=True)
+      assert out.usage.prompt_tokens_details.cached_tokens == 32 * attempt
+      got = out.choices[0].logprobs
+      assert got.token_logprobs[0] is None and len(got.token_logprobs) == len(long) + 1
+      assert got.token_logprobs[1:len(long)] == pytest.approx([lp_long[i, long[i + 1]] for i in range(len(long) - 1)], abs=1e-3), attempt
+      assert all(max(got.top_logprobs[i].values()) == pytest.approx(lp_long[i - 1].max(), abs=1e-3) for i in range(1, len(long)))
 
 def test_sampling_options_on_the_nodes(nodes, model):
   router, ids = nodes["router"], prompt(8)
