@@ -22,7 +22,8 @@ BENCHMARKS = {
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if not argv or argv[0] not in BENCHMARKS:
-    print("usage: tinyhet bench NAME [--json] [--save[=FILE]] [ARGS]\n\nbenchmarks:\n" + "".join(f"  {n:<9}{h}\n" for n, (_, h) in BENCHMARKS.items()), end="",
+    listing = "".join(f"  {n:<9}{h}\n" for n, (_, h) in BENCHMARKS.items())
+    print("usage: tinyhet bench NAME [--json] [--save[=FILE]] [ARGS]\n\nbenchmarks:\n" + listing, end="",
           file=sys.stdout if not argv or argv[0] in ("-h", "--help") else sys.stderr)
     return 0 if not argv or argv[0] in ("-h", "--help") else 2
   module = importlib.import_module(BENCHMARKS[argv[0]][0])
