@@ -22,8 +22,7 @@ A sequence arrives in three steps, each a control request (tinyhet.runtime.contr
                    over shm/verbs when every layer landed, the writer says its writes are done, or its connections close.
 A full pool never crashes the node: reservations wait, and a decode step that needs a block preempts the newest sequence,
 which is recomputed here later (its prompt and generated tokens prefilled again on this node).
-The prefix cache holds only KV the node vouches for (its own or a trusted_writers peer's; a failure caches nothing past what
-it stored: cache_limit), hashed under the model's fingerprint and the request's cache_salt (tinyhet.service.tenancy).
+Its prefix cache holds only KV it vouches for (its own, a trusted_writers peer's: Sequence.cache_limit), keyed by fingerprint and salt.
 """
 from __future__ import annotations
 import itertools, queue, threading, time
@@ -148,8 +147,7 @@ class DecodeNode:
         raise
       self.landed[seq.seq_id] = Landing(self.model.cfg.n_layers)
       cached = self.cache.block_manager.cached_length(seq.seq_id)
-      # another writer's KV serves this request only: nothing past the hit (nor what is decoded over it) is cached as it leaves
-      if seq.writer != self.node.name and seq.writer not in self.trusted_writers: seq.cache_limit = cached
+      if seq.writer != self.node.name and seq.writer not in self.trusted_writers: seq.cache_limit = cached   # another's: not shared
       # a hit's shared blocks are not the writer's: it writes (and its descriptors cover) the suffix's blocks only
       table = self.cache.block_manager.block_table(seq.seq_id)
       prefix, blocks = table[:cached // self.cache.block_size], table[cached // self.cache.block_size:]
@@ -229,9 +227,9 @@ class DecodeNode:
   def set_stop_strings(self, seq: Sequence, stop) -> None:
     """Stop strings (a request's `stop`) end the sequence here, its blocks freed at once, as a stop id does. Matched on the
     text decoded from the tokens generated on this node (the first token included)."""
+    from tinyhet.model.request_rules import check_stop      # the rule the HTTP API checked already
     if stop is None: return
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and 0 < len(x) <= 200 for x in stop):
-      raise ValueError(f"stop must be a list of at most 4 non-empty strings of at most 200 characters, got {str(stop)[:80]!r}")
+    stop = check_stop(stop)
     if stop and self.tokenizer is None: raise ValueError("this decode node has no tokenizer to match stop strings: leave stop out")
     if stop: seq.extra.update(stop_strings=stop, stop_decoder=self.tokenizer.stream_decoder(), stop_tail="")
 
@@ -353,10 +351,8 @@ class DecodeNode:
           else: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
-          with self.cond:                      # nothing past its hit (a prefill) or the slot the step was writing is cached
-            for s in batch:
-              known = self.cache.block_manager.cached_length(s.seq_id) if is_prefill else self.cache.block_manager.length(s.seq_id) - 1
-              s.cache_limit = known if s.cache_limit is None else min(s.cache_limit, known)
+          with self.cond:
+            for s in batch: self.scheduler.step_failed(s, is_prefill)     # it caches nothing past what it stored
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
         if masks is not None: masks.result()
         # the whole batch sampled at once, without the lock (reservations and notices go on meanwhile): the step's sequences
@@ -391,17 +387,21 @@ class DecodeNode:
     """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
     to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
     from tinyhet.engine.prefill import prefill_logits, prefill_suffix_logits
+    from tinyhet.engine.prompt_logprobs import PromptLogprobs
+    scorer = None           # a submitted one's first prefill, with its prompt's logprobs asked for: from this prefill's rows
+    if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"): scorer = PromptLogprobs(self.model, s.token_ids, n)
     if (hit := self.cache.block_manager.cached_length(s.seq_id)) > 0:    # a prefix-cache hit: only the rest, over the cached K, V
-      logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit)[None]
-    else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
+      # the cached prefix's rows exist nowhere: scored by a prefill of the prefix alone (its K, V dropped)
+      if scorer is not None: prefill_logits(self.model, s.token_ids[:hit], self.cache.kv_dtype, on_hidden=scorer)
+      logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit, on_hidden=scorer)[None]
+    else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id), on_hidden=scorer)[None]
     s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
     with self.cond:
       s.cache_limit = None                      # every token's KV is this node's own now (a recompute replaced a peer's)
       self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
-    if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):    # a submitted one's first prefill
-      from tinyhet.engine.prompt_logprobs import prompt_logprobs
+    if scorer is not None:
       s.extra["prompt_sent"] = True
-      s.extra["queue"].put(("prompt", prompt_logprobs(self.model, s.token_ids, n, self.cache.kv_dtype)))
+      s.extra["queue"].put(("prompt", scorer.entries))
     return logits
 
   def close(self):

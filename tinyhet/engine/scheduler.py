@@ -141,6 +141,12 @@ class Scheduler:
     self.bm.deallocate(seq.seq_id, self.cacheable(seq))
     seq.status = SequenceStatus.FINISHED
 
+  def step_failed(self, seq: Sequence, in_prefill: bool) -> None:
+    """A step over seq failed: it caches nothing past its hit (a failed prefill: shared blocks, never written) or past the
+    slot the step was writing (a failed decode step) as it leaves."""
+    known = self.bm.cached_length(seq.seq_id) if in_prefill else self.bm.length(seq.seq_id) - 1
+    seq.cache_limit = known if seq.cache_limit is None else min(seq.cache_limit, known)
+
   @staticmethod
   def cacheable(seq: Sequence) -> list[int]:
     """The tokens whose KV may stay cached as seq leaves: all it stores, or its first cache_limit."""
