@@ -163,6 +163,7 @@ class PrefillNode:
         except PullFailed as e:   # its pools are dropped and its reads ended: compute the prefix here, and send every layer again
           print(f"tinyhet: prefill node {self.node.name}: {e}; computing the prefix instead", file=sys.stderr, flush=True)
           sender.abort()
+          peer, _ = self._decoder(job.decode, fresh=True)     # a refused read drops the link: writes go over a new one
           sender, pulled, pull = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted), False, {}
           kept.clear()
       if not pulled: _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer, on_chunk=send_chunk, on_hidden=scorer)
@@ -175,7 +176,7 @@ class PrefillNode:
         if job.caller_gone(): raise CallerGone("the router gave the reservation up during the transfer") from None
         peer, _ = self._decoder(job.decode, fresh=True)
         sender, old = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted), sender
-        for layer, k, v, first in kept: sender.send(layer, k, v, first)
+        for layer, k, v, row in kept: sender.send(layer, k, v, row)     # (not `first`: that is the sampled token)
         sender.resend_pieces(old)
         transfers = sender.finish(60)
     except BaseException as e:
