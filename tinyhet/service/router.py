@@ -151,13 +151,11 @@ class Cluster:
   # ---- node state
   def _beat(self, node: Node, beat: dict):
     with self.cond:
-      fp = beat.get("fingerprint")
-      if fp and self.fingerprint is None and beat.get("model") == self.model_id: self.fingerprint = fp
+      if (fp := beat.get("fingerprint")) and self.fingerprint is None and beat.get("model") == self.model_id: self.fingerprint = fp
       if beat.get("model") != self.model_id:
         node.up, node.reason = False, f"serves {beat.get('model')!r}, this router {self.model_id!r}: start every node with the same --model"
       elif fp and fp != self.fingerprint:
-        node.up, node.reason = False, (f"serves {self.model_id!r} of fingerprint {fp}, the cluster's is {self.fingerprint}: the same name but "
-                                       "other weights or another kernel mode (--float-weights): start every node from the same model file and flags")
+        node.up, node.reason = False, f"serves fingerprint {fp}, the cluster's is {self.fingerprint}: other weights or flags of the same name"
       else: node.up, node.reason = True, ""
       node.status = {k: v for k, v in beat.items() if k not in CACHE_SUMMARY}
       node.cached = cache_view(node.cached, beat)
