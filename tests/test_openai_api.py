@@ -18,7 +18,9 @@ def model():
 def nodes():
   """A prefill node, a decode node, a `both` node with 12 KV blocks (192 tokens); an open router over prefill + decode, a keyed
 one over the `both` node."""
-  procs = {"prefill": node("prefill"), "decode": node("decode", "--kv-memory", "16M"), "both": node("both", "--kv-memory", "48K")}
+  # the decode node caches what the prefill node writes: it is its trusted writer (by name)
+  procs = {"prefill": node("prefill", env={"TINYHET_NODE": "api-prefill"}),
+           "decode": node("decode", "--kv-memory", "16M", env={"TINYHET_TRUSTED_WRITERS": "api-prefill"}), "both": node("both", "--kv-memory", "48K")}
   try:
     procs["router"] = Router("--prefill", procs["prefill"].address, "--decode", procs["decode"].address)
     procs["keyed"] = Router("--both", procs["both"].address, "--api-key", KEYS[0], env={"TINYHET_API_KEY": f" ,{KEYS[1]}"})
@@ -326,7 +328,8 @@ def test_two_api_keys_never_share_cached_kv_and_one_key_does(nodes):
     assert status == 200, obj
     return obj["usage"]["prompt_tokens_details"]["cached_tokens"]
   def node_hits() -> int:             # the node's own count of prompt tokens it did not compute (what a short TTFT would show)
-    return call(keyed, "GET", "/ready", headers={"Authorization": f"Bearer {KEYS[0]}"})[1]["nodes"][0].get("prefix_hit_tokens", 0)
+    from test_service import ADMIN
+    return call(keyed, "GET", "/ready", headers={"Authorization": f"Bearer {ADMIN}"})[1]["nodes"][0].get("prefix_hit_tokens", 0)
   before = node_hits()
   assert [cached(keyed, k, ids) for k in (KEYS[0], KEYS[0], KEYS[1], KEYS[1])] == [0, 32, 0, 32]
   deadline = time.monotonic() + 10    # the node's count arrives with its next heartbeat
