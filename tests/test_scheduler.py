@@ -119,3 +119,47 @@ def test_incoming_reservation_waits_when_full_and_commit_starts_decode():
 @pytest.mark.parametrize("kw", [dict(max_num_seqs=0), dict(max_num_seqs=-1), dict(max_num_batched_tokens=0)])
 def test_a_scheduler_that_could_admit_nothing_is_refused(kw):
   with pytest.raises(ValueError, match="must be at least 1"): Scheduler(BlockManager(4, 4), **kw)
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.integers(1, 60), n=st.integers(1, 6), block_size=st.sampled_from([1, 4, 16]), steps=st.integers(0, 20),
+       prefix_cache=st.booleans())
+def test_n_samples_fork_from_one_prefill_and_share_the_prompts_blocks(prompt, n, block_size, steps, prefix_cache):
+  """n > 1: the forks are admitted with their sequence in one prefill batch, hold the prompt's full blocks by reference
+  and a copy of its partial last block each; KV blocks used = one prompt's + the samples' own (n separate requests: n prompts')."""
+  bm = BlockManager(200, block_size, prefix_cache=prefix_cache)
+  s = Scheduler(bm, max_num_seqs=8)
+  ids = list(range(3, 3 + prompt))
+  seqs = [Sequence(i, list(ids), 40) for i in range(n)]
+  seqs[0].forks = seqs[1:]
+  s.add(seqs[0])
+  batch, is_prefill = s.schedule()
+  assert is_prefill and batch == seqs and all(f.fork_of is seqs[0] for f in seqs[1:])
+  check_state(s)
+  full, partial = prompt // block_size, prompt % block_size != 0
+  assert bm.num_used == full + n * partial                       # the prompt's full blocks once, its partial block once per sample
+  assert all(bm.block_table(f.seq_id)[:full] == bm.block_table(0)[:full] for f in seqs)
+  assert all(f.fork_copy == ((bm.block_table(0)[-1], bm.block_table(f.seq_id)[-1]) if partial else None) for f in seqs[1:])
+  s.postprocess(batch, [5] * n)
+  for _ in range(steps):
+    batch, is_prefill = s.schedule()
+    assert not is_prefill and len(batch) == n
+    s.postprocess(batch, [5] * n)
+    check_state(s)
+  own = n * (bm.blocks_needed(prompt + steps) - full)           # what each sample holds beyond the shared full blocks
+  assert bm.num_used == full + own
+
+def test_forks_wait_for_room_for_all_of_them():
+  bm = BlockManager(20, 4)
+  s = Scheduler(bm, max_num_seqs=3)
+  s.add(Sequence(9, [1, 2], 4))
+  s.schedule()
+  seqs = [Sequence(i, [1, 2, 3], 4) for i in range(3)]
+  seqs[0].forks = seqs[1:]
+  s.add(seqs[0])
+  assert s.schedule() == ([s.running[0]], False)                # three samples need three places: one is taken
+  dropped = seqs[2]
+  dropped.status = SequenceStatus.FINISHED                      # its client went away before the prefill
+  s.finish(s.running[0])
+  batch, is_prefill = s.schedule()
+  assert is_prefill and batch == seqs[:2] and dropped not in s.running
+  check_state(s)

@@ -81,6 +81,7 @@ class DecodeNode:
     self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
     self.limbo: dict[int, Sequence] = {}    # released before all layers landed while its writer may still copy (shm, verbs)
     self.rejected_notices = 0
+    self.prefills = self.prefilled_tokens = 0   # prefills run here and the prompt tokens they computed (a prefix hit's are not)
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
     self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
@@ -101,6 +102,7 @@ class DecodeNode:
             "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
             "rejected_notices": self.rejected_notices, "prefix_cache": bm.prefix_cache, "cached_blocks": bm.num_cached, "submit": self.can_submit,
             "prefix_queried_tokens": bm.queried_tokens, "prefix_hit_tokens": bm.matched_tokens, "preemptions": self.scheduler.num_preemptions,
+            "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens,
             "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
   def _serve_lookup(self, conn, prompt_ids: list[int]) -> dict:
@@ -216,10 +218,13 @@ class DecodeNode:
     if stop: seq.extra.update(stop_strings=stop, stop_decoder=self.tokenizer.stream_decoder(), stop_tail="")
 
   def _hits_stop(self, seq: Sequence, token: int) -> bool:
+    """Whether token (appended already) completes a stop string; never one of the first min_tokens output tokens."""
     if not (stops := seq.extra.get("stop_strings")): return False
-    tail = seq.extra["stop_tail"] + seq.extra["stop_decoder"].push(token)
+    piece = seq.extra["stop_decoder"].push(token)
+    tail = seq.extra["stop_tail"] + piece
     seq.extra["stop_tail"] = tail[-max(len(x) for x in stops):]       # enough to find a stop string that spans tokens
-    return any(x in tail for x in stops)
+    if seq.extra["sampler"].holds_back_stops(seq.num_tokens - 1): return False
+    return any((i := tail.rfind(x)) >= 0 and i + len(x) > len(tail) - len(piece) for x in stops)   # one this token's text ends
 
   def new_seq_id(self) -> int:
     """An id for a new sequence: the counter modulo MAX_SEQ_ID (the notice's field), skipping ids a live sequence still holds
@@ -316,9 +321,9 @@ class DecodeNode:
           self.cond.wait(0.5)
           continue
         self.in_step = set(seqs)
-      for batch in ([[s] for s in seqs] if is_prefill else [seqs]):    # a recompute runs each sequence at its own length
+      for batch in (prefill_groups(seqs) if is_prefill else [seqs]):    # a recompute runs each sequence at its own length
         try:
-          if is_prefill: logits = self._prefill(batch[0])
+          if is_prefill: logits = self._prefill_group(batch)
           else: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
@@ -351,6 +356,16 @@ class DecodeNode:
           self.cond.notify_all()
       with self.cond: self.in_step = set()
 
+  def _prefill_group(self, group: list[Sequence]) -> np.ndarray:
+    """The first sequence's prefill; its forks (n > 1) take its KV (their partial last block copied now) and its logits.
+    Logits (len(group), vocab)."""
+    logits = self._prefill(group[0])
+    for f in group[1:]:
+      if f.fork_copy is not None: self.cache.copy_block(*f.fork_copy)
+      f.fork_of, f.fork_copy = None, None
+      f.extra.setdefault("cached_tokens", group[0].extra.get("cached_tokens", 0))
+    return np.repeat(logits, len(group), axis=0)
+
   def _prefill(self, s: Sequence) -> np.ndarray:
     """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
     to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
@@ -359,6 +374,7 @@ class DecodeNode:
       logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit)[None]
     else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
     s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
+    self.prefills, self.prefilled_tokens = self.prefills + 1, self.prefilled_tokens + len(s.token_ids) - hit
     with self.cond: self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
     if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):    # a submitted one's first prefill
       from tinyhet.engine.prompt_logprobs import prompt_logprobs
@@ -370,6 +386,14 @@ class DecodeNode:
     self.stopped = True
     with self.cond: self.cond.notify_all()
     self.notice_thread.join(timeout=5)
+
+def prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
+  """A prefill batch as the loop runs it: each sequence alone, its forks (which follow it) with it."""
+  groups: list[list[Sequence]] = []
+  for s in seqs:
+    if s.fork_of is not None and groups and groups[-1][0] is s.fork_of: groups[-1].append(s)
+    else: groups.append([s])
+  return groups
 
 def _pool_region(buf) -> Region:
   region, offset = region_of(buf)

@@ -12,6 +12,12 @@ With the block manager's prefix cache on, admission shares the cached blocks a s
 computes only the rest: cached_length), and a finished or preempted sequence's full blocks stay cached, evicted (least
 recently used) before any running sequence is preempted.
 
+Parallel samples (n > 1): a sequence may carry forks, sequences of the same prompt that its first prefill serves too. They
+are admitted with it (room in the batch for all of them, and a block each for the copy of a partial last block) and forked
+at once (BlockManager.fork: the prompt's full blocks shared by reference count); the engine copies the partial block's KV
+(fork_copy) after the prefill and samples every fork's first token from the same logits. A preempted fork is recomputed on
+its own, like any sequence.
+
 Sequences prefilled elsewhere (disaggregated) arrive through reserve_incoming (blocks held before the prefill node starts
 writing), then commit_incoming when the transfer lands, or abort_incoming when it fails.
 
@@ -39,6 +45,9 @@ class Sequence:
   status: SequenceStatus = SequenceStatus.WAITING
   num_preemptions: int = 0
   extra: dict = field(default_factory=dict)   # the engine's per-sequence state (sampling parameters, a reply channel)
+  forks: list = field(default_factory=list)   # sequences of the same prompt forked from this one at its first prefill (n > 1)
+  fork_of: Sequence | None = None             # a fork not yet prefilled: its KV comes from this sequence's prefill
+  fork_copy: tuple | None = None              # (src, dst) block the engine copies for it after that prefill, or None
 
   def __post_init__(self):
     if self.num_prompt_tokens < 0: self.num_prompt_tokens = len(self.token_ids)
@@ -68,7 +77,7 @@ class Scheduler:
   def check_fits(self, seq: Sequence) -> None:
     """Raise RequestTooLarge if seq's prompt needs more blocks than the whole pool; cut its max_new_tokens to what the whole
     pool holds past the prompt (the last token sampled needs no slot)."""
-    need = self.bm.blocks_needed(seq.num_prompt_tokens)
+    need = self.bm.blocks_needed(seq.num_prompt_tokens) + self._copies(seq)
     if need > self.capacity:
       raise RequestTooLarge(f"request {seq.seq_id}: its prompt of {seq.num_prompt_tokens} tokens needs {need} KV blocks of "
                             f"{self.bm.block_size} tokens, but the pool has {self.capacity} blocks ({self.capacity * self.bm.block_size} tokens): "
@@ -87,16 +96,18 @@ class Scheduler:
     sequences when a slot needs a block and none is free. An empty list means nothing can run until blocks free up."""
     scheduled: list[Sequence] = []
     batched = 0
-    while self.waiting and len(self.running) + len(self.incoming) < self.max_num_seqs:   # an incoming sequence will run here too
+    # an incoming sequence will run here too; a sequence with forks needs a place for each
+    while self.waiting and len(self.running) + len(self.incoming) + 1 + len(self.waiting[0].forks) <= self.max_num_seqs:
       seq = self.waiting[0]
       if scheduled and batched + seq.num_tokens > self.max_num_batched_tokens: break
-      if not self.bm.can_allocate(seq.num_tokens, seq.token_ids): break   # first come, first served: later requests wait too
+      if self.bm.fresh_needed(seq.num_tokens, seq.token_ids) + self._copies(seq) > self.bm.num_free: break   # first come, first served
       self.bm.allocate(seq.seq_id, seq.num_tokens, seq.token_ids)
       self.waiting.popleft()
       seq.status = SequenceStatus.RUNNING
       self.running.append(seq)
       scheduled.append(seq)
       batched += seq.num_tokens
+      scheduled += self._fork(seq)
     if scheduled: return scheduled, True
 
     while self.running:
@@ -111,6 +122,20 @@ class Scheduler:
         scheduled.append(seq)
     self.running.extendleft(reversed(scheduled))
     return scheduled, False
+
+  def _copies(self, seq: Sequence) -> int:
+    """Blocks seq's forks take at admission: a copy of the partial last block each (none when the prompt fills its blocks)."""
+    return len(seq.forks) if seq.num_tokens % self.bm.block_size else 0
+
+  def _fork(self, seq: Sequence) -> list[Sequence]:
+    """seq's forks, running from now on with its prompt's blocks (they follow it in the prefill batch: the engine fills them)."""
+    forks, seq.forks = [f for f in seq.forks if f.status is SequenceStatus.WAITING], []   # a fork its client dropped stays out
+    for f in forks:
+      f.max_new_tokens = min(f.max_new_tokens, seq.max_new_tokens)
+      f.fork_copy, f.fork_of = self.bm.fork(seq.seq_id, f.seq_id), seq
+      f.token_ids, f.status = list(seq.token_ids), SequenceStatus.RUNNING
+      self.running.append(f)
+    return forks
 
   def preempt(self, seq: Sequence) -> None:
     """Free seq's blocks (its full ones stay cached: its recompute may find them) and queue it first for recompute."""

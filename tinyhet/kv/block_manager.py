@@ -53,6 +53,7 @@ class BlockManager:
     self.hash_block: dict[int, int] = {}     # hash -> block
     self.hit_tokens: dict[int, int] = {}     # seq_id -> tokens its allocation found cached
     self.queried_tokens = self.matched_tokens = self.evictions = 0   # prompt tokens looked up / found (vLLM counts tokens)
+    self.peak_used = 0                       # the most blocks used at once since take_peak last read it
     self.ref_counts: list[int] = [0] * num_blocks
     self.tables: dict[int, list[int]] = {}
     self.lengths: dict[int, int] = {}
@@ -240,7 +241,13 @@ class BlockManager:
         self.evictions += 1
       ids.append(b)
     for b in ids: self.ref_counts[b] = 1
+    self.peak_used = max(self.peak_used, self.num_used)
     return ids
+
+  def take_peak(self) -> int:
+    """The most blocks used at once since the last call (a heartbeat's figure); the count starts again from now."""
+    peak, self.peak_used = max(self.peak_used, self.num_used), self.num_used
+    return peak
 
   def _drop(self, seq_id: int) -> None:
     for b in reversed(self.tables.pop(seq_id)):       # the tail first: a chain's last blocks are evicted before its first

@@ -1,11 +1,7 @@
 """Checking OpenAI request bodies: each field's type and range, the model's name and the context's length. A bad body
 raises ApiError (HTTP 4xx) whose message says which field to change and how; nothing else is raised for any JSON value."""
 from __future__ import annotations
-
-class ApiError(ValueError):
-  def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-    super().__init__(message)
-    self.param, self.status, self.code = param, status, code
+from tinyhet.service.api_fields import ApiError, check_fields, completion_prompts, extra_sampling, sample_count
 
 def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
 def _is_num(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -40,8 +36,8 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
   if not _is_num(top_p) or not 0 < top_p <= 1: raise ApiError("'top_p' must be a number in (0, 1]", "top_p")
   seed = body.get("seed")
   if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63): raise ApiError("'seed' must be a non-negative integer", "seed")
-  n = body.get("n")
-  if n is not None and n != 1: raise ApiError("'n' must be 1 (one answer per request)", "n")
+  check_fields(body, chat)
+  n = sample_count(body)
   stream = body.get("stream")
   if stream is not None and not isinstance(stream, bool): raise ApiError("'stream' must be true or false", "stream")
   opts = body.get("stream_options")
@@ -66,9 +62,11 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
     echo = body.get("echo", False)
     if not isinstance(echo, bool): raise ApiError("'echo' must be true or false", "echo")
     if echo and logprobs is not None: options["prompt_logprobs"] = logprobs      # the prompt's own, from the prefill's logits
+  extra = extra_sampling(body, tuple(getattr(tok, "stop_ids", ())), n_vocab)
+  options.update(extra.pop("sampling_extra"))
   return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p), "seed": seed,
           "stream": bool(stream), "include_usage": bool(opts and opts.get("include_usage")), "stop": stop, "chat": chat,
-          "return_token_ids": rti, "options": options, "logprobs": logprobs, "echo": echo}
+          "return_token_ids": rti, "options": options, "logprobs": logprobs, "echo": echo, "n": n, "prompts": [prompt_ids], **extra}
 
 # the sampling options beyond temperature and top_p: name -> (the range's check, what to send); the decode node applies them
 _RANGES = {"presence_penalty": (lambda v: _is_num(v) and -2 <= v <= 2, "a number in -2..2"),
@@ -109,18 +107,21 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 def _encode(fn, what, param: str) -> list[int]:
   try: return fn(what)
+  except ApiError: raise
   except Exception as e:       # text the tokenizer cannot take (lone surrogates), a chat template that raises
     raise ApiError(f"'{param}' could not be tokenized: {str(e)[:200]}: send valid UTF-8 text", param) from None
 
 def parse_completion(body, tok, model_id: str, max_context: int | None) -> dict:
-  """POST /v1/completions: prompt is a string, a list of token ids, or a list holding one of those."""
+  """POST /v1/completions: prompt is a string, a list of token ids, or a list of those (one choice per prompt, times n)."""
   if not isinstance(body, dict): raise ApiError("the body must be a JSON object")
-  prompt = body.get("prompt")
-  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)): prompt = prompt[0]
-  if isinstance(prompt, str): ids = _encode(tok.encode, prompt, "prompt")
-  elif isinstance(prompt, list) and all(_is_int(t) for t in prompt): ids = list(prompt)
-  else: raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
-  return _common(body, tok, model_id, max_context, ids, chat=False)
+  add_special = body.get("add_special_tokens", True)
+  if not isinstance(add_special, bool): raise ApiError("'add_special_tokens' must be true or false", "add_special_tokens")
+  prompts = [_encode(lambda t: tok.encode(t, add_special), p, "prompt") if isinstance(p, str) else list(p)
+             for p in completion_prompts(body.get("prompt"))]
+  out = _common(body, tok, model_id, max_context, prompts[0], chat=False)
+  for ids in prompts[1:]: _common(body, tok, model_id, max_context, ids, chat=False)    # each prompt fits the context
+  out["prompts"] = prompts
+  return out
 
 def parse_chat(body, tok, model_id: str, max_context: int | None) -> dict:
   """POST /v1/chat/completions: messages [{role, content}], content a string or a list of {"type": "text", "text"} parts."""
@@ -136,5 +137,14 @@ def parse_chat(body, tok, model_id: str, max_context: int | None) -> dict:
       content = "".join(p["text"] for p in content)
     if not isinstance(content, str): raise ApiError(f"messages[{i}].content must be a string or a list of text parts", "messages")
     clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-  ids = _encode(tok.encode_chat, clean, "messages")
+  ids = _encode(lambda m: chat_ids(tok, m, body), clean, "messages")
   return _common(body, tok, model_id, max_context, ids, chat=True)
+
+def chat_ids(tok, messages: list[dict], body: dict) -> list[int]:
+  """The prompt of a chat: the template rendered, with vLLM's add_generation_prompt (default true) and add_special_tokens
+  (default false: the template writes BOS itself where the model wants one)."""
+  gen, special = body.get("add_generation_prompt", True), body.get("add_special_tokens", False)
+  if not isinstance(gen, bool): raise ApiError("'add_generation_prompt' must be true or false", "add_generation_prompt")
+  if not isinstance(special, bool): raise ApiError("'add_special_tokens' must be true or false", "add_special_tokens")
+  if not special: return tok.encode_chat(messages, gen)
+  return tok.encode(tok.render_chat(messages, gen)) if hasattr(tok, "render_chat") else tok.encode_chat(messages, gen)

@@ -183,14 +183,14 @@ class Cluster:
 
   # ---- choosing nodes
   def _admit(self, prompt_tokens: int, new_tokens: int = 0, ids: list[int] | None = None,
-             cancelled: threading.Event | None = None) -> tuple[Node, int]:
+             cancelled: threading.Event | None = None, samples: int = 1) -> tuple[Node, int]:
     """A decode-capable node with room for the prompt and a little headroom (admission by need: a sequence grows a block at
     a time, and a full pool evicts cached blocks, then preempts), and the blocks now counted there for the request (release
     them after). Without room anywhere the request waits in the queue, unless max_queue requests wait already; a prompt no
     pool holds is a BadRequest. KV-aware: with the prompt's ids, a node whose prefix cache holds more of it scores better
     (Dynamo's overlap score: the cached share of the prompt against the decode load), and needs its blocks less the hit.
-    Cancelled once `cancelled` is set."""
-    tokens = prompt_tokens + min(new_tokens, HEADROOM_TOKENS)
+    Cancelled once `cancelled` is set. samples: n samples of the prompt, each with its own headroom (they share the prompt's blocks)."""
+    tokens = prompt_tokens + samples * min(new_tokens, HEADROOM_TOKENS)
     with self.cond:
       deadline, queued = time.monotonic() + self.queue_timeout, False
       try:
