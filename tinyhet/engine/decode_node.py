@@ -91,9 +91,12 @@ class DecodeNode:
     self.notice_thread.start()
 
   # ---- control requests
-  def _serve_info(self, conn) -> dict:
+  def _serve_info(self, conn, reset_peak: bool = False) -> dict:
+    """The node's state; peak_used_blocks: the most KV blocks in use at once since the last reset_peak (the sampling benchmark's)."""
     c, bm = self.model.cfg, self.cache.block_manager
-    with self.cond: open_seqs = len(self.scheduler.incoming) + len(self.scheduler.running) + len(self.scheduler.waiting)
+    with self.cond:
+      open_seqs = len(self.scheduler.incoming) + len(self.scheduler.running) + len(self.scheduler.waiting)
+      peak = bm.take_peak() if reset_peak is True else max(bm.peak_used, bm.num_used)
     return {"model": self.model_id, "kv_notice_format": NOTICE_FORMAT,
             "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
             "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
@@ -102,7 +105,7 @@ class DecodeNode:
             "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
             "rejected_notices": self.rejected_notices, "prefix_cache": bm.prefix_cache, "cached_blocks": bm.num_cached, "submit": self.can_submit,
             "prefix_queried_tokens": bm.queried_tokens, "prefix_hit_tokens": bm.matched_tokens, "preemptions": self.scheduler.num_preemptions,
-            "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens,
+            "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens, "peak_used_blocks": peak,
             "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
   def _serve_lookup(self, conn, prompt_ids: list[int]) -> dict:

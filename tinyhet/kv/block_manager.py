@@ -245,7 +245,7 @@ class BlockManager:
     return ids
 
   def take_peak(self) -> int:
-    """The most blocks used at once since the last call (a heartbeat's figure); the count starts again from now."""
+    """The most blocks used at once since the last call; the count starts again from now."""
     peak, self.peak_used = max(self.peak_used, self.num_used), self.num_used
     return peak
 

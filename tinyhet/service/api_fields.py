@@ -36,6 +36,9 @@ REFUSED = {
   "documents": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None,), "priority": (None, 0),
   "request_id": (None,), "return_tokens_as_token_ids": (None, False), "kv_transfer_params": (None,), "vllm_xargs": (None,),
   "prompt_embeds": (None,), "include_reasoning": (None, True), "thinking_token_budget": (None,), "echo@chat": (None, False),
+  # the tool and structured-output work's, and the prefix cache's: refused here until their code reads them (then drop them here)
+  "parallel_tool_calls": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structural_tag": (None,),
+  "structured_outputs": (None,), "cache_salt": (None,),
 }
 
 def check_fields(body: dict, chat: bool) -> None:

@@ -104,7 +104,7 @@ def decode_status(decode) -> dict:
           "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
           "max_context": decode.model.cfg.max_context, "cached_blocks": bm.num_cached, "prefix_queried_tokens": bm.queried_tokens,
           "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache,
-          "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens, "peak_used_blocks": bm.take_peak(),
+          "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens,
           "cached_hashes": cached_summary(bm)}
 
 class ServiceExtras:

@@ -64,7 +64,8 @@ def _attempt(cluster, reqs: list[Request], ends: dict[int, str]):
           continue
         r = reqs[item["index"]]
         if "token" in item: r.push(item["token"], _logprobs(item))
-        elif "prompt_logprobs" in item and r.prompt_logprobs is None: r.prompt_logprobs = item["prompt_logprobs"][:len(r.prompt_ids)]
+        elif "prompt_logprobs" in item:                  # the prompt's, once for every sample
+          for q in reqs: q.prompt_logprobs = q.prompt_logprobs or item["prompt_logprobs"][:len(q.prompt_ids)]
         elif item.get("done"):
           ends[item["index"]] = ("cancelled" if r.cancelled.is_set() else
                                  "stop" if r.generated and r.generated[-1] in r.stop_ids else "length")
