@@ -3,9 +3,10 @@ sent at once (seeds s..s+3: the same tokens), through a router in front of one `
 an n > 1 request itself).
 
 Per way: prefills the node ran and prompt tokens it computed (its decode.info counters), the most KV blocks in use at once
-(decode.info's peak_used_blocks, reset before the round), and the round's wall time. Each way first runs a warm-up round
-with another prompt (tinygrad compiles per shape, the decode step is captured per batch size); every round has a prompt
-of its own, so no round is served from another's prefix cache.
+(decode.info's peak_used_blocks, reset before the round: the padding row's block counts in both), and the round's wall
+time. The node runs without its prefix cache (--no-prefix-cache), so the separate requests cannot share blocks through it
+and the two ways see the same prompt; the n samples share theirs by forking. Each way first runs a warm-up round with
+another prompt (tinygrad compiles per shape, the decode step is captured per batch size).
 """
 from __future__ import annotations
 import argparse, http.client, json, os, secrets, sys, threading, time
@@ -63,7 +64,8 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))      # the processes started here share it
   model_flag = ["--model", args.model] if args.model else []
-  node = Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_flag)
+  node = Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, "--no-prefix-cache",
+              *model_flag)
   router = None
   try:
     router = Proc("serve", "--listen", "127.0.0.1:0", "--both", node.info["address"], *model_flag)
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
     rows = []
     for k, together in enumerate((False, True)):
       one_round(address, info, model, prompt(100 + k), args.n, together, args.max_tokens)         # warm-up
-      rows.append(one_round(address, info, model, prompt(k), args.n, together, args.max_tokens))
+      rows.append(one_round(address, info, model, prompt(0), args.n, together, args.max_tokens))
     info.close()
   finally:
     for p in (router, node):
