@@ -238,14 +238,14 @@ def test_stop_strings_end_the_sequence_on_the_decode_node(nodes, model):
                                                                   "return_token_ids": True})
   assert status == 200 and obj["choices"][0]["finish_reason"] == "stop" and obj["choices"][0]["token_ids"] == ref[:n], obj
 
-def node_info(address: str) -> dict:
+def node_info(address: str, **kw) -> dict:
   from tinyhet.config import load_config
   from tinyhet.runtime.control import ControlClient
   from tinyhet.runtime.transport import Endpoint
   from test_service import TOKEN
   ep = Endpoint("test-info", token=TOKEN, config=load_config(env={}))
   ctl = ControlClient(ep, address)
-  try: return ctl.call("decode.info")
+  try: return ctl.call("decode.info", **kw)
   finally:
     ctl.close()
     ep.close()
@@ -256,10 +256,12 @@ def test_n_samples_from_one_prefill_equal_single_requests_with_their_seeds(nodes
   openai = pytest.importorskip("openai")
   client = openai.OpenAI(base_url=f"http://{nodes['keyed'].address}/v1", api_key=KEYS[0], max_retries=0)
   ids, kw = prompt(21, 20), dict(model=model[1], max_tokens=8, temperature=1.0, seed=77, extra_body={"return_token_ids": True})
-  before = node_info(nodes["both"].address)
+  before = node_info(nodes["both"].address, reset_peak=True)
   out = client.completions.create(prompt=ids, n=3, **kw)
   after = node_info(nodes["both"].address)
   assert after["prefills"] - before["prefills"] == 1 and after["prefilled_tokens"] - before["prefilled_tokens"] <= len(ids)
+  # KV blocks at the most: the padding row's, the prompt's full block once, and each sample's own (its copy of the partial one)
+  assert after["peak_used_blocks"] == 1 + 1 + 3, after
   assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 24
   got = [c.token_ids for c in out.choices]
   singles = [client.completions.create(prompt=ids, **{**kw, "seed": 77 + i}).choices[0].token_ids for i in range(3)]
@@ -342,3 +344,19 @@ def test_vllm_stop_fields(nodes, model):
     status, obj = call(router, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value})
     assert status == 400 and obj["error"]["param"] == field, (field, value, obj)
   assert call(router, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 2, "user": "u-1", "store": False})[0] == 200
+
+def test_samples_are_freed_when_their_client_goes(nodes, model):
+  """A streamed n = 3 request whose client hangs up mid-stream: every sample's sequence leaves the decode node and its
+  blocks are free again (none runs to max_tokens for nobody)."""
+  router, decode = nodes["router"], nodes["decode"]
+  before = router.metric("tinyhet:generation_tokens_total")
+  c = post(router, {"prompt": prompt(50), "max_tokens": 200, "temperature": 1.0, "n": 3, "stream": True})
+  r = c.getresponse()
+  assert r.status == 200 and r.readline().startswith(b"data: ")
+  started_tokens(router, before)
+  hang_up(c)
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and ((i := node_info(decode.address))["open_sequences"] or i["free_blocks"] != i["kv_blocks"]): time.sleep(0.1)
+  assert i["open_sequences"] == 0 and i["free_blocks"] == i["kv_blocks"], i
+  settled(router)
+  assert router.metric("tinyhet:generation_tokens_total") - before < 600, "the samples ran to their end: they were not cancelled"

@@ -38,19 +38,25 @@ def run(s: Scheduler, rng: random.Random, pending: list[Sequence], incoming: lis
 
 @settings(max_examples=60, deadline=None)
 @given(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 4, 16]), max_num_seqs=st.integers(1, 8), seed=st.integers(0, 2**32),
-       n_local=st.integers(0, 12), n_incoming=st.integers(0, 6), prefix_cache=st.booleans())
-def test_random_workload_finishes_every_request_in_full(num_blocks, block_size, max_num_seqs, seed, n_local, n_incoming, prefix_cache):
+       n_local=st.integers(0, 12), n_incoming=st.integers(0, 6), prefix_cache=st.booleans(), forks=st.integers(0, 2))
+def test_random_workload_finishes_every_request_in_full(num_blocks, block_size, max_num_seqs, seed, n_local, n_incoming, prefix_cache, forks):
   rng = random.Random(seed)
   capacity = num_blocks * block_size
   def request(i):
     prompt = rng.randint(1, max(1, capacity // 2))
     return Sequence(i, [1] * prompt, max_new_tokens=rng.randint(1, max(1, capacity - prompt)))
   local = [request(i) for i in range(n_local)]
+  samples = []                          # n > 1: some local requests carry forks (their samples), when the pool and the batch hold them
+  for q in local[:forks]:
+    q.forks = [Sequence(1000 + 10 * q.seq_id + j, list(q.token_ids), q.max_new_tokens) for j in range(rng.randint(1, 2))]
+    if 1 + len(q.forks) > max_num_seqs or q.num_tokens // block_size + (len(q.forks) + 1) * (q.num_tokens % block_size > 0) > num_blocks:
+      q.forks = []
+    samples += q.forks
   incoming = [request(100 + i) for i in range(n_incoming)]
   # with the prefix cache, prompts of 1s share their blocks, and cached blocks are evicted before anything is preempted
   s = Scheduler(BlockManager(num_blocks, block_size, prefix_cache), max_num_seqs=max_num_seqs, max_num_batched_tokens=capacity // 2 + 1, eos=EOS)
   done = run(s, rng, list(local), list(incoming), max_steps=20000)
-  assert sorted(q.seq_id for q in done) == sorted(q.seq_id for q in local + incoming)
+  assert sorted(q.seq_id for q in done) == sorted(q.seq_id for q in local + incoming + samples)
   for q in done:   # never truncated: a sequence stops only at EOS or at max_new_tokens
     assert q.status is SequenceStatus.FINISHED and q.num_prompt_tokens + 1 <= q.num_tokens <= q.max_tokens
     assert q.token_ids[-1] == EOS or q.num_generated == q.max_new_tokens

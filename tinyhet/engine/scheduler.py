@@ -77,6 +77,8 @@ class Scheduler:
   def check_fits(self, seq: Sequence) -> None:
     """Raise RequestTooLarge if seq's prompt needs more blocks than the whole pool; cut its max_new_tokens to what the whole
     pool holds past the prompt (the last token sampled needs no slot)."""
+    if 1 + len(seq.forks) > self.max_num_seqs:
+      raise RequestTooLarge(f"request {seq.seq_id}: {1 + len(seq.forks)} samples, but this node runs at most {self.max_num_seqs} sequences at once")
     need = self.bm.blocks_needed(seq.num_prompt_tokens) + self._copies(seq)
     if need > self.capacity:
       raise RequestTooLarge(f"request {seq.seq_id}: its prompt of {seq.num_prompt_tokens} tokens needs {need} KV blocks of "
