@@ -274,6 +274,8 @@ def test_n_samples_from_one_prefill_equal_single_requests_with_their_seeds(nodes
   assert texts == {c.index: c.text for c in out.choices}
   chat = client.chat.completions.create(model=model[1], messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4, seed=3)
   assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+  with pytest.raises(openai.BadRequestError, match="n must be"):        # more samples than the node's batch (--max-seqs)
+    client.completions.create(prompt=ids, n=100, **kw)
 
 def test_a_list_of_prompts_gets_a_choice_each(nodes, model):
   """Completions with a list of prompts (lm-evaluation-harness with batch_size > 1): one choice per prompt (times n) with its

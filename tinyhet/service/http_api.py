@@ -3,11 +3,14 @@ prefill and decode nodes.
 
   POST /v1/completions, /v1/chat/completions   streaming (server-sent events, `data: [DONE]`, a usage chunk with
                                                stream_options.include_usage) or not; `return_token_ids` (as in vLLM)
-                                               adds the generated token ids
-  GET  /v1/models, /health (200 while the router runs), /ready (200 once a decode node is up: a path from prefill to
-       decode exists, else 503), /metrics (Prometheus)
-With API keys (`tinyhet serve --api-key`, TINYHET_API_KEY) every /v1/* route wants `Authorization: Bearer KEY` (401 in OpenAI's error
-shape otherwise, keys compared in constant time); /health, /ready and /metrics stay open.
+                                               adds the generated token ids; `n` samples of each prompt and a list of
+                                               prompts give one choice each (index = prompt * n + sample), the samples
+                                               of a prompt from one prefill (tinyhet.service.samples)
+  POST /tokenize, /detokenize                  vLLM's (tinyhet.service.tokenize_api)
+  GET  /v1/models (with max_model_len), /health (200 while the router runs), /ready (200 once a decode node is up: a path
+       from prefill to decode exists, else 503), /metrics (Prometheus)
+With API keys (`tinyhet serve --api-key`, TINYHET_API_KEY) every /v1/* route, /tokenize and /detokenize want `Authorization:
+Bearer KEY` (401 in OpenAI's error shape otherwise, keys compared in constant time); /health, /ready and /metrics stay open.
 Requests are checked here (4xx in OpenAI's error shape, saying what to change), then served by tinyhet.service.router.Cluster on a
 thread each; a client that goes away cancels its request and the nodes free what it held.
 """
