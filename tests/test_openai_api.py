@@ -362,3 +362,23 @@ def test_samples_are_freed_when_their_client_goes(nodes, model):
   assert i["open_sequences"] == 0 and i["free_blocks"] == i["kv_blocks"], i
   settled(router)
   assert router.metric("tinyhet:generation_tokens_total") - before < 600, "the samples ran to their end: they were not cancelled"
+
+def test_n_samples_disaggregated_from_one_prefill_node_prefill(nodes, model):
+  """n = 3 through a prefill node: one prefill.run (it samples every first token), the decode node forks the samples once
+  the KV landed; sample i equals a single (disaggregated) request with seed + i, streamed and not; nothing stays behind."""
+  openai = pytest.importorskip("openai")
+  router = nodes["router"]
+  client = openai.OpenAI(base_url=f"http://{router.address}/v1", api_key="unused", max_retries=0)
+  ids, kw = prompt(60, 20), dict(model=model[1], max_tokens=6, temperature=1.0, seed=5, extra_body={"return_token_ids": True})
+  prefills = lambda: router.metric("tinyhet:node_requests_total", role="prefill")
+  before = prefills()
+  out = client.completions.create(prompt=ids, n=3, **kw)
+  assert prefills() - before == 1 and [c.index for c in out.choices] == [0, 1, 2]
+  singles = [client.completions.create(prompt=ids, **{**kw, "seed": 5 + i}).choices[0].token_ids for i in range(3)]
+  assert [c.token_ids for c in out.choices] == singles and len({tuple(s) for s in singles}) > 1, singles
+  texts = {}
+  for c in client.completions.create(prompt=ids, n=3, stream=True, **kw):
+    for ch in c.choices: texts[ch.index] = texts.get(ch.index, "") + ch.text
+  assert texts == {c.index: c.text for c in out.choices}
+  settled(router)
+  assert node_info(nodes["decode"].address)["open_sequences"] == 0

@@ -169,3 +169,20 @@ def test_forks_wait_for_room_for_all_of_them():
   batch, is_prefill = s.schedule()
   assert is_prefill and batch == seqs[:2] and dropped not in s.running
   check_state(s)
+
+def test_incoming_samples_are_reserved_with_their_sequence_and_committed_each():
+  bm = BlockManager(10, 4)
+  s = Scheduler(bm, max_num_seqs=3)
+  seqs = [Sequence(i, [1] * 6, 4) for i in range(3)]
+  seqs[0].forks = seqs[1:]
+  assert s.reserve_incoming(seqs[0])
+  assert bm.num_used == 1 + 3 and all(bm.is_reserved(q.seq_id) for q in seqs) and set(s.incoming) == {0, 1, 2}
+  assert all(f.fork_copy == (bm.block_table(0)[1], bm.block_table(f.seq_id)[1]) for f in seqs[1:])
+  check_state(s)
+  s.abort_incoming(seqs[2])                       # a sample whose client left before the KV landed
+  for q, tok in zip(seqs[:2], (5, 6)): assert not s.commit_incoming(q, tok)
+  check_state(s)
+  assert bm.num_used == 1 + 2 and [q.token_ids[-1] for q in s.running] == [5, 6]
+  more = [Sequence(10 + i, [2] * 3, 4) for i in range(3)]
+  more[0].forks = more[1:]
+  assert not s.reserve_incoming(more[0]) and 10 not in bm     # three more places do not fit a batch of three

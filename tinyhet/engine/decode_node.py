@@ -31,32 +31,13 @@ from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_prompt, is_int
 from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
+from tinyhet.engine.forked_samples import generate_samples
 from tinyhet.runtime.arena import Region
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
 from tinyhet.model.sampling import Sampler, sample_batch
 from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus
-
-TICK = 0.5                # seconds: how often a waiting stream lets the control channel look for a cancel or a departed client
-
-def queued_tokens(seq: Sequence):
-  """A sequence's tokens as the batching loop queues them, until it is done; None every TICK while none comes (a stream
-  then lets the control channel look for a cancel or a departed client). A failed step's error is raised."""
-  while True:
-    try: tok = seq.extra["queue"].get(timeout=TICK)
-    except queue.Empty:
-      yield None
-      continue
-    if isinstance(tok, Exception): raise tok
-    if tok is None: return
-    yield tok
-
-def token_item(tok) -> dict:
-  """A queued token as the generate stream sends it: an id, or (id, logprob, top alternatives) when logprobs were asked for;
-  ("prompt", entries): the prompt's own logprobs (tinyhet.engine.prompt_logprobs), before the first token."""
-  if isinstance(tok, tuple) and tok[0] == "prompt": return {"prompt_logprobs": tok[1]}
-  if isinstance(tok, tuple): return {"token": tok[0], "logprob": tok[1], "top_logprobs": tok[2]}
-  return {"token": tok}
+from tinyhet.engine.token_queue import TICK, queued_tokens, token_item  # noqa: F401  (node_roles reads them here too)
 
 def _check_timeout(timeout):
   if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:
@@ -114,8 +95,10 @@ class DecodeNode:
     with self.cond: return {"cached_tokens": len(self.cache.block_manager.match(prompt_ids)) * self.cache.block_size}
 
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, writer: str | None = None,
-                     use_cache: bool = False) -> dict:
+                     use_cache: bool = False, n: int = 1) -> dict:
     check_prompt(self.model.cfg, prompt_ids, max_new_tokens)
+    if not is_int(n) or not 1 <= n <= self.scheduler.max_num_seqs:
+      raise ValueError(f"n must be an integer in 1..{self.scheduler.max_num_seqs} (this node's batch), got {n!r}")
     _check_timeout(timeout)
     if writer is not None and (not isinstance(writer, str) or not 0 < len(writer.encode()) <= 200):
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
@@ -123,6 +106,10 @@ class DecodeNode:
     seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens)
     # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
     seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer if writer is None else writer)
+    # n > 1: the other samples fork from it (tinyhet.engine.forked_samples); nothing is written into their own blocks
+    seq.forks = [Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens, extra={"owner": seq.extra["owner"], "writes_done": True})
+                 for _ in range(n - 1)]
+    seq.extra["samples"] = list(seq.forks)
     deadline = time.monotonic() + timeout
     with self.cond:
       try:
@@ -133,7 +120,7 @@ class DecodeNode:
                                f"{self.cache.block_manager.blocks_needed(seq.num_tokens)} needed)")
           self.cond.wait(left)
       except BaseException:
-        self.live_ids.discard(seq.seq_id)
+        self.live_ids.difference_update([seq.seq_id] + [f.seq_id for f in seq.extra["samples"]])
         raise
       self.landed[seq.seq_id] = Landing(self.model.cfg.n_layers)
       cached = self.cache.block_manager.cached_length(seq.seq_id)
@@ -147,16 +134,20 @@ class DecodeNode:
     descs = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in blocks], access="write") for r in self.pool_regions]
     reads = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in prefix], access="read") for r in self.pool_regions] if prefix else []
     seq.extra["descs"] = descs + reads
-    self._attach(conn, seq)
+    for s in [seq] + seq.extra["samples"]: self._attach(conn, s)
     return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
             "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,
-                      stop: list[str] | None = None):
+                      stop: list[str] | None = None, first_tokens: list[int] | None = None):
+    """first_tokens: with n > 1 reserved, every sample's first token (the prefill node's, first_token among them)."""
     seq = conn.state.get("seqs", {}).get(seq_id) if is_int(seq_id) else None
-    if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
+    if seq is None or "samples" not in seq.extra: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
     if "sampler" in seq.extra: raise ValueError(f"sequence {seq_id} is already generating")
+    if seq.extra["samples"] or first_tokens is not None:
+      return generate_samples(self, conn, seq, first_tokens, dict(temperature=temperature, top_p=top_p, seed=seed, options=options),
+                              stop_ids, stop, timeout)
     if not is_int(first_token) or not 0 <= first_token < self.model.cfg.vocab_size: raise ValueError(f"bad first_token {first_token!r}")
     if stop_ids is not None and (not isinstance(stop_ids, list) or not all(is_int(t) for t in stop_ids)):
       raise ValueError(f"stop_ids must be a list of token ids, got {stop_ids!r}")

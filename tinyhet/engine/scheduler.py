@@ -171,10 +171,16 @@ class Scheduler:
     writes from bm.cached_length on)."""
     self.check_fits(seq)
     ids = seq.token_ids if use_cache else None
-    if not self.bm.can_allocate(seq.num_tokens, ids) or len(self.running) + len(self.incoming) >= self.max_num_seqs: return False
+    if self.bm.fresh_needed(seq.num_tokens, ids) + self._copies(seq) > self.bm.num_free: return False
+    if len(self.running) + len(self.incoming) + 1 + len(seq.forks) > self.max_num_seqs: return False
     self.bm.reserve(seq.seq_id, seq.num_tokens, ids)
     seq.status = SequenceStatus.INCOMING
     self.incoming[seq.seq_id] = seq
+    forks, seq.forks = seq.forks, []        # n > 1: its samples, reserved with it (their copies of its partial block made on commit)
+    for f in forks:
+      f.fork_copy = self.bm.fork(seq.seq_id, f.seq_id)
+      f.max_new_tokens, f.status = min(f.max_new_tokens, seq.max_new_tokens), SequenceStatus.INCOMING
+      self.incoming[f.seq_id] = f
     return True
 
   def commit_incoming(self, seq: Sequence, first_token: int) -> bool:

@@ -10,7 +10,8 @@ Invariants (check() asserts every one):
   3. a table holds exactly ceil(length / block_size) blocks
   4. a block is shared (refcount > 1) only if it is full in every table that holds it: fork shares full blocks and copies a
      partial last block, so appending never writes into a shared block
-  5. only committed sequences are appended to, forked and deallocated; only reserved ones are committed or released
+  5. only committed sequences are appended to and deallocated; only reserved ones are committed or released; a reserved
+     sequence's fork is reserved too (its blocks' KV has not landed either)
   6. (prefix cache) a block has a hash only if its block_size tokens are stored in full; hash -> block is one to one; a free
      block with a hash sits in the LRU queue of cached blocks, every other free block in the plain free queue
 
@@ -174,7 +175,7 @@ class BlockManager:
   def fork(self, parent: int, child: int) -> tuple[int, int] | None:
     """child starts as a copy of parent: full blocks are shared (refcount + 1), a partial last block is copied into a new
     block. Returns (src, dst) for that copy, which the caller must perform on every layer's pool, or None."""
-    self._committed(parent, "fork")
+    self._known(parent)
     self._new(child, self.lengths[parent])
     table, n = self.tables[parent], self.lengths[parent]
     partial = n % self.block_size != 0
@@ -182,6 +183,7 @@ class BlockManager:
     shared = table[:-1] if partial else table
     for b in shared: self.ref_counts[b] += 1
     self.tables[child], self.lengths[child], self.hit_tokens[child] = shared + copy, n, 0
+    if parent in self.reserved: self.reserved.add(child)
     return (table[-1], copy[0]) if partial else None
 
   # ***** incoming transfers *****

@@ -18,6 +18,7 @@ from tinyhet.service import heartbeat
 
 def install_submit(decode) -> None:
   from tinyhet.engine.checks import check_prompt, is_int
+  from tinyhet.engine.forked_samples import Tagged
   from tinyhet.model.sampling import Sampler
   from tinyhet.engine.scheduler import Sequence
 
@@ -52,11 +53,6 @@ def install_submit(decode) -> None:
   decode.node.endpoint.handle("decode.submit", serve_submit)
   decode.can_submit = True
 
-class Tagged:
-  """The queue of one of n samples: what the batching loop puts in it goes to the samples' shared queue as (index, item)."""
-  def __init__(self, shared: queue.SimpleQueue, index: int): self.shared, self.index = shared, index
-  def put(self, item) -> None: self.shared.put((self.index, item))
-
 def stream_submitted(decode, conn, seq):
   """Every token of a submitted sequence, as the batching loop samples it. It yields None while it waits (the control
   channel then checks for a cancel or a departed client); however it ends, the sequence leaves the node."""
@@ -69,19 +65,9 @@ def stream_submitted(decode, conn, seq):
 def stream_samples(decode, conn, seqs: list, shared: queue.SimpleQueue):
   """The tokens of n samples of one prompt, each item with its sample's `index`, and a {"done", "index"} item as each ends;
   the last item is {"done": True} with no index. None while nothing comes (as stream_submitted)."""
-  from tinyhet.engine.decode_node import TICK, token_item
-  left = set(range(len(seqs)))
+  from tinyhet.engine.forked_samples import sample_items
   try:
-    while left:
-      try: i, tok = shared.get(timeout=TICK)
-      except queue.Empty:
-        yield None
-        continue
-      if isinstance(tok, Exception): raise tok
-      if tok is None:
-        left.discard(i)
-        yield {"done": True, "index": i, "preemptions": seqs[i].num_preemptions}
-      else: yield {**token_item(tok), "index": i}
+    yield from sample_items(seqs, shared, set(range(len(seqs))))
     yield {"done": True, "preemptions": sum(s.num_preemptions for s in seqs), "cached_tokens": seqs[0].extra.get("cached_tokens", 0)}
   finally:
     for seq in seqs: decode._detach(conn.state.get("seqs", {}), seq)

@@ -67,7 +67,7 @@ class PrefillNode:
             "link_gbps": round(self.cost.link_bps / 1e9, 4), "prefill_tok_s": round(self.cost.prefill_tok_s, 1)}
 
   def _serve_run(self, conn, prompt_ids: list[int], decode: str, reservation: dict, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, timeout: float = 600.0, options: dict | None = None) -> dict:
+                 seed: int | None = None, timeout: float = 600.0, options: dict | None = None, n: int = 1) -> dict:
     cfg = self.model.cfg
     check_prompt(cfg, prompt_ids)
     need = ("seq_id", "blocks", "pools", "block_bytes", "block_size")
@@ -79,7 +79,10 @@ class PrefillNode:
     if len(reservation["pools"]) != cfg.n_layers:
       raise IncompatibleDecodeNode(f"the reservation has {len(reservation['pools'])} layers, this model {cfg.n_layers}: same --model everywhere")
     sampler = Sampler(temperature, top_p, seed, **(options or {}))     # a bad setting fails here, before the job queues
-    job = Job(list(prompt_ids), decode, reservation, {"sampler": sampler}, conn.sock)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024: raise ValueError(f"n must be an integer in 1..1024, got {n!r}")
+    # n > 1: every sample's first token from the prompt's logits, sample i drawn with seed + i (tinyhet.engine.forked_samples)
+    samplers = [sampler] + [Sampler(temperature, top_p, (sampler.seed + i) % 2**64, **(options or {})) for i in range(1, n)]
+    job = Job(list(prompt_ids), decode, reservation, {"sampler": sampler, "samplers": samplers}, conn.sock)
     with self.count_lock: self.queued_tokens += len(prompt_ids)
     self.jobs.put(job)
     if self.on_job is not None: self.on_job()
@@ -143,7 +146,8 @@ class PrefillNode:
                                              lambda pools: PrefixPull(self.node, peer, r, pools), send_layer)
         self.cost.saw_transfer(pull["pulled_bytes"], pull["pull_s"])
       else: _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer, on_chunk=send_chunk)
-      first = sampler.draw(logits, n, job.prompt_ids)     # the same draw again, with its logprobs when asked for
+      draws = [s.draw(logits, n, job.prompt_ids) for s in job.sampling["samplers"]]   # the first: the same draw again, with its logprobs
+      first = draws[0]
       t_prefill = time.perf_counter()
       if not pulled: self.cost.saw_prefill(n, t_prefill - t0)
       try: transfers = sender.finish(60)
@@ -166,6 +170,9 @@ class PrefillNode:
     if sampler.prompt_logprobs is not None:
       from tinyhet.engine.prompt_logprobs import prompt_logprobs
       lp["prompt_logprobs"] = prompt_logprobs(self.model, job.prompt_ids, sampler.prompt_logprobs, kv_dtype)
+    if len(draws) > 1:
+      lp["first_tokens"] = [d.token for d in draws]
+      if first.logprob is not None: lp["first_logprobs"] = [{"logprob": d.logprob, "top_logprobs": d.top} for d in draws]
     return {"first_token": first.token, **lp, "seed": sampler.seed, "prefill_s": t_prefill - t0, "kv_bytes": kv_bytes, "transfer_s": transfer_s,
             "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0, "staging_waits": sender.staging_waits,
             "kv_writes": sum(len(t.transfers) if isinstance(t, Pieces) else 1 for t in transfers.values()),   # a chunked layer: one a piece

@@ -1,21 +1,23 @@
 """n > 1: the samples of one prompt served as one request to a decode node (run_samples, on a router's Cluster).
 
 The router admits the n samples together (the prompt's blocks once, each sample's headroom) on one decode-capable node and
-sends decode.submit with n: the node prefills the prompt once and forks the n sequences from it, sharing the prompt's KV
-blocks by reference count (a partial last block copied per sample; tinyhet.engine.scheduler), sample i drawn with seed + i,
-so its tokens are those of a request of its own with that seed. The items of the one stream carry their sample's index.
-Samples are prefilled where they decode, never disaggregated. A sample that its node lost, or that the first attempt did not
-finish, goes on alone (Cluster.run) from its own tokens so far, on the same seed stream.
+prefills the prompt once, where Cluster.run would: on the decode node itself (decode.submit with n: it forks the n sequences
+from its prefill, sharing the prompt's KV blocks by reference count, a partial last block copied per sample;
+tinyhet.engine.scheduler), or disaggregated (decode.reserve with n reserves the samples together, prefill.run with n
+writes the first sample's blocks and samples every first token, decode.generate with first_tokens forks them once the KV
+has landed; tinyhet.engine.forked_samples). Sample i is drawn with seed + i, so its tokens are those of a request of its
+own with that seed. The items of the one stream carry their sample's index. A sample that its node lost, or that the
+first attempt did not finish, goes on alone (Cluster.run) from its own tokens so far, on the same seed stream.
 """
 from __future__ import annotations
 import secrets, threading
-from tinyhet.service.router import Cancelled, Request, _NodeLost, _logprobs
+from tinyhet.service.router import BadRequest, Cancelled, Request, _NodeLost, _logprobs
 
 class Shared:
   """The samples of one prompt as one request to the nodes (run_samples): cancelled once every sample is; a
   connection it opens is registered with each sample and closed when the last sample lets it go."""
   def __init__(self, reqs: list[Request]):
-    self.reqs, self.clients, self.lock = reqs, set(), threading.Lock()
+    self.reqs, self.clients, self.lock, self.seed = reqs, set(), threading.Lock(), reqs[0].seed
     self.cancelled = threading.Event()
     self.holders = {id(r) for r in reqs}
     for r in reqs: r.clients.add(_Hold(self, r))
@@ -54,10 +56,25 @@ def _attempt(cluster, reqs: list[Request], ends: dict[int, str]):
   try:
     ctl = cluster._open(share, decode, "decode node lost")
     try:
-      cluster._count(decode, "prefill+decode")
-      sampling = dict(temperature=head.temperature, top_p=head.top_p, options={**head.options, "output_from": len(head.prompt_ids)})
-      stream = ctl.stream("decode.submit", prompt_ids=head.prompt_ids, max_new_tokens=head.max_tokens, seed=head.seed, stop_ids=head.stop_ids,
-                          n=len(reqs), **({"stop": head.stop} if head.stop else {}), **sampling)
+      ids, n, stops = head.prompt_ids, len(reqs), {"stop": head.stop} if head.stop else {}
+      sampling = dict(temperature=head.temperature, top_p=head.top_p, options={**head.options, "output_from": len(ids)})
+      prefill = cluster._choose_prefill(decode, len(ids), head.max_tokens, cluster._cached(ctl, decode, ids))
+      if prefill is None:
+        cluster._count(decode, "prefill+decode")
+        stream = ctl.stream("decode.submit", prompt_ids=ids, max_new_tokens=head.max_tokens, seed=head.seed, stop_ids=head.stop_ids, n=n,
+                            **stops, **sampling)
+      else:       # disaggregated: the prefill node prefills once and samples every first token; the decode node forks the samples
+        r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=head.max_tokens, timeout=cluster.queue_timeout, n=n,
+                     writer=prefill.status.get("node"), use_cache=bool(decode.status.get("prefix_cache")))
+        cluster._done(head, decode, {"cached_tokens": r.get("cached_tokens", 0)}, len(ids))
+        p = cluster._prefill(share, prefill, decode, ids, r, {**sampling, "n": n})
+        if "prompt_logprobs" in p:
+          for q in reqs: q.prompt_logprobs = p["prompt_logprobs"][:len(ids)]
+        for i, q in enumerate(reqs): q.push(p["first_tokens"][i], p["first_logprobs"][i] if "first_logprobs" in p else None)
+        cluster._count(decode, "decode")
+        gen = {**sampling, "options": {k: v for k, v in sampling["options"].items() if k != "prompt_logprobs"}}
+        stream = ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=p["first_token"], first_tokens=p["first_tokens"], seed=p["seed"],
+                            stop_ids=head.stop_ids, timeout=30.0, **stops, **gen)
       for item in stream:
         if "index" not in item:
           if item.get("done"): cluster._done(head, decode, item, len(head.prompt_ids))
@@ -69,6 +86,7 @@ def _attempt(cluster, reqs: list[Request], ends: dict[int, str]):
         elif item.get("done"):
           ends[item["index"]] = ("cancelled" if r.cancelled.is_set() else
                                  "stop" if r.generated and r.generated[-1] in r.stop_ids else "length")
+    except (_NodeLost, BadRequest, Cancelled): raise                 # the prefill's failure, judged already
     except Exception as e: raise cluster._failed(share, decode, e, "decode node lost") from None
     finally: cluster._close(share, decode, ctl)
   finally: cluster._release(decode, blocks)
