@@ -189,8 +189,9 @@ class Cluster:
     them after). Without room anywhere the request waits in the queue, unless max_queue requests wait already; a prompt no
     pool holds is a BadRequest. KV-aware: with the prompt's ids, a node whose prefix cache holds more of it scores better
     (Dynamo's overlap score: the cached share of the prompt against the decode load), and needs its blocks less the hit.
-    Cancelled once `cancelled` is set. samples: n samples of the prompt, each with its own headroom (they share the prompt's blocks)."""
-    tokens = prompt_tokens + samples * min(new_tokens, HEADROOM_TOKENS)
+    Cancelled once `cancelled` is set. samples: n samples of the prompt (they share its blocks; one more block each, and room
+    for them in the node's batch). A request no node could ever hold is a BadRequest."""
+    tokens, more = prompt_tokens + min(new_tokens, HEADROOM_TOKENS), samples - 1
     with self.cond:
       deadline, queued = time.monotonic() + self.queue_timeout, False
       try:
@@ -198,15 +199,18 @@ class Cluster:
           if cancelled is not None and cancelled.is_set(): raise Cancelled()
           up = [n for n in self.nodes.values() if n.up and n.can_decode]
           hit = {n: n.cached_tokens(ids) if ids else 0 for n in up}
-          fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n])]
+          fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n]) + more]
           if fits:
             node = min(fits, key=lambda n: (n.decode_load() - OVERLAP_WEIGHT * hit[n] / max(1, prompt_tokens), -n.free_blocks()))
-            node.reserved_blocks += (need := node.blocks_for(tokens) - node.blocks_for(hit[node]))
+            node.reserved_blocks += (need := node.blocks_for(tokens) - node.blocks_for(hit[node]) + more)
             node.recent.append((time.monotonic(), need))
             node.assigned += 1
             return node, need
-          if up and all(n.blocks_for(prompt_tokens) > n.status.get("kv_blocks", 0) for n in up):
-            raise BadRequest(f"a prompt of {prompt_tokens} tokens needs more KV blocks than any decode node has: shorten the prompt")
+          if more and up and all(samples > n.status.get("max_seqs", samples) for n in up):
+            raise BadRequest(f"n must be at most {max(n.status.get('max_seqs', 1) for n in up)} here (the decode nodes' batch, --max-seqs)")
+          if up and all(n.blocks_for(prompt_tokens) + more > n.status.get("kv_blocks", 0) for n in up):
+            raise BadRequest(f"a prompt of {prompt_tokens} tokens needs more KV blocks than any decode node has: shorten the prompt" +
+                             (f" or ask for fewer than {samples} samples" if more else ""))
           if not queued:
             if self.waiting >= self.max_queue: raise Overloaded(f"every KV pool is full and {self.waiting} requests wait already")
             queued, self.waiting = True, self.waiting + 1
