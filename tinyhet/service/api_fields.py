@@ -16,14 +16,13 @@ def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
 MAX_N = 128              # samples per prompt at most (a decode node also refuses more than its batch, --max-seqs)
 MAX_PROMPTS = 256        # prompts in one completions request at most
 
-# read elsewhere: the fields api_schema checks, those of the tool and structured-output work (tools, response_format,
-# guided_*), the prefix cache's cache_salt, and the ones this module implements
+# the fields of each API: read (and where not implemented, refused) by api_schema, by the tool and structured-output work
+# (tools, response_format, guided_*), or by this module; REFUSED below holds the rest that either API has
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "n", "stream", "stream_options", "stop", "presence_penalty", "frequency_penalty",
           "logit_bias", "logprobs", "user", "top_k", "min_p", "repetition_penalty", "return_token_ids", "best_of", "use_beam_search",
-          "prompt_logprobs",
-          "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
-          "structural_tag", "structured_outputs", "cache_salt", "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-          "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens"}
+          "prompt_logprobs", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+          "guided_whitespace_pattern", "structural_tag", "structured_outputs", "cache_salt", "ignore_eos", "min_tokens", "stop_token_ids",
+          "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                  "audio", "modalities", "prediction", "add_generation_prompt", "safety_identifier"}
 COMPLETION = COMMON | {"prompt", "echo", "suffix"}
