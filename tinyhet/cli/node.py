@@ -133,8 +133,9 @@ def main_prefill(args) -> int:
   from tinyhet.device.memory import local_node
   from tinyhet.service.prefill_node import PrefillNode
   node = local_node()
-  model, _, model_id = service_model.load(args.model, "HET", args.max_context, args.quiet, packed=not args.float_weights)
+  model, tok, model_id = service_model.load(args.model, "HET", args.max_context, args.quiet, packed=not args.float_weights)
   prefill = PrefillNode(model, node, model_id)
+  prefill.tokenizer = tok                  # a request's grammar masks the first token, drawn here
   heartbeat.install(node.endpoint, "prefill", lambda: {**prefill.status(), "max_context": model.cfg.max_context})
   try: address = node.serve(host, int(port))
   except OSError as e:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 import queue, time
 from tinyhet.engine.checks import is_int
+from tinyhet.engine.grammar import constrain
 from tinyhet.engine.scheduler import Sequence, SequenceStatus
 from tinyhet.engine.token_queue import TICK, token_item
 from tinyhet.model.sampling import Sampler
@@ -30,6 +31,7 @@ def generate_samples(node, conn, head: Sequence, first_tokens, sampling: dict, s
   first = Sampler(sampling["temperature"], sampling["top_p"], sampling["seed"], **(sampling["options"] or {}))
   samplers = [first] + [Sampler(sampling["temperature"], sampling["top_p"], (first.seed + i) % 2**64, **(sampling["options"] or {}))
                         for i in range(1, len(seqs))]
+  for sampler in samplers: constrain(sampler, node.tokenizer, V)      # a grammar's token masks (tinyhet.engine.grammar)
   shared = queue.SimpleQueue()
   for i, (s, sampler) in enumerate(zip(seqs, samplers)):
     s.extra.update(queue=Tagged(shared, i), sampler=sampler, first_token=first_tokens[i], want_logits=False,
@@ -48,7 +50,7 @@ def sample_items(seqs: list[Sequence], shared: queue.SimpleQueue, left: set[int]
     if isinstance(tok, Exception): raise tok
     if tok is None:
       left.discard(i)
-      yield {"done": True, "index": i, "preemptions": seqs[i].num_preemptions}
+      yield {"done": True, "index": i, "preemptions": seqs[i].num_preemptions, "ended": bool(seqs[i].extra.get("grammar_done"))}
     else: yield {**token_item(tok), "index": i}
 
 def _stream(node, conn, seqs: list[Sequence], shared: queue.SimpleQueue, timeout: float):
@@ -68,11 +70,11 @@ def _stream(node, conn, seqs: list[Sequence], shared: queue.SimpleQueue, timeout
         if s.fork_copy is not None: node.cache.copy_block(*s.fork_copy)
         s.fork_copy = None
         tok = s.extra["first_token"]
-        done = node.scheduler.commit_incoming(s, tok) or tok in s.extra["stop_ids"] or node._hits_stop(s, tok)
+        done = node.scheduler.commit_incoming(s, tok) or tok in s.extra["stop_ids"] or node._hits_stop(s, tok) or node.grammar_done(s)
         if done and s.status is SequenceStatus.RUNNING: node.scheduler.finish(s)
         if not done: left.add(i)
       node.cond.notify_all()
-    for i in set(range(len(seqs))) - left: yield {"done": True, "index": i, "preemptions": 0}
+    for i in set(range(len(seqs))) - left: yield {"done": True, "index": i, "preemptions": 0, "ended": bool(seqs[i].extra.get("grammar_done"))}
     yield from sample_items(seqs, shared, left)
     yield {"done": True, "preemptions": sum(s.num_preemptions for s in seqs)}
   finally:

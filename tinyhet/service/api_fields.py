@@ -4,12 +4,7 @@ tinyhet.service.api_schema does not read itself: `n`, a completions list of prom
 add_special_tokens, add_generation_prompt). A field that is no field of either API, or one this server does not implement
 set to anything but its default, is a 400 naming it: never a silent 200 that ignored it."""
 from __future__ import annotations
-
-class ApiError(ValueError):
-  """A request the API refuses: HTTP status (4xx), the field to change (param) and OpenAI's error code."""
-  def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-    super().__init__(message)
-    self.param, self.status, self.code = param, status, code
+from tinyhet.service.api_error import ApiError
 
 def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
 
@@ -25,7 +20,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "n", "stream", 
           "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                  "audio", "modalities", "prediction", "add_generation_prompt", "safety_identifier"}
-COMPLETION = COMMON | {"prompt", "echo", "suffix"}
+COMPLETION = COMMON | {"prompt", "echo", "suffix", "tools", "tool_choice"}     # tools: api_schema says they are for chat
 
 # OpenAI's and vLLM's fields this server does not implement: name -> the values that mean "off" (the field may be sent so)
 REFUSED = {
@@ -35,9 +30,8 @@ REFUSED = {
   "documents": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None,), "priority": (None, 0),
   "request_id": (None,), "return_tokens_as_token_ids": (None, False), "kv_transfer_params": (None,), "vllm_xargs": (None,),
   "prompt_embeds": (None,), "include_reasoning": (None, True), "thinking_token_budget": (None,), "echo@chat": (None, False),
-  # the tool and structured-output work's, and the prefix cache's: refused here until their code reads them (then drop them here)
-  "parallel_tool_calls": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structural_tag": (None,),
-  "structured_outputs": (None,), "cache_salt": (None,),
+  # structured outputs' options this server does not take, and the prefix cache's salt: refused until code reads them
+  "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structural_tag": (None,), "cache_salt": (None,),
 }
 
 def check_fields(body: dict, chat: bool) -> None:

@@ -1,7 +1,8 @@
 """Checking OpenAI request bodies: each field's type and range, the model's name and the context's length. A bad body
 raises ApiError (HTTP 4xx) whose message says which field to change and how; nothing else is raised for any JSON value."""
 from __future__ import annotations
-from tinyhet.service.api_fields import ApiError, check_fields, completion_prompts, extra_sampling, sample_count
+from tinyhet.service.api_error import ApiError
+from tinyhet.service.api_fields import check_fields, completion_prompts, extra_sampling, sample_count
 
 def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
 def _is_num(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -47,10 +48,13 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
   stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
   if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
     raise ApiError("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
-  unsupported = {"best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-                 "suffix": (None, ""), "response_format": (None, {"type": "text"}), "prediction": (None,), "audio": (None,),
-                 "modalities": (None, ["text"]), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-                 "use_beam_search": (None, False), "prompt_logprobs": (None,)}
+  # tools, tool_choice, response_format and guided_*: tinyhet.service.tools and structured (constrain_request)
+  unsupported = {"best_of": (None, 1), "functions": (None, []), "function_call": (None, "none"),
+                 "suffix": (None, ""), "prediction": (None,), "audio": (None,),
+                 "modalities": (None, ["text"]), "use_beam_search": (None, False), "prompt_logprobs": (None,)}
+  if not chat:
+    for name in ("tools", "tool_choice"):
+      if body.get(name) is not None: raise ApiError(f"'{name}' is for chat completions (/v1/chat/completions): leave it out here", name)
   for name, fine in unsupported.items():
     if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
       raise ApiError(f"'{name}' is not supported by this server: leave it out", name)
@@ -121,30 +125,27 @@ def parse_completion(body, tok, model_id: str, max_context: int | None) -> dict:
   out = _common(body, tok, model_id, max_context, prompts[0], chat=False)
   for ids in prompts[1:]: _common(body, tok, model_id, max_context, ids, chat=False)    # each prompt fits the context
   out["prompts"] = prompts
-  return out
+  from tinyhet.service.tools import constrain_request
+  return constrain_request(out, body)
 
 def parse_chat(body, tok, model_id: str, max_context: int | None) -> dict:
   """POST /v1/chat/completions: messages [{role, content}], content a string or a list of {"type": "text", "text"} parts."""
   if not isinstance(body, dict): raise ApiError("the body must be a JSON object")
-  msgs = body.get("messages")
-  if not isinstance(msgs, list) or not msgs: raise ApiError("'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
-  clean = []
-  for i, m in enumerate(msgs):
-    if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-      raise ApiError(f"messages[{i}] must be an object whose 'role' is system, developer, user or assistant", "messages")
-    content = m.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-      content = "".join(p["text"] for p in content)
-    if not isinstance(content, str): raise ApiError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-  ids = _encode(lambda m: chat_ids(tok, m, body), clean, "messages")
-  return _common(body, tok, model_id, max_context, ids, chat=True)
+  from tinyhet.service import tools
+  gen, special = chat_flags(body)
+  clean, spec = tools.clean_messages(body.get("messages")), tools.parse_tools(body, tok)     # the tool turns, the tools
+  ids = _encode(lambda m: with_bos(tok, tools.encode(tok, m, spec, gen), special), clean, "messages")
+  return tools.constrain_request(_common(body, tok, model_id, max_context, ids, chat=True), body, spec)
 
-def chat_ids(tok, messages: list[dict], body: dict) -> list[int]:
-  """The prompt of a chat: the template rendered, with vLLM's add_generation_prompt (default true) and add_special_tokens
-  (default false: the template writes BOS itself where the model wants one)."""
+def chat_flags(body: dict) -> tuple[bool, bool]:
+  """vLLM's add_generation_prompt (default true) and add_special_tokens (default false: the template writes BOS itself
+  where the model wants one) of a chat request."""
   gen, special = body.get("add_generation_prompt", True), body.get("add_special_tokens", False)
   if not isinstance(gen, bool): raise ApiError("'add_generation_prompt' must be true or false", "add_generation_prompt")
   if not isinstance(special, bool): raise ApiError("'add_special_tokens' must be true or false", "add_special_tokens")
-  if not special: return tok.encode_chat(messages, gen)
-  return tok.encode(tok.render_chat(messages, gen)) if hasattr(tok, "render_chat") else tok.encode_chat(messages, gen)
+  return gen, special
+
+def with_bos(tok, ids: list[int], special: bool) -> list[int]:
+  """add_special_tokens on a chat: BOS first where the tokenizer adds one to text and the template did not write it."""
+  bos = getattr(tok, "bos_id", None)
+  return [bos, *ids] if special and getattr(tok, "add_bos", False) and bos is not None and ids[:1] != [bos] else ids

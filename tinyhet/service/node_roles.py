@@ -21,6 +21,7 @@ def install_submit(decode) -> None:
   from tinyhet.engine.forked_samples import Tagged
   from tinyhet.model.sampling import Sampler
   from tinyhet.engine.scheduler import Sequence
+  from tinyhet.engine.grammar import constrain
 
   def serve_submit(conn, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                    stop_ids: list[int] | None = None, options: dict | None = None, stop: list[str] | None = None, n: int = 1):
@@ -30,6 +31,7 @@ def install_submit(decode) -> None:
     first = Sampler(temperature, top_p, seed, **(options or {}))      # a bad setting fails before an id is taken
     # sample i draws from seed + i: the same tokens as a request of its own with that seed
     samplers = [first] + [Sampler(temperature, top_p, (first.seed + i) % 2**64, **(options or {})) for i in range(1, n)]
+    for sampler in samplers: constrain(sampler, decode.tokenizer, decode.model.cfg.vocab_size)   # a grammar that does not compile too
     seqs = [Sequence(decode.new_seq_id(), list(prompt_ids), max_new_tokens) for _ in range(n)]
     shared = queue.SimpleQueue()
     for i, (seq, sampler) in enumerate(zip(seqs, samplers)):
@@ -59,7 +61,8 @@ def stream_submitted(decode, conn, seq):
   from tinyhet.engine.decode_node import queued_tokens, token_item
   try:
     for tok in queued_tokens(seq): yield None if tok is None else token_item(tok)
-    yield {"done": True, "preemptions": seq.num_preemptions, "cached_tokens": seq.extra.get("cached_tokens", 0)}
+    yield {"done": True, "preemptions": seq.num_preemptions, "cached_tokens": seq.extra.get("cached_tokens", 0),
+           "ended": bool(seq.extra.get("grammar_done"))}
   finally: decode._detach(conn.state.get("seqs", {}), seq)
 
 def stream_samples(decode, conn, seqs: list, shared: queue.SimpleQueue):
@@ -105,6 +108,7 @@ class ServiceExtras:
       # before each step the loop runs queued prefills (DecodeNode.between_steps), without its lock, so that this node's own
       # control requests go on meanwhile.
       self.prefill = PrefillNode(decode.model, decode.node, decode.model_id, on_job=lambda: self._wake(decode))
+      self.prefill.tokenizer = decode.tokenizer
       def prefill_first():                   # queued prefills before the next decode step; all of them while nothing decodes
         if self.prefill.jobs.qsize():
           self.prefill.run_one()

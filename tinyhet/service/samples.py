@@ -84,8 +84,9 @@ def _attempt(cluster, reqs: list[Request], ends: dict[int, str]):
         elif "prompt_logprobs" in item:                  # the prompt's, once for every sample
           for q in reqs: q.prompt_logprobs = q.prompt_logprobs or item["prompt_logprobs"][:len(q.prompt_ids)]
         elif item.get("done"):
+          r.ended = r.ended or bool(item.get("ended"))       # the output completed its grammar
           ends[item["index"]] = ("cancelled" if r.cancelled.is_set() else
-                                 "stop" if r.generated and r.generated[-1] in r.stop_ids else "length")
+                                 "stop" if (r.generated and r.generated[-1] in r.stop_ids) or r.ended else "length")
     except (_NodeLost, BadRequest, Cancelled): raise                 # the prefill's failure, judged already
     except Exception as e: raise cluster._failed(share, decode, e, "decode node lost") from None
     finally: cluster._close(share, decode, ctl)
