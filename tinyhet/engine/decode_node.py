@@ -4,12 +4,15 @@ requests a prefill node uses to hand it a sequence.
 A sequence arrives in three steps, each a control request (tinyhet.runtime.control):
   decode.reserve   prompt ids, max_new_tokens -> a sequence id, its block table and per-layer pool descriptors of its own
                    (tcp lets only the writer write, and only into these blocks; the writer is the reserving peer, or the node
-                   named by `writer`, as a router names its prefill node). With use_cache, a prefix-cache hit's shared
-                   blocks (prefix_blocks) come with read-only descriptors (read_pools) for the same peer, so it can pull
-                   them until the sequence leaves; the write descriptors cover the suffix only. The blocks are held (admission
-                   waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
-                   one transport write per layer or per chunk of a layer, each with a notice (tinyhet.kv.notices: sequence,
-                   layer, piece, last; counted only from the writer).
+                   named by `writer`, as a router names its prefill node: a name its handshake proved, never one it claimed).
+                   The reply's `grant` is this node's signature of what it granted (tinyhet.kv.grants), which the writer
+                   checks against the prompt it is asked to prefill. The sequence keeps the writer's name (extra["writer"])
+                   and whether this node's configuration trusts it as a prefill writer (extra["trusted_writer"]).
+                   With use_cache, a prefix-cache hit's shared blocks (prefix_blocks) come with read-only descriptors
+                   (read_pools) for the same peer, so it can pull them until the sequence leaves; the write descriptors
+                   cover the suffix only. The blocks are held (admission waits while the pool is full); the prefill node
+                   writes each layer's packed K, V straight into them with one transport write per layer or per chunk of a
+                   layer, each with a notice (tinyhet.kv.notices: sequence, layer, piece, last; counted only from the writer).
   decode.generate  the first token (sampled by the prefill node) and sampling options (the prefill node's seed: draws depend on
                    (seed, position) only, so the stream goes on where it began) -> once every layer's notice has
                    arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
@@ -26,6 +29,7 @@ from dataclasses import asdict
 import numpy as np
 from tinygrad import dtypes
 from tinyhet.device.backend import region_of
+from tinyhet.kv.grants import sign_grant
 from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, NOTICE_FORMAT, Landing, split_notice
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
@@ -37,7 +41,7 @@ from tinyhet.runtime.arena import Region
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
 from tinyhet.model.sampling import Sampler, sample_batch
-from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus
+from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus, prefill_groups
 from tinyhet.engine.token_queue import TICK, queued_tokens, token_item  # noqa: F401  (node_roles reads them here too)
 
 def _check_timeout(timeout):
@@ -67,6 +71,8 @@ class DecodeNode:
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
     self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
+    # peers whose written KV this node may vouch for (node config trusted_writers, default the cluster file's prefill nodes)
+    self.trusted_writers = frozenset(node.config.trusted_writers or ())
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release", "lookup"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
     self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
@@ -105,10 +111,13 @@ class DecodeNode:
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
     if not isinstance(use_cache, bool): raise ValueError(f"use_cache must be true or false, got {use_cache!r}")
     seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens)
-    # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
-    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer if writer is None else writer)
+    # the peer whose writes and notices count: the reserver, or the prefill node a router names for it. Names are proven
+    # (a signature at the handshake, tinyhet.runtime.identity), so a grant to one peer is refused to every other
+    owner = conn.peer if writer is None else writer
+    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=owner, writer=owner,
+                     trusted_writer=owner in self.trusted_writers)
     # n > 1: the other samples fork from it (tinyhet.engine.forked_samples); nothing is written into their own blocks
-    seq.forks = [Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens, extra={"owner": seq.extra["owner"], "writes_done": True})
+    seq.forks = [Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens, extra={"owner": owner, "writer": owner, "writes_done": True})
                  for _ in range(n - 1)]
     seq.extra["samples"] = list(seq.forks)
     deadline = time.monotonic() + timeout
@@ -131,13 +140,14 @@ class DecodeNode:
     # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
     # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves. A write grant for the
     # suffix's blocks; with a hit, a read grant for the prefix's shared blocks (the prefill node pulls them: PrefixPull)
-    bb, ep, owner = self.cache.block_nbytes, self.node.endpoint, seq.extra["owner"]
+    bb, ep = self.cache.block_nbytes, self.node.endpoint
     descs = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in blocks], access="write") for r in self.pool_regions]
     reads = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in prefix], access="read") for r in self.pool_regions] if prefix else []
     seq.extra["descs"] = descs + reads
     for s in [seq] + seq.extra["samples"]: self._attach(conn, s)
-    return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
-            "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
+    reply = {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
+             "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
+    return {**reply, "grant": sign_grant(ep.identity, ep.name, owner, reply, seq.token_ids)}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,
@@ -394,14 +404,6 @@ class DecodeNode:
     self.stopped = True
     with self.cond: self.cond.notify_all()
     self.notice_thread.join(timeout=5)
-
-def prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
-  """A prefill batch as the loop runs it: each sequence alone, its forks (which follow it) with it."""
-  groups: list[list[Sequence]] = []
-  for s in seqs:
-    if s.fork_of is not None and groups and groups[-1][0] is s.fork_of: groups[-1].append(s)
-    else: groups.append([s])
-  return groups
 
 def _pool_region(buf) -> Region:
   region, offset = region_of(buf)

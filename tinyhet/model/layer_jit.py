@@ -29,17 +29,19 @@ from tinyhet.kernels.paged_attention import paged_attention
 from tinyhet.model.layers import attention
 from tinyhet.model.packed import PackedWeight
 
-QKV = ("attn_norm", "wq", "wk", "wv")                       # the weights each half reads (a capture's inputs are all used)
+# the weights each half reads (a capture's inputs are all used): Qwen2's biases and Qwen3's q/k norms where the layer has them
+QKV = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm")
 FINISH = ("wo", "ffn_norm", "w_gate", "w_up", "w_down")
 
 def layer_tensors(w, names: tuple[str, ...]) -> list[Tensor]:
-  """Some of a layer's weights as Tensors (a packed matrix is its blocks), inputs of a captured half-layer."""
-  return [getattr(w, n).blocks if isinstance(getattr(w, n), PackedWeight) else getattr(w, n) for n in names]
+  """Some of a layer's weights as Tensors (a packed matrix is its blocks), inputs of a captured half-layer; those the layer
+  lacks (None) are left out."""
+  return [getattr(w, n).blocks if isinstance(getattr(w, n), PackedWeight) else getattr(w, n) for n in w.present(names)]
 
 def layer_from(template, names: tuple[str, ...], tensors: tuple[Tensor, ...]):
-  """The LayerWeights `template` with the weights `names` replaced by `tensors` (in layer_tensors' order)."""
+  """The LayerWeights `template` with the weights `names` it has replaced by `tensors` (in layer_tensors' order)."""
   new = {}
-  for n, t in zip(names, tensors):
+  for n, t in zip(template.present(names), tensors, strict=True):
     old = getattr(template, n)
     new[n] = type(old)(t, old.shape, old.ggml_type) if isinstance(old, PackedWeight) else t   # PackedWeight or BF16Weight
   return dataclasses.replace(template, **new)
@@ -80,7 +82,8 @@ def allocated(t: Tensor) -> Tensor:
 def signature(w, names: tuple[str, ...]) -> tuple:
   """What a capture of a half-layer is specific to besides T: each weight's kind, type and shape. A GGUF may store a layer's
   weight in another type than layer 0's (llama.cpp's Q4_K_M keeps some in Q6_K): such a layer gets captures of its own."""
-  return tuple((type(m).__name__, getattr(m, "ggml_type", None), tuple(m.shape), str(m.dtype)) for m in (getattr(w, n) for n in names))
+  mats = ((n, getattr(w, n)) for n in w.present(names))
+  return tuple((n, type(m).__name__, getattr(m, "ggml_type", None), tuple(m.shape), str(m.dtype)) for n, m in mats)
 
 class Replay:
   """One half-layer's TinyJit, called through TinyJit until it has captured, then replayed straight from its capture: TinyJit's

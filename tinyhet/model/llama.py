@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3/3.1, SmolLM2) in tinygrad, written like llama2.c's run.c: one straight forward pass.
+"""The Llama family (Llama 2/3/3.1, SmolLM2, Mistral) and its close kin Qwen2/2.5 (biases on the q, k, v projections) and Qwen3
+(RMSNorm of each query and key head before RoPE) in tinygrad, written like llama2.c's run.c: one straight forward pass.
 
 Conventions
 - Weights are stored like torch's Linear, (out_features, in_features), in any float dtype or as GGUF blocks (PackedWeight);
@@ -48,6 +49,9 @@ class LlamaConfig:
   tie_embeddings: bool = False     # the output projection is the token embedding
   rope_freq_factors: tuple[float, ...] | None = None  # GGUF's rope_freqs.weight (Llama 3.1): divides each frequency; overrides rope_scaling
   name: str = ""
+  arch: str = "llama"      # the family as transformers names it (model_type): llama, mistral, qwen2, qwen3
+  qkv_bias: bool = False   # Qwen2: q, k, v projections add a bias
+  qk_norm: bool = False    # Qwen3: each head of q and k is RMSNorm-ed (weights of head_dim) before RoPE
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads: raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
@@ -61,6 +65,7 @@ class LlamaConfig:
 
   def n_params(self) -> int:
     per_layer = 2 * self.dim + self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * self.dim * self.hidden_dim
+    per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim * self.qkv_bias + 2 * self.head_dim * self.qk_norm
     return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + self.dim
 
 SMOLLM2_135M = LlamaConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, hidden_dim=1536, vocab_size=49152, norm_eps=1e-5,
@@ -92,6 +97,15 @@ class LayerWeights:
   w_gate: Matrix      # (hidden_dim, dim)   run.c's w1
   w_up: Matrix        # (hidden_dim, dim)   run.c's w3
   w_down: Matrix      # (dim, hidden_dim)   run.c's w2
+  bq: Tensor | None = None       # (n_heads*head_dim,) Qwen2's biases, float32, q and k in the rows' (Meta/GGUF) order
+  bk: Tensor | None = None       # (n_kv_heads*head_dim,)
+  bv: Tensor | None = None       # (n_kv_heads*head_dim,)
+  q_norm: Tensor | None = None   # (head_dim,) Qwen3's per-head RMSNorm weights, in the rows' order
+  k_norm: Tensor | None = None   # (head_dim,)
+
+  def present(self, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `names` this layer has (the optional biases and norms are None where the family has none)."""
+    return tuple(n for n in names if getattr(self, n) is not None)
 
 @dataclass
 class LlamaWeights:
@@ -101,7 +115,8 @@ class LlamaWeights:
   output: Matrix            # (vocab, dim); the same object as tok_embeddings when the config ties them
 
   def tensors(self) -> list[Matrix]:
-    ts = [self.tok_embeddings, self.norm] + [getattr(l, f.name) for l in self.layers for f in dataclasses.fields(LayerWeights)]
+    ts = [self.tok_embeddings, self.norm] + [getattr(l, f.name) for l in self.layers for f in dataclasses.fields(LayerWeights)
+                                             if getattr(l, f.name) is not None]
     return ts if self.output is self.tok_embeddings else [*ts, self.output]
 
   def nbytes(self) -> int: return sum(t.nbytes() for t in self.tensors())
@@ -119,10 +134,13 @@ def random_weights(cfg: LlamaConfig, device: str | None = None, dtype: DType = d
       return BF16Weight(round_to_bf16(Tensor.uniform(o, i, low=-math.sqrt(3 / i), high=math.sqrt(3 / i), device=device)), (o, i)).realize()
     return Tensor.uniform(o, i, low=-math.sqrt(3 / i), high=math.sqrt(3 / i), device=device, dtype=dtype).realize()
   def norm(n): return Tensor.uniform(n, low=0.8, high=1.2, device=device).realize()
+  def bias(n): return Tensor.uniform(n, low=-0.2, high=0.2, device=device).realize() if cfg.qkv_bias else None
+  def head_norm(): return norm(cfg.head_dim) if cfg.qk_norm else None
   qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
   layers = [LayerWeights(attn_norm=norm(cfg.dim), wq=lin(qd, cfg.dim), wk=lin(kvd, cfg.dim), wv=lin(kvd, cfg.dim), wo=lin(cfg.dim, qd),
                          ffn_norm=norm(cfg.dim), w_gate=lin(cfg.hidden_dim, cfg.dim), w_up=lin(cfg.hidden_dim, cfg.dim),
-                         w_down=lin(cfg.dim, cfg.hidden_dim)) for _ in range(cfg.n_layers)]
+                         w_down=lin(cfg.dim, cfg.hidden_dim), bq=bias(qd), bk=bias(kvd), bv=bias(kvd), q_norm=head_norm(), k_norm=head_norm())
+            for _ in range(cfg.n_layers)]
   emb = lin(cfg.vocab_size, cfg.dim)
   return LlamaWeights(tok_embeddings=emb, layers=layers, norm=norm(cfg.dim), output=emb if cfg.tie_embeddings else lin(cfg.vocab_size, cfg.dim))
 
@@ -193,14 +211,18 @@ class Llama:
     return self.rope_cos[positions].contiguous(), self.rope_sin[positions].contiguous()
 
   def _qkv(self, l: int, x: Tensor, rope: tuple[Tensor, Tensor], w: LayerWeights | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Layer l's attention inputs (or those of weights w): RMSNorm, projections, RoPE. x: (B, T, dim) -> q (B, T, H, D),
-    k, v (B, T, KVH, D) float32."""
+    """Layer l's attention inputs (or those of weights w): RMSNorm, projections (+ Qwen2's biases), Qwen3's per-head q/k
+    RMSNorm, RoPE. x: (B, T, dim) -> q (B, T, H, D), k, v (B, T, KVH, D) float32. Every forward, prefill and decode step
+    of every engine computes its q, k, v here."""
     cfg, w = self.cfg, w or self.w.layers[l]
     B, T, _ = x.shape
     h = rms_norm(x, w.attn_norm, cfg.norm_eps)                               # (B, T, dim)
-    q = linear(h, w.wq).reshape(B, T, cfg.n_heads, cfg.head_dim)             # (B, T, H, D)
-    k = linear(h, w.wk).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)          # (B, T, KVH, D)
-    v = linear(h, w.wv).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)          # (B, T, KVH, D)
+    q, k, v = linear(h, w.wq), linear(h, w.wk), linear(h, w.wv)              # (B, T, H*D), (B, T, KVH*D) x2
+    if w.bq is not None: q, k, v = q + w.bq, k + w.bk, v + w.bv              # Qwen2
+    q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)                           # (B, T, H, D)
+    k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)                        # (B, T, KVH, D)
+    v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)                        # (B, T, KVH, D)
+    if w.q_norm is not None: q, k = rms_norm(q, w.q_norm, cfg.norm_eps), rms_norm(k, w.k_norm, cfg.norm_eps)   # Qwen3: over each head's D
     cos, sin = rope                                                          # (B, T, D/2)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
