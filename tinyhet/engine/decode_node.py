@@ -217,9 +217,9 @@ class DecodeNode:
   def set_stop_strings(self, seq: Sequence, stop) -> None:
     """Stop strings (a request's `stop`) end the sequence here, its blocks freed at once, as a stop id does. Matched on the
     text decoded from the tokens generated on this node (the first token included)."""
+    from tinyhet.model.request_rules import check_stop      # the rule the HTTP API checked already
     if stop is None: return
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and 0 < len(x) <= 200 for x in stop):
-      raise ValueError(f"stop must be a list of at most 4 non-empty strings of at most 200 characters, got {str(stop)[:80]!r}")
+    stop = check_stop(stop)
     if stop and self.tokenizer is None: raise ValueError("this decode node has no tokenizer to match stop strings: leave stop out")
     if stop: seq.extra.update(stop_strings=stop, stop_decoder=self.tokenizer.stream_decoder(), stop_tail="")
 
@@ -388,16 +388,20 @@ class DecodeNode:
     """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
     to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
     from tinyhet.engine.prefill import prefill_logits, prefill_suffix_logits
+    from tinyhet.engine.prompt_logprobs import PromptLogprobs
+    scorer = None           # a submitted one's first prefill, with its prompt's logprobs asked for: from this prefill's rows
+    if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"): scorer = PromptLogprobs(self.model, s.token_ids, n)
     if (hit := self.cache.block_manager.cached_length(s.seq_id)) > 0:    # a prefix-cache hit: only the rest, over the cached K, V
-      logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit)[None]
-    else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
+      # the cached prefix's rows exist nowhere: scored by a prefill of the prefix alone (its K, V dropped)
+      if scorer is not None: prefill_logits(self.model, s.token_ids[:hit], self.cache.kv_dtype, on_hidden=scorer)
+      logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit, on_hidden=scorer)[None]
+    else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id), on_hidden=scorer)[None]
     s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
     self.prefills, self.prefilled_tokens = self.prefills + 1, self.prefilled_tokens + len(s.token_ids) - hit
     with self.cond: self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
-    if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):    # a submitted one's first prefill
-      from tinyhet.engine.prompt_logprobs import prompt_logprobs
+    if scorer is not None:
       s.extra["prompt_sent"] = True
-      s.extra["queue"].put(("prompt", prompt_logprobs(self.model, s.token_ids, n, self.cache.kv_dtype)))
+      s.extra["queue"].put(("prompt", scorer.entries))
     return logits
 
   def close(self):

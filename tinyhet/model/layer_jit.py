@@ -155,12 +155,14 @@ class LayerJit:
     cfg = self.model.cfg
     return allocated(Tensor.empty(self.T, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=self.model.device))
 
-  def prefill(self, tokens: Tensor, on_layer, progress, n_valid: int) -> Tensor:
+  def prefill(self, tokens: Tensor, on_layer, progress, n_valid: int, on_hidden=None) -> Tensor:
     """tokens (1, T) int32 -> logits (1, vocab) of row n_valid - 1, every layer through the captures (see run). The logits
-    are the capture's output buffer: the next prefill of this length overwrites them."""
+    are the capture's output buffer: the next prefill of this length overwrites them. on_hidden(x, 0, n_valid): the last
+    layer's rows (1, T, dim), as chunked_prefill's."""
     tokens = tokens.to(self.model.device).realize()
     self.embed(tokens, self.x[1])                              # layer 0 then writes self.x[0] (run alternates the two)
     x = self.run(self.x[1], self.rope, on_layer, progress)
+    if on_hidden is not None: on_hidden(x, 0, n_valid)
     if n_valid not in self.rows: self.rows[n_valid] = Tensor([n_valid - 1], dtype=dtypes.int32, device=self.model.device).realize()
     return self.logits(x, self.rows[n_valid])
 

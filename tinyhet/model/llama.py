@@ -266,7 +266,8 @@ class Llama:
     return step
 
   def prefill(self, tokens: Tensor, on_layer: Callable[[int, Tensor, Tensor], None] | None = None, cache: KVCache | None = None,
-              kv_dtype: DType | None = None, n_valid: int | None = None, progress: Callable[[int], None] | None = None, on_chunk=None) -> Tensor:
+              kv_dtype: DType | None = None, n_valid: int | None = None, progress: Callable[[int], None] | None = None, on_chunk=None,
+              on_hidden=None) -> Tensor:
     """Runs one prompt, tokens (1, T) int32 at positions 0..T-1, realizing one layer at a time. As soon as layer l's K and V
     are realized, on_layer(l, k, v) gets them as (T, n_kv_heads, head_dim) tensors in kv_dtype (post-RoPE), before the rest of
     layer l and before any of layer l+1 is computed, so the caller can start sending them. Attention inside the prompt reads
@@ -276,24 +277,26 @@ class Llama:
     (tinygrad compiles per shape; causal attention keeps pads out of the prompt's numbers). The logits are position
     n_valid-1's, and on_layer gets all T rows: the caller sends the ones it needs. progress(layers done) is called as each layer
     finishes (a long prefill shows where it is). on_chunk: a chunked prefill's per-chunk hand-off (tinyhet.model.chunked_prefill:
-    layers it takes are not given to on_layer); other prefills ignore it. Without a cache, up to LAYER_JIT_MAX_T tokens or past the chunk length, the
-    logits are a capture's output buffer (layer_jit, chunked_prefill), overwritten by the next prefill of that length: read them first."""
+    layers it takes are not given to on_layer); other prefills ignore it. on_hidden(x, p0, n): the last layer's rows of each
+    chunk (1, C, dim), its first n rows positions p0..p0+n-1 (chunked_prefill; a prompt's logprobs). Without a cache, up to
+    LAYER_JIT_MAX_T tokens or past the chunk length, the logits are a capture's output buffer (layer_jit, chunked_prefill),
+    overwritten by the next prefill of that length: read them first."""
     if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"prefill takes one prompt, tokens of shape (1, T); got {tokens.shape}")
     if n_valid is not None and not (0 < n_valid <= tokens.shape[1] and cache is None):
       raise ValueError(f"n_valid={n_valid} must be in 1..{tokens.shape[1]}, and without a cache (it would store the pads)")
-    with kernel_threads(self.device): return self._prefill(tokens, on_layer, cache, kv_dtype, n_valid, progress, on_chunk)
+    with kernel_threads(self.device): return self._prefill(tokens, on_layer, cache, kv_dtype, n_valid, progress, on_chunk, on_hidden)
 
   def _prefill(self, tokens: Tensor, on_layer, cache: KVCache | None, kv_dtype: DType | None, n_valid: int | None = None, progress=None,
-               on_chunk=None) -> Tensor:
+               on_chunk=None, on_hidden=None) -> Tensor:
     kv_dtype = cache.kv_dtype if cache is not None else (kv_dtype or dtypes.float16)
     T = tokens.shape[1]
     chunk = self.prefill_chunk or _config_chunk()
     if cache is None and T > chunk:                # a long prompt: chunks through a paged pool, tiled attention (no (T, T) scores)
       from tinyhet.model.chunked_prefill import chunked_prefill
-      return chunked_prefill(self, tokens, chunk, kv_dtype, on_layer, progress, n_valid, on_chunk=on_chunk)
+      return chunked_prefill(self, tokens, chunk, kv_dtype, on_layer, progress, n_valid, on_chunk=on_chunk, on_hidden=on_hidden)
     if cache is None and T <= LAYER_JIT_MAX_T:     # the prompt's own K, V only: every layer replays one capture
       from tinyhet.model.layer_jit import layer_jit
-      return layer_jit(self, T, kv_dtype).prefill(tokens, on_layer, progress, n_valid or T)
+      return layer_jit(self, T, kv_dtype).prefill(tokens, on_layer, progress, n_valid or T, on_hidden)
     positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device).realize()
     x, rope = self.embed(tokens.to(self.device)).realize(), self.rope(positions)   # (1, T, dim)
     # attention through a dense cache of the prompt even when the caller keeps none: tinygrad's kernels for that form ran
@@ -306,6 +309,7 @@ class Llama:
       att = cache.update_and_attend(l, q, k.float(), v.float(), positions)
       x = self._finish_layer(l, x, att).realize()
       if progress is not None: progress(l + 1)
+    if on_hidden is not None: on_hidden(x, 0, n_valid or T)
     if n_valid is not None and n_valid != T:     # the last prompt row, picked by a tensor index: no kernel specialized to n_valid
       x = x[:, Tensor([n_valid - 1], dtype=dtypes.int32, device=self.device)]
     return self._logits(x).realize()
