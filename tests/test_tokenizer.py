@@ -197,6 +197,6 @@ def test_vllm_extra_fields_parse():
   assert got["stop_ids"] == [2, 7] and got["sampling_extra"] == {"min_tokens": 3, "min_tokens_ids": [2, 7]}
   check_fields({"model": "m", "prompt": "x", "response_format": {}}, chat=False)   # others' fields are known here (api_schema refuses them)
   check_fields({"messages": [], "tools": [], "tool_choice": "auto", "user": "u"}, chat=True)
-  for body, chat in (({"echo": True}, True), ({"guided_whatever": 1}, False), ({"metadata": {"a": "b"}}, True)):
+  for body, chat in (({"echo": True}, True), ({"guided_whatever": 1}, False), ({"reasoning_effort": "low"}, True)):
     with pytest.raises(ApiError) as e: check_fields(body, chat)
     assert e.value.param == next(iter(body))

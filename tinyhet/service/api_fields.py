@@ -14,7 +14,7 @@ MAX_PROMPTS = 256        # prompts in one completions request at most
 # the fields of each API: read (and where not implemented, refused) by api_schema, by the tool and structured-output work
 # (tools, response_format, guided_*), or by this module; REFUSED below holds the rest that either API has
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "n", "stream", "stream_options", "stop", "presence_penalty", "frequency_penalty",
-          "logit_bias", "logprobs", "user", "top_k", "min_p", "repetition_penalty", "return_token_ids", "best_of", "use_beam_search",
+          "logit_bias", "logprobs", "user", "metadata", "top_k", "min_p", "repetition_penalty", "return_token_ids", "best_of", "use_beam_search",
           "prompt_logprobs", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
           "guided_whitespace_pattern", "structural_tag", "structured_outputs", "cache_salt", "ignore_eos", "min_tokens", "stop_token_ids",
           "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens"}
@@ -24,7 +24,7 @@ COMPLETION = COMMON | {"prompt", "echo", "suffix", "tools", "tool_choice"}     #
 
 # OpenAI's and vLLM's fields this server does not implement: name -> the values that mean "off" (the field may be sent so)
 REFUSED = {
-  "metadata": (None,), "store": (None, False), "service_tier": (None, "auto", "default"), "reasoning_effort": (None,), "verbosity": (None,),
+  "store": (None, False), "service_tier": (None, "auto", "default"), "reasoning_effort": (None,), "verbosity": (None,),
   "web_search_options": (None,), "prompt_cache_key": (None,), "length_penalty": (None, 1.0, 1), "truncate_prompt_tokens": (None,),
   "allowed_token_ids": (None,), "bad_words": (None, []), "logits_processors": (None,), "continue_final_message": (None, False),
   "documents": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None,), "priority": (None, 0),
