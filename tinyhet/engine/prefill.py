@@ -39,11 +39,13 @@ class GenerationStats:
   timeline: list[LayerTimes] = field(default_factory=list)
   last_logits: list[float] | None = None   # with return_logits: the logits the last token was sampled from
 
-def prefill_bucket(n: int) -> int:
-  """The padded prompt length: tinygrad compiles kernels per shape, so prompts share the kernels of their bucket. Buckets
-  grow with the length (steps of 16 tokens up to 255, then 1/8 to 1/16 of the length), so padding costs at most ~12%."""
-  step = max(16, 1 << max(0, n.bit_length() - 4))
-  return -(-n // step) * step
+def prefill_bucket(n: int, chunk: int | None = None) -> int:
+  """The padded prompt length: tinygrad compiles kernels per shape, so prompts share the captures of their bucket
+  (tinyhet.model.buckets: powers of two and 1.5x steps, the chunk length, then its multiples; at most a third is padding past
+  16 tokens). chunk: the prefill's chunk length (default: the config's prefill_chunk)."""
+  from tinyhet.model.buckets import bucket
+  from tinyhet.model.llama import _config_chunk
+  return bucket(n, chunk or _config_chunk())
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
   """Length of the union of [start, end) intervals: how long at least one transfer was in flight."""
@@ -58,7 +60,7 @@ def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16,
   """Prefill the prompt padded to its bucket on the model's device: the logits (vocab,) of its last token. on_layer(l, k, v)
   gets each layer's K, V (to send, or to store); progress(layers done), if given, as each layer finishes (see
   prefill_progress); on_chunk(...): a chunked prefill's chunks of each layer as they exist (Llama.prefill)."""
-  padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
+  padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids), model.prefill_chunk or None) - len(prompt_ids))
   if progress is not None: progress(0)
   return model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
                        n_valid=len(prompt_ids), progress=progress, on_chunk=on_chunk).numpy()[0]
@@ -118,13 +120,14 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   """Prefill token_ids[start:] of a sequence whose first `start` tokens' K, V are in its paged-cache blocks already (a prefix
   cache hit, or a recompute's): captured chunk prefills (tinyhet.model.chunked_prefill) continuing from the K, V in the
   cache's pools, the suffix's K, V written into the sequence's own blocks, its last chunk at the shortest captured length
-  that holds it (SUFFIX_BUCKETS: an 8-token suffix runs as 16, not as 512). The block manager must hold len(token_ids)
+  that holds it (buckets.below_chunk: an 8-token suffix runs as 16, not as 512). The block manager must hold len(token_ids)
   slots for it; the last chunk's pads past its blocks land in PAD_SEQ's block (the decode engine's scratch block). One
   capture per chunk length serves every sequence: the table is as wide as the longest sequence's. The logits (vocab,) of
   its last token."""
   from tinyhet.device.cpu_threads import kernel_threads
   from tinyhet.engine.decode_engine import PAD_SEQ
-  from tinyhet.model.chunked_prefill import SUFFIX_BUCKETS, chunked_prefill
+  from tinyhet.model.buckets import below_chunk
+  from tinyhet.model.chunked_prefill import chunked_prefill
   from tinyhet.model.llama import _config_chunk
   bm = cache.block_manager
   if not 0 < start < len(token_ids): raise ValueError(f"a suffix prefill needs 0 < start < {len(token_ids)}, got {start}")
@@ -137,7 +140,7 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   table = table + bm.block_table(PAD_SEQ)[:1] * (width - len(table))
   with kernel_threads(model.device):
     return chunked_prefill(model, np.array([token_ids[start:]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
-                           start=start, buckets=SUFFIX_BUCKETS).numpy()[0]
+                           start=start, buckets=below_chunk(chunk)).numpy()[0]
 
 def pull_pools(model: Llama, nb: int, block_size: int, kv_dtype) -> list[Tensor]:
   """Pools of nb blocks for a pulled prefix, the previous request's again where nothing else holds them any more (making 2 x

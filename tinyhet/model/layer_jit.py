@@ -62,7 +62,8 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: tuple[int, Tensor, T
   pool = pack_kv(k, v, BLOCK)                                                  # (nb, 2, KVH, BLOCK * D)
   return paged_attention(q.reshape(T, H, D), pool, table, lens, table.shape[1], threads=threads, shared_table=True).reshape(1, T, H, D)
 
-KEEP = 4   # captures kept per model, the most recently used: each holds its intermediate buffers (off CPU devices the (T, T) scores among them)
+KEEP = 16  # captures kept per model, the most recently used: every bucket up to the chunk length (tinyhet.model.buckets; a warmed-up
+           # node holds them all); each holds its intermediate buffers (off CPU devices the (T, T) scores among them)
 
 def layer_jit(model, T: int, kv_dtype: DType) -> LayerJit:
   """The model's capture for prompts of T tokens (made on first use), most recently used last."""
