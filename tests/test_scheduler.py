@@ -119,3 +119,62 @@ def test_incoming_reservation_waits_when_full_and_commit_starts_decode():
 @pytest.mark.parametrize("kw", [dict(max_num_seqs=0), dict(max_num_seqs=-1), dict(max_num_batched_tokens=0)])
 def test_a_scheduler_that_could_admit_nothing_is_refused(kw):
   with pytest.raises(ValueError, match="must be at least 1"): Scheduler(BlockManager(4, 4), **kw)
+
+def run_stall_free(s: Scheduler, rng: random.Random, pending: list[Sequence], budget: int, max_steps: int) -> list[Sequence]:
+  """Drive schedule_step like a node that prefills and decodes: each step's chunks advance their prompts, a prompt's last
+  chunk samples its first token, and every decoding sequence gets a token each step."""
+  done: list[Sequence] = []
+  for _ in range(max_steps):
+    if pending and rng.random() < 0.3: s.add(pending.pop())
+    decoding = [q for q in s.running if q.prefilled is None]
+    decode, chunks = s.schedule_step(budget)
+    check_state(s)
+    assert all(q in decode or q.status is SequenceStatus.WAITING for q in decoding)   # every decoding sequence steps, or was preempted
+    assert sum(end - first for _, first, end in chunks) <= budget
+    assert all(q.prefilled is None for q in decode) and len({id(q) for q, _, _ in chunks}) == len(chunks)
+    for q in decode: assert s.bm.length(q.seq_id) == q.num_tokens
+    finished_prompts = []
+    for q, first, end in chunks:
+      assert first == q.prefilled and 0 <= first < end <= q.num_tokens == s.bm.length(q.seq_id)
+      if end < q.num_tokens: q.prefilled = end
+      else:
+        q.prefilled = None
+        finished_prompts.append(q)
+    seqs = decode + finished_prompts
+    done += s.postprocess(seqs, [EOS if rng.random() < 0.02 else 5 for _ in seqs])
+    check_state(s)
+    if s.is_finished() and not pending: return done
+  raise AssertionError(f"not finished after {max_steps} steps: {len(s.waiting)} waiting, {len(s.running)} running")
+
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 4, 16]), max_num_seqs=st.integers(1, 8), seed=st.integers(0, 2**32),
+       n_local=st.integers(0, 12), budget=st.integers(1, 64), prefix_cache=st.booleans())
+def test_stall_free_steps_spread_prompts_within_the_budget_and_finish_every_request(num_blocks, block_size, max_num_seqs, seed, n_local,
+                                                                                     budget, prefix_cache):
+  rng = random.Random(seed)
+  capacity = num_blocks * block_size
+  def request(i):
+    prompt = rng.randint(1, max(1, capacity // 2))
+    return Sequence(i, [1] * prompt, max_new_tokens=rng.randint(1, max(1, capacity - prompt)))
+  local = [request(i) for i in range(n_local)]
+  s = Scheduler(BlockManager(num_blocks, block_size, prefix_cache), max_num_seqs=max_num_seqs, eos=EOS)
+  done = run_stall_free(s, rng, list(local), budget, max_steps=40000)
+  assert sorted(q.seq_id for q in done) == sorted(q.seq_id for q in local)
+  for q in done: assert q.token_ids[-1] == EOS or q.num_generated == q.max_new_tokens
+  assert s.bm.num_free == num_blocks and not s.bm.tables
+
+def test_a_long_prompt_is_spread_over_steps_while_decode_goes_on():
+  s = Scheduler(BlockManager(64, 4), max_num_seqs=4)
+  short, long = Sequence(1, [1] * 3, 20), Sequence(2, [2] * 50, 5)
+  s.add(short)
+  assert s.schedule_step(16) == ([], [(short, 0, 3)])
+  short.prefilled = None
+  s.postprocess([short], [9])
+  s.add(long)
+  for first in range(0, 48, 16):            # the long prompt in chunks of 16; the short one decodes every step meanwhile
+    decode, chunks = s.schedule_step(16)
+    assert decode == [short] and chunks == [(long, first, first + 16)]
+    long.prefilled = first + 16
+    s.postprocess(decode, [9])
+  assert s.schedule_step(16) == ([short], [(long, 48, 50)])
+  with pytest.raises(ValueError, match="budget"): s.schedule_step(0)

@@ -60,7 +60,9 @@ def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16,
   """Prefill the prompt padded to its bucket on the model's device: the logits (vocab,) of its last token. on_layer(l, k, v)
   gets each layer's K, V (to send, or to store); progress(layers done), if given, as each layer finishes (see
   prefill_progress); on_chunk(...): a chunked prefill's chunks of each layer as they exist (Llama.prefill)."""
-  padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids), model.prefill_chunk or None) - len(prompt_ids))
+  T = prefill_bucket(len(prompt_ids), model.prefill_chunk or None)
+  if (warm := getattr(model, "warm", None)) is not None: T = warm.pick("prefill", T)   # while it warms up: a ready bucket (engine/warm_up.py)
+  padded = list(prompt_ids) + [0] * (T - len(prompt_ids))
   if progress is not None: progress(0)
   return model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
                        n_valid=len(prompt_ids), progress=progress, on_chunk=on_chunk).numpy()[0]
@@ -126,7 +128,6 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   its last token."""
   from tinyhet.device.cpu_threads import kernel_threads
   from tinyhet.engine.decode_engine import PAD_SEQ
-  from tinyhet.model.buckets import below_chunk
   from tinyhet.model.chunked_prefill import chunked_prefill
   from tinyhet.model.llama import _config_chunk
   bm = cache.block_manager
@@ -140,7 +141,14 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   table = table + bm.block_table(PAD_SEQ)[:1] * (width - len(table))
   with kernel_threads(model.device):
     return chunked_prefill(model, np.array([token_ids[start:]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
-                           start=start, buckets=below_chunk(chunk)).numpy()[0]
+                           start=start, buckets=suffix_buckets(model, chunk)).numpy()[0]
+
+def suffix_buckets(model, chunk: int) -> tuple[int, ...]:
+  """The lengths a suffix's last chunk may run at: every bucket below the chunk length, or while the model warms up the
+  ready ones (tinyhet.engine.warm_up)."""
+  from tinyhet.model.buckets import below_chunk
+  warm = getattr(model, "warm", None)
+  return below_chunk(chunk) if warm is None or warm.done else tuple(b for b in below_chunk(chunk) if b in warm.ready.get("suffix", ()))
 
 def pull_pools(model: Llama, nb: int, block_size: int, kv_dtype) -> list[Tensor]:
   """Pools of nb blocks for a pulled prefix, the previous request's again where nothing else holds them any more (making 2 x

@@ -38,6 +38,7 @@ class Sequence:
   num_prompt_tokens: int = -1     # defaults to len(token_ids) at creation
   status: SequenceStatus = SequenceStatus.WAITING
   num_preemptions: int = 0
+  prefilled: int | None = None    # while its prompt is prefilled over several steps (schedule_step): the tokens whose KV is stored
   extra: dict = field(default_factory=dict)   # the engine's per-sequence state (sampling parameters, a reply channel)
 
   def __post_init__(self):
@@ -87,14 +88,7 @@ class Scheduler:
     sequences when a slot needs a block and none is free. An empty list means nothing can run until blocks free up."""
     scheduled: list[Sequence] = []
     batched = 0
-    while self.waiting and len(self.running) + len(self.incoming) < self.max_num_seqs:   # an incoming sequence will run here too
-      seq = self.waiting[0]
-      if scheduled and batched + seq.num_tokens > self.max_num_batched_tokens: break
-      if not self.bm.can_allocate(seq.num_tokens, seq.token_ids): break   # first come, first served: later requests wait too
-      self.bm.allocate(seq.seq_id, seq.num_tokens, seq.token_ids)
-      self.waiting.popleft()
-      seq.status = SequenceStatus.RUNNING
-      self.running.append(seq)
+    while self.waiting and (not scheduled or batched + self.waiting[0].num_tokens <= self.max_num_batched_tokens) and (seq := self._admit()):
       scheduled.append(seq)
       batched += seq.num_tokens
     if scheduled: return scheduled, True
@@ -112,10 +106,53 @@ class Scheduler:
     self.running.extendleft(reversed(scheduled))
     return scheduled, False
 
+  def _admit(self) -> Sequence | None:
+    """The first waiting sequence, running now with its blocks held; None when it does not fit (first come, first served:
+    later requests wait too) or max_num_seqs sequences run or arrive (an incoming sequence will run here too)."""
+    if not self.waiting or len(self.running) + len(self.incoming) >= self.max_num_seqs: return None
+    seq = self.waiting[0]
+    if not self.bm.can_allocate(seq.num_tokens, seq.token_ids): return None
+    self.bm.allocate(seq.seq_id, seq.num_tokens, seq.token_ids)
+    self.waiting.popleft()
+    seq.status = SequenceStatus.RUNNING
+    self.running.append(seq)
+    return seq
+
+  def schedule_step(self, budget: int) -> tuple[list[Sequence], list[tuple[Sequence, int, int]]]:
+    """A stall-free step (Sarathi-Serve's; vLLM's chunked prefill under max_num_batched_tokens): one new token slot for every
+    decoding sequence, as schedule() gives them (preempting the newest when a slot needs a block), and prompt chunks of at most
+    `budget` tokens in all: the prompts under way first, then waiting sequences admitted in order while their blocks fit.
+    Returns (decode batch, [(sequence, first token, end)]): the chunk's tokens are token_ids[first:end]; a prompt is done when
+    its end is num_tokens (seq.prefilled holds the progress between steps; an admitted prompt starts after its cached prefix).
+    A long prompt is spread over steps, so the decoding sequences get a token every step whatever arrives."""
+    if budget < 1: raise ValueError(f"a step's prefill budget must be at least 1 token, got {budget}")
+    decode: list[Sequence] = []
+    for seq in [s for s in self.running if s.prefilled is None]:
+      if seq.status is not SequenceStatus.RUNNING: continue            # preempted for an earlier sequence's slot
+      while not self.bm.may_append(seq.seq_id):
+        victim = self.running.pop()                                       # the newest, maybe seq itself
+        self.preempt(victim)
+        if victim is seq: break
+      else:
+        self.bm.append_slot(seq.seq_id)
+        decode.append(seq)
+    chunks: list[tuple[Sequence, int, int]] = []
+    for seq in [s for s in self.running if s.prefilled is not None]:
+      if budget <= 0: break
+      n = min(seq.num_tokens - seq.prefilled, budget)
+      chunks.append((seq, seq.prefilled, seq.prefilled + n))
+      budget -= n
+    while budget > 0 and (seq := self._admit()):
+      seq.prefilled = self.bm.cached_length(seq.seq_id)
+      n = min(seq.num_tokens - seq.prefilled, budget)
+      chunks.append((seq, seq.prefilled, seq.prefilled + n))
+      budget -= n
+    return decode, chunks
+
   def preempt(self, seq: Sequence) -> None:
     """Free seq's blocks (its full ones stay cached: its recompute may find them) and queue it first for recompute."""
     self.bm.deallocate(seq.seq_id, seq.token_ids)
-    seq.status = SequenceStatus.WAITING
+    seq.status, seq.prefilled = SequenceStatus.WAITING, None
     seq.num_preemptions += 1
     self.num_preemptions += 1
     self.waiting.appendleft(seq)

@@ -17,7 +17,7 @@ type) get captures of their own: one pair per weight signature. Once captured, a
 capture (`Replay`), without TinyJit's per-call work of re-deriving each input's view.
 """
 from __future__ import annotations
-import dataclasses, sys
+import dataclasses, sys, weakref
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
@@ -88,14 +88,24 @@ class Replay:
   own call re-derives every input's view with a graph rewrite (~1-2 ms of Python a call, 60 calls a SmolLM2 prefill), which
   the inputs of one signature (same shapes, dtypes, devices: `signature`) do not need. capture_first: capture on the first
   call (TinyJit runs a first call uncaptured): for a computation called once a prefill, whose inputs are realized buffers."""
+  captures = 0                               # made in this process, every Replay's (tinyhet.engine.warm_up counts them)
+  open: weakref.WeakSet = weakref.WeakSet()   # called but not captured yet (a half whose signature one layer has: a second prefill captures it)
+
   def __init__(self, fn, capture_first: bool = False):
     self.jit = TinyJit(fn)
     if capture_first: self.jit.cnt = 1
 
   def __call__(self, *inputs: Tensor, **variables):
+    if self.jit.captured is None:
+      out = self.jit(*inputs, **variables)
+      if self.jit.captured is None: Replay.open.add(self)
+      else:
+        Replay.captures += 1
+        Replay.open.discard(self)
+      return out
     bases = [t.uop.base for t in inputs]
-    # before the capture, or an input that is not a plain buffer (a realized tensor still behind its last computation): TinyJit's own call
-    if self.jit.captured is None or any(b.op is not Ops.BUFFER for b in bases): return self.jit(*inputs, **variables)
+    # an input that is not a plain buffer (a realized tensor still behind its last computation): TinyJit's own call
+    if any(b.op is not Ops.BUFFER for b in bases): return self.jit(*inputs, **variables)
     # bound Variables (a chunk's block count) by name, as TinyJit passes them
     return self.jit.captured(bases, {var.expr: val for var, val in (u.unbind() for u in variables.values())})
 
