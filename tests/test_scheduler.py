@@ -126,10 +126,10 @@ def run_stall_free(s: Scheduler, rng: random.Random, pending: list[Sequence], bu
   done: list[Sequence] = []
   for _ in range(max_steps):
     if pending and rng.random() < 0.3: s.add(pending.pop())
-    decoding = [q for q in s.running if q.prefilled is None]
+    decoding = [(q, q.num_preemptions) for q in s.running if q.prefilled is None]
     decode, chunks = s.schedule_step(budget)
     check_state(s)
-    assert all(q in decode or q.status is SequenceStatus.WAITING for q in decoding)   # every decoding sequence steps, or was preempted
+    assert all(q in decode or q.num_preemptions > n for q, n in decoding)   # every decoding sequence steps, or was preempted
     assert sum(end - first for _, first, end in chunks) <= budget
     assert all(q.prefilled is None for q in decode) and len({id(q) for q, _, _ in chunks}) == len(chunks)
     for q in decode: assert s.bm.length(q.seq_id) == q.num_tokens
