@@ -10,7 +10,8 @@ File: the path in TINYHET_CONFIG, else ./tinyhet.toml if it exists. Keys are the
 
 Environment variables override the file: TINYHET_NODE, HET_BACKEND, TINYHET_ARENA_BYTES, TINYHET_HUGEPAGES, TINYHET_TRANSPORT, TINYHET_TOKEN,
 TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE,
-TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS, TINYHET_STAGING_BUFFERS.
+TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS, TINYHET_STAGING_BUFFERS, TINYHET_PREFILL_BUDGET,
+TINYHET_WARM_UP.
 
 RDMA (the verbs transport): rdma_device names the device as `ibv_devices` lists it (e.g. "mlx5_0"); empty takes the first
 device whose port rdma_port is ACTIVE. rdma_gid_index picks the source GID on RoCE; -1 chooses one (a RoCE v2 GID,
@@ -23,6 +24,7 @@ from tinyhet.runtime.settings import TRANSPORTS, problem as transport_problem  #
 
 HET_BACKENDS = ("auto", "CUDA", "NV", "AMD", "METAL", "CL", "CPU", "PYTHON")   # PYTHON: tinygrad's emulator, for tests
 KV_DTYPES = ("float16", "float32", "bfloat16")
+WARM_UP_MODES = ("background", "before", "off")
 NUMA_MODES = ("off", "interleave", "replicate")   # replicate: the weights copied per node, each pool thread reading its node's
 
 class ConfigError(ValueError):
@@ -47,6 +49,8 @@ class Config:
   numa: str = "off"                      # off | interleave: the arenas' pages alternate over the nodes | replicate: weights per node
   prefill_chunk: int = 512               # a prompt longer than this is prefilled in chunks of this many tokens (tiled attention)
   staging_buffers: int = 2               # host buffers a GPU's packed layers leave through, copied asynchronously; 0 = copy on the prefill thread
+  prefill_budget: int = 64               # prompt tokens a node that decodes prefills per step at most, besides its decode tokens (stall-free)
+  warm_up: str = "background"            # background: a node builds every capture while idle | before: before it says ready | off
 
   def __post_init__(self): validate(self, "config")
 
@@ -100,6 +104,8 @@ def validate(cfg: Config, source: str):
   if not isinstance(cfg.staging_buffers, int) or not 0 <= cfg.staging_buffers <= 64:
     bad("staging_buffers", "must be between 0 (copy each layer on the prefill thread) and 64")
   check("rdma_gid_index")
+  if not isinstance(cfg.prefill_budget, int) or not 1 <= cfg.prefill_budget <= 65536: bad("prefill_budget", "must be between 1 and 65536 tokens")
+  if cfg.warm_up not in WARM_UP_MODES: bad("warm_up", f"is not one of {', '.join(WARM_UP_MODES)}")
 
 # field -> (environment variable, parser)
 _PARSERS = {
@@ -120,6 +126,8 @@ _PARSERS = {
   "prefill_chunk": ("TINYHET_PREFILL_CHUNK", lambda v, w: _int(v, w)),
   "numa": ("TINYHET_NUMA", lambda v, w: str(v)),
   "staging_buffers": ("TINYHET_STAGING_BUFFERS", lambda v, w: _int(v, w)),
+  "prefill_budget": ("TINYHET_PREFILL_BUDGET", lambda v, w: _int(v, w)),
+  "warm_up": ("TINYHET_WARM_UP", lambda v, w: str(v).lower()),
 }
 
 def _int(v, what) -> int:

@@ -64,7 +64,8 @@ def _check_timeout(timeout):
 
 class DecodeNode:
   def __init__(self, model: Llama, node: LocalNode, kv_blocks: int, block_size: int = 16, kv_dtype: str = "float16",
-               max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = (), prefix_cache: bool = True):
+               max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = (), prefix_cache: bool = True,
+               prefill_budget: int | None = None):
     cfg = model.cfg
     if cfg.n_layers >= 1 << LAYER_BITS: raise ValueError(f"{cfg.n_layers} layers do not fit the {LAYER_BITS}-bit layer field of a notice")
     self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
@@ -84,6 +85,12 @@ class DecodeNode:
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
     self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
+    if prefill_budget is None:
+      from tinyhet.config import load_config
+      prefill_budget = load_config().prefill_budget
+    self.prefill_budget = prefill_budget    # prompt tokens a step prefills at most besides its decode tokens (Scheduler.schedule_step)
+    self.warm = None                        # a WarmUp (tinyhet.engine.warm_up) run() builds captures from while it has nothing to do
+    self.on_warm = None                     # called with the warm-up's status once it is over (tinyhet node prints it)
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release", "lookup"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
     self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
@@ -305,21 +312,31 @@ class DecodeNode:
     self.engine.warm_up(batch_sizes, self.cond)
 
   def run(self, stop: threading.Event, warm_up: bool = True):
-    """Continuous batching until stop is set: one decode step for every running sequence, or the recompute of preempted
-    ones. Call it from the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
+    """Continuous batching until stop is set. Each step (Scheduler.schedule_step) is one decode step for every decoding
+    sequence, then prompt chunks of at most prefill_budget tokens (a submitted prompt, a preempted one's recompute), so a long
+    prompt is spread over steps and decode keeps its pace; with nothing to do, the next capture of the warm-up. Call it from
+    the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
     if warm_up: self.warm_up()
     while not self.stopped and not stop.is_set():
       if self.between_steps is not None: self.between_steps()      # on this thread, without the lock (a `both` node's prefills)
       with self.cond:
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        decode, chunks = self.scheduler.schedule_step(self.prefill_budget)
+        idle = not decode and not chunks
+        if idle and (self.warm is None or self.warm.done):
           self.cond.wait(0.5)
           continue
-        self.in_step = set(seqs)
-      for batch in ([[s] for s in seqs] if is_prefill else [seqs]):    # a recompute runs each sequence at its own length
+        self.in_step = {*decode, *(s for s, _, _ in chunks)}
+      if idle:
+        self._warm_step()
+        continue
+      for batch, piece in ([(decode, None)] if decode else []) + [([s], (first, end)) for s, first, end in chunks]:
         try:
-          if is_prefill: logits = self._prefill(batch[0])
-          else: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
+          if piece is None: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
+          elif (logits := self._prefill(batch[0], *piece)) is None:      # a chunk short of the prompt's end: nothing to sample yet
+            with self.cond:
+              if batch[0].extra.get("cancelled") and batch[0].status is SequenceStatus.RUNNING: self.scheduler.finish(batch[0])
+              else: batch[0].prefilled = piece[1]
+            continue
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
@@ -328,6 +345,7 @@ class DecodeNode:
         draws = None if logits is None else sample_batch(logits[:len(batch)], [s.extra["sampler"] for s in batch], [s.num_tokens for s in batch],
                                                          [s.token_ids for s in batch])     # num_tokens: the new token's position
         with self.cond:
+          for s in batch: s.prefilled = None   # a prompt's last chunk: it decodes from the next step on
           live = [s for s in batch if not s.extra.get("cancelled")]
           if logits is None: finished = list(live)
           else:
@@ -351,20 +369,30 @@ class DecodeNode:
           self.cond.notify_all()
       with self.cond: self.in_step = set()
 
-  def _prefill(self, s: Sequence) -> np.ndarray:
+  def _prefill(self, s: Sequence, first: int | None = None, end: int | None = None) -> np.ndarray | None:
     """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
-    to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
+    to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab). first, end: one
+    chunk of it (Scheduler.schedule_step), tokens first..end-1 over the K, V before them; None until the prompt's last chunk."""
     from tinyhet.engine.prefill import prefill_logits, prefill_suffix_logits
-    if (hit := self.cache.block_manager.cached_length(s.seq_id)) > 0:    # a prefix-cache hit: only the rest, over the cached K, V
+    hit = self.cache.block_manager.cached_length(s.seq_id)
+    s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
+    if first is not None and (first, end) != (hit, s.num_tokens):       # a piece of a prompt spread over steps
+      logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, first, end)[None]
+      if end < s.num_tokens: return None
+    elif hit > 0:                                 # a prefix-cache hit: only the rest, over the cached K, V
       logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit)[None]
     else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
-    s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
     with self.cond: self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
     if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):    # a submitted one's first prefill
       from tinyhet.engine.prompt_logprobs import prompt_logprobs
       s.extra["prompt_sent"] = True
       s.extra["queue"].put(("prompt", prompt_logprobs(self.model, s.token_ids, n, self.cache.kv_dtype)))
     return logits
+
+  def _warm_step(self):
+    """The warm-up's next capture, on this thread (tinygrad's) and without the lock; its status to on_warm once it is over."""
+    if self.warm.step() or self.on_warm is None: return
+    self.on_warm(self.warm.status())
 
   def close(self):
     self.stopped = True

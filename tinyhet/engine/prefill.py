@@ -118,20 +118,23 @@ def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed
   stats.transfer_gbps = kv_bytes / stats.transfer_s / 1e9 if stats.transfer_s > 0 else 0.0
   stats.timeline = [LayerTimes(l, computed[l] - t0, posted[l] - t0, landed[l] - t0) for l in sorted(landed)]
 
-def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int], start: int) -> np.ndarray:
+def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int], start: int, end: int | None = None) -> np.ndarray:
   """Prefill token_ids[start:] of a sequence whose first `start` tokens' K, V are in its paged-cache blocks already (a prefix
   cache hit, or a recompute's): captured chunk prefills (tinyhet.model.chunked_prefill) continuing from the K, V in the
   cache's pools, the suffix's K, V written into the sequence's own blocks, its last chunk at the shortest captured length
   that holds it (buckets.below_chunk: an 8-token suffix runs as 16, not as 512). The block manager must hold len(token_ids)
   slots for it; the last chunk's pads past its blocks land in PAD_SEQ's block (the decode engine's scratch block). One
   capture per chunk length serves every sequence: the table is as wide as the longest sequence's. The logits (vocab,) of
-  its last token."""
+  its last token. end: only token_ids[start:end] (one chunk of a prompt spread over steps, start 0 included: tinyhet.engine.
+  scheduler.Scheduler.schedule_step), the logits of token end - 1."""
   from tinyhet.device.cpu_threads import kernel_threads
   from tinyhet.engine.decode_engine import PAD_SEQ
   from tinyhet.model.chunked_prefill import chunked_prefill
   from tinyhet.model.llama import _config_chunk
   bm = cache.block_manager
-  if not 0 < start < len(token_ids): raise ValueError(f"a suffix prefill needs 0 < start < {len(token_ids)}, got {start}")
+  if end is None:
+    if not 0 < start < len(token_ids): raise ValueError(f"a suffix prefill needs 0 < start < {len(token_ids)}, got {start}")
+  elif not 0 <= start < end <= len(token_ids): raise ValueError(f"a prefill piece needs 0 <= start < end <= {len(token_ids)}, got {start}, {end}")
   if bm.length(seq_id) != len(token_ids):
     raise ValueError(f"a suffix prefill of sequence {seq_id}: its blocks hold {bm.length(seq_id)} tokens, not the {len(token_ids)} given")
   if PAD_SEQ not in bm: raise RuntimeError("a suffix prefill needs the decode engine's scratch block (PAD_SEQ): make the DecodeEngine first")
@@ -140,7 +143,7 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   table = bm.block_table(seq_id)
   table = table + bm.block_table(PAD_SEQ)[:1] * (width - len(table))
   with kernel_threads(model.device):
-    return chunked_prefill(model, np.array([token_ids[start:]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
+    return chunked_prefill(model, np.array([token_ids[start:end]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
                            start=start, buckets=suffix_buckets(model, chunk)).numpy()[0]
 
 def suffix_buckets(model, chunk: int) -> tuple[int, ...]:
