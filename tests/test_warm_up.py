@@ -1,0 +1,92 @@
+"""Warm-up and stall-free steps on a decode node (tinyhet.engine.warm_up, Scheduler.schedule_step): after the warm-up no
+request builds a capture, whatever its length or batch; while it warms up a request runs at a ready bucket; a prompt spread
+over steps gives the tokens of an unchunked prefill while the sequences already decoding get a token every step."""
+import queue, threading
+from types import SimpleNamespace
+import numpy as np
+import pytest
+import tinyhet  # noqa: F401
+from tinyhet.device.memory import local_node
+from tinyhet.engine.decode_node import DecodeNode
+from tinyhet.engine.scheduler import Sequence
+from tinyhet.engine.warm_up import WarmUp
+from tinyhet.model.layer_jit import Replay
+from tinyhet.model.llama import Llama, random_weights, small_config
+from tinyhet.model.sampling import Sampler
+
+def test_a_request_runs_at_a_ready_bucket_while_the_warm_up_goes_on():
+  built = []
+  warm = WarmUp(SimpleNamespace(), [(k, n, lambda k=k, n=n: built.append((k, n))) for k, n in (("prefill", 64), ("prefill", 16), ("decode", 4))])
+  assert warm.pick("prefill", 16) == 16 and warm.cold == 1          # nothing ready holds it: its own, built on its path
+  assert warm.step() and built == [("prefill", 64)]
+  assert warm.pick("prefill", 16) == 64 and warm.pick("prefill", 64) == 64 and warm.pick("prefill", 96) == 96 and warm.cold == 2
+  while warm.step(): pass
+  assert warm.done and warm.pick("prefill", 16) == 16 and warm.pick("decode", 8) == 8 and warm.cold == 2   # over: every request its own
+  assert warm.status() == {"done": True, "built": 3, "of": 3, "captures": 0, "seconds": warm.status()["seconds"], "cold": 2}
+
+@pytest.fixture(scope="module")
+def warm_node():
+  """A decode node of a tiny model (context 96, chunks of 32: 6 length buckets, batches of 2) with every capture built: ~15 s
+  of the suite on 2 cores, the cost the warm-up is there to take off the requests."""
+  cfg = small_config(max_context=96)
+  model = Llama(cfg, random_weights(cfg, device="MESH", seed=7), "MESH")
+  model.prefill_chunk = 32
+  decode = DecodeNode(model, local_node(), kv_blocks=64, block_size=4, max_num_seqs=2, model_id="warm", prefill_budget=16)
+  decode.warm = WarmUp.for_decode_node(decode)
+  while decode.warm.step(): pass
+  yield decode
+  decode.close()
+
+def serve(decode, prompts, new: int, steps: list | None = None) -> list[list[int]]:
+  """Submit the prompts, run the batching loop on this thread (tinygrad's) until every sequence ends; steps, if given, gets
+  each step's (decoding sequences' ids, chunks' (id, first, end))."""
+  seqs = []
+  for i, p in enumerate(prompts):
+    seq = Sequence(decode.new_seq_id(), list(p), new)
+    seq.extra.update(queue=queue.SimpleQueue(), sampler=Sampler(0.0, 1.0, 0), stop_ids=set())
+    seqs.append(seq)
+  if steps is not None:
+    schedule = decode.scheduler.schedule_step
+    def recorded(budget):
+      decoding, chunks = schedule(budget)
+      if decoding or chunks: steps.append(([s.seq_id for s in decoding], [(s.seq_id, a, b) for s, a, b in chunks]))
+      return decoding, chunks
+    decode.scheduler.schedule_step = recorded
+  got: list[list[int]] = [[] for _ in seqs]
+  stop = threading.Event()
+  def collect():
+    for i, s in enumerate(seqs):
+      while (tok := s.extra["queue"].get(timeout=600)) is not None: got[i].append(tok)
+    stop.set()
+  t = threading.Thread(target=collect, daemon=True)
+  t.start()
+  with decode.cond:
+    for s in seqs: decode.scheduler.add(s)
+  try: decode.run(stop, warm_up=False)
+  finally:
+    if steps is not None: del decode.scheduler.schedule_step
+  t.join(5)
+  return got
+
+def test_after_the_warm_up_no_request_builds_a_capture(warm_node):
+  decode, rng = warm_node, np.random.default_rng(1)
+  assert decode.warm.done and decode.warm.captures > 0 and decode.warm.cold == 0
+  before = Replay.captures
+  for lengths in ((5,), (17, 40), (31, 64), (90, 3)):     # every length bucket, batches of 1 and 2
+    prompts = [[int(t) for t in rng.integers(0, 256, n)] for n in lengths]
+    assert [len(t) for t in serve(decode, prompts, 3)] == [3] * len(prompts)
+  assert Replay.captures == before, f"{Replay.captures - before} captures built on the request's thread after the warm-up"
+
+def test_a_prompt_spread_over_steps_gives_the_unchunked_tokens_and_decode_goes_on(warm_node):
+  decode, rng = warm_node, np.random.default_rng(2)
+  short, long = [int(t) for t in rng.integers(0, 256, 6)], [int(t) for t in rng.integers(0, 256, 80)]
+  steps: list = []
+  got = serve(decode, [short, long], 12, steps)
+  long_id = next(c[0] for _, chunks in steps for c in chunks if c[2] == 80)
+  spread = [(d, c) for d, c in steps if any(x[0] == long_id for x in c)]
+  assert len(spread) >= 5 and all(sum(b - a for _, a, b in c) <= 16 for _, c in steps)     # 80 tokens in chunks of at most 16
+  assert all(d for d, _ in spread[1:]), "a step of the long prompt's chunks left the decoding sequence out"
+  decode.prefill_budget = 4096             # the same prompts unchunked (each prefilled whole): the same tokens
+  try: assert serve(decode, [short, long], 12) == got
+  finally: decode.prefill_budget = 16
+  assert got[1] == decode.model.reference_generate(long, 12)      # and the dense single-device reference's
