@@ -14,6 +14,7 @@ BENCHMARKS = {
   "gpu": ("tinyhet.bench.gpu_check", "the GPU check (bench/gpu_check.sh): HET checks, SmolLM2 and 70B shapes prefilled on the GPU"),
   "prefix": ("tinyhet.bench.prefix", "the decode node as a KV store: a multi-turn chat through the router, prefix cache on against off"),
   "profile": ("tinyhet.bench.profile", "where a prefill and a decode step spend their time, kernel by kernel (matmuls per shape, attention, rest)"),
+  "latency": ("tinyhet.bench.latency", "what a request waits for: first requests after warm-up, a fresh process, decode under prefill load"),
   "e2e": ("tinyhet.bench.e2e", "end to end: disaggregated against --no-disagg, decode against the memory-bandwidth bound"),
 }
 

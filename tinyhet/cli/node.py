@@ -105,7 +105,8 @@ def serve(args, stop: threading.Event) -> int:
         while decode.warm.step(): pass
         decode.on_warm(decode.warm.status())
     print(json.dumps({"address": address, "node": node.name, "model": model_id, "kv_blocks": blocks, "block_size": cfg.kv_block_size,
-                      "transports": node.endpoint.transports, "role": args.role, "warm_up": cfg.warm_up}), flush=True)
+                      "transports": node.endpoint.transports, "role": args.role, "warm_up": cfg.warm_up,
+                      **({"warm_up_status": decode.warm.status()} if cfg.warm_up == "before" else {})}), flush=True)
     decode.run(stop, warm_up=False)
   finally:
     stop.set()
