@@ -26,7 +26,7 @@ def test_a_request_runs_at_a_ready_bucket_while_the_warm_up_goes_on():
 
 @pytest.fixture(scope="module")
 def warm_node():
-  """A decode node of a tiny model (context 96, chunks of 32: 6 length buckets, batches of 2) with every capture built: ~15 s
+  """A decode node of a tiny model (context 96, chunks of 32, steps of 16 prompt tokens, batches of 2) with every capture built: ~15 s
   of the suite on 2 cores, the cost the warm-up is there to take off the requests."""
   cfg = small_config(max_context=96)
   model = Llama(cfg, random_weights(cfg, device="MESH", seed=7), "MESH")

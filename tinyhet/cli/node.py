@@ -100,7 +100,7 @@ def serve(args, stop: threading.Event) -> int:
     decode.warm_up()
     if cfg.warm_up != "off":       # every other capture: before saying ready, or on the batching thread while it is idle
       from tinyhet.engine.warm_up import WarmUp
-      decode.warm, decode.on_warm = WarmUp.for_decode_node(decode), warm_report(args.quiet)
+      decode.warm, decode.on_warm = WarmUp.for_decode_node(decode, prefill_jobs=args.role == "both"), warm_report(args.quiet)
       if cfg.warm_up == "before":
         while decode.warm.step(): pass
         decode.on_warm(decode.warm.status())

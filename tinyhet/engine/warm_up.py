@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from tinygrad.helpers import ceildiv
-from tinyhet.model.buckets import below_chunk, sizes
+from tinyhet.model.buckets import below_chunk, bucket, sizes
 from tinyhet.model.layer_jit import Replay
 
 class WarmUp:
@@ -27,7 +27,7 @@ class WarmUp:
     self.todo = deque(items)
     self.total = len(items)
     self.ready: dict[str, set[int]] = {}
-    self.cold = 0                   # captures a request had to build itself (no ready bucket held it)
+    self.cold = 0                   # requests that ran at a bucket not built yet (no ready one held them): each built it, or waited for it
     self.seconds = 0.0              # spent building so far
     self.captures_before = Replay.captures
     self.captures = 0               # captures made by the warm-up
@@ -68,27 +68,30 @@ class WarmUp:
     return WarmUp(model, prefill_items(model, kv_dtype))
 
   @staticmethod
-  def for_decode_node(decode) -> WarmUp:
-    """A decode (or `both`) node's: its decode step at every batch bucket up to its batch, its own prefill of every length
-    bucket, and the suffix chunks over its KV pool (a prefix-cache hit's, a stall-free step's pieces)."""
+  def for_decode_node(decode, prefill_jobs: bool = False) -> WarmUp:
+    """A decode node's captures: its decode step at every batch bucket up to its batch; its own prefill of a whole prompt,
+    which is one of at most prefill_budget tokens (a longer one is spread over steps: Scheduler.schedule_step); and the
+    chunks over its KV pool that a spread prompt's pieces and a prefix-cache hit's suffix run at. prefill_jobs: the node
+    also prefills for other nodes (`--role both`): the prefill of every length bucket."""
     from tinyhet.engine.decode_engine import BATCH_BUCKETS, batch_bucket
-    model, engine, cache = decode.model, decode.engine, decode.cache
+    model, engine, cache, chunk = decode.model, decode.engine, decode.cache, chunk_of(decode.model)
     top = batch_bucket(decode.scheduler.max_num_seqs)
-    steps = [("decode", B, lambda B=B: engine.warm_up((B,), decode.cond)) for B in BATCH_BUCKETS if B <= top] + \
-            ([("decode", top, lambda: engine.warm_up((top,), decode.cond))] if top not in BATCH_BUCKETS else [])
-    prefill = prefill_items(model, cache.kv_dtype)
-    suffix = [("suffix", C, lambda C=C: warm_suffix(model, cache, C)) for C in reversed((*below_chunk(chunk_of(model)), chunk_of(model)))]
-    # the batch of one and the chunk length first (every short prompt can run there), then the rest smallest first
+    steps = [("decode", B, lambda B=B: engine.warm_up((B,), decode.cond)) for B in sorted({*(b for b in BATCH_BUCKETS if b <= top), top})]
+    prefill = prefill_items(model, cache.kv_dtype, None if prefill_jobs else bucket(decode.prefill_budget, chunk))
+    suffix = [("suffix", C, lambda C=C: warm_suffix(model, cache, C)) for C in (chunk, *below_chunk(chunk))]
+    # the batch of one and the longest prefill and chunk first (every shorter prompt can run there meanwhile), then the
+    # rest smallest first
     return WarmUp(model, steps[:1] + prefill[:1] + suffix[:1] + prefill[1:] + steps[1:] + suffix[1:])
 
 def chunk_of(model) -> int:
   from tinyhet.model.llama import _config_chunk
   return model.prefill_chunk or _config_chunk()
 
-def prefill_items(model, kv_dtype) -> list:
-  """The prefill of every length bucket, the chunk length's first: it holds every shorter prompt while the rest are built."""
+def prefill_items(model, kv_dtype, upto: int | None = None) -> list:
+  """The prefill of every length bucket (up to `upto` tokens, default the model's context), the longest up to the chunk
+  length first: it holds every shorter prompt while the rest are built."""
   chunk = chunk_of(model)
-  lengths = sizes(chunk, model.cfg.max_context)
+  lengths = [T for T in sizes(chunk, model.cfg.max_context) if upto is None or T <= upto]
   short = [T for T in lengths if T <= chunk]
   items = [("prefill", T, lambda T=T: warm_prefill(model, T, kv_dtype)) for T in [short[-1], *short[:-1]]]
   return items + [("prefill", T, lambda T=T: warm_long(model, T, chunk, kv_dtype)) for T in lengths if T > chunk]
