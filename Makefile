@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 APT := DEBIAN_FRONTEND=noninteractive apt-get -qq -o=Dpkg::Use-Pty=0
 
-.PHONY: run test setup system lint bench bench-setup
+.PHONY: run test setup system lint bench bench-setup tables docs
 run: setup
 	$(VENV)/bin/tinyhet run
 
@@ -17,7 +17,7 @@ lint: setup
 setup: $(VENV)/.installed
 
 # clang compiles tinygrad's CPU kernels. Debian's python3-pyverbs gives the verbs transport a pyverbs that matches the
-# system's rdma-core (../shared/PYVERBS.md); it is optional: without it, verbs is reported unavailable with the reason.
+# system's rdma-core (docs/verbs.md); it is optional: without it, verbs is reported unavailable with the reason.
 system:
 	@if ! command -v clang >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -48,6 +48,15 @@ $(VENV)/.installed: setup.py pyproject.toml | system
 	  echo "$(abspath $(VENV))/system-pyverbs" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/tinyhet-system-pyverbs.pth"; \
 	fi
 	touch $@
+
+# docs/benchmarks.md's tables, rendered from docs/results/*.json (`tinyhet bench NAME --save` writes one)
+tables: setup
+	$(PY) -m tinyhet.bench.results
+
+# the documentation as a site (mkdocs, into site/); not needed for anything else
+docs: setup
+	$(PY) -m pip install -q mkdocs
+	$(VENV)/bin/mkdocs build --strict
 
 bench: setup
 	$(VENV)/bin/tinyhet bench transfer --quick

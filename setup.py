@@ -1,6 +1,6 @@
 from setuptools import setup
 
-# runtime/, kernels/ and bench/ live at the top of the repo (see DESIGN.md's layout) and install inside the tinyhet package.
+# runtime/, kernels/ and bench/ live at the top of the repo (see docs/design.md's layout) and install inside the tinyhet package.
 PACKAGES = {"tinyhet": "tinyhet", "tinyhet.runtime": "runtime", "tinyhet.kernels": "kernels", "tinyhet.bench": "bench"}
 PACKAGES |= {f"tinyhet.{p}": f"tinyhet/{p}" for p in ("device", "model", "kv", "engine", "service", "planner", "cli")}   # tinyhet's subpackages
 

@@ -1,5 +1,6 @@
 """Benchmarks (`tinyhet bench NAME`, or `python -m tinyhet.bench NAME`): each prints a baseline measured in the same run
-next to the project's figure, and with --json one JSON object. Installed as tinyhet.bench."""
+next to the project's figure, with --json one JSON object, and with --save that object and its provenance into
+docs/results/NAME.json (bench/results.py). Installed as tinyhet.bench."""
 import importlib, sys
 
 BENCHMARKS = {
@@ -21,7 +22,12 @@ BENCHMARKS = {
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if not argv or argv[0] not in BENCHMARKS:
-    print("usage: tinyhet bench NAME [--json] [ARGS]\n\nbenchmarks:\n" + "".join(f"  {n:<9}{h}\n" for n, (_, h) in BENCHMARKS.items()), end="",
+    print("usage: tinyhet bench NAME [--json] [--save[=FILE]] [ARGS]\n\nbenchmarks:\n" + "".join(f"  {n:<9}{h}\n" for n, (_, h) in BENCHMARKS.items()), end="",
           file=sys.stdout if not argv or argv[0] in ("-h", "--help") else sys.stderr)
     return 0 if not argv or argv[0] in ("-h", "--help") else 2
-  return importlib.import_module(BENCHMARKS[argv[0]][0]).main(argv[1:]) or 0
+  module = importlib.import_module(BENCHMARKS[argv[0]][0])
+  save = [a for a in argv[1:] if a == "--save" or a.startswith("--save=")]
+  if save:   # the figures as data, with their provenance (bench/results.py)
+    from tinyhet.bench import results
+    return results.run_and_save(argv[0], module, [a for a in argv[1:] if a not in save], save[-1].partition("=")[2] or None)
+  return module.main(argv[1:]) or 0

@@ -130,7 +130,7 @@ def test_splitwise_h100_from_the_a100_efficiencies_and_spec_sheets(splitwise):
 # --- EXO 1.0 (EXO Labs blog "NVIDIA DGX Spark + Apple Mac Studio", Oct 2025): a heterogeneous prefill/decode result --
 # Llama-3.1 8B fp16, an 8,192-token prompt. Published: the DGX Spark alone prefills in 1.47 s and decodes in 2.87 s; the
 # M3 Ultra Mac Studio alone 5.57 s and 0.85 s; the Spark prefilling and the Mac decoding, the KV cache streamed layer by
-# layer over 10 GbE: 1.47 s and 0.85 s, 2.8x faster than the Mac alone (the times as DESIGN.md quotes them; the decode
+# layer over 10 GbE: 1.47 s and 0.85 s, 2.8x faster than the Mac alone (the times as docs/design.md quotes them; the decode
 # time is taken for 32 tokens). Calibrated from the four alone figures only (examples/clusters/spark_m3ultra.toml);
 # predicted: the plan, the mixed configuration's TTFT (prefill and what the 1 GiB transfer leaves showing), its decode,
 # and the gain over the Mac alone. A validation of the split and the overlap more than of the costs: the mixed phases

@@ -104,9 +104,9 @@ DEVICES: dict[str, Device] = {d.name: d for d in [
          "NVIDIA H200 SXM datasheet: same tensor rates as H100 (dense = half the sparse figures); 141 GB HBM3e, 4.8 TB/s; NVLink 4 900 GB/s"),
   Device("rubin-cpx", _tf(fp4=20000, fp8=10000, fp16=5000), 2000 * G, 128 * G, PCIE6,
          "NVIDIA Rubin CPX announcement (Sep 2025): 30 PFLOP/s NVFP4 (sparse), 128 GB GDDR7, PCIe 6, no NVLink; ~20 PFLOP/s dense FP4 and "
-         "~2 TB/s GDDR7 as in DESIGN.md; FP8 and FP16 derived as FP4/2 and FP4/4 (not published)"),
+         "~2 TB/s GDDR7 as in docs/design.md; FP8 and FP16 derived as FP4/2 and FP4/4 (not published)"),
   Device("rubin", _tf(fp4=33300, fp8=16650, fp16=8325), 20500 * G, 288 * G, NVLINK6,
-         "NVIDIA Vera Rubin announcements: 288 GB HBM4; 33.3 PFLOP/s dense FP4 and 20.5 TB/s as in DESIGN.md; NVLink 6 3.6 TB/s "
+         "NVIDIA Vera Rubin announcements: 288 GB HBM4; 33.3 PFLOP/s dense FP4 and 20.5 TB/s as in docs/design.md; NVLink 6 3.6 TB/s "
          "bidirectional; FP8 and FP16 derived as FP4/2 and FP4/4 (not published)"),
   Device("dgx-spark", _tf(fp4=500, fp8=200, fp16=100), 273 * G, 128 * G, None,
          "NVIDIA DGX Spark (GB10): 1 PFLOP/s FP4 with sparsity (dense = half), 128 GB LPDDR5x at 273 GB/s; ~100 TFLOP/s FP16 from "
@@ -118,7 +118,7 @@ DEVICES: dict[str, Device] = {d.name: d for d in [
          "AMD Instinct MI300X datasheet: dense FP8 2,614.9 / FP16 1,307.4 TFLOP/s, 192 GB HBM3 at 5.3 TB/s, "
          "Infinity Fabric 896 GB/s aggregate peer bandwidth"),
   Device("mi308x", _tf(fp8=470, fp16=235), 5300 * G, 192 * G, XGMI,
-         "AMD Instinct MI308X (China-market MI300 variant; no public AMD datasheet): 0.47 PFLOP/s FP8 and 5.3 TB/s as in DESIGN.md, "
+         "AMD Instinct MI308X (China-market MI300 variant; no public AMD datasheet): 0.47 PFLOP/s FP8 and 5.3 TB/s as in docs/design.md, "
          "192 GB HBM3 and Infinity Fabric as MI300X; FP16 derived as FP8/2"),
   Device("wormhole-n300", _tf(fp8=466, fp16=131), 576 * G, 24 * G, Link(50 * G, 5e-6),
          "Tenstorrent Wormhole n300 specifications (docs.tenstorrent.com): 2 ASICs, 466 TFLOP/s FP8, 131 FP16, 24 GB GDDR6 "
