@@ -1,7 +1,7 @@
 """Warm-up and stall-free steps on a decode node (tinyhet.engine.warm_up, Scheduler.schedule_step): after the warm-up no
 request builds a capture, whatever its length or batch; while it warms up a request runs at a ready bucket; a prompt spread
 over steps gives the tokens of an unchunked prefill while the sequences already decoding get a token every step."""
-import queue, threading
+import os, queue, subprocess, sys, threading
 from types import SimpleNamespace
 import numpy as np
 import pytest
@@ -90,3 +90,27 @@ def test_a_prompt_spread_over_steps_gives_the_unchunked_tokens_and_decode_goes_o
   try: assert serve(decode, [short, long], 12) == got
   finally: decode.prefill_budget = 16
   assert got[1] == decode.model.reference_generate(long, 12)      # and the dense single-device reference's
+
+COMPILES = """
+import tinyhet
+from tinygrad.device import Compiler
+from tinygrad.helpers import diskcache_get
+from tinyhet.model.llama import Llama, random_weights, small_config
+from tinyhet.engine.prefill import prefill_logits
+misses, compile_cached = [0], Compiler.compile_cached
+def counted(self, src):                 # a kernel the disk cache does not hold is compiled now
+  if self.cachekey is None or diskcache_get(self.cachekey, src) is None: misses[0] += 1
+  return compile_cached(self, src)
+Compiler.compile_cached = counted
+cfg = small_config(max_context=64)
+prefill_logits(Llama(cfg, random_weights(cfg, device="MESH", seed=7), "MESH"), list(range(20)))
+print(misses[0])
+"""
+
+@pytest.mark.slow
+def test_a_restarted_process_compiles_no_kernel(tmp_path):
+  # tinygrad's kernels persist in its disk cache (CACHEDB): a second process running the same prefill finds every one
+  env = {**os.environ, "CACHEDB": str(tmp_path / "cache.db")}
+  runs = [int(subprocess.run([sys.executable, "-c", COMPILES], env=env, capture_output=True, text=True, timeout=600, check=True).stdout.split()[-1])
+          for _ in range(2)]
+  assert runs[0] > 0 and runs[1] == 0, f"kernels compiled by the first process and the second: {runs}"

@@ -14,11 +14,13 @@ class LocalDecodeNode:
     cmd = [sys.executable, "-m", "tinyhet", "node", "--role", "decode", "--listen", "127.0.0.1:0", "--kv-memory", args.kv_memory,
            "--stdin-stop"] + (["--model", args.model] if args.model else []) + (["--quiet"] if args.quiet else []) + \
           (["--float-weights"] if args.float_weights else []) + (["--no-prefix-cache"] if getattr(args, "no_prefix_cache", False) else [])
-    # its own process group: a Ctrl-C at the terminal reaches this process only, which then stops the node (once, cleanly);
-    # the node dies with this process anyway (its stdin closes, and PR_SET_PDEATHSIG: tinyhet.cli.node.die_with_parent, which
-    # fires when the thread that started it ends: start it from the thread that outlives it, the main one)
+    # no warm-up unless asked for (TINYHET_WARM_UP): this node decodes one run's tokens, and a background warm-up would take
+    # the cores from the run's own prefill. Its own process group: a Ctrl-C at the terminal reaches this process only, which
+    # then stops the node (once, cleanly); the node dies with this process anyway (its stdin closes, and PR_SET_PDEATHSIG:
+    # tinyhet.cli.node.die_with_parent, which fires when the thread that started it ends: start it from the thread that
+    # outlives it, the main one)
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0,
-                                 env={**os.environ, "TINYHET_NODE": "decode-local", "TINYHET_PARENT_PID": str(os.getpid())})
+                                 env={"TINYHET_WARM_UP": "off", **os.environ, "TINYHET_NODE": "decode-local", "TINYHET_PARENT_PID": str(os.getpid())})
     self.ready, self.info, self.errors = threading.Event(), None, []
     threading.Thread(target=self._stdout, daemon=True, name="tinyhet-decode-stdout").start()
     self.stderr_reader = threading.Thread(target=self._stderr, args=(args.quiet,), daemon=True, name="tinyhet-decode-stderr")
