@@ -130,7 +130,7 @@ def run_stall_free(s: Scheduler, rng: random.Random, pending: list[Sequence], bu
     decode, chunks = s.schedule_step(budget)
     check_state(s)
     assert all(q in decode or q.num_preemptions > n for q, n in decoding)   # every decoding sequence steps, or was preempted
-    assert sum(end - first for _, first, end in chunks) <= budget
+    assert sum(end - first for _, first, end in chunks) <= (budget if decode else max(budget, s.max_num_batched_tokens))
     assert all(q.prefilled is None for q in decode) and len({id(q) for q, _, _ in chunks}) == len(chunks)
     for q in decode: assert s.bm.length(q.seq_id) == q.num_tokens
     finished_prompts = []
@@ -178,3 +178,6 @@ def test_a_long_prompt_is_spread_over_steps_while_decode_goes_on():
     s.postprocess(decode, [9])
   assert s.schedule_step(16) == ([short], [(long, 48, 50)])
   with pytest.raises(ValueError, match="budget"): s.schedule_step(0)
+  idle = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=40)
+  idle.add(Sequence(3, [3] * 50, 5))
+  assert idle.schedule_step(16)[1] == [(idle.running[0], 0, 40)]     # nothing decodes: as much as a prefill batch takes

@@ -37,9 +37,9 @@ def warm_node():
   yield decode
   decode.close()
 
-def serve(decode, prompts, new: int, steps: list | None = None) -> list[list[int]]:
+def serve(decode, prompts, new: int, steps: list | None = None, staggered: bool = False) -> list[list[int]]:
   """Submit the prompts, run the batching loop on this thread (tinygrad's) until every sequence ends; steps, if given, gets
-  each step's (decoding sequences' ids, chunks' (id, first, end))."""
+  each step's (decoding sequences' ids, chunks' (id, first, end)). staggered: each prompt once the one before has its first token."""
   seqs = []
   for i, p in enumerate(prompts):
     seq = Sequence(decode.new_seq_id(), list(p), new)
@@ -54,14 +54,19 @@ def serve(decode, prompts, new: int, steps: list | None = None) -> list[list[int
     decode.scheduler.schedule_step = recorded
   got: list[list[int]] = [[] for _ in seqs]
   stop = threading.Event()
+  def add(s):
+    with decode.cond:
+      decode.scheduler.add(s)
+      decode.cond.notify_all()
   def collect():
     for i, s in enumerate(seqs):
-      while (tok := s.extra["queue"].get(timeout=600)) is not None: got[i].append(tok)
+      while (tok := s.extra["queue"].get(timeout=600)) is not None:
+        got[i].append(tok)
+        if staggered and len(got[i]) == 1 and i + 1 < len(seqs): add(seqs[i + 1])
     stop.set()
   t = threading.Thread(target=collect, daemon=True)
   t.start()
-  with decode.cond:
-    for s in seqs: decode.scheduler.add(s)
+  for s in seqs[:1] if staggered else seqs: add(s)
   try: decode.run(stop, warm_up=False)
   finally:
     if steps is not None: del decode.scheduler.schedule_step
@@ -81,7 +86,7 @@ def test_a_prompt_spread_over_steps_gives_the_unchunked_tokens_and_decode_goes_o
   decode, rng = warm_node, np.random.default_rng(2)
   short, long = [int(t) for t in rng.integers(0, 256, 6)], [int(t) for t in rng.integers(0, 256, 80)]
   steps: list = []
-  got = serve(decode, [short, long], 12, steps)
+  got = serve(decode, [short, long], 12, steps, staggered=True)     # the long prompt comes while the short one decodes
   long_id = next(c[0] for _, chunks in steps for c in chunks if c[2] == 80)
   spread = [(d, c) for d, c in steps if any(x[0] == long_id for x in c)]
   assert len(spread) >= 5 and all(sum(b - a for _, a, b in c) <= 16 for _, c in steps)     # 80 tokens in chunks of at most 16

@@ -374,9 +374,12 @@ class DecodeNode:
     to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab). first, end: one
     chunk of it (Scheduler.schedule_step), tokens first..end-1 over the K, V before them; None until the prompt's last chunk."""
     from tinyhet.engine.prefill import prefill_logits, prefill_suffix_logits
+    from tinyhet.engine.warm_up import chunk_of
     hit = self.cache.block_manager.cached_length(s.seq_id)
     s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
-    if first is not None and (first, end) != (hit, s.num_tokens):       # a piece of a prompt spread over steps
+    # a piece of a prompt spread over steps, or a whole one past the chunk length: chunks straight into the sequence's blocks
+    # (the captures of the chunk lengths over the pool serve every prompt: no capture per prompt length)
+    if first is not None and ((first, end) != (0, s.num_tokens) or s.num_tokens > chunk_of(self.model)):
       logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, first, end)[None]
       if end < s.num_tokens: return None
     elif hit > 0:                                 # a prefix-cache hit: only the rest, over the cached K, V

@@ -121,7 +121,8 @@ class Scheduler:
   def schedule_step(self, budget: int) -> tuple[list[Sequence], list[tuple[Sequence, int, int]]]:
     """A stall-free step (Sarathi-Serve's; vLLM's chunked prefill under max_num_batched_tokens): one new token slot for every
     decoding sequence, as schedule() gives them (preempting the newest when a slot needs a block), and prompt chunks of at most
-    `budget` tokens in all: the prompts under way first, then waiting sequences admitted in order while their blocks fit.
+    `budget` tokens in all (max_num_batched_tokens while nothing decodes): the prompts under way first, then waiting
+    sequences admitted in order while their blocks fit.
     Returns (decode batch, [(sequence, first token, end)]): the chunk's tokens are token_ids[first:end]; a prompt is done when
     its end is num_tokens (seq.prefilled holds the progress between steps; an admitted prompt starts after its cached prefix).
     A long prompt is spread over steps, so the decoding sequences get a token every step whatever arrives."""
@@ -136,6 +137,7 @@ class Scheduler:
       else:
         self.bm.append_slot(seq.seq_id)
         decode.append(seq)
+    if not decode: budget = max(budget, self.max_num_batched_tokens)     # nothing decodes to keep pace with: prompts whole
     chunks: list[tuple[Sequence, int, int]] = []
     for seq in [s for s in self.running if s.prefilled is not None]:
       if budget <= 0: break

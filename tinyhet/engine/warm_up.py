@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from tinygrad.helpers import ceildiv
-from tinyhet.model.buckets import below_chunk, bucket, sizes
+from tinyhet.model.buckets import below_chunk, sizes
 from tinyhet.model.layer_jit import Replay
 
 class WarmUp:
@@ -69,15 +69,15 @@ class WarmUp:
 
   @staticmethod
   def for_decode_node(decode, prefill_jobs: bool = False) -> WarmUp:
-    """A decode node's captures: its decode step at every batch bucket up to its batch; its own prefill of a whole prompt,
-    which is one of at most prefill_budget tokens (a longer one is spread over steps: Scheduler.schedule_step); and the
-    chunks over its KV pool that a spread prompt's pieces and a prefix-cache hit's suffix run at. prefill_jobs: the node
-    also prefills for other nodes (`--role both`): the prefill of every length bucket."""
+    """A decode node's captures: its decode step at every batch bucket up to its batch; its own prefill of a whole prompt
+    up to the chunk length; and the chunks over its KV pool that every other prompt of its own runs in (a longer one, a
+    piece of one spread over steps: Scheduler.schedule_step, a prefix-cache hit's suffix). prefill_jobs: the node also
+    prefills for other nodes (`--role both`): the prefill of every length bucket."""
     from tinyhet.engine.decode_engine import BATCH_BUCKETS, batch_bucket
     model, engine, cache, chunk = decode.model, decode.engine, decode.cache, chunk_of(decode.model)
     top = batch_bucket(decode.scheduler.max_num_seqs)
     steps = [("decode", B, lambda B=B: engine.warm_up((B,), decode.cond)) for B in sorted({*(b for b in BATCH_BUCKETS if b <= top), top})]
-    prefill = prefill_items(model, cache.kv_dtype, None if prefill_jobs else bucket(decode.prefill_budget, chunk))
+    prefill = prefill_items(model, cache.kv_dtype, None if prefill_jobs else chunk)
     suffix = [("suffix", C, lambda C=C: warm_suffix(model, cache, C)) for C in (chunk, *below_chunk(chunk))]
     # the batch of one and the longest prefill and chunk first (every shorter prompt can run there meanwhile), then the
     # rest smallest first
