@@ -25,13 +25,12 @@ its last one is computed.
 from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor, dtypes
-from tinygrad.device import Buffer
 from tinygrad.dtype import DType
 from tinygrad.helpers import ceildiv
 from tinyhet.device.cpu_threads import pool_threads
 from tinyhet.kernels.kv_pack import unpack_kv
 from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_attention
-from tinyhet.model.layer_jit import FINISH, QKV, Replay, allocated, layer_from, layer_tensors, signature
+from tinyhet.model.layer_jit import FINISH, QKV, Replay, allocated, layer_from, layer_tensors, signature, write_into as _write
 
 DEFAULT_CHUNK = 512
 BLOCK = 16        # tokens per block of the prefill's own pools (any size works; 16 is the decode node's default)
@@ -111,16 +110,6 @@ def prompt_pools(model, n_tokens: int, kv_dtype: DType, block_size: int = BLOCK)
   cfg, nb = model.cfg, ceildiv(n_tokens, block_size)
   shape = (nb, 2, cfg.n_kv_heads, block_size * cfg.head_dim)
   return [Tensor.zeros(*shape, dtype=kv_dtype, device=model.device).contiguous().realize() for _ in range(cfg.n_layers)], nb
-
-def _write(t: Tensor, a: np.ndarray) -> None:
-  # into the buffer a capture reads, in place (an assign may hand the tensor another buffer); host memory (CPU, MESH, HET on
-  # a CPU) by a numpy copy into a view of it: a copy through tinygrad costs ~1.6 ms of Python, five a chunk
-  buf = t.uop.buffer
-  if hasattr(buf.allocator, "_as_buffer"):
-    np.frombuffer(buf.as_memoryview(force_zero_copy=True), dtype=a.dtype)[:a.size] = a.reshape(-1)
-    return
-  data = memoryview(bytearray(a.tobytes()))
-  buf.copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
 
 def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer=None, progress=None, n_valid: int | None = None,
                     pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0, buckets: tuple[int, ...] = (),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses, sys, weakref
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad.device import Buffer
 from tinygrad.dtype import DType
 from tinygrad.uop.ops import Ops
 from tinyhet.device.cpu_threads import pool_threads
@@ -73,6 +74,17 @@ def layer_jit(model, T: int, kv_dtype: DType) -> LayerJit:
   while len(jits) > KEEP: jits.pop(next(iter(jits)))
   return lj
 
+def write_into(t: Tensor, a: np.ndarray) -> None:
+  """a into the buffer of t that a capture reads, in place (an assign may hand the tensor another buffer)."""
+  # host memory (CPU, MESH, HET on a CPU) by a numpy copy into a view of it: a copy through tinygrad costs ~1.6 ms of Python
+  # (five a chunk), and a new Tensor a schedule
+  buf = t.uop.buffer
+  if hasattr(buf.allocator, "_as_buffer"):
+    np.frombuffer(buf.as_memoryview(force_zero_copy=True), dtype=a.dtype)[:a.size] = a.reshape(-1)
+    return
+  data = memoryview(bytearray(a.tobytes()))
+  buf.copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
+
 def allocated(t: Tensor) -> Tensor:
   """An empty Tensor with its memory allocated: TinyJit takes only real buffers as inputs (an unallocated one is left out)."""
   t.uop.buffer.ensure_allocated()
@@ -124,7 +136,7 @@ class LayerJit:
     self.rope = tuple(t.realize() for t in model.rope(positions))      # cos, sin of positions 0..T-1: the same every prompt
     self.embed = Replay(lambda tokens, x_out: x_out.assign(model.embed(tokens)).realize())
     self.logits = Replay(lambda x, row: model._logits(x[:, row]).realize())
-    self.rows: dict[int, Tensor] = {}          # n_valid -> the index of the prompt's last row, (1,) int32 on the device
+    self.row = allocated(Tensor.empty(1, dtype=dtypes.int32, device=dev))    # the index of the prompt's last row
     self.q = allocated(Tensor.empty(1, T, cfg.n_heads, cfg.head_dim, device=dev))
     self.x = [allocated(Tensor.empty(1, T, cfg.dim, device=dev)) for _ in range(2)]
     self.kv = [self._new_kv() for _ in range(2 * cfg.n_layers)]      # a run's K and V (kv_buffers)
@@ -169,8 +181,8 @@ class LayerJit:
     tokens = tokens.to(self.model.device).realize()
     self.embed(tokens, self.x[1])                              # layer 0 then writes self.x[0] (run alternates the two)
     x = self.run(self.x[1], self.rope, on_layer, progress)
-    if n_valid not in self.rows: self.rows[n_valid] = Tensor([n_valid - 1], dtype=dtypes.int32, device=self.model.device).realize()
-    return self.logits(x, self.rows[n_valid])
+    write_into(self.row, np.array([n_valid - 1], np.int32))   # a Tensor per prompt length was a schedule on every new length's path
+    return self.logits(x, self.row)
 
   def run(self, x: Tensor, rope: tuple[Tensor, Tensor], on_layer, progress) -> Tensor:
     """All layers on x (1, T, dim), realized; on_layer(l, k, v) with the layer's K, V (T, KVH, D) in the KV dtype as soon as
