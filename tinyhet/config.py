@@ -49,7 +49,7 @@ class Config:
   numa: str = "off"                      # off | interleave: the arenas' pages alternate over the nodes | replicate: weights per node
   prefill_chunk: int = 512               # a prompt longer than this is prefilled in chunks of this many tokens (tiled attention)
   staging_buffers: int = 2               # host buffers a GPU's packed layers leave through, copied asynchronously; 0 = copy on the prefill thread
-  prefill_budget: int = 64               # prompt tokens a node that decodes prefills per step at most, besides its decode tokens (stall-free)
+  prefill_budget: int = 16               # prompt tokens a step prefills at most while sequences decode (stall-free; see Scheduler.schedule_step)
   warm_up: str = "background"            # background: a node builds every capture while idle | before: before it says ready | off
 
   def __post_init__(self): validate(self, "config")
