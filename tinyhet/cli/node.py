@@ -119,7 +119,7 @@ def warm_report(quiet: bool):
   """on_warm for a node: one line on stderr once every capture is built (tinyhet.engine.warm_up)."""
   def report(status: dict):
     if quiet: return
-    cold = f", {status['cold']} built by requests first" if status["cold"] else ""
+    cold = f", {status['cold']} requests came before their bucket was built" if status["cold"] else ""
     print(f"tinyhet node: warm-up took {status['seconds']:.1f} s: {status['captures']} captures for {status['of']} buckets{cold}",
           file=sys.stderr, flush=True)
   return report
