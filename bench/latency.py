@@ -56,8 +56,8 @@ def run_ttft(args, prompt: str, keep_alive: str) -> dict:
 
 def part_fresh(args) -> dict:
   from tinyhet.bench.prompts import FILLER
-  # ~4.4 characters a SmolLM2 token of this text; each run's own first words, so no run finds another's blocks in a prefix cache
-  prompt = lambda k: f"Run {k}. " + (FILLER * (1 + args.run_tokens // 20))[:int(args.run_tokens * 4.4)]
+  # ~4.9 characters a SmolLM2 token of this text; each run's own first words, so no run finds another's blocks in a prefix cache
+  prompt = lambda k: f"Run {k}. " + (FILLER * (1 + args.run_tokens // 20))[:int(args.run_tokens * 4.9)]
   run_ttft(args, prompt(0), "0")                                       # fills tinygrad's kernel cache on disk
   fresh = run_ttft(args, prompt(1), "0")
   try:
