@@ -1,7 +1,7 @@
 """Warm-up and stall-free steps on a decode node (tinyhet.engine.warm_up, Scheduler.schedule_step): after the warm-up no
 request builds a capture, whatever its length or batch; while it warms up a request runs at a ready bucket; a prompt spread
 over steps gives the tokens of an unchunked prefill while the sequences already decoding get a token every step."""
-import os, queue, subprocess, sys, threading
+import json, os, queue, subprocess, sys, threading
 from types import SimpleNamespace
 import numpy as np
 import pytest
@@ -119,3 +119,20 @@ def test_a_restarted_process_compiles_no_kernel(tmp_path):
   runs = [int(subprocess.run([sys.executable, "-c", COMPILES], env=env, capture_output=True, text=True, timeout=600, check=True).stdout.split()[-1])
           for _ in range(2)]
   assert runs[0] > 0 and runs[1] == 0, f"kernels compiled by the first process and the second: {runs}"
+
+def test_tinyhet_node_warms_up_before_it_says_ready_and_says_how_long_it_took():
+  # a real node process, TINYHET_WARM_UP=before: its ready line carries the warm-up (every bucket built, none by a request)
+  # and its stderr the one line that reports it
+  env = {**{k: v for k, v in os.environ.items() if not k.startswith("TINYHET_")}, "TINYHET_WARM_UP": "before", "TINYHET_PREFILL_CHUNK": "32"}
+  p = subprocess.Popen([sys.executable, "-m", "tinyhet", "node", "--role", "decode", "--listen", "127.0.0.1:0", "--model", "random:max_context=64",
+                        "--max-seqs", "1", "--kv-memory", "1M", "--stdin-stop"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, env=env)
+  try:
+    ready = json.loads(p.stdout.readline())
+    status = ready["warm_up_status"]
+    assert ready["warm_up"] == "before" and status["done"] and status["built"] == status["of"] > 0 and status["captures"] > 0 and status["cold"] == 0
+  finally:
+    p.stdin.close()
+    err = p.stderr.read()
+    p.wait(60)
+  assert f"tinyhet node: warm-up took {status['seconds']:.1f} s: {status['captures']} captures for {status['of']} buckets" in err, err
