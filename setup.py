@@ -25,6 +25,7 @@ setup(
     "prometheus-client",  # the router's /metrics
     "tokenizers",
     "jinja2",
+    "llguidance==1.9.1",  # constrained decoding (tinyhet.engine.grammar): no dependencies; pinned, its grammar API moves between releases
   ],
   extras_require={
     # pyverbs must come from the same rdma-core as the system's libibverbs. The PyPI sdist builds
@@ -40,7 +41,8 @@ setup(
     # gguf: tests write GGUF files as llama.cpp does; safetensors: they write Hugging Face checkpoints (bfloat16 among them) with the
     # library transformers saves through; openai: the router is tested with the OpenAI client, unchanged; ray: the
     # tests of `tinyhet serve --ray` run a multi-node Ray cluster on one machine (they skip, naming the extra, without it)
-    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf", "safetensors", "openai", RAY],
+    # jsonschema: structured outputs are validated against their schemas
+    "dev": ["pytest", "pytest-timeout", "hypothesis", "ruff", "gguf", "safetensors", "openai", "jsonschema", RAY],
   },
   entry_points={"console_scripts": ["tinyhet=tinyhet.cli.main:main"]},
 )

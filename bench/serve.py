@@ -128,14 +128,23 @@ def main(argv=None) -> int:
   ap.add_argument("--concurrency", default="1,4,16", help="comma list of concurrent requests (default 1,4,16)")
   ap.add_argument("--requests", type=int, default=None, help="requests per measured round (default: twice the concurrency; at least 10)")
   ap.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 100; --quick 24)")
-  ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 32; --quick 32)")
+  ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 32; --constrained 64)")
   ap.add_argument("--kv-memory", default="256M")
+  ap.add_argument("--constrained", action="store_true", help="structured outputs' cost instead (tinyhet.bench.constrained): a batch half "
+                  "under a JSON schema against the same batch free, TTFT with a schema against without")
+  ap.add_argument("--batch", type=int, default=16, help="--constrained: the decode batch (default 16)")
+  ap.add_argument("--ttft-reps", type=int, default=5, help="--constrained: requests per TTFT median (default 5)")
   args = ap.parse_args(argv)
   if args.quick and args.model is None: args.model = "random:max_context=512"
   args.prompt_tokens = args.prompt_tokens or (24 if args.quick else 100)
-  args.max_tokens = args.max_tokens or 32
+  args.max_tokens = args.max_tokens or (64 if args.constrained else 32)
   levels = [int(x) for x in args.concurrency.split(",")]
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))      # the processes started here share it
+  if args.constrained:
+    from tinyhet.bench import constrained
+    out = constrained.run(args)
+    print(json.dumps(out) if args.json else constrained.table(out))
+    return 0
   from tinyhet.model import spec as service_model
   rows = run_config("disaggregated", args, levels) + run_config("both", args, levels)
   out = {"model": service_model.model_id(args.model), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "rows": rows}

@@ -203,7 +203,7 @@ def test_sampling_options_on_the_nodes(nodes, model):
   sampled = dict(temperature=0.9, top_p=0.8, top_k=20, min_p=0.05, frequency_penalty=0.5, seed=11)
   want = model[0].reference_generate(ids, 6, temperature=0.9, top_p=0.8, seed=11, options=dict(top_k=20, min_p=0.05, frequency_penalty=0.5))
   assert ask(**sampled) == want
-  for field, value in (("n", 2), ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]), ("top_k", -2),
+  for field, value in (("n", 2), ("response_format", {"type": "xml"}), ("tools", [{"type": "function"}]), ("top_k", -2),
                        ("min_p", 1.5), ("presence_penalty", 3), ("repetition_penalty", 0), ("logit_bias", {"999": 1}),
                        ("logit_bias", {"5": 101}),
                        ("logprobs", 6), ("echo", 1), ("best_of", 3)):
@@ -237,3 +237,19 @@ def test_stop_strings_end_the_sequence_on_the_decode_node(nodes, model):
   status, obj = call(nodes["router"], "POST", "/v1/completions", {"prompt": ids, "max_tokens": 40, "temperature": 0, "stop": [stop],
                                                                   "return_token_ids": True})
   assert status == 200 and obj["choices"][0]["finish_reason"] == "stop" and obj["choices"][0]["token_ids"] == ref[:n], obj
+
+def test_structured_output_through_a_prefill_node(nodes):
+  """Disaggregated: the prefill node draws the first token under the grammar, the decode node the rest (each builds the
+  request's Constraint from the same grammar text and the tokens so far); the keyed `both` router serves it alone."""
+  import re
+  jsonschema = pytest.importorskip("jsonschema")
+  schema = {"type": "object", "properties": {"k": {"enum": ["ab", "cd"]}, "v": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["k", "v"], "additionalProperties": False}
+  for router, headers in ((nodes["router"], {}), (nodes["keyed"], {"Authorization": f"Bearer {KEYS[0]}"})):
+    status, obj = call(router, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 60, "temperature": 1.0, "seed": 1,
+                                                           "guided_json": schema}, headers)
+    assert status == 200 and obj["choices"][0]["finish_reason"] == "stop", obj
+    jsonschema.validate(json.loads(obj["choices"][0]["text"]), schema)
+    status, obj = call(router, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "id?"}], "max_tokens": 20,
+                                                                "temperature": 1.0, "seed": 3, "guided_regex": "[A-Z][0-9]{4}"}, headers)
+    assert status == 200 and re.fullmatch("[A-Z][0-9]{4}", obj["choices"][0]["message"]["content"]), obj

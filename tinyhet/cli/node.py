@@ -149,8 +149,9 @@ def main_prefill(args) -> int:
   from tinyhet.device.memory import local_node
   from tinyhet.service.prefill_node import PrefillNode
   node = local_node()
-  model, _, model_id = service_model.load(args.model, "HET", args.max_context, args.quiet, packed=not args.float_weights)
+  model, tok, model_id = service_model.load(args.model, "HET", args.max_context, args.quiet, packed=not args.float_weights)
   prefill = PrefillNode(model, node, model_id)
+  prefill.tokenizer = tok                  # a request's grammar masks the first token, drawn here
   from tinygrad import dtypes
   from tinyhet.config import load_config
   from tinyhet.engine.warm_up import WarmUp

@@ -31,6 +31,7 @@ from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_prompt, is_int
 from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
+from tinyhet.engine.grammar import constrain, prefetch
 from tinyhet.runtime.arena import Region
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
@@ -166,6 +167,7 @@ class DecodeNode:
     # raises on NaN, inf, negative or tiny temperatures, top_p outside (0, 1] and a bad seed; the prefill node's seed
     # continues its stream, since each draw depends on (seed, position) only
     sampler = Sampler(temperature, top_p, seed, **(options or {}))     # options: tinyhet.model.sampling.OPTIONS, checked there
+    constrain(sampler, self.tokenizer, self.model.cfg.vocab_size)       # a grammar's token masks (tinyhet.engine.grammar)
     seq.extra.update(sampler=sampler, first_token=first_token, want_logits=bool(return_logits),
                      stop_ids=set(stop_ids if stop_ids is not None else self.stop_ids))
     self.set_stop_strings(seq, stop)
@@ -185,7 +187,7 @@ class DecodeNode:
       with self.cond:
         del self.landed[seq.seq_id]
         first = seq.extra["first_token"]
-        done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"] or self._hits_stop(seq, first)
+        done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"] or self._hits_stop(seq, first) or self.grammar_done(seq)
         if done and seq.status is SequenceStatus.RUNNING: self.scheduler.finish(seq)
         self.cond.notify_all()
       marks: list[float] = []
@@ -199,7 +201,7 @@ class DecodeNode:
       last = seq.extra.get("last_logits")
       yield {"done": True, "decode_tokens": len(marks), "decode_s": time.perf_counter() - t_ready, "decode_tok_s": decode_rate(marks),
              "first_token_wait_s": marks[0] - t_ready if marks else 0.0, "preemptions": seq.num_preemptions,
-             "landed_at": seq.extra.get("landed_at", {}),
+             "landed_at": seq.extra.get("landed_at", {}), "ended": bool(seq.extra.get("grammar_done")),
              **({"logits": last.tolist()} if last is not None else {})}
     finally:
       self._detach(conn.state.get("seqs", {}), seq)
@@ -227,6 +229,15 @@ class DecodeNode:
     tail = seq.extra["stop_tail"] + seq.extra["stop_decoder"].push(token)
     seq.extra["stop_tail"] = tail[-max(len(x) for x in stops):]       # enough to find a stop string that spans tokens
     return any(x in tail for x in stops)
+
+  def grammar_done(self, seq: Sequence) -> bool:
+    """The sequence's output completes its grammar (nothing more may follow): it ends as a stop id ends it."""
+    c = seq.extra["sampler"].constraint
+    if c is None: return False
+    try: ended = c.done(seq.token_ids)
+    except ValueError: ended = True            # output outside the grammar (cannot be drawn through its mask): end it there
+    if ended: seq.extra["grammar_done"] = True
+    return ended
 
   def new_seq_id(self) -> int:
     """An id for a new sequence: the counter modulo MAX_SEQ_ID (the notice's field), skipping ids a live sequence still holds
@@ -330,6 +341,10 @@ class DecodeNode:
         self._warm_step()
         continue
       for batch, piece in ([(decode, None)] if decode else []) + [([s], (first, end)) for s, first, end in chunks]:
+        # a grammar's masks for this step, computed on the grammar thread while the step runs; rows without one cost nothing
+        # (a chunk short of its prompt's end samples nothing)
+        sampled = piece is None or piece[1] == batch[0].num_tokens
+        masks = prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch]) if sampled else None
         try:
           if piece is None: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
           elif (logits := self._prefill(batch[0], *piece)) is None:      # a chunk short of the prompt's end: nothing to sample yet
@@ -340,6 +355,7 @@ class DecodeNode:
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
+        if masks is not None: masks.result()
         # the whole batch sampled at once, without the lock (reservations and notices go on meanwhile): the step's sequences
         # keep their blocks and tokens until this thread postprocesses them
         draws = None if logits is None else sample_batch(logits[:len(batch)], [s.extra["sampler"] for s in batch], [s.num_tokens for s in batch],
@@ -362,7 +378,7 @@ class DecodeNode:
             for s in ok:
               d = new[s.seq_id]
               s.extra["queue"].put(d.token if d.logprob is None else (d.token, d.logprob, d.top))
-              if (d.token in s.extra["stop_ids"] or self._hits_stop(s, d.token)) and s not in finished: finished.append(s)
+              if (d.token in s.extra["stop_ids"] or self._hits_stop(s, d.token) or self.grammar_done(s)) and s not in finished: finished.append(s)
           for s in batch:
             if (s in finished or s.extra.get("cancelled")) and s.status is SequenceStatus.RUNNING: self.scheduler.finish(s)
           for s in finished: s.extra["queue"].put(None)

@@ -33,6 +33,8 @@ OPTIONS = {
   "prompt_logprobs": (None, lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TOP_LOGPROBS),
                       "null or an integer in 0..20 (the prompt's own logprobs, with this many alternatives)"),
   "output_from": (None, lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "null or a token index"),
+  # llguidance grammar text (tinyhet.engine.grammar): the node that samples builds its Constraint, which masks every draw
+  "grammar": (None, lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 1 << 20), "null or a grammar text of at most 1 MiB"),
 }
 
 def check_options(options: dict) -> dict:
@@ -74,6 +76,7 @@ class Sampler:
     self.prompt_logprobs = o["prompt_logprobs"]      # read by the node that prefills (tinyhet.engine.prompt_logprobs)
     self.presence, self.frequency, self.repetition = float(o["presence_penalty"]), float(o["frequency_penalty"]), float(o["repetition_penalty"])
     self.bias = {int(k): float(b) for k, b in (o["logit_bias"] or {}).items()}
+    self.grammar, self.constraint = o["grammar"], None     # the constraint: tinyhet.engine.grammar.constrain sets it on the node
 
   @property
   def penalizes(self) -> bool: return bool(self.presence or self.frequency or self.repetition != 1.0 or self.bias)
@@ -87,6 +90,7 @@ class Sampler:
   def probabilities(self, logits: np.ndarray, tokens=()) -> np.ndarray:
     """The distribution sampled from (float32, sums to 1); one-hot at the argmax when greedy."""
     x = processed(_rows(logits), [self], [list(tokens)])
+    if self.constraint is not None: x = np.where(self.constraint.allowed(list(tokens)), x, np.float32(-np.inf))
     if self.temperature == 0:
       p = np.zeros_like(x[0])
       p[int(np.argmax(x[0]))] = 1.0
@@ -196,11 +200,20 @@ def sample_batch(logits: np.ndarray, samplers: list[Sampler], positions: list[in
   out: list = [None] * B
   for i in np.flatnonzero(~finite):
     out[i] = ValueError(f"the model produced non-finite logits ({int((~np.isfinite(x[i])).sum())} of {x.shape[1]})")
-  ok = [i for i in range(B) if finite[i]]
+  allowed = {}
+  for i in range(B):              # a grammar's rows: the tokens it admits (prefetched while the step ran, as a rule)
+    if finite[i] and (c := samplers[i].constraint) is not None:
+      try: allowed[i] = c.allowed(tokens[i])
+      except ValueError as e: out[i] = e
+      else:
+        if not allowed[i].any(): out[i] = ValueError("the grammar admits no token of the model's vocabulary here")
+  ok = [i for i in range(B) if finite[i] and out[i] is None]
   if not ok: return out
   xs, ss = x[ok], [samplers[i] for i in ok]
   proc = processed(xs, ss, [tokens[i] for i in ok])
   lps = log_softmax(xs[[r for r, s in enumerate(ss) if s.logprobs is not None]]) if any(s.logprobs is not None for s in ss) else None
+  for r, i in enumerate(ok):      # in place: proc is x[ok]'s copy or processed's, and the logprobs (raw logits) are read already
+    if i in allowed: np.copyto(proc[r], -np.inf, where=~allowed[i])
   hot = [r for r, s in enumerate(ss) if s.temperature > 0]
   if hot:
     temps = np.array([[ss[r].temperature] for r in hot], dtype=np.float32)

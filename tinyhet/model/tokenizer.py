@@ -131,15 +131,17 @@ class Tokenizer:
   def decode(self, ids: list[int], skip_special: bool = True) -> str:
     return self.tok.decode(list(ids), skip_special_tokens=skip_special)
 
-  def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """The model's chat template (jinja2, sandboxed) applied to [{"role": ..., "content": ...}, ...]."""
+  def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    """The model's chat template (jinja2, sandboxed) applied to [{"role": ..., "content": ...}, ...]; tools: OpenAI's function
+    list, for a template that renders tools (as transformers passes them)."""
     if not self.chat_template: raise TokenizerError("this model has no chat template; pass --raw to complete the prompt as plain text")
     text = lambda i: self.token_text(i) if i is not None else ""
-    return render_template(self.chat_template, messages, add_generation_prompt, bos_token=text(self.bos_id), eos_token=text(self.eos_id))
+    extra = {"tools": tools} if tools is not None else {}
+    return render_template(self.chat_template, messages, add_generation_prompt, bos_token=text(self.bos_id), eos_token=text(self.eos_id), **extra)
 
-  def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+  def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
     """Token ids of the rendered chat; the template writes BOS itself where the model wants one."""
-    return self.encode(self.render_chat(messages, add_generation_prompt), add_special=False)
+    return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special=False)
 
   def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
     """A user prompt as the model should see it: in the chat template as one user turn, or (raw) as plain text to continue."""

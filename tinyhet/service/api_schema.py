@@ -1,11 +1,7 @@
 """Checking OpenAI request bodies: each field's type and range, the model's name and the context's length. A bad body
 raises ApiError (HTTP 4xx) whose message says which field to change and how; nothing else is raised for any JSON value."""
 from __future__ import annotations
-
-class ApiError(ValueError):
-  def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-    super().__init__(message)
-    self.param, self.status, self.code = param, status, code
+from tinyhet.service.api_error import ApiError
 
 def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
 def _is_num(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -51,10 +47,13 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
   stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
   if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
     raise ApiError("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
-  unsupported = {"best_of": (None, 1), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-                 "suffix": (None, ""), "response_format": (None, {"type": "text"}), "prediction": (None,), "audio": (None,),
-                 "modalities": (None, ["text"]), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-                 "use_beam_search": (None, False), "prompt_logprobs": (None,)}
+  # tools, tool_choice, response_format and guided_*: tinyhet.service.tools and structured (constrain_request)
+  unsupported = {"best_of": (None, 1), "functions": (None, []), "function_call": (None, "none"),
+                 "suffix": (None, ""), "prediction": (None,), "audio": (None,),
+                 "modalities": (None, ["text"]), "use_beam_search": (None, False), "prompt_logprobs": (None,)}
+  if not chat:
+    for name in ("tools", "tool_choice"):
+      if body.get(name) is not None: raise ApiError(f"'{name}' is for chat completions (/v1/chat/completions): leave it out here", name)
   for name, fine in unsupported.items():
     if name in body and not any(body[name] == f and type(body[name]) is type(f) for f in fine):
       raise ApiError(f"'{name}' is not supported by this server: leave it out", name)
@@ -120,21 +119,13 @@ def parse_completion(body, tok, model_id: str, max_context: int | None) -> dict:
   if isinstance(prompt, str): ids = _encode(tok.encode, prompt, "prompt")
   elif isinstance(prompt, list) and all(_is_int(t) for t in prompt): ids = list(prompt)
   else: raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
-  return _common(body, tok, model_id, max_context, ids, chat=False)
+  from tinyhet.service.tools import constrain_request
+  return constrain_request(_common(body, tok, model_id, max_context, ids, chat=False), body)
 
 def parse_chat(body, tok, model_id: str, max_context: int | None) -> dict:
   """POST /v1/chat/completions: messages [{role, content}], content a string or a list of {"type": "text", "text"} parts."""
   if not isinstance(body, dict): raise ApiError("the body must be a JSON object")
-  msgs = body.get("messages")
-  if not isinstance(msgs, list) or not msgs: raise ApiError("'messages' must be a non-empty list of {\"role\", \"content\"} objects", "messages")
-  clean = []
-  for i, m in enumerate(msgs):
-    if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-      raise ApiError(f"messages[{i}] must be an object whose 'role' is system, developer, user or assistant", "messages")
-    content = m.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-      content = "".join(p["text"] for p in content)
-    if not isinstance(content, str): raise ApiError(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
-  ids = _encode(tok.encode_chat, clean, "messages")
-  return _common(body, tok, model_id, max_context, ids, chat=True)
+  from tinyhet.service import tools
+  clean, spec = tools.clean_messages(body.get("messages")), tools.parse_tools(body, tok)     # the tool turns, the tools
+  ids = _encode(lambda m: tools.encode(tok, m, spec), clean, "messages")
+  return tools.constrain_request(_common(body, tok, model_id, max_context, ids, chat=True), body, spec)

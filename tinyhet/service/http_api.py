@@ -115,7 +115,11 @@ class Service:
     if reason == "cancelled": return error_response(499, "the client went away", "cancelled")
     lps = run.lp.entries(run.prompt_items() + run.items) if p["logprobs"] is not None else None
     if p["echo"]: text = run.prompt_text + text
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps, "finish_reason": reason} if chat else
+    message = {"role": "assistant", "content": text}
+    if chat and p.get("tools") is not None:            # tool calls parsed out of the reply (tinyhet.service.tools)
+      from tinyhet.service.tools import reply_message
+      message, reason = reply_message(text, p["tools"], reason)
+    choice = ({"index": 0, "message": message, "logprobs": lps, "finish_reason": reason} if chat else
               {"index": 0, "text": text, "logprobs": lps, "finish_reason": reason})
     if p["return_token_ids"]: choice["token_ids"] = ids
     return JSONResponse({"id": run.id, "object": "chat.completion" if chat else "text_completion", "created": run.created,
@@ -148,6 +152,10 @@ class Running:
     self.req = Request(p["prompt_ids"], p["max_tokens"], self._emit, p["temperature"], p["top_p"], p["seed"], list(svc.tok.stop_ids),
                        options=p["options"], stop=list(p["stop"]))
     self.items: list = []                   # (token, logprobs) of the tokens counted, for the logprobs of the reply
+    self.tool_stream = None                 # a streamed chat reply's tool calls, split from its text (tinyhet.service.tools)
+    if p["chat"] and p.get("tools") is not None and p["tools"].parses:
+      from tinyhet.service.tools import ToolStream
+      self.tool_stream = ToolStream(p["tools"])
     self.prompt_text = svc.tok.decode(p["prompt_ids"]) if p["echo"] else ""
     self.lp = LogprobFormatter(svc.tok, p["chat"], 0 if p["echo"] and p["logprobs"] is not None else len(self.prompt_text))
     self.m.prompt_tokens.inc(len(p["prompt_ids"]))
@@ -218,16 +226,29 @@ class Running:
         return self.text, self.req.generated[:self.n_tokens], self._finish(ev[1])
 
   def _chunk(self, chat: bool, piece: str | None, reason: str | None, ids: list[int] | None = None, first: bool = False,
-             items: list | None = None) -> str:
+             items: list | None = None, calls: list | None = None) -> str:
     lps = self.lp.entries(items) if items and self.p["logprobs"] is not None else None
-    if chat: choice = {"index": 0, "delta": ({"role": "assistant", "content": ""} if first else {"content": piece} if piece is not None else {}),
-                       "logprobs": lps, "finish_reason": reason}
+    if chat: choice = {"index": 0, "delta": ({"role": "assistant", "content": ""} if first else {"tool_calls": calls} if calls else
+                                             {"content": piece} if piece is not None else {}), "logprobs": lps, "finish_reason": reason}
     else: choice = {"index": 0, "text": piece or "", "logprobs": lps, "finish_reason": reason}
     if ids is not None and self.p["return_token_ids"]: choice["token_ids"] = ids
     obj = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": self.created, "model": self.svc.model_id,
            "choices": [choice]}
     if self.p["include_usage"]: obj["usage"] = None
     return f"data: {json.dumps(obj)}\n\n"
+
+  def _tool_chunks(self, piece: str, final: bool = False) -> list[str]:
+    """A streamed chat reply's text through its ToolStream: content chunks, and a delta.tool_calls chunk per finished call."""
+    from tinyhet.service.tools import delta_calls
+    out, ts = [], self.tool_stream
+    before = ts.calls
+    content, calls = ts.push(piece)
+    if final:
+      more, late = ts.finish()
+      content, calls = content + more, calls + late
+    if content: out.append(self._chunk(True, content, None))
+    if calls: out.append(self._chunk(True, None, None, calls=delta_calls(calls, before)))
+    return out
 
   async def sse(self, chat: bool):
     try:
@@ -239,6 +260,9 @@ class Running:
           counted = len(self.items)
           piece = self._token(ev[1], ev[2], ev[3])
           items = self.items[counted:]
+          if self.tool_stream is not None:
+            for c in self._tool_chunks(piece): yield c
+            piece = ""
           if piece or self.p["return_token_ids"] or (items and self.p["logprobs"] is not None):
             yield self._chunk(chat, piece, None, [ev[1]], items=items)
         elif ev[0] == "error":
@@ -247,8 +271,11 @@ class Running:
           break
         else:
           if not self.stopped: self.text += self.decoder.flush()
-          rest = self._release(final=True)
-          yield self._chunk(chat, rest if rest else (None if chat else ""), self._finish(ev[1]), [])
+          rest, reason = self._release(final=True), self._finish(ev[1])
+          if self.tool_stream is not None:
+            for c in self._tool_chunks(rest, final=True): yield c
+            rest, reason = "", "tool_calls" if self.tool_stream.calls else reason
+          yield self._chunk(chat, rest if rest else (None if chat else ""), reason, [])
           if self.p["include_usage"]:
             usage = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": self.created,
                      "model": self.svc.model_id, "choices": [], "usage": self.usage()}

@@ -18,11 +18,13 @@ def install_submit(decode) -> None:
   from tinyhet.engine.checks import check_prompt
   from tinyhet.model.sampling import Sampler
   from tinyhet.engine.scheduler import Sequence
+  from tinyhet.engine.grammar import constrain
 
   def serve_submit(conn, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                    stop_ids: list[int] | None = None, options: dict | None = None, stop: list[str] | None = None):
     check_prompt(decode.model.cfg, prompt_ids, max_new_tokens)
     sampler = Sampler(temperature, top_p, seed, **(options or {}))      # a bad setting fails before an id is taken
+    constrain(sampler, decode.tokenizer, decode.model.cfg.vocab_size)    # a grammar that does not compile too
     seq = Sequence(decode.new_seq_id(), list(prompt_ids), max_new_tokens)
     seq.extra.update(queue=queue.SimpleQueue(), sampler=sampler, want_logits=False,
                      stop_ids=set(stop_ids if stop_ids is not None else decode.stop_ids))
@@ -45,7 +47,8 @@ def stream_submitted(decode, conn, seq):
   from tinyhet.engine.decode_node import queued_tokens, token_item
   try:
     for tok in queued_tokens(seq): yield None if tok is None else token_item(tok)
-    yield {"done": True, "preemptions": seq.num_preemptions, "cached_tokens": seq.extra.get("cached_tokens", 0)}
+    yield {"done": True, "preemptions": seq.num_preemptions, "cached_tokens": seq.extra.get("cached_tokens", 0),
+           "ended": bool(seq.extra.get("grammar_done"))}
   finally: decode._detach(conn.state.get("seqs", {}), seq)
 
 SUMMARY_HASHES = 1024      # block hashes a heartbeat carries at most: the newest cached (16,384 tokens of 16-token blocks)
@@ -80,6 +83,7 @@ class ServiceExtras:
       # before each step the loop runs queued prefills (DecodeNode.between_steps), without its lock, so that this node's own
       # control requests go on meanwhile.
       self.prefill = PrefillNode(decode.model, decode.node, decode.model_id, on_job=lambda: self._wake(decode))
+      self.prefill.tokenizer = decode.tokenizer
       def prefill_first():                   # queued prefills before the next decode step; all of them while nothing decodes
         if self.prefill.jobs.qsize():
           self.prefill.run_one()

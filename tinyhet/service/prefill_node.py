@@ -22,6 +22,7 @@ from tinyhet.kv.pull import PrefixPull, PullCost, pull_spec
 from tinyhet.runtime.control import ControlClient
 from tinyhet.runtime.transport import TransportError
 from tinyhet.model.sampling import Sampler
+from tinyhet.engine.grammar import constrain
 
 class CallerGone(RuntimeError):
   """The router closed the request's connection: the reservation is no longer ours to write."""
@@ -60,6 +61,7 @@ class PrefillNode:
     self.cost = PullCost()                       # pull a cached prefix or compute it again: this node's measured rates
     # host memory the layers leave from, kept between jobs; a GPU's packed layers leave through config.staging_buffers of it
     self.buffers = SendBuffers(node, node.config.staging_buffers if staging_buffers is None else staging_buffers)
+    self.tokenizer = None                        # the model's tokenizer (tinyhet node sets it): a request's grammar needs its vocabulary
     node.endpoint.handle("prefill.run", self._serve_run)
 
   def status(self) -> dict:
@@ -79,6 +81,7 @@ class PrefillNode:
     if len(reservation["pools"]) != cfg.n_layers:
       raise IncompatibleDecodeNode(f"the reservation has {len(reservation['pools'])} layers, this model {cfg.n_layers}: same --model everywhere")
     sampler = Sampler(temperature, top_p, seed, **(options or {}))     # a bad setting fails here, before the job queues
+    constrain(sampler, self.tokenizer, cfg.vocab_size)                   # a grammar's first token is drawn here (tinyhet.engine.grammar)
     job = Job(list(prompt_ids), decode, reservation, {"sampler": sampler}, conn.sock)
     with self.count_lock: self.queued_tokens += len(prompt_ids)
     self.jobs.put(job)

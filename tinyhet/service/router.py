@@ -98,6 +98,7 @@ class Request:
   clients: set = field(default_factory=set)
   attempts: int = 0
   cached_tokens: int = 0                      # prompt tokens the decode node found in its prefix cache (the last attempt's)
+  ended: bool = False                         # the output completed its grammar (options["grammar"]): a stop without a stop id
 
   def push(self, token: int, logprobs: dict | None = None):
     """A token for the client; logprobs: {"logprob", "top_logprobs": [(id, logprob)]} when the request asked for them."""
@@ -262,7 +263,7 @@ class Cluster:
     if req.seed is None: req.seed = secrets.randbits(63)
     while True:
       if req.cancelled.is_set(): return "cancelled"
-      if req.generated and req.generated[-1] in req.stop_ids: return "stop"
+      if (req.generated and req.generated[-1] in req.stop_ids) or req.ended: return "stop"
       left = req.max_tokens - len(req.generated)
       if left <= 0: return "length"
       ids = req.prompt_ids + req.generated          # after a lost node: what the client has seen becomes prompt
@@ -277,7 +278,7 @@ class Cluster:
         if req.attempts >= MAX_ATTEMPTS: raise Unavailable(f"the request lost a node {req.attempts} times; last: {e}") from None
         continue
       finally: self._release(decode, blocks)
-      if req.generated and req.generated[-1] in req.stop_ids: return "stop"
+      if (req.generated and req.generated[-1] in req.stop_ids) or req.ended: return "stop"
       return "length"
 
   def _open(self, req: Request, node: Node, reason: str) -> ControlClient:
@@ -382,6 +383,7 @@ class Cluster:
   def _done(self, req: Request, node: Node, item: dict, prompt_tokens: int):
     """A decode stream's last item: the prefix cache's hit (a decode node that prefilled for itself) and its preemptions."""
     if "cached_tokens" in item: req.cached_tokens = int(item["cached_tokens"])
+    if item.get("ended"): req.ended = True
     if self.metrics is None: return
     if "cached_tokens" in item and node.status.get("prefix_cache", True):
       self.metrics.prefix_queries.inc(prompt_tokens)
