@@ -86,12 +86,9 @@ class DecodeNode:
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
     self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
-    if prefill_budget is None:
-      from tinyhet.config import load_config
-      prefill_budget = load_config().prefill_budget
-    self.prefill_budget = prefill_budget    # prompt tokens a step prefills at most besides its decode tokens (Scheduler.schedule_step)
-    self.warm = None                        # a WarmUp (tinyhet.engine.warm_up) run() builds captures from while it has nothing to do
-    self.on_warm = None                     # called with the warm-up's status once it is over (tinyhet node prints it)
+    from tinyhet.config import load_config   # prefill_budget: prompt tokens a step prefills while sequences decode (Scheduler.schedule_step)
+    self.prefill_budget = load_config().prefill_budget if prefill_budget is None else prefill_budget
+    self.warm, self.on_warm = None, None    # a WarmUp (engine/warm_up.py) run() builds from while idle; on_warm(status) once it is over
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release", "lookup"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
     self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
@@ -323,10 +320,9 @@ class DecodeNode:
     self.engine.warm_up(batch_sizes, self.cond)
 
   def run(self, stop: threading.Event, warm_up: bool = True):
-    """Continuous batching until stop is set. Each step (Scheduler.schedule_step) is one decode step for every decoding
-    sequence, then prompt chunks of at most prefill_budget tokens (a submitted prompt, a preempted one's recompute), so a long
-    prompt is spread over steps and decode keeps its pace; with nothing to do, the next capture of the warm-up. Call it from
-    the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
+    """Continuous batching until stop is set: each step (Scheduler.schedule_step) one decode step for every decoding sequence,
+    then prompt chunks of at most prefill_budget tokens (submitted prompts, recomputes), so decode keeps its pace; idle, the
+    warm-up's next capture. Call it from the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
     if warm_up: self.warm_up()
     while not self.stopped and not stop.is_set():
       if self.between_steps is not None: self.between_steps()      # on this thread, without the lock (a `both` node's prefills)
@@ -337,13 +333,12 @@ class DecodeNode:
           self.cond.wait(0.5)
           continue
         self.in_step = {*decode, *(s for s, _, _ in chunks)}
-      if idle:
-        self._warm_step()
+      if idle:                               # the warm-up's next capture, on this thread (tinygrad's), without the lock
+        if not self.warm.step() and self.on_warm is not None: self.on_warm(self.warm.status())
         continue
       for batch, piece in ([(decode, None)] if decode else []) + [([s], (first, end)) for s, first, end in chunks]:
         # a grammar's masks for this step, computed on the grammar thread while the step runs; rows without one cost nothing
-        # (a chunk short of its prompt's end samples nothing)
-        sampled = piece is None or piece[1] == batch[0].num_tokens
+        sampled = piece is None or piece[1] == batch[0].num_tokens     # a chunk short of its prompt's end samples nothing
         masks = prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch]) if sampled else None
         try:
           if piece is None: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
@@ -393,8 +388,7 @@ class DecodeNode:
     from tinyhet.engine.warm_up import chunk_of
     hit = self.cache.block_manager.cached_length(s.seq_id)
     s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
-    # a piece of a prompt spread over steps, or a whole one past the chunk length: chunks straight into the sequence's blocks
-    # (the captures of the chunk lengths over the pool serve every prompt: no capture per prompt length)
+    # a piece of a prompt spread over steps, or a whole one past the chunk length: chunks straight into its blocks (no capture per length)
     if first is not None and ((first, end) != (0, s.num_tokens) or s.num_tokens > chunk_of(self.model)):
       logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, first, end)[None]
       if end < s.num_tokens: return None
@@ -407,11 +401,6 @@ class DecodeNode:
       s.extra["prompt_sent"] = True
       s.extra["queue"].put(("prompt", prompt_logprobs(self.model, s.token_ids, n, self.cache.kv_dtype)))
     return logits
-
-  def _warm_step(self):
-    """The warm-up's next capture, on this thread (tinygrad's) and without the lock; its status to on_warm once it is over."""
-    if self.warm.step() or self.on_warm is None: return
-    self.on_warm(self.warm.status())
 
   def close(self):
     self.stopped = True
