@@ -25,6 +25,7 @@ setup(
     "prometheus-client",  # the router's /metrics
     "tokenizers",
     "jinja2",
+    "cryptography",       # Ed25519 node keys: every handshake proves a node's name (tinyhet.runtime.identity)
     "llguidance==1.9.1",  # constrained decoding (tinyhet.engine.grammar): no dependencies; pinned, its grammar API moves between releases
   ],
   extras_require={

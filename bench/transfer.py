@@ -220,6 +220,6 @@ def memory_node(arena_bytes: int, cpu: int | None = None, token: str | None = No
   import secrets
   from tinyhet.runtime.memory_node import MemoryNodeProcess
   return MemoryNodeProcess(token or secrets.token_hex(16), "bench-receiver", arena_bytes=arena_bytes,
-                           preexec_fn=None if cpu is None else (lambda: pin(cpu)))
+                           preexec_fn=None if cpu is None else (lambda: pin(cpu)), extra=("--transport", "verbs"))   # serves verbs too
 
 if __name__ == "__main__": sys.exit(main())

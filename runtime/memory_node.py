@@ -1,8 +1,9 @@
 """A process that owns an arena, exposes regions of it and answers questions about their bytes: the far end of the
 transport tests and of `tinyhet bench transfer`. It speaks JSON lines on stdin/stdout:
 
-  start: prints {"address": "host:port", "pid": N, "node": NAME}
+  start: prints {"address": "host:port", "pid": N, "node": NAME, "public_key": HEX}
   {"cmd": "expose", "nbytes": N}                          -> {"desc": HEX, "region": I}
+        optional "owner": NAME, "allowed": [[offset, nbytes], ...], "access": "rw" | "read" | "write" (a grant, Endpoint.expose)
   {"cmd": "fill", "region": I, "seed": S}                 -> {}            (deterministic random bytes)
   {"cmd": "sha", "region": I, "offset": O, "nbytes": N}   -> {"sha": HEX}
   {"cmd": "notices", "count": K, "timeout": T}            -> {"notices": [[peer, value, nbytes], ...]} or {"error": ...}
@@ -34,10 +35,16 @@ def main(argv=None):
   ap.add_argument("--rdma-device", default="", help="verbs: RDMA device to serve on (empty: the first with an active port)")
   ap.add_argument("--rdma-port", type=int, default=1, help="verbs: port number on that device")
   ap.add_argument("--rdma-gid-index", type=int, default=-1, help="verbs: source GID index on RoCE (-1: auto)")
+  ap.add_argument("--key-file", default="", help="this node's Ed25519 private key (PEM); default: a new key pair")
+  ap.add_argument("--peer-key", action="append", default=[], metavar="NAME=HEX", help="bind a peer name to its public key (repeatable)")
+  ap.add_argument("--transport", default="auto", help="what this node serves beyond tcp and shm: verbs only when this is verbs")
   args = ap.parse_args(argv)
-  try: settings = TransportSettings(token=args.token, rdma_device=args.rdma_device, rdma_port=args.rdma_port, rdma_gid_index=args.rdma_gid_index)
+  try:
+    peer_keys = dict(k.split("=", 1) for k in args.peer_key)
+    settings = TransportSettings(token=args.token, rdma_device=args.rdma_device, rdma_port=args.rdma_port, rdma_gid_index=args.rdma_gid_index,
+                                 key_file=args.key_file, peer_keys=peer_keys, transport=args.transport)
+    ep = Endpoint(args.name, settings=settings)
   except ValueError as e: ap.error(str(e))
-  ep = Endpoint(args.name, settings=settings)
   if args.handshake_timeout is not None: ep.handshake_timeout = args.handshake_timeout
   if args.max_unauthenticated is not None: ep.max_unauthenticated = args.max_unauthenticated
   arena = Arena(args.arena_bytes, args.name, hugepages=False)
@@ -50,14 +57,15 @@ def main(argv=None):
   if args.spare_address_space is not None:      # new threads' stacks stop fitting: "can't start new thread"
     mapped = next(int(x.split()[1]) << 10 for x in open("/proc/self/status") if x.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (mapped + args.spare_address_space, resource.getrlimit(resource.RLIMIT_AS)[1]))
-  out.write(json.dumps({"address": address, "node": ep.name, "pid": __import__("os").getpid()}) + "\n")
+  out.write(json.dumps({"address": address, "node": ep.name, "pid": __import__("os").getpid(), "public_key": ep.identity.public}) + "\n")
   out.flush()
   for line in sys.stdin:
     req = json.loads(line)
     try:
       if req["cmd"] == "expose":
         regions.append(arena.alloc(req["nbytes"], align=4096))
-        reply = {"desc": ep.expose(regions[-1]).to_hex(), "region": len(regions) - 1}
+        allowed = [tuple(a) for a in req["allowed"]] if req.get("allowed") is not None else None
+        reply = {"desc": ep.expose(regions[-1], req.get("owner"), allowed, req.get("access", "rw")).to_hex(), "region": len(regions) - 1}
       elif req["cmd"] == "fill":
         fill(regions[req["region"]].view(), req["seed"])
         reply = {}
@@ -85,7 +93,7 @@ class MemoryNodeProcess:
     line = self.proc.stdout.readline()
     if not line: raise RuntimeError(f"memory node did not start (exit {self.proc.wait()})")
     info = json.loads(line)
-    self.address, self.node, self.pid = info["address"], info["node"], info["pid"]
+    self.address, self.node, self.pid, self.public_key = info["address"], info["node"], info["pid"], info["public_key"]
 
   def ask(self, **req) -> dict:
     self.proc.stdin.write(json.dumps(req) + "\n")
@@ -93,9 +101,10 @@ class MemoryNodeProcess:
     if "error" in reply: raise RuntimeError(f"memory node: {reply['error']}")
     return reply
 
-  def expose(self, nbytes: int):
+  def expose(self, nbytes: int, **grant):
+    """A new region of nbytes, exposed (grant: owner, allowed, access as Endpoint.expose takes them): (descriptor, index)."""
     from tinyhet.runtime.descriptor import RegionDescriptor
-    r = self.ask(cmd="expose", nbytes=nbytes)
+    r = self.ask(cmd="expose", nbytes=nbytes, **grant)
     return RegionDescriptor.from_hex(r["desc"]), r["region"]
 
   def sha(self, region: int, offset: int = 0, nbytes: int | None = None) -> str:

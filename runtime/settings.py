@@ -3,9 +3,10 @@ environment of its own. tinyhet.config fills these fields (defaults < tinyhet.to
 them with the same rules, so a bad value is reported once, in the same words, whichever layer meets it first."""
 from __future__ import annotations
 import dataclasses, re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TRANSPORTS = ("auto", "verbs", "tcp", "shm")
+PUBLIC_KEY = re.compile(r"[0-9a-f]{64}")      # an Ed25519 public key as peer_keys names it (tinyhet.runtime.identity)
 
 # field -> (check, what a good value is); the message reads "<field> = <value> <what>"
 RULES = {
@@ -17,6 +18,10 @@ RULES = {
   "rdma_port": (lambda v: isinstance(v, int) and 1 <= v <= 255, "must be a port number between 1 and 255 (see `ibv_devinfo`)"),
   "rdma_gid_index": (lambda v: isinstance(v, int) and -1 <= v <= 255,
                      "must be -1 (auto) or a GID table index between 0 and 255 (see `show_gids` or /sys/class/infiniband/DEV/ports/N/gids)"),
+  "key_file": (lambda v: isinstance(v, str), "must be a path (a string)"),
+  "peer_keys": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and 0 < len(k.encode()) <= 200 and isinstance(x, str)
+                                                      and PUBLIC_KEY.fullmatch(x) for k, x in v.items()),
+                "must map node names to public keys (64 hex digits each, as `tinyhet keygen` prints)"),
 }
 
 def problem(name: str, value) -> str | None:
@@ -32,6 +37,8 @@ class TransportSettings:
   rdma_device: str = ""       # verbs: RDMA device name (ibv_devices); empty = the first with an active port
   rdma_port: int = 1          # verbs: port number on that device (1-based, as ibv_devinfo shows it)
   rdma_gid_index: int = -1    # verbs: source GID index on RoCE; -1 = auto (RoCE v2, IPv4-mapped first)
+  key_file: str = ""          # this node's Ed25519 private key (PEM); empty = a new key pair per endpoint (its name bound to nothing)
+  peer_keys: dict = field(default_factory=dict)   # node name -> public key (hex): that name is refused to any other key
 
   def __post_init__(self):
     for f in dataclasses.fields(self):

@@ -3,7 +3,8 @@ one memcpy into the destination. The unix socket carries only control: ARENA fra
 receiver, COMMIT frames (notifications, sent after the copy is done) from the writer.
 
 The writer checks every span against the descriptor it was given and the arena it maps; the receiver cannot check a
-one-sided copy, which is why only peers that proved the shared token get the memfds. Such a peer can write anywhere in
+one-sided copy, which is why only peers that proved the shared token and their name, and that run as this process's
+user (SO_PEERCRED on the unix socket: such a process could read this one's memory anyway), get the memfds. Such a peer can write anywhere in
 the arenas it maps: a reservation's narrowed descriptor is advice to a correct writer, not a fence against a hostile one.
 The receiver counts its open shm connections per peer (Endpoint.one_sided) so that it knows when a peer's copies can
 no longer land (its connections are closed).
@@ -34,7 +35,10 @@ class Link:
     try:
       sock.settimeout(10)
       sock.connect(hello["unix"])
-      ep.client_auth(sock, ep.recv_hello(sock, address), "shm")
+      unix_hello = ep.recv_hello(sock, address)
+      if (unix_hello["node"], unix_hello["key"]) != (hello["node"], hello["key"]):    # another process listening under that name
+        raise TransportError(f"the shared-memory socket of {hello['node']} is held by {unix_hello['node']!r} under another key: refused")
+      ep.client_auth(sock, unix_hello, "shm")
       sock.settimeout(None)
     except OSError as e:
       sock.close()

@@ -11,26 +11,37 @@ can use). A peer connects and moves bytes with a few flat calls:
 
 A write is one-sided: the receiver's code does not take part (tcp's receiving thread lands bytes straight into the
 registered region after checking its bounds). Neighbouring spans coalesce; spans over a transport's message limit split.
-`auto` picks shm when the peer shares this host (and network namespace), verbs when both nodes have an RDMA device,
-tcp otherwise. What a transfer is made of (Span, Piece, Transfer, Notice, the errors) is in transfer.py; its names are
-importable from this module as well.
+`auto` picks shm when the peer shares this host (and network namespace) and runs as the same user, verbs when the peer
+serves it (a node serves verbs only when its own transport setting is "verbs": a verbs peer reaches whole arenas), tcp
+otherwise. Who a peer is: every handshake proves the shared token and, by a signature, the node's name (identity.py);
+guarantees() says in words what each served transport can and cannot enforce. What a transfer is made of (Span, Piece,
+Transfer, Notice, the errors) is in transfer.py; its names are importable from this module as well.
 """
 from __future__ import annotations
-import errno, importlib, itertools, os, queue, secrets, socket, threading, time
+import errno, importlib, os, queue, secrets, socket, struct, threading, time
 from collections import Counter
 from dataclasses import dataclass
 from tinyhet.runtime.arena import Arena, Region
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.exposure import Exposure, Landings
 from tinyhet.runtime import wire
+from tinyhet.runtime.identity import Identity, Names, transcript, verify
 from tinyhet.runtime.settings import TRANSPORTS, TransportSettings
 # the data of a transfer lives in transfer.py; its names are importable from here too, as callers always have
 from tinyhet.runtime.transfer import (Notice, Piece, Span, Transfer, TransportError, TransportUnavailable, coalesce,  # noqa: F401
                                       local_view, split, to_pieces)
 
 HANDSHAKE_TIMEOUT = 10.0      # one deadline for a whole server-side handshake (a client trickling bytes is dropped at it)
+MAX_NAME_BYTES = 200         # a node name in a handshake
 MAX_UNAUTHENTICATED = 64      # connections still in their handshake; more are closed at once so that they cannot use up the fds
 ACCEPT_BACKOFF = (0.01, 1.0)  # seconds the accept loop sleeps after EMFILE / no thread (doubling up to the maximum), then retries
+KEEPALIVE = (10, 5, 3)        # idle s, probe interval s, probes: a peer gone without a FIN frees its name within ~25 s (identity.Names)
+
+def keep_alive(sock: socket.socket):
+  sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+  for opt, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE):
+    if hasattr(socket, opt): sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
 @dataclass
 class Peer:
@@ -39,6 +50,7 @@ class Peer:
   address: str
   transport: str
   link: object
+  key: str = ""              # the public key it proved its name with at the handshake
   def close(self): self.link.close()
 
 def transport_module(name: str):
@@ -57,13 +69,16 @@ class Endpoint:
   settings: a TransportSettings, or any object with its fields (tinyhet passes its whole Config, read from tinyhet.toml
   and TINYHET_* variables, and this layer takes only its part); config= is the same argument under the name tinyhet's
   callers have always used. Without either, the defaults: this layer reads no file and no environment, so a caller that
-  wants the user's configuration passes it. token, when given, wins over the settings' token; with neither, a random one."""
-  def __init__(self, name: str | None = None, token: str | None = None, settings=None, config=None):
+  wants the user's configuration passes it. token, when given, wins over the settings' token; with neither, a random one.
+  identity: this node's key pair (default: settings.key_file's, else a new one); its name proves itself with it."""
+  def __init__(self, name: str | None = None, token: str | None = None, settings=None, config=None, identity: Identity | None = None):
     if settings is not None and config is not None: raise TypeError("Endpoint takes settings or config, not both")
     self.settings = TransportSettings.of(settings if settings is not None else config)
     self.name = name or f"{socket.gethostname()}-{os.getpid()}"
     self.token = token or self.settings.token or secrets.token_hex(16)
     self.host = wire.host_id()
+    self.identity = identity or (Identity.load(self.settings.key_file) if self.settings.key_file else Identity.generate())
+    self.names = Names(self.settings.peer_keys, (self.name, self.identity.public))   # peer name -> the key holding it now
     self.arenas: dict[int, Arena] = {}
     self.exposed: dict[int, Region] = {}
     self.exposed_views: dict[int, Exposure] = {}       # region id -> its bytes and who may write where, for the receive path
@@ -76,13 +91,14 @@ class Endpoint:
     self.closed = False
     self.address: str | None = None
     self.unix_name: str | None = None
-    self._region_ids = itertools.count(1)
     self._threads: list[threading.Thread] = []
     self._sockets: set[socket.socket] = set()
     self._peers: list[Peer] = []
     self._listeners: list[socket.socket] = []
     self.verbs = None                     # tinyhet.runtime.verbs.Device when this node has an RDMA device
     self.transports = [t for t, why in available_transports(self.settings).items() if why is None]
+    # what this endpoint serves to peers: verbs only when asked for by name, since a verbs peer reaches whole arenas
+    self.served = [t for t in self.transports if t != "verbs" or self.settings.transport == "verbs"]
     if "verbs" in self.transports: self.verbs = transport_module("verbs").Device.open(self.settings)
     self.shm_listeners: list = []         # shm peers served by this endpoint, told about arenas registered later
     self.tcp_sessions: dict = {}          # (peer, session id) -> tinyhet.runtime.tcp.Session
@@ -107,11 +123,11 @@ class Endpoint:
     self.register(region.arena)
     exposure = Exposure(region.view(), owner, allowed, access)
     with self.lock:
-      region_id = next(self._region_ids)
+      while (region_id := secrets.randbits(63)) in self.exposed or region_id == 0: pass    # not guessable from another peer's ids
       self.exposed[region_id] = region
       self.exposed_views[region_id] = exposure
     rkey = self.verbs.rkey(region.arena) if self.verbs is not None else 0
-    return RegionDescriptor(self.name, region_id, region.addr, rkey, 0, region.nbytes, frozenset(self.transports))
+    return RegionDescriptor(self.name, region_id, region.addr, rkey, 0, region.nbytes, frozenset(self.served))
 
   def withdraw(self, desc: RegionDescriptor):
     """Stop serving a region (before freeing it): later writes to it are refused, and writes already landing in it (tcp)
@@ -169,7 +185,7 @@ class Endpoint:
     except BaseException:
       sock.close()
       raise
-    peer = Peer(hello["node"], address, chosen, link)
+    peer = Peer(hello["node"], address, chosen, link, hello["key"])     # a name and key the server proved (client_auth)
     with self.lock: self._peers.append(peer)
     return peer
 
@@ -182,9 +198,10 @@ class Endpoint:
     return sock
 
   def recv_hello(self, sock: socket.socket, address: str) -> dict:
-    """The server's first message, checked: its node name, nonce, host and transports."""
+    """The server's first message, checked: its node name, nonce, key, host and transports."""
     hello = wire.recv_json(sock)
-    if hello.get("tinyhet") != wire.PROTOCOL or not isinstance(hello.get("node"), str) or not isinstance(hello.get("nonce"), str):
+    if hello.get("tinyhet") != wire.PROTOCOL or not isinstance(hello.get("node"), str) or not isinstance(hello.get("nonce"), str) \
+       or not isinstance(hello.get("key"), str):
       raise TransportError(f"{address} is not a tinyhet node speaking protocol {wire.PROTOCOL} (got {str(hello)[:100]!r})")
     return hello
 
@@ -201,7 +218,8 @@ class Endpoint:
     return sock, hello
 
   def _choose(self, wanted: str, hello: dict, address: str) -> str:
-    theirs, same_host = set(hello.get("transports") or []), hello.get("host") == self.host and bool(hello.get("unix"))
+    theirs = set(hello.get("transports") or [])
+    same_host = hello.get("host") == self.host and bool(hello.get("unix")) and hello.get("uid") == os.geteuid()   # shm: same user too
     if wanted == "auto":      # a peer on this host shares memory: one memcpy beats a trip through the NIC
       if same_host and "shm" in self.transports and "shm" in theirs: return "shm"
       return "verbs" if "verbs" in self.transports and "verbs" in theirs else "tcp"
@@ -210,22 +228,54 @@ class Endpoint:
     if wanted not in theirs:
       raise TransportUnavailable(f"{hello['node']} at {address} does not offer {wanted} (it offers {', '.join(sorted(theirs))})")
     if wanted == "shm" and not same_host:
-      raise TransportUnavailable(f"{hello['node']} at {address} is on another host or network namespace: shm needs the same host; use tcp")
+      raise TransportUnavailable(f"{hello['node']} at {address} is on another host or network namespace, or runs as another user: "
+                                 "shm needs the same host and user; use tcp")
     return wanted
 
   def client_auth(self, sock: socket.socket, hello: dict, transport: str, **extra) -> dict:
-    """Prove the token to the server, check the server's proof, return the server's OK message."""
-    nonce = wire.new_nonce()
-    wire.send_json(sock, {"node": self.name, "transport": transport, "nonce": nonce,
-                          "proof": wire.proof(self.token, hello["nonce"], "client", self.name), **extra})
+    """Prove the token and this node's name to the server, check the server's proofs of both, return its OK message."""
+    auth = auth_message(self.identity, self.token, self.name, hello, transport, **extra)
+    wire.send_json(sock, auth)
     ok = wire.recv_json(sock)
-    if "error" in ok: raise TransportError(f"{hello['node']} refused the connection: {ok['error']}")
-    if not wire.check_proof(self.token, nonce, "server", hello["node"], ok.get("proof")):
-      raise TransportError(f"{hello['node']} did not prove the shared token: check TINYHET_TOKEN on both nodes")
+    node, key = hello["node"], hello["key"]
+    if "error" in ok: raise TransportError(f"{node} refused the connection: {ok['error']}")
+    if not wire.check_proof(self.token, auth["nonce"], "server", node, ok.get("proof")):
+      raise TransportError(f"{node} did not prove the shared token: check TINYHET_TOKEN on both nodes")
+    if not verify(key, transcript("server", node, key, self.name, auth["nonce"], ""), ok.get("sig")):
+      raise TransportError(f"{node} did not prove its name: it signed nothing with the key it presented")
+    if (bound := self.settings.peer_keys.get(node)) is not None and bound != key:
+      raise TransportError(f"the node answering as {node!r} holds another key than the one peer_keys binds to that name: refused")
     return ok
 
   def server_ok(self, sock: socket.socket, auth: dict, **extra):
-    wire.send_json(sock, {"proof": wire.proof(self.token, auth["nonce"], "server", self.name), **extra})
+    sig = self.identity.sign(transcript("server", self.name, self.identity.public, auth["node"], auth["nonce"], ""))
+    wire.send_json(sock, {"proof": wire.proof(self.token, auth["nonce"], "server", self.name), "sig": sig, **extra})
+
+  def _check_auth(self, auth: dict, nonce: str, unix_sock: socket.socket | None) -> str | None:
+    """Why a client's handshake message is refused, or None: it must prove the token, sign this challenge with the key it
+    presents, use a name that key may hold (Names.claim, which then holds it), and for shm run as this process's user."""
+    peer, key = auth.get("node"), auth.get("key")
+    if not isinstance(peer, str) or not 0 < len(peer.encode()) <= MAX_NAME_BYTES or not isinstance(auth.get("nonce"), str) \
+       or not wire.check_proof(self.token, nonce, "client", peer, auth.get("proof")):
+      return "authentication failed: the peer did not prove the shared token (TINYHET_TOKEN)"
+    transport = auth.get("transport")
+    if not isinstance(key, str) or not verify(key, transcript("client", peer, key, self.name, nonce, auth["nonce"], str(transport)), auth.get("sig")):
+      return f"authentication failed: {peer!r} did not sign this challenge with the key it presented"
+    if unix_sock is not None and transport == "shm":       # a mapped arena is no fence: only a peer that could read this process anyway
+      _, uid, _ = struct.unpack("3i", unix_sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+      if uid != os.geteuid(): return f"shm is served to processes of user {os.geteuid()} only (the peer runs as {uid}): use tcp"
+    if (why := self.names.claim(peer, key)) is not None: return f"authentication failed: {why}"
+    return None
+
+  def guarantees(self) -> list[str]:
+    """One line per transport this endpoint serves: what it proves and enforces against a peer that proved the token."""
+    bound = sorted(n for n in self.settings.peer_keys)
+    lines = [f"identity: every peer proves the token and signs for its name; names bound to keys: {', '.join(bound) or 'none'} "
+             "(an unbound name is held by whichever key proved it first, while its connections live)"]
+    say = {"tcp": "tcp: write and read grants enforced on every frame (region, owner, blocks, access); bytes are not encrypted",
+           "shm": "shm: served only to processes of this user on this host (SO_PEERCRED); they map whole arenas, so grants are not enforced",
+           "verbs": "verbs: the peer's name is proven, but its rkey reaches whole arenas: grants are not enforced (transport = verbs chose this)"}
+    return lines + [say[t] for t in self.served]
 
   def _accept_loop(self, srv: socket.socket):
     """Accept until the endpoint closes. Running out of fds or threads is a pause, not the end: the loop backs off and
@@ -245,7 +295,7 @@ class Endpoint:
         self.unauthenticated += 1
         self._sockets.add(sock)
       try:
-        if srv.family == socket.AF_INET or srv.family == socket.AF_INET6: sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if srv.family == socket.AF_INET or srv.family == socket.AF_INET6: keep_alive(sock)
         self._spawn("tinyhet-serve", self._serve_connection, sock)
         backoff = 0.0
       except (RuntimeError, OSError):           # no thread could be started: drop this peer, retry later
@@ -263,26 +313,27 @@ class Endpoint:
   def _serve_connection(self, sock: socket.socket):
     """Handshake, then hand the connection to the transport the client asked for. A bad client only loses its connection."""
     unix = sock.family == socket.AF_UNIX
-    peer, counted = "?", [True]
+    peer, counted, holds = "?", [True], []
     try:
       deadline = time.monotonic() + self.handshake_timeout
       sock.settimeout(self.handshake_timeout)
       nonce = wire.new_nonce()
-      wire.send_json(sock, {"tinyhet": wire.PROTOCOL, "node": self.name, "host": self.host, "nonce": nonce,
-                            "transports": self.transports, "unix": self.unix_name})
+      wire.send_json(sock, {"tinyhet": wire.PROTOCOL, "node": self.name, "host": self.host, "nonce": nonce, "key": self.identity.public,
+                            "transports": self.served, "unix": self.unix_name, "uid": os.geteuid()})
       auth = wire.recv_json(sock, deadline)
-      peer, transport = auth.get("node"), auth.get("transport")
-      proven = isinstance(peer, str) and isinstance(auth.get("nonce"), str) and wire.check_proof(self.token, nonce, "client", peer, auth.get("proof"))
-      if not proven:
-        wire.send_json(sock, {"error": "authentication failed: the peer did not prove the shared token (TINYHET_TOKEN)"})
+      transport = auth.get("transport")
+      if (why := self._check_auth(auth, nonce, sock if unix else None)) is not None:
+        wire.send_json(sock, {"error": why})
         return
+      peer = auth["node"]                 # proven, and held by this connection until it closes
+      holds.append(peer)
       self._authenticated(counted)
       if transport == "ctl":
         threading.current_thread().name = f"tinyhet-ctl-serve-{peer}"
         sock.settimeout(None)
         return importlib.import_module("tinyhet.runtime.control").serve(self, sock, auth)
-      if transport not in self.transports or (transport == "shm") != unix:
-        wire.send_json(sock, {"error": f"transport {transport!r} is not served on this socket (offered: {', '.join(self.transports)})"})
+      if transport not in self.served or (transport == "shm") != unix:
+        wire.send_json(sock, {"error": f"transport {transport!r} is not served on this socket (offered: {', '.join(self.served)})"})
         return
       sock.settimeout(None)
       threading.current_thread().name = f"tinyhet-{transport}-serve-{peer}"
@@ -291,6 +342,7 @@ class Endpoint:
       if not self.closed and os.environ.get("TINYHET_DEBUG"): print(f"tinyhet: {self.name}: dropped peer {peer}: {e}")
     finally:
       self._authenticated(counted)
+      for name in holds: self.names.release(name)
       with self.lock: self._sockets.discard(sock)
       sock.close()
 
@@ -342,3 +394,10 @@ class Endpoint:
 
   def __enter__(self): return self
   def __exit__(self, *exc): self.close()
+
+def auth_message(identity: Identity, token: str, name: str, hello: dict, transport: str, **extra) -> dict:
+  """A client's handshake answer to a server's hello: the token's proof and a signature of the challenge for name."""
+  nonce = wire.new_nonce()
+  sig = identity.sign(transcript("client", name, identity.public, hello["node"], hello["nonce"], nonce, transport))
+  return {"node": name, "transport": transport, "nonce": nonce, "key": identity.public, "sig": sig,
+          "proof": wire.proof(token, hello["nonce"], "client", name), **extra}

@@ -17,8 +17,10 @@ Each link (and each served peer) has its own completion queue and one thread tha
 thread sleeps on the completion channel's fd; older pyverbs offers no fd and its blocking wait would hold the GIL, so
 there the thread polls with a backoff (spin, then sleeps growing to MAX_BACKOFF while work is outstanding).
 
-Trust: verbs writes are one-sided and unchecked by the receiver's CPU; only peers that proved the shared token get a
-queue pair connected to this node, and an rkey is useless without one. Each arena has one memory registration, so a
+Trust: what verbs proves is who connected: only peers that proved the shared token and their name (a signature,
+identity.py) get a queue pair connected to this node, and an rkey is useless without one; and a node serves verbs only
+when its own transport setting is "verbs" (Endpoint.served), since what verbs cannot prove is which peer's bytes land where.
+Verbs writes are one-sided and unchecked by the receiver's CPU. Each arena has one memory registration, so a
 connected peer holding a descriptor's rkey can write anywhere in that arena: narrowing a reservation to its own blocks
 would need a memory window or an MR per reservation, which this transport does not make (yet). The receiver counts open
 verbs connections per peer (Endpoint.one_sided): once they are closed, their queue pairs are destroyed and no write lands.

@@ -17,11 +17,17 @@ def _digest(conn):
   return {"blocks": [[hashlib.sha1(c.read_block_bytes(l, b)).hexdigest()[:16] for b in range(c.block_manager.num_blocks)]
                      for l in range(c.n_layers)], "arena_in_use": node.arena("MESH").in_use}
 node.endpoint.handle("test.digest", _digest)
+def _writer(conn, seq_id):   # who may write a reserved sequence's blocks, as the prefix cache reads it
+  return {k: decode.scheduler.incoming[seq_id].extra[k] for k in ("writer", "trusted_writer")}
+node.endpoint.handle("test.writer", _writer)
 '''
+
+TRUSTED_WRITER = "pf-trusted"       # the guarded node's trusted_writers (a name no test's writer takes unless it means to)
 
 class DecodeNodeProcess:
   def __init__(self, blocks: int = 64, bs: int = 4):
-    env = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_NODE": "guarded-decode", "TINYHET_ARENA_BYTES": "256M"}
+    env = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_NODE": "guarded-decode", "TINYHET_ARENA_BYTES": "256M",
+           "TINYHET_TRUSTED_WRITERS": TRUSTED_WRITER}
     # warmed up before it says it is ready, so that an idle node holds no block (warm-up borrows scratch blocks)
     script = DECODE_NODE.format(small=SMALL, blocks=blocks, bs=bs).replace("decode.run(stop)", DIGEST + "decode.run(stop, warm_up=False)")
     script = script.replace("print(json.dumps(", "decode.warm_up()\nprint(json.dumps(")

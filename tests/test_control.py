@@ -5,6 +5,7 @@ from tinyhet.config import load_config
 from tinyhet.runtime import wire
 from tinyhet.runtime.control import ControlClient, ControlError
 from tinyhet.runtime.transport import Endpoint, TransportError
+from transport_util import raw_auth
 
 TOKEN = "ctl-token"
 
@@ -24,8 +25,7 @@ def ep():
 def raw_ctl(address: str) -> socket.socket:
   host, _, port = address.rpartition(":")
   s = socket.create_connection((host, int(port)), timeout=10)
-  hello, nonce = wire.recv_json(s), wire.new_nonce()
-  wire.send_json(s, {"node": "raw", "transport": "ctl", "nonce": nonce, "proof": wire.proof(TOKEN, hello["nonce"], "client", "raw")})
+  wire.send_json(s, raw_auth(wire.recv_json(s), "raw", "ctl", TOKEN))
   assert "error" not in wire.recv_json(s)
   return s
 

@@ -108,7 +108,7 @@ def test_fuzzed_wire_frames_change_nothing_outside_the_senders_blocks(guarded_no
   @FUZZ
   @given(st.lists(frames(ids, r["block_bytes"], r["blocks"]), min_size=1, max_size=4))
   def run(sent):
-    s = raw_tcp_session(guarded_node.address, TOKEN, node="fuzzer")
+    s = raw_tcp_session(guarded_node.address, TOKEN, node="fuzzer", identity=fuzzer.ep.identity)
     try:
       for f in sent: s.sendall(f)
       s.settimeout(0.2)
@@ -127,7 +127,7 @@ def test_fuzzed_wire_frames_change_nothing_outside_the_senders_blocks(guarded_no
 
 def half_frame(w: Writer, r: dict):
   """A WRITE of one whole block of which only half the bytes arrive before the writer vanishes."""
-  s = raw_tcp_session(w.address, TOKEN, node=w.ep.name)
+  s = raw_tcp_session(w.address, TOKEN, node=w.ep.name, identity=w.ep.identity)
   bb = r["block_bytes"]
   s.sendall(HEADER.pack(MAGIC, wire.WRITE, wire.SINGLE | wire.NOTIFY, notice_value(r["seq_id"], 0), 1, 0, r["pools"][0].region_id,
                         r["blocks"][0] * bb, bb) + b"\x55" * (bb // 2))

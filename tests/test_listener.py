@@ -6,15 +6,14 @@ from tinyhet.config import load_config
 from tinyhet.runtime import wire
 from tinyhet.runtime.control import ControlClient
 from tinyhet.runtime.transport import Endpoint
-from transport_util import MemoryNode, TOKEN
+from transport_util import MemoryNode, TOKEN, raw_auth
 
 def raw_ctl(address: str, timeout: float) -> socket.socket:
   """An authenticated control connection, or TimeoutError when the node does not get to it in time."""
   host, _, port = address.rpartition(":")
   s = socket.create_connection((host, int(port)), timeout=timeout)
   try:
-    hello, nonce = wire.recv_json(s), wire.new_nonce()
-    wire.send_json(s, {"node": "hog", "transport": "ctl", "nonce": nonce, "proof": wire.proof(TOKEN, hello["nonce"], "client", "hog")})
+    wire.send_json(s, raw_auth(wire.recv_json(s), "hog", "ctl"))
     assert "error" not in wire.recv_json(s)
   except BaseException:
     s.close()

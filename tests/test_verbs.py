@@ -11,7 +11,7 @@ from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Endpoint, Piece, Span, TransportError, TransportUnavailable
 from tinyhet.runtime.memory_node import fill
 from tinyhet.runtime.verbs import QPInfo, SendWindow, WorkRequest, plan_work_requests, choose_gid_index, address_route, WRITE, WRITE_IMM, READ
-from transport_util import MemoryNode, TOKEN, sha
+from transport_util import MemoryNode, TOKEN, raw_auth, sha
 
 def pyverbs_or_skip():
   try: return verbs.pyverbs()
@@ -275,8 +275,7 @@ def test_endpoint_without_verbs_never_offers_it():
     sock = socket.create_connection((host, int(port)), timeout=10)
     hello = wire.recv_json(sock)
     assert "verbs" not in hello["transports"]
-    wire.send_json(sock, {"node": "raw", "transport": "verbs", "nonce": wire.new_nonce(), "proof": wire.proof(TOKEN, hello["nonce"], "client", "raw"),
-                          "verbs": GOOD})
+    wire.send_json(sock, raw_auth(hello, "raw", "verbs", verbs=GOOD))
     assert "is not served" in wire.recv_json(sock)["error"]
     sock.close()
 
@@ -292,6 +291,10 @@ def verbs_config():
   first device with an active port."""
   return load_config(env={"TINYHET_RDMA_DEVICE": rxe} if (rxe := rxe_device()) else {})
 
+def serving(cfg):
+  """A node that serves verbs: only one whose own transport setting is verbs does (Endpoint.served; the README's trust notes)."""
+  return dataclasses.replace(cfg, transport="verbs")
+
 def skip_without_verbs():
   if (reason := verbs.unavailable_reason(verbs_config())) is not None:
     pytest.skip(f"verbs is unavailable: {reason} (no Soft-RoCE device either: bench/softroce.sh adds one where the rdma_rxe module loads)")
@@ -305,7 +308,7 @@ def test_loopback_write_read_notify_and_errors(rdma):
   region, local, back = target_arena.alloc(8 << 20, 4096), writer_arena.alloc(8 << 20), writer_arena.alloc(4 << 20)
   fill(local.view(), 3)
   try:
-    with Endpoint("target", token=TOKEN, config=cfg) as target, Endpoint("writer", token=TOKEN, config=cfg) as writer:
+    with Endpoint("target", token=TOKEN, config=serving(cfg)) as target, Endpoint("writer", token=TOKEN, config=cfg) as writer:
       desc = target.expose(region)
       assert desc.rkey and "verbs" in desc.transports
       peer = writer.connect(target.listen(), "verbs")
@@ -338,7 +341,8 @@ REMOTE_BYTES = 4 << 20
 @pytest.fixture(scope="module")
 def verbs_node():
   skip_without_verbs()
-  n = MemoryNode()                  # takes the first device with an active port: under bench/softroce.sh, rxe0 (or rxe1, its peer)
+  # serves verbs (a node must ask to); takes the first device with an active port: under bench/softroce.sh, rxe0 (or rxe1, its peer)
+  n = MemoryNode(extra=("--transport", "verbs"))
   n.desc, n.region = n.expose(REMOTE_BYTES)
   n.ask(cmd="fill", region=n.region, seed=1)
   n.image = np.empty(REMOTE_BYTES, np.uint8)
@@ -385,7 +389,7 @@ def test_gpu_memory_takes_rdma_writes(rdma):
   fill(local.view(), 5)
   buf = Buffer("CUDA", 1 << 20, dtypes.uint8).ensure_allocated()
   try:
-    with Endpoint("gpu", token=TOKEN, config=cfg) as target, Endpoint("writer", token=TOKEN, config=cfg) as writer:
+    with Endpoint("gpu", token=TOKEN, config=serving(cfg)) as target, Endpoint("writer", token=TOKEN, config=cfg) as writer:
       reg = verbs.register_gpu_buffer(target.verbs, buf)
       assert reg.via in ("dma-buf", "nvidia-peermem") and reg.rkey
       desc = RegionDescriptor("gpu", 1, reg.addr, reg.rkey, 0, reg.nbytes, frozenset({"verbs"}))

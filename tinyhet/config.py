@@ -11,7 +11,12 @@ File: the path in TINYHET_CONFIG, else ./tinyhet.toml if it exists. Keys are the
 Environment variables override the file: TINYHET_NODE, HET_BACKEND, TINYHET_ARENA_BYTES, TINYHET_HUGEPAGES, TINYHET_TRANSPORT, TINYHET_TOKEN,
 TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE,
 TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS, TINYHET_STAGING_BUFFERS, TINYHET_PREFILL_BUDGET,
-TINYHET_WARM_UP.
+TINYHET_WARM_UP, TINYHET_KEY_FILE, TINYHET_PEER_KEYS ("name=hex,..."), TINYHET_TRUSTED_WRITERS ("name,name2"; empty: none), TINYHET_CLUSTER.
+
+Identity (tinyhet.runtime.identity): key_file is this node's Ed25519 private key (`tinyhet keygen --out F`); peer_keys binds
+node names to public keys, so a name is refused to every other key. cluster names a cluster file whose [nodes.NAME]
+tables give `public_key = "hex"` (merged under peer_keys, which win) and `role`: its prefill and both nodes are the
+default trusted_writers, the peers whose KV a decode node may cache and share (without a cluster file: none).
 
 RDMA (the verbs transport): rdma_device names the device as `ibv_devices` lists it (e.g. "mlx5_0"); empty takes the first
 device whose port rdma_port is ACTIVE. rdma_gid_index picks the source GID on RoCE; -1 chooses one (a RoCE v2 GID,
@@ -49,6 +54,10 @@ class Config:
   numa: str = "off"                      # off | interleave: the arenas' pages alternate over the nodes | replicate: weights per node
   prefill_chunk: int = 512               # a prompt longer than this is prefilled in chunks of this many tokens (tiled attention)
   staging_buffers: int = 2               # host buffers a GPU's packed layers leave through, copied asynchronously; 0 = copy on the prefill thread
+  key_file: str = ""                     # this node's Ed25519 private key (PEM, owner-only); empty = a new key pair per process
+  peer_keys: dict[str, str] = field(default_factory=dict)   # node name -> public key (hex): the name is refused to any other key
+  trusted_writers: tuple[str, ...] | None = None   # peers whose written KV a decode node may cache; None = the cluster file's prefill nodes
+  cluster: str = ""                      # a cluster file: its nodes' public_key entries and prefill roles (see above)
   prefill_budget: int = 16               # prompt tokens a step prefills at most while sequences decode (stall-free; see Scheduler.schedule_step)
   warm_up: str = "background"            # background: a node builds every capture while idle | before: before it says ready | off
 
@@ -104,6 +113,11 @@ def validate(cfg: Config, source: str):
   if not isinstance(cfg.staging_buffers, int) or not 0 <= cfg.staging_buffers <= 64:
     bad("staging_buffers", "must be between 0 (copy each layer on the prefill thread) and 64")
   check("rdma_gid_index")
+  check("key_file")
+  check("peer_keys")
+  if cfg.trusted_writers is not None and (not isinstance(cfg.trusted_writers, tuple)
+                                          or not all(isinstance(n, str) and 0 < len(n.encode()) <= 200 for n in cfg.trusted_writers)):
+    bad("trusted_writers", "must be a list of node names")
   if not isinstance(cfg.prefill_budget, int) or not 1 <= cfg.prefill_budget <= 65536: bad("prefill_budget", "must be between 1 and 65536 tokens")
   if cfg.warm_up not in WARM_UP_MODES: bad("warm_up", f"is not one of {', '.join(WARM_UP_MODES)}")
 
@@ -126,9 +140,40 @@ _PARSERS = {
   "prefill_chunk": ("TINYHET_PREFILL_CHUNK", lambda v, w: _int(v, w)),
   "numa": ("TINYHET_NUMA", lambda v, w: str(v)),
   "staging_buffers": ("TINYHET_STAGING_BUFFERS", lambda v, w: _int(v, w)),
+  "key_file": ("TINYHET_KEY_FILE", lambda v, w: str(v)),
+  "peer_keys": ("TINYHET_PEER_KEYS", lambda v, w: parse_keys(v, w)),
+  "trusted_writers": ("TINYHET_TRUSTED_WRITERS", lambda v, w: parse_names(v, w)),
+  "cluster": ("TINYHET_CLUSTER", lambda v, w: str(v)),
   "prefill_budget": ("TINYHET_PREFILL_BUDGET", lambda v, w: _int(v, w)),
   "warm_up": ("TINYHET_WARM_UP", lambda v, w: str(v).lower()),
 }
+
+def parse_keys(text: str | dict, what: str) -> dict[str, str]:
+  """'name=hex,name2=hex' or a TOML table -> {name: public key}; checked by validate."""
+  if isinstance(text, dict): return {str(k): v for k, v in text.items()}
+  items = [p.split("=", 1) for p in str(text).split(",") if p.strip()]
+  if any(len(i) != 2 for i in items): raise ConfigError(f"{what}: {text!r} is not name=public_key,name2=public_key")
+  return {k.strip(): v.strip() for k, v in items}
+
+def parse_names(text: str | list, what: str) -> tuple[str, ...]:
+  if isinstance(text, list) and all(isinstance(n, str) for n in text): return tuple(text)
+  if isinstance(text, str): return tuple(n.strip() for n in text.split(",") if n.strip())
+  raise ConfigError(f"{what}: {text!r} is not a list of node names")
+
+def cluster_identity(path: str) -> tuple[dict[str, str], tuple[str, ...]]:
+  """A cluster file's bindings (node name -> public_key) and its prefill/both nodes' names (the default trusted writers).
+  Only these keys are read here; tinyhet.planner.cluster_file checks the rest of the file."""
+  try: nodes = tomllib.loads(pathlib.Path(path).read_text()).get("nodes") or {}
+  except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e: raise ConfigError(f"cluster file {path}: {e}") from None
+  keys, writers = {}, []
+  for name, spec in nodes.items() if isinstance(nodes, dict) else ():
+    if not isinstance(spec, dict): continue
+    if "public_key" in spec:
+      if (why := transport_problem("peer_keys", {name: spec["public_key"]})) is not None:
+        raise ConfigError(f"cluster file {path}: nodes.{name}.public_key = {spec['public_key']!r}: {why}")
+      keys[name] = spec["public_key"]
+    if spec.get("role") in ("prefill", "both"): writers.append(name)
+  return keys, tuple(writers)
 
 def _int(v, what) -> int:
   try: return int(v)
@@ -159,6 +204,10 @@ def load_config(path: str | pathlib.Path | None = None, env: dict[str, str] | No
   for key, value in overrides.items():
     if key not in _PARSERS: raise ConfigError(f"unknown option {key!r} (known: {', '.join(_PARSERS)})")
     if value is not None: values[key], sources[key] = value, "argument"
+  if values.get("cluster"):         # its keys under this node's own peer_keys; its prefill nodes, unless trusted_writers names them
+    keys, writers = cluster_identity(values["cluster"])
+    values["peer_keys"] = {**keys, **values.get("peer_keys", {})}
+    values.setdefault("trusted_writers", writers)
   try: return Config(**values)
   except TypeError as e: raise ConfigError(str(e)) from None
   except ConfigError as e:          # name where the bad value came from (a file, an environment variable)

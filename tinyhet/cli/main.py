@@ -9,6 +9,7 @@ COMMANDS = {
   "plan": ("tinyhet.cli.plan", "predict TTFT / time per token / throughput and choose where prefill and decode run"),
   "bench": ("tinyhet.bench", "benchmarks against a baseline from the same run: transfer, kv, e2e, serve, ..."),
   "info": ("tinyhet.cli.info", "show the configuration, devices and transports available on this machine"),
+  "keygen": ("tinyhet.cli.keygen", "a new key pair for a node: the private key to a file, the public key printed (peer identity)"),
 }
 
 def usage() -> str:

@@ -96,6 +96,7 @@ def serve(args, stop: threading.Event) -> int:
   extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
   try:
     address = node.serve(host, int(port))
+    say_guarantees(node, decode.trusted_writers, args.quiet or args.stdin_stop)   # a parent-owned node: its parent's config
     # capture the decode step before saying ready: a client's first request (and its TTFT) must not share the CPU with it
     decode.warm_up()
     if cfg.warm_up != "off":       # every other capture: before saying ready, or on the batching thread while it is idle
@@ -123,6 +124,17 @@ def warm_report(quiet: bool):
     print(f"tinyhet node: warm-up took {status['seconds']:.1f} s: {status['captures']} captures for {status['of']} buckets{cold}",
           file=sys.stderr, flush=True)
   return report
+
+def say_guarantees(node, trusted_writers, quiet: bool):
+  """On stderr at start: what this node's transports prove and enforce (Endpoint.guarantees), its public key, and which
+  trusted writers have no key bound to their name (a token holder can take such a name while its node is not connected)."""
+  if quiet: return
+  ep = node.endpoint
+  lines = [f"public key {ep.identity.public} ({ep.identity.source})", *ep.guarantees()]
+  if trusted_writers: lines.append(f"trusted prefill writers (their KV may be cached and shared): {', '.join(sorted(trusted_writers))}")
+  if (unbound := sorted(set(trusted_writers) - set(node.config.peer_keys))):
+    lines.append(f"warning: trusted writers without a public key in peer_keys or the cluster file: {', '.join(unbound)}")
+  for line in lines: print(f"tinyhet node {node.name}: {line}", file=sys.stderr, flush=True)
 
 def start(model_path, kv_bytes: int, max_context: int | None, quiet: bool, packed: bool = True):
   """Size MESH's arena for the weights, the KV pool and activations, then load the model onto MESH."""
@@ -165,6 +177,7 @@ def main_prefill(args) -> int:
   except OSError as e:
     print(f"tinyhet node: cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port", file=sys.stderr)
     return 2
+  say_guarantees(node, (), args.quiet or args.stdin_stop)
   print(json.dumps({"address": address, "node": node.name, "model": model_id, "role": "prefill", "transports": node.endpoint.transports}), flush=True)
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())

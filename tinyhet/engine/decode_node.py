@@ -4,12 +4,15 @@ requests a prefill node uses to hand it a sequence.
 A sequence arrives in three steps, each a control request (tinyhet.runtime.control):
   decode.reserve   prompt ids, max_new_tokens -> a sequence id, its block table and per-layer pool descriptors of its own
                    (tcp lets only the writer write, and only into these blocks; the writer is the reserving peer, or the node
-                   named by `writer`, as a router names its prefill node). With use_cache, a prefix-cache hit's shared
-                   blocks (prefix_blocks) come with read-only descriptors (read_pools) for the same peer, so it can pull
-                   them until the sequence leaves; the write descriptors cover the suffix only. The blocks are held (admission
-                   waits while the pool is full); the prefill node writes each layer's packed K, V straight into them with
-                   one transport write per layer or per chunk of a layer, each with a notice (tinyhet.kv.notices: sequence,
-                   layer, piece, last; counted only from the writer).
+                   named by `writer`, as a router names its prefill node: a name its handshake proved, never one it claimed).
+                   The reply's `grant` is this node's signature of what it granted (tinyhet.kv.grants), which the writer
+                   checks against the prompt it is asked to prefill. The sequence keeps the writer's name (extra["writer"])
+                   and whether this node's configuration trusts it as a prefill writer (extra["trusted_writer"]).
+                   With use_cache, a prefix-cache hit's shared blocks (prefix_blocks) come with read-only descriptors
+                   (read_pools) for the same peer, so it can pull them until the sequence leaves; the write descriptors
+                   cover the suffix only. The blocks are held (admission waits while the pool is full); the prefill node
+                   writes each layer's packed K, V straight into them with one transport write per layer or per chunk of a
+                   layer, each with a notice (tinyhet.kv.notices: sequence, layer, piece, last; counted only from the writer).
   decode.generate  the first token (sampled by the prefill node) and sampling options (the prefill node's seed: draws depend on
                    (seed, position) only, so the stream goes on where it began) -> once every layer's notice has
                    arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
@@ -26,6 +29,7 @@ from dataclasses import asdict
 import numpy as np
 from tinygrad import dtypes
 from tinyhet.device.backend import region_of
+from tinyhet.kv.grants import sign_grant
 from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, NOTICE_FORMAT, Landing, split_notice
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
@@ -86,8 +90,10 @@ class DecodeNode:
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
     self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
-    from tinyhet.config import load_config   # prefill_budget: prompt tokens a step prefills while sequences decode (Scheduler.schedule_step)
-    self.prefill_budget = load_config().prefill_budget if prefill_budget is None else prefill_budget
+    # peers whose written KV this node may vouch for (node config trusted_writers, default the cluster file's prefill nodes)
+    self.trusted_writers = frozenset(node.config.trusted_writers or ())
+    # prompt tokens a step prefills while sequences decode (Scheduler.schedule_step)
+    self.prefill_budget = node.config.prefill_budget if prefill_budget is None else prefill_budget
     self.warm, self.on_warm = None, None    # a WarmUp (engine/warm_up.py) run() builds from while idle; on_warm(status) once it is over
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release", "lookup"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
@@ -121,8 +127,11 @@ class DecodeNode:
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
     if not isinstance(use_cache, bool): raise ValueError(f"use_cache must be true or false, got {use_cache!r}")
     seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens)
-    # the peer whose writes and notices count: the reserver, or the prefill node a router names for it
-    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=conn.peer if writer is None else writer)
+    # the peer whose writes and notices count: the reserver, or the prefill node a router names for it. Names are proven
+    # (a signature at the handshake, tinyhet.runtime.identity), so a grant to one peer is refused to every other
+    owner = conn.peer if writer is None else writer
+    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=owner, writer=owner,
+                     trusted_writer=owner in self.trusted_writers)
     deadline = time.monotonic() + timeout
     with self.cond:
       try:
@@ -143,13 +152,14 @@ class DecodeNode:
     # this reservation's own descriptors: per layer the pool, open to its reserver only, at its own blocks only (tcp checks
     # both on every frame; shm and verbs cannot, see README), withdrawn when the sequence leaves. A write grant for the
     # suffix's blocks; with a hit, a read grant for the prefix's shared blocks (the prefill node pulls them: PrefixPull)
-    bb, ep, owner = self.cache.block_nbytes, self.node.endpoint, seq.extra["owner"]
+    bb, ep = self.cache.block_nbytes, self.node.endpoint
     descs = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in blocks], access="write") for r in self.pool_regions]
     reads = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in prefix], access="read") for r in self.pool_regions] if prefix else []
     seq.extra["descs"] = descs + reads
     self._attach(conn, seq)
-    return {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
-            "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
+    reply = {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
+             "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
+    return {**reply, "grant": sign_grant(ep.identity, ep.name, owner, reply, seq.token_ids)}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,
@@ -381,20 +391,12 @@ class DecodeNode:
       with self.cond: self.in_step = set()
 
   def _prefill(self, s: Sequence, first: int | None = None, end: int | None = None) -> np.ndarray | None:
-    """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
-    to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab). first, end: one
-    chunk of it (Scheduler.schedule_step), tokens first..end-1 over the K, V before them; None until the prompt's last chunk."""
-    from tinyhet.engine.prefill import prefill_logits, prefill_suffix_logits
-    from tinyhet.engine.warm_up import chunk_of
-    hit = self.cache.block_manager.cached_length(s.seq_id)
-    s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
-    # a piece of a prompt spread over steps, or a whole one past the chunk length: chunks straight into its blocks (no capture per length)
-    if first is not None and ((first, end) != (0, s.num_tokens) or s.num_tokens > chunk_of(self.model)):
-      logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, first, end)[None]
-      if end < s.num_tokens: return None
-    elif hit > 0:                                 # a prefix-cache hit: only the rest, over the cached K, V
-      logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit)[None]
-    else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id))[None]
+    """A sequence's prompt (a recomputed one's prompt and tokens so far), or tokens first..end-1 of it (a chunk: Scheduler.
+    schedule_step), into its blocks (prefill_sequence_logits). Logits (1, vocab); None until the prompt's last chunk."""
+    from tinyhet.engine.prefill import prefill_sequence_logits
+    s.extra.setdefault("cached_tokens", self.cache.block_manager.cached_length(s.seq_id))   # its first prefill's hit (not a recompute's)
+    if (logits := prefill_sequence_logits(self.model, self.cache, s.seq_id, s.token_ids, first, end)) is None: return None
+    logits = logits[None]
     with self.cond: self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
     if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):    # a submitted one's first prefill
       from tinyhet.engine.prompt_logprobs import prompt_logprobs

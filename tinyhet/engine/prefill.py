@@ -146,6 +146,19 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
     return chunked_prefill(model, np.array([token_ids[start:end]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
                            start=start, buckets=suffix_buckets(model, chunk)).numpy()[0]
 
+def prefill_sequence_logits(model: Llama, cache, seq_id: int, token_ids: list[int], first: int | None = None, end: int | None = None):
+  """A decode node's own prefill of a sequence whose blocks its cache holds: token_ids[first:end] (default: all past its
+  prefix-cache hit) over the K, V before them. A whole prompt up to the chunk length runs as a prefill node's does (captured
+  layers, each layer's K, V packed into the blocks); anything else in chunks straight into the blocks (prefill_suffix_logits:
+  the captures of the chunk lengths over the pool serve every prompt). The logits (vocab,) of token end - 1, or None while
+  end falls short of the sequence's last token (a piece of a prompt spread over steps: Scheduler.schedule_step)."""
+  from tinyhet.engine.warm_up import chunk_of
+  first = cache.block_manager.cached_length(seq_id) if first is None else first
+  end = len(token_ids) if end is None else end
+  if first == 0 and end == len(token_ids) <= chunk_of(model): return prefill_logits(model, token_ids, cache.kv_dtype, cache.layer_storer(seq_id))
+  logits = prefill_suffix_logits(model, cache, seq_id, token_ids, first, end)
+  return logits if end == len(token_ids) else None
+
 def suffix_buckets(model, chunk: int) -> tuple[int, ...]:
   """The lengths a suffix's last chunk may run at: every bucket below the chunk length, or while the model warms up the
   ready ones (tinyhet.engine.warm_up)."""

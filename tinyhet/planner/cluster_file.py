@@ -70,7 +70,9 @@ NODE = {"device": "a catalog device or one under [devices]", "count": "identical
         "memory_usable": "share of memory for weights + KV, 0..1 (default 0.9)",
         "parallel": 'how its accelerators share the model: "tensor" (default) or "pipeline"',
         # for `tinyhet serve --cluster` (tinyhet.planner.cluster_nodes checks them; the planner does not use them)
-        "role": "the node's `tinyhet node --role`: prefill, decode or both", "address": "its --listen HOST:PORT (a list with replicas)"}
+        "role": "the node's `tinyhet node --role`: prefill, decode or both", "address": "its --listen HOST:PORT (a list with replicas)",
+        # for the nodes themselves (TINYHET_CLUSTER, tinyhet.config.cluster_identity): the only key that may use this node's name
+        "public_key": "its public key (`tinyhet keygen`): peers that read this file refuse the name to any other key"}
 LINKS = {"nodes": 'the two nodes it joins, e.g. ["a", "b"]', **LINK}
 CALIBRATION = {"node": "the node measured", "model": "the model it served alone", "dtype": "dtype it ran in (default: the model's)",
                "prompt_len": "prompt tokens", "output_len": "generated tokens", "prefill_s": "measured prefill seconds",

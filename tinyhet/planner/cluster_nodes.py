@@ -5,6 +5,8 @@ started with. Two keys of a [nodes.NAME] table (tinyhet.planner.cluster_file rea
   device = "dgx-spark"
   role = "prefill"                   # prefill | decode | both: the `tinyhet node --role` it runs
   address = "10.0.0.1:7471"          # its `tinyhet node --listen` HOST:PORT; with replicas = N, a list of N addresses
+  public_key = "3b6a27bc..."         # optional: its key (`tinyhet keygen`); a node started with TINYHET_CLUSTER=FILE refuses
+                                     # this name to any other key, and trusts the prefill and both nodes' KV (trusted_writers)
 
 A node gives both keys or neither (a node without them is in the file for the planner only). Every problem raises
 ClusterFileError naming the file, the key and the fix.
@@ -16,6 +18,7 @@ one machine, a choice the file's roles have already made otherwise.)
 """
 from __future__ import annotations
 from tinyhet.planner.catalog import ClusterFileError
+from tinyhet.runtime.settings import PUBLIC_KEY
 
 ROLES = ("prefill", "decode", "both")
 
@@ -27,12 +30,18 @@ def check_address(address) -> str | None:
   if not port.isdigit() or not 0 < int(port) < 65536: return f"has port {port!r}, not one from 1 to 65535"
   return None
 
+def key_problem(key) -> str | None:
+  """Why `key` is not a public key as `tinyhet keygen` prints it, or None."""
+  return None if isinstance(key, str) and PUBLIC_KEY.fullmatch(key) else f"is {key!r}, not 64 hex digits"
+
 def serving_nodes(data: dict, source: str = "<cluster>") -> dict[str, str]:
   """address -> role for every node of a parsed cluster file (tinyhet.planner.cluster_file.read_toml) that gives its address, in the
   file's order. Checks only these keys: tinyhet.planner.cluster_file.parse_cluster checks the rest."""
   def fail(key: str, problem: str, fix: str): raise ClusterFileError(source, key, problem, fix)
   nodes, where = {}, {}
   for name, spec in (data.get("nodes") or {}).items():
+    if isinstance(spec, dict) and "public_key" in spec and (why := key_problem(spec["public_key"])):
+      fail(f"nodes.{name}.public_key", why, "paste the line `tinyhet keygen --out FILE` printed for that node's key")
     if not isinstance(spec, dict) or ("address" not in spec and "role" not in spec): continue
     key = f"nodes.{name}"
     if "role" not in spec: fail(f"{key}.role", "missing (the node has an address)", f'add role = "decode" (one of {", ".join(ROLES)})')

@@ -7,6 +7,8 @@ One control request (tinyhet.runtime.control) does the whole job:
                 GPU through staging buffers, and writes them into the reserved blocks (notification (seq_id << 8) | layer)
                 while the next layer computes; every write confirmed; the reply is the first token (sampled here), the seed it
                 was sampled with (the decode node continues the (seed, position) stream with it) and the figures.
+Before a byte is written the reservation's grant is checked (tinyhet.kv.grants): signed by the decode node this node
+connected to, for this node and this prompt, so a caller cannot aim this node's writes or pulls at another request's blocks.
 The router then sends decode.generate to the decode node on the connection that reserved. A transport error on a write
 reconnects to the decode node and resends every layer once, after prefill. A job whose caller has gone away (the router
 gave the reservation up) stops before its next write is posted, so no bytes land in blocks that may belong to another sequence by then.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import queue, select, socket, threading, time  # select.poll: select.select raises for a descriptor >= 1024
 from dataclasses import dataclass, field
 from tinygrad import Tensor, dtypes
+from tinyhet.kv.grants import check_grant
 from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
 from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible, check_prompt
 from tinyhet.engine.prefill import busy_time, prefill_first_token, prefill_pulled_logits
@@ -124,6 +127,7 @@ class PrefillNode:
     if job.caller_gone(): raise CallerGone("the router went away before this prefill started")
     r, t0 = job.reservation, time.perf_counter()
     peer, kv_dtype = self._decoder(job.decode)
+    check_grant(peer.name, peer.key, self.node.endpoint.name, r, job.prompt_ids)   # this node's writes and pulls go where the decode node said
     def still_wanted():                         # on the writer thread, before each layer's write is posted
       if job.caller_gone(): raise CallerGone("the router gave the reservation up during prefill")
     sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
