@@ -16,13 +16,15 @@ BENCHMARKS = {
   "prefix": ("tinyhet.bench.prefix", "the decode node as a KV store: a multi-turn chat through the router, prefix cache on against off"),
   "profile": ("tinyhet.bench.profile", "where a prefill and a decode step spend their time, kernel by kernel (matmuls per shape, attention, rest)"),
   "latency": ("tinyhet.bench.latency", "what a request waits for: first requests after warm-up, a fresh process, decode under prefill load"),
+  "logprobs": ("tinyhet.bench.logprobs", "a prompt's own logprobs (echo): its prefill against a plain one; loglikelihood load vs llama-cpp-python"),
   "e2e": ("tinyhet.bench.e2e", "end to end: disaggregated against --no-disagg, decode against the memory-bandwidth bound"),
 }
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   if not argv or argv[0] not in BENCHMARKS:
-    print("usage: tinyhet bench NAME [--json] [--save[=FILE]] [ARGS]\n\nbenchmarks:\n" + "".join(f"  {n:<9}{h}\n" for n, (_, h) in BENCHMARKS.items()), end="",
+    listing = "".join(f"  {n:<9}{h}\n" for n, (_, h) in BENCHMARKS.items())
+    print("usage: tinyhet bench NAME [--json] [--save[=FILE]] [ARGS]\n\nbenchmarks:\n" + listing, end="",
           file=sys.stdout if not argv or argv[0] in ("-h", "--help") else sys.stderr)
     return 0 if not argv or argv[0] in ("-h", "--help") else 2
   module = importlib.import_module(BENCHMARKS[argv[0]][0])

@@ -21,7 +21,9 @@ class TorchLlama:
     self.out = self.emb if weights.output is weights.tok_embeddings else t(weights.output)
     from tinyhet.model.layers import rope_frequencies
     from tinyhet.model.llama import LayerWeights
-    self.layers = [{f.name: t(getattr(lw, f.name)) for f in dataclasses.fields(LayerWeights)} for lw in weights.layers]
+    if cfg.qkv_bias or cfg.qk_norm: raise ValueError(f"the torch baseline runs the Llama layout, not {cfg.arch}'s q/k/v biases or q/k norms")
+    self.layers = [{f.name: t(getattr(lw, f.name)) for f in dataclasses.fields(LayerWeights) if getattr(lw, f.name) is not None}
+                   for lw in weights.layers]
     freqs = torch.from_numpy(rope_frequencies(cfg)).float()
     self.freqs_cis = torch.polar(torch.ones(max_context, len(freqs)), torch.outer(torch.arange(max_context).float(), freqs))
     shape = (batch, cfg.n_kv_heads, max_context, cfg.head_dim)

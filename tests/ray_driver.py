@@ -7,6 +7,7 @@ import http.client, json, os, signal, subprocess, sys, threading, time
 from ray.cluster_utils import Cluster
 
 SPEC, PROMPTS, N, TOKEN = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), os.environ["TINYHET_TOKEN"]
+ADMIN = os.environ["TINYHET_ADMIN_KEY"]        # the router's admin key: /admin/replicas and /ready's node list
 HOST_MEMORY = 256 << 20            # the Ray memory of each decode host: its KV pool is a quarter of it
 out: dict = {"phases": {}}
 NODE_PIDS: set[int] = set()
@@ -15,7 +16,7 @@ class Router:
   def __init__(self, address: str):
     self.host, port = address.rsplit(":", 1)
     self.port = int(port)
-  def request(self, method, path, body=None, token=TOKEN, raw=None):
+  def request(self, method, path, body=None, token=ADMIN, raw=None):
     c = http.client.HTTPConnection(self.host, self.port, timeout=120)
     try:
       headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
@@ -78,6 +79,13 @@ def alive(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f: return f.read().split(")")[-1].split()[0] != "Z"
   except OSError: return False
 
+def outlives(pids, timeout: float = 30) -> list[int]:
+  """The pids still alive after waiting up to timeout seconds for them to end (a process killed by its parent's death signal
+  ends a moment after its parent, not at once)."""
+  deadline = time.monotonic() + timeout
+  while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline: time.sleep(0.1)
+  return left
+
 t0 = time.monotonic()
 # the GPU host (head: tinyhet_prefill) and a big-memory host (tinyhet_decode)
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"tinyhet_prefill": 1}, "include_dashboard": False})
@@ -106,7 +114,7 @@ try:
   out["killed"] = join()
   new = router.wait(lambda: (r := router.replicas("decode")) and r[0]["restarts"] >= 1 and r[0]["address"] and r[0], "the restart")
   out["restart"] = {"old_pid": old["pid"], "new_pid": new["pid"], "same_host": old["node_id"] == new["node_id"], "restarts": new["restarts"],
-                    "old_node_alive": alive(old["node_pid"]), "new_address": new["address"] != old["address"],
+                    "old_node_alive": bool(outlives([old["node_pid"]])), "new_address": new["address"] != old["address"],
                     "retries": router.metric("tinyhet:request_retries_total")}
   out["phases"]["kill9"] = time.monotonic() - t
 
@@ -116,8 +124,9 @@ try:
   join = many(router, PROMPTS, N, after=(streaming := threading.Event()))
   assert streaming.wait(120), "no request streamed"
   scaled["post"] = router.request("POST", "/admin/replicas", {"decode": 2})[1]
-  time.sleep(0.5)
-  scaled["pending"] = router.request("GET", "/admin/replicas")[1]["pending"]
+  # the POST starts a reconcile on a thread of its own: wait for it to say why the new replica has no host yet
+  scaled["pending"] = router.wait(lambda: (p := router.request("GET", "/admin/replicas")[1]["pending"]).get("decode") and p,
+                                  "the pending replica", 30)
   scaled["host"] = cluster.add_node(num_cpus=1, resources={"tinyhet_decode": 1}, memory=HOST_MEMORY)      # Ray wants the main thread here
   out["scaling"] = join()
   router.wait(lambda: router.up() >= 3, "the second decode node")
@@ -141,7 +150,8 @@ try:
   out["draining"] = join()
   router.wait(lambda: not router.request("GET", "/admin/replicas")[1]["draining"], "the drain", 90)
   out["drain"] = {"decode": [r["node_id"] for r in router.replicas("decode")], "dropped_host": dropped["node_id"],
-                  "dropped_alive": alive(dropped["node_pid"]), "routed": [n["address"] for n in router.request("GET", "/ready")[1]["nodes"]],
+                  "dropped_alive": bool(outlives([dropped["node_pid"]])),
+                  "routed": [n["address"] for n in router.request("GET", "/ready")[1]["nodes"]],
                   "dropped_address": dropped["address"],
                   "dropped_work": router.metric("tinyhet:node_requests_total", node=dropped["address"]) - work_before}
   out["phases"]["drain"] = time.monotonic() - t
@@ -158,9 +168,10 @@ try:
   out["phases"]["leave"] = time.monotonic() - t
 
   # the admin endpoint's bad input: nothing changes
-  bad = [("POST", {"decode": 3}, None), ("GET", None, "wrong"), ("POST", {"decode": -1}, TOKEN), ("POST", {"decode": 0, "both": 0}, TOKEN),
-         ("POST", {"wizard": 1}, TOKEN), ("POST", {"decode": "2"}, TOKEN), ("POST", {"decode": True}, TOKEN), ("POST", [1], TOKEN),
-         ("POST", "{not json", TOKEN), ("POST", {"decode": 10**6}, TOKEN)]
+  # no key, a wrong one, the nodes' cluster token (not the admin's), a non-ASCII one (bytes, not a 500); then bad counts
+  bad = [("POST", {"decode": 3}, None), ("GET", None, "wrong"), ("POST", {"decode": 3}, TOKEN), ("GET", None, "caf\xe9"),
+         ("POST", {"decode": -1}, ADMIN), ("POST", {"decode": 0, "both": 0}, ADMIN), ("POST", {"wizard": 1}, ADMIN), ("POST", {"decode": "2"}, ADMIN),
+         ("POST", {"decode": True}, ADMIN), ("POST", [1], ADMIN), ("POST", "{not json", ADMIN), ("POST", {"decode": 10**6}, ADMIN)]
   out["admin_bad"] = [router.request(m, "/admin/replicas", b if not isinstance(b, str) else None, token=tok, raw=b if isinstance(b, str) else None)
                       for m, b, tok in bad]
   out["admin_after"] = router.request("GET", "/admin/replicas")[1]["want"]
@@ -170,7 +181,6 @@ finally:
     proc.wait(30)
   except (subprocess.TimeoutExpired, OSError): proc.kill()
   cluster.shutdown()
-  time.sleep(1)
-  out["left_running"] = [p for p in NODE_PIDS if alive(p)]          # every node process ends with its actor
+  out["left_running"] = outlives(NODE_PIDS)          # every node process ends with its actor
   out["phases"]["total"] = time.monotonic() - t0
   print(json.dumps(out))

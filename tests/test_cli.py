@@ -39,6 +39,9 @@ def test_info_json():
   (["run", "--top-p", "1.5"], {}, "--top-p must be a number in (0, 1]"),
   (["run", "--top-p", "nan"], {}, "--top-p must be a number in (0, 1]"),
   (["run", "--kv-memory", "lots"], {}, "--kv-memory: 'lots' is not a size"),
+  # the admin key is its own credential: neither the nodes' token nor an API key
+  (["serve", "--decode", "127.0.0.1:1", "--listen", "127.0.0.1:0"], {"TINYHET_ADMIN_KEY": "x"}, "TINYHET_ADMIN_KEY must differ from TINYHET_TOKEN"),
+  (["serve", "--decode", "127.0.0.1:1", "--listen", "127.0.0.1:0", "--admin-key", "k", "--api-key", "k"], {}, "must differ from every API key"),
 ])
 def test_errors_are_one_line_without_traceback(args, env, message):
   out = tinyhet(*args, env={"TINYHET_TOKEN": "x", **env})
@@ -56,6 +59,8 @@ def test_errors_are_one_line_without_traceback(args, env, message):
   (["serve", "--decode", "127.0.0.1:7470", "--queue-timeout", "nan"], "argument --queue-timeout: must be a number of seconds above 0"),
   (["serve", "--decode", "127.0.0.1:0"], "argument --decode: '127.0.0.1:0' is not host:port with a port from 1 to 65535"),
   (["run", "--seed", "-1"], "argument --seed: must be an integer from 0 to"),
+  (["serve", "--decode", "127.0.0.1:7470", "--max-body", "lots"], "--max-body: 'lots' is not a size"),
+  (["serve", "--decode", "127.0.0.1:7470", "--max-body", "2G"], "--max-body must be between 1 byte and 1G"),
 ])
 def test_numeric_options_are_refused_as_they_are_parsed(args, says):
   """Before anything loads: exit status 2 and one line naming the option and what it may be (a node with --max-seqs 0 used

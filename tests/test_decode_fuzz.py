@@ -27,7 +27,7 @@ def checker(guarded_node):
   yield w
   w.close()
 
-def assert_back_to_idle(w: Writer, within: float = 5.0):
+def assert_back_to_idle(w: Writer, within: float = 60.0):
   """Everything a request held is given back (the node frees a closed connection's sequences in the background)."""
   deadline = time.monotonic() + within
   while True:

@@ -18,7 +18,7 @@ def alice(node):
   yield w
   w.close()
 
-def settle(w: Writer, within: float = 5.0, **want) -> dict:
+def settle(w: Writer, within: float = 60.0, **want) -> dict:
   """decode.info once it shows `want` (the node frees what a closed connection held in the background)."""
   deadline = time.monotonic() + within
   while True:

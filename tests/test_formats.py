@@ -120,7 +120,7 @@ BAD_CONFIGS = [({"attention_bias": True}, "attention_bias = true"), ({"hidden_ac
                ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "beta_fast": 32}}, "rope_parameters.beta_fast"),
                ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
                ({"residual_multiplier": 0.5}, "residual_multiplier = 0.5 is not a field tinyhet knows"),
-               ({"model_type": "qwen2"}, "model_type 'qwen2'"), ({"mlp_bias": True}, "mlp_bias")]
+               ({"model_type": "phi3"}, "model_type 'phi3'"), ({"mlp_bias": True}, "mlp_bias")]
 
 @pytest.mark.parametrize("change,message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
 def test_config_fields_that_change_the_model_are_refused(change, message, tmp_path):

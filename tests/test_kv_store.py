@@ -7,11 +7,11 @@ request (no max_tokens: the whole context) on a 64 MiB pool, which admission by 
 prompt + max_tokens at once answered 400."""
 import http.client, json, time
 import pytest
-from test_service import Proc, Router
+from test_service import ADMIN, Proc, Router
 from tinyhet.model.spec import model_id
 
 class StoreRouter(Router):
-  def __init__(self, *args): Proc.__init__(self, "serve", "--listen", "127.0.0.1:0", "--model", SPEC, *args)
+  def __init__(self, *args): Proc.__init__(self, "serve", "--listen", "127.0.0.1:0", "--model", SPEC, *args, env={"TINYHET_ADMIN_KEY": ADMIN})
 
 def node(role: str, *extra, env=None) -> Proc:
   return Proc("node", "--role", role, "--listen", "127.0.0.1:0", "--model", SPEC, "--quiet", *extra, env=env)

@@ -265,30 +265,24 @@ def test_random_weights_run_and_packed_equal_their_float_copy(packed):
   assert np.isfinite(a).all() and 0.1 < np.abs(a).max() < 100 and rel(a, b) < 1e-5
 
 @pytest.mark.slow
-def test_70b_runner_smoke():
-  """examples/llama3_70b.py end to end on the Llama-3-8B shapes with one layer (the 70B shapes need ~2 GB per layer pair)."""
-  import io, contextlib, importlib.util, json, pathlib
-  spec = importlib.util.spec_from_file_location("llama3_70b", pathlib.Path(__file__).parent.parent / "examples" / "llama3_70b.py")
+def test_70b_runner_single_device_then_disaggregated():
+  """examples/llama3_70b.py end to end on the Llama-3-8B shapes with one layer (the 70B shapes need ~2 GB per layer pair):
+  the single-device path here, then the runner's default path (prefill here, decode in a second process of the script),
+  which gives the same tokens. One in-process run stands for both the smoke test and the reference (one model load fewer)."""
+  import io, contextlib, importlib.util, json, pathlib, subprocess, sys
+  script = pathlib.Path(__file__).parent.parent / "examples" / "llama3_70b.py"
+  spec = importlib.util.spec_from_file_location("llama3_70b", script)
   runner = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(runner)
-  out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    assert runner.main(["--random-weights", "--preset", "Llama-3-8B", "--layers", "1", "--prompt-tokens", "8", "--decode-tokens", "2",
-                        "--context", "4096", "--batch", "4", "--json", "--single-device"]) == 0
-  text = out.getvalue()
-  report = json.loads(text.strip().splitlines()[-1])
-  assert report["kv_bytes_per_token_all_layers"] == 2 * 32 * 8 * 128 * 2 and report["kv_bytes_for_context_and_batch"] == 128 * 1024 * 4096 * 4
-  assert len(report["tokens"]) == 3 and len(report["decode_step_s"]) == 2 and "prefill runs on HET, decode on HET" in text
-
-@pytest.mark.slow
-def test_70b_runner_disaggregated_matches_single_device():
-  """The runner's default path (prefill here, decode in a second process of the script) gives the single-device tokens."""
-  import json, pathlib, subprocess, sys
-  script = pathlib.Path(__file__).parent.parent / "examples" / "llama3_70b.py"
   common = ["--random-weights", "--preset", "Llama-3-8B", "--layers", "1", "--prompt-tokens", "8", "--decode-tokens", "3", "--context", "512",
-            "--json"]
-  runs = [subprocess.run([sys.executable, str(script), *common, *extra], capture_output=True, text=True, timeout=900)
-          for extra in ([], ["--single-device"])]
-  for r in runs: assert r.returncode == 0, r.stderr[-2000:]
-  disagg, alone = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+            "--batch", "4", "--json"]
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out): assert runner.main([*common, "--single-device"]) == 0
+  text = out.getvalue()
+  alone = json.loads(text.strip().splitlines()[-1])
+  assert alone["kv_bytes_per_token_all_layers"] == 2 * 32 * 8 * 128 * 2 and alone["kv_bytes_for_context_and_batch"] == 128 * 1024 * 512 * 4
+  assert len(alone["tokens"]) == 4 and len(alone["decode_step_s"]) == 3 and "prefill runs on HET, decode on HET" in text
+  r = subprocess.run([sys.executable, str(script), *common], capture_output=True, text=True, timeout=900)
+  assert r.returncode == 0, r.stderr[-2000:]
+  disagg = json.loads(r.stdout.strip().splitlines()[-1])
   assert disagg["tokens"] == alone["tokens"] and disagg["decode_device"].startswith("MESH") and disagg["kv_bytes_moved"] > 0

@@ -28,11 +28,12 @@ one over the `both` node."""
   finally:
     for p in procs.values(): p.stop()
 
-def call(router, method: str, path: str, body=None, headers=None) -> tuple[int, dict]:
+def call(router, method: str, path: str, body=None, headers=None, raw: bytes | None = None) -> tuple[int, dict]:
   host, port = router.address.rsplit(":", 1)
   c = http.client.HTTPConnection(host, int(port), timeout=120)
   try:
-    c.request(method, path, body=None if body is None else json.dumps(body), headers={"Content-Type": "application/json", **(headers or {})})
+    c.request(method, path, body=raw if raw is not None else None if body is None else json.dumps(body),
+              headers={"Content-Type": "application/json", **(headers or {})})
     r = c.getresponse()
     text = r.read()
     try: return r.status, json.loads(text)
@@ -70,7 +71,8 @@ def test_model_may_be_left_out(nodes, model):
 
 def started_tokens(router, before: float, timeout: float = 60) -> None:
   deadline = time.monotonic() + timeout
-  while router.metric("tinyhet:generation_tokens_total") <= before and time.monotonic() < deadline: pass
+  while router.metric("tinyhet:generation_tokens_total") <= before and time.monotonic() < deadline: time.sleep(0.02)
+  assert router.metric("tinyhet:generation_tokens_total") > before, "no token was generated"
 
 def settled(router, timeout: float = 60) -> None:
   deadline = time.monotonic() + timeout
@@ -97,7 +99,7 @@ def test_non_streaming_request_is_cancelled_while_tokens_flow(nodes, model):
   assert router.metric("tinyhet:request_success_total") == done
   assert router.metric("tinyhet:generation_tokens_total") - tokens < 240, "the request ran to its end: it was not cancelled"
   state = next(n for n in router.request("GET", "/ready")[2]["nodes"] if n["address"] == nodes["decode"].address)
-  deadline = time.monotonic() + 20
+  deadline = time.monotonic() + 60
   while state["free_blocks"] != state["kv_blocks"] and time.monotonic() < deadline:
     time.sleep(0.2)
     state = next(n for n in router.request("GET", "/ready")[2]["nodes"] if n["address"] == nodes["decode"].address)
@@ -116,18 +118,19 @@ def test_request_waiting_for_kv_room_is_cancelled_when_its_client_goes(nodes, mo
   ctl = ControlClient(ep, nodes["both"].address)
   try:
     r = ctl.call("decode.reserve", prompt_ids=prompt(4, 180), max_new_tokens=1, timeout=10)      # a 180-token prompt: all 12 blocks
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while next(n for n in router.request("GET", "/ready")[2]["nodes"])["free_blocks"] > 0 and time.monotonic() < deadline: time.sleep(0.1)
+    assert next(n for n in router.request("GET", "/ready")[2]["nodes"])["free_blocks"] == 0, "the router never saw the pool full"
     done = router.metric("tinyhet:request_success_total")
     host, port = router.address.rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=60)
     c.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt(5), "max_tokens": 8, "temperature": 0, "stream": stream}),
               headers={"Content-Type": "application/json", **auth})
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while router.metric("tinyhet:num_requests_waiting") < 1 and time.monotonic() < deadline: time.sleep(0.05)
     assert router.metric("tinyhet:num_requests_waiting") == 1
     hang_up(c)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while router.metric("tinyhet:num_requests_waiting") > 0 and time.monotonic() < deadline: time.sleep(0.05)
   finally:
     ctl.call("decode.release", seq_id=r["seq_id"], writes_done=True)
@@ -186,6 +189,17 @@ def test_logprobs_read_by_the_openai_client(nodes, model):
     assert e.text.startswith(bytes(ids).decode()) and len(e.logprobs.token_logprobs) == len(ids) + 1 and e.logprobs.token_logprobs[0] is None
     assert e.logprobs.token_logprobs[1:len(ids)] == pytest.approx([lp[i, ids[i + 1]] for i in range(len(ids) - 1)], abs=2e-2)
     assert e.logprobs.text_offset[:3] == [0, 1, 2]
+    # a 40-token prompt twice: the second finds its first two blocks cached (the prefill node computes them again rather than
+    # pull them; the `both` node prefills the prefix alone for its rows): the same logprobs, the reference's, either time
+    long = prompt(9, 40)
+    lp_long = ref_logprobs(model, long)
+    for attempt in range(2):
+      out = client.completions.create(model=model[1], prompt=long, max_tokens=1, temperature=0, logprobs=3, echo=True)
+      assert out.usage.prompt_tokens_details.cached_tokens == 32 * attempt
+      got = out.choices[0].logprobs
+      assert got.token_logprobs[0] is None and len(got.token_logprobs) == len(long) + 1
+      assert got.token_logprobs[1:len(long)] == pytest.approx([lp_long[i, long[i + 1]] for i in range(len(long) - 1)], abs=1e-3), attempt
+      assert all(max(got.top_logprobs[i].values()) == pytest.approx(lp_long[i - 1].max(), abs=1e-3) for i in range(1, len(long)))
 
 def test_sampling_options_on_the_nodes(nodes, model):
   router, ids = nodes["router"], prompt(8)
@@ -237,6 +251,53 @@ def test_stop_strings_end_the_sequence_on_the_decode_node(nodes, model):
   status, obj = call(nodes["router"], "POST", "/v1/completions", {"prompt": ids, "max_tokens": 40, "temperature": 0, "stop": [stop],
                                                                   "return_token_ids": True})
   assert status == 200 and obj["choices"][0]["finish_reason"] == "stop" and obj["choices"][0]["token_ids"] == ref[:n], obj
+  # a stop string the decode node would refuse is refused here, before a token streams (it used to fail after the first)
+  for stream in (False, True):
+    status, obj = call(nodes["router"], "POST", "/v1/completions", {"prompt": ids, "max_tokens": 4, "stop": ["x" * 201], "stream": stream})
+    assert status == 400 and obj["error"]["param"] == "stop", obj
+
+def test_ready_and_health_show_the_nodes_only_with_the_admin_key(nodes):
+  from test_service import ADMIN
+  for name in ("router", "keyed"):
+    router = nodes[name]
+    for headers in ({}, {"Authorization": f"Bearer {KEYS[0]}"}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer caf\xe9"},
+                    {"Authorization": f"Bearer {ADMIN}x"}):
+      assert call(router, "GET", "/ready", headers=headers) == (200, {"ready": True}), (name, headers)
+      assert call(router, "GET", "/health", headers=headers) == (200, {"status": "ok"}), (name, headers)
+    status, obj = call(router, "GET", "/ready", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert status == 200 and obj["ready"] and {n["address"] for n in obj["nodes"]} == set(router.nodes) - {"ray"} and \
+      all("node" in n for n in obj["nodes"] if n["up"]), obj
+  assert call(nodes["keyed"], "GET", "/v1/models", headers={"Authorization": "Bearer caf\xe9"})[0] == 401     # a non-ASCII key: no 500
+
+def send(router, head: bytes, body_parts=()) -> tuple[int, dict]:
+  """A raw HTTP/1.1 request (head without its blank line), its body sent in parts: (status, JSON reply)."""
+  host, port = router.address.rsplit(":", 1)
+  with socket.create_connection((host, int(port)), timeout=60) as s:
+    s.sendall(head + b"\r\n\r\n")
+    try:
+      for part in body_parts: s.sendall(part)
+    except (BrokenPipeError, ConnectionResetError): pass      # the server answered before the body's end, and closed
+    reply = b""
+    while (got := s.recv(1 << 16)): reply += got
+  status = int(reply.split(b" ", 2)[1])
+  return status, json.loads(reply.split(b"\r\n\r\n", 1)[1])
+
+def test_body_size_and_json_depth_limits(nodes):
+  from tinyhet.service.http_guard import MAX_BODY_BYTES, MAX_JSON_DEPTH
+  router = nodes["router"]
+  path = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+  status, obj = send(router, path + f"Content-Length: {MAX_BODY_BYTES + 1}".encode())           # said in advance: refused before it is sent
+  assert status == 413 and obj["error"]["code"] == "request_too_large" and set(obj["error"]) == {"message", "type", "param", "code"}, obj
+  over = json.dumps({"prompt": "x" * MAX_BODY_BYTES}).encode()                                   # not said: refused as it arrives
+  chunks = [b"%x\r\n%s\r\n" % (len(over[i:i + (1 << 20)]), over[i:i + (1 << 20)]) for i in range(0, len(over), 1 << 20)]
+  status, obj = send(router, path + b"Transfer-Encoding: chunked", [*chunks, b"0\r\n\r\n"])
+  assert status == 413 and obj["error"]["code"] == "request_too_large", obj
+  for depth in (MAX_JSON_DEPTH + 1, 100_000):                 # 100,000 deep: Python's parser would recurse past its limit (a 500)
+    deep = '{"prompt": [1], "max_tokens": 1, "x": ' + "[" * depth + "]" * depth + "}"
+    status, obj = call(router, "POST", "/v1/completions", headers={"Content-Length": str(len(deep))}, raw=deep.encode())
+    assert status == 400 and obj["error"]["code"] == "json_too_deep", obj
+  fine = '{"prompt": [1], "max_tokens": 1, "user": "[[[[[[", "metadata": ' + "[" * 8 + "]" * 8 + "}"   # brackets in strings do not count
+  assert call(router, "POST", "/v1/completions", raw=fine.encode())[0] == 200
 
 def test_structured_output_through_a_prefill_node(nodes):
   """Disaggregated: the prefill node draws the first token under the grammar, the decode node the rest (each builds the

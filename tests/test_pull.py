@@ -100,9 +100,12 @@ def llama():
 def test_a_prefill_over_a_pulled_prefix_gives_the_whole_prompts_logits_and_suffix_kv(pair, llama, chunk, suffix):
   """The prefix's K, V made by a real prefill, stored at scattered blocks of the holder's pools, pulled over tcp; the
   suffix's prefill over them gives the logits and K, V (suffix rows) of the whole prompt's prefill. Twice, with other
-  prompts: the second prefill reuses the first's pools (engine.prefill.pull_pools), stale blocks and all."""
+  prompts: the second prefill reuses the first's pools (engine.prefill.pull_pools), stale blocks and all. The first hands
+  the suffix's K, V out per layer (on_layer), the second as each chunk's blocks in the pools (on_chunk, as the prefill
+  node's sender takes them: blocks from the prefix's end on, one piece a chunk, no layer unpacked)."""
   from tinyhet.engine.prefill import prefill_pulled_logits
   from tinyhet.model.chunked_prefill import chunked_prefill, prompt_pools
+  from tinyhet.kernels.kv_pack import unpack_kv
   from tinyhet.model.llama import DenseKVCache
   holder, puller, peer, _, _ = pair
   cached, bs = 48, 16
@@ -117,14 +120,25 @@ def test_a_prefill_over_a_pulled_prefix_gives_the_whole_prompts_logits_and_suffi
       data = pool.numpy().reshape(3, -1).view(np.uint8)
       for i, b in enumerate(where): r.view(b * bb, bb)[:] = data[i].tobytes()
     reservation = {"prefix_blocks": where, "read_pools": grant(holder, regions, where, bb=bb), "block_bytes": bb}
-    kv = {}
+    kv, pieces = {}, {}
+    def take(l, pool, b0, b1, piece, n_pieces):                             # the blocks as they lie in the pool, read now
+      rows = [t.numpy() for t in unpack_kv(Tensor(pool.numpy()[b0:b1]), (b1 - b0) * bs, llama.cfg.head_dim)]   # K, V (n * bs, KVH, D)
+      pieces.setdefault(l, []).append((b0, b1, piece, n_pieces, rows))
+      return True
     def start(pools):
       used.append([id(p) for p in pools])
       return PrefixPull(puller, peer, reservation, pools)
     llama.prefill_chunk = chunk
     try:
-      logits, figures = prefill_pulled_logits(llama, ids, cached, bs, dtypes.float16, start, lambda l, k, v: kv.setdefault(l, (k.numpy(), v.numpy())))
+      logits, figures = prefill_pulled_logits(llama, ids, cached, bs, dtypes.float16, start, lambda l, k, v: kv.setdefault(l, (k.numpy(), v.numpy())),
+                                              take if seed != chunk else None)
     finally: llama.prefill_chunk = 0
+    if seed != chunk:                                                         # pieces, in order, from the prefix's end to the prompt's
+      assert not kv
+      for l, ps in pieces.items():
+        assert [p[:4] for p in ps] == [(3, 4, 0, 3), (4, 5, 1, 3), (5, 6, 2, 3)]
+        k, v = (np.concatenate([p[4][i] for p in ps])[:suffix] for i in (0, 1))
+        kv[l] = (k, v)
     assert figures["pulled_bytes"] == 3 * bb * len(own)
     want_kv = {}
     want = llama.prefill(Tensor([ids], dtype=dtypes.int32, device="MESH"), on_layer=lambda l, k, v: want_kv.setdefault(l, (k.numpy(), v.numpy())),
@@ -138,3 +152,42 @@ def test_a_prefill_over_a_pulled_prefix_gives_the_whole_prompts_logits_and_suffi
       np.testing.assert_allclose(v, want_kv[l][1][cached:], rtol=2e-2, atol=2e-2)
   assert used[0] == used[1]                                                   # the second request ran on the first's pools
   with pytest.raises(ValueError): prefill_pulled_logits(llama, ids, 40, bs, dtypes.float16, None)   # not whole blocks
+
+def test_a_pulled_prefixs_suffix_leaves_as_the_pools_blocks_into_the_reservation(pair, llama):
+  """The prefill node's path for a pulled prefix: the suffix's blocks go from the pull's pools to the decode node's reserved
+  blocks (KVSender.send_chunk past a cached prefix: pool block 3 + i to reserved block i, one write a chunk, no layer
+  unpacked), and those blocks then hold the suffix's K, V of the whole prompt's prefill."""
+  from tinyhet.engine.prefill import prefill_pulled_logits
+  from tinyhet.kernels.kv_pack import unpack_kv
+  from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
+  from tinyhet.model.chunked_prefill import chunked_prefill, prompt_pools
+  from tinyhet.model.llama import DenseKVCache
+  holder, puller, peer, _, _ = pair
+  cached, suffix, bs, cfg = 48, 40, 16, llama.cfg
+  ids = [int(t) for t in np.random.default_rng(11).integers(0, 256, cached + suffix)]
+  own, _ = prompt_pools(llama, cached, dtypes.float16, bs)
+  chunked_prefill(llama, Tensor([ids[:cached]], dtype=dtypes.int32, device="MESH"), 512, dtypes.float16, pools=own, table=[0, 1, 2])
+  bb = own[0].nbytes() // 3
+  held = [holder.arena("MESH").alloc(6 * bb) for _ in own]                 # the prefix at blocks 0-2, the suffix reserved at 5, 3, 4
+  for r, pool in zip(held, own): r.view(0, 3 * bb)[:] = pool.numpy().view(np.uint8).tobytes()
+  dest = [5, 3, 4]
+  reservation = {"seq_id": 7, "blocks": dest, "block_bytes": bb, "block_size": bs, "cached_tokens": cached,
+                 "pools": [holder.endpoint.expose(r, owner="puller", allowed=[(b * bb, bb) for b in dest], access="write").to_hex() for r in held],
+                 "prefix_blocks": [0, 1, 2], "read_pools": grant(holder, held, [0, 1, 2], bb=bb)}
+  buffers = SendBuffers(puller, 0)
+  sender = KVSender(puller.endpoint, peer, reservation, cfg, dtypes.float16, buffers)
+  llama.prefill_chunk = 16
+  try: prefill_pulled_logits(llama, ids, cached, bs, dtypes.float16, lambda pools: PrefixPull(puller, peer, reservation, pools), sender.send,
+                             sender.send_chunk)
+  finally: llama.prefill_chunk = 0
+  transfers = sender.finish(30)
+  buffers.free()
+  assert sorted(transfers) == list(range(cfg.n_layers)) and all(isinstance(t, Pieces) and len(t.transfers) == 3 for t in transfers.values())
+  want_kv = {}
+  llama.prefill(Tensor([ids], dtype=dtypes.int32, device="MESH"), on_layer=lambda l, k, v: want_kv.setdefault(l, (k.numpy(), v.numpy())),
+                cache=DenseKVCache(cfg, 1, len(ids), device="MESH"))
+  for l, r in enumerate(held):
+    got = np.frombuffer(bytes(r.view(0, 6 * bb)), np.float16).reshape(6, 2, cfg.n_kv_heads, bs * cfg.head_dim)[dest]
+    k, v = (t.numpy() for t in unpack_kv(Tensor(got), suffix, cfg.head_dim))
+    np.testing.assert_allclose(k, want_kv[l][0][cached:], rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(v, want_kv[l][1][cached:], rtol=2e-2, atol=2e-2)

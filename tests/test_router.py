@@ -39,8 +39,9 @@ def test_bounded_queue_then_503():
   admitted = []
   waiters = [threading.Thread(target=lambda: admitted.append(c._admit(16))) for _ in range(2)]
   for t in waiters: t.start()
-  deadline = time.monotonic() + 5
+  deadline = time.monotonic() + 60
   while c.waiting < 2 and time.monotonic() < deadline: time.sleep(0.01)
+  assert c.waiting == 2, "the two waiters did not queue"
   with pytest.raises(Overloaded, match="2 requests wait already"): c._admit(16)
   with c.cond:                                    # room appears: the waiters are admitted
     a.status["free_blocks"] = 100
@@ -181,3 +182,77 @@ def test_kv_aware_routing_follows_the_cached_prefix():
   assert c._admit(len(ids), 8, ids)[0] is other
   c._beat(holder, {**holder.status, "cached_hashes": "junk"})                         # a bad summary is no summary
   assert holder.cached_tokens(ids) == 0
+
+def test_cached_tokens_count_the_clients_prompt_only():
+  """usage's cached_tokens: prompt tokens served from the cache, never more than prompt_tokens. After a lost node the new
+  attempt's prompt is the client's prompt + the tokens sent so far, and the new node may hold more of it than the prompt."""
+  from tinyhet.service.router import Request
+  d = state("decode")
+  c = cluster(d)
+  req = Request(list(range(1, 21)), 40, lambda *a: None)
+  req.generated = list(range(30))                        # 30 tokens streamed before the first node was lost
+  c._done(req, d, {"cached_tokens": 48}, 50)             # the second node had 48 of the 50-token attempt cached
+  assert req.cached_tokens == 20
+  for reported, want in ((16, 16), (0, 0), (-3, 0), ("lots", 0), (True, 0), (None, 0), (2**70, 20)):
+    c._done(req, d, {"cached_tokens": reported}, 50)
+    assert req.cached_tokens == want, reported
+
+def cache_ops():
+  """Random prompts entering and leaving a real prefix-caching BlockManager (evicting cached blocks as the pool fills)."""
+  return st.lists(st.tuples(st.integers(0, 5), st.integers(1, 200)), min_size=1, max_size=25)
+
+@settings(max_examples=150, deadline=None)
+@given(cache_ops(), st.sampled_from([4, 16, 1 << 18]))
+def test_the_routers_view_of_a_cache_is_the_nodes_beat_after_beat(ops, limit):
+  """node_roles.CacheSummary's beats (the whole set, then what changed) rebuild in the router exactly the node's cached
+  hashes (the newest `limit` of them), however many there are: no window of the newest 1,024."""
+  from tinyhet.kv.block_manager import BlockManager, block_hashes
+  from tinyhet.service.node_roles import CacheSummary
+  from tinyhet.service.router import cache_view
+  bm = BlockManager(64, 4, prefix_cache=True, model_id="m")
+  summary, view = CacheSummary(bm, limit), set()
+  for i, (conv, n) in enumerate(ops):
+    ids = [conv] * 3 + [(conv * 7 + j) % 50 for j in range(n)]     # conversations sharing their first tokens
+    if not bm.can_allocate(len(ids), ids): continue
+    bm.allocate(i, len(ids), ids)
+    bm.deallocate(i, ids)
+    view = cache_view(view, summary())
+    assert view == set(list(bm.hash_block)[-limit:]) and len(view) <= limit
+    if limit > 64: assert view == set(bm.hash_block) and all(h in view for h in block_hashes(ids, 4, "m"))    # the prompt just cached
+  assert cache_view(view, {}) == view and cache_view(view, {"cached_added": "junk"}) == set()
+
+def test_kv_aware_routing_finds_a_conversation_longer_than_a_thousand_blocks():
+  """Real heartbeat streams: a decode node's block manager holds a 3,000-block conversation, then more conversations on
+  top; the router's walk finds all of it (the heartbeat used to carry the newest 1,024 hashes: the chain's start was
+  missing and the conversation routed as uncached). A second router's stream starts whole."""
+  from tinyhet.kv.block_manager import BlockManager
+  from tinyhet.runtime.transport import Endpoint
+  from tinyhet.service import heartbeat
+  from tinyhet.service.node_roles import CacheSummary
+  bm = BlockManager(8000, 16, prefix_cache=True, model_id="m")
+  long_ids = [(j * 13) % 997 for j in range(3000 * 16 + 5)]
+  bm.allocate(1, len(long_ids), long_ids)
+  bm.deallocate(1, long_ids)
+  status = {"model": "m", "block_size": 16, "kv_blocks": 8000, "free_blocks": 8000, "running": 0, "waiting": 0, "incoming": 0, "max_seqs": 4}
+  node = Endpoint("n", token="t")
+  heartbeat.install(node, "decode", lambda: status, per_stream=lambda: CacheSummary(bm))
+  address, router = node.listen("127.0.0.1", 0), Endpoint("router", token="t")
+  routers = [Cluster(router, {address: "decode"}, "m", hb_interval=0.05, hb_timeout=5.0)]
+  def wait(c, cond, what):
+    deadline = time.monotonic() + 60
+    while not cond(c.nodes[address]) and time.monotonic() < deadline: time.sleep(0.02)
+    assert cond(c.nodes[address]), what
+  try:
+    wait(routers[0], lambda n: n.cached_tokens(long_ids) == 3000 * 16, "the long conversation")
+    for k in range(3):                               # 3 x 1,000 newer blocks
+      other = [k + 1000] + [(j * 7 + k) % 991 for j in range(1000 * 16 - 1)]
+      bm.allocate(10 + k, len(other), other)
+      bm.deallocate(10 + k, other)
+    wait(routers[0], lambda n: len(n.cached) == len(bm.hash_block) == 6000, "the newer conversations")
+    assert routers[0].nodes[address].cached_tokens(long_ids) == 3000 * 16
+    routers.append(Cluster(router, {address: "decode"}, "m", hb_interval=0.05, hb_timeout=5.0))
+    wait(routers[1], lambda n: n.cached == set(bm.hash_block), "a second router's whole view")
+    assert routers[1]._admit(len(long_ids), 8, long_ids)[0].cached_tokens(long_ids) == 3000 * 16
+  finally:
+    for c in routers: c.close()
+    for ep in (node, router): ep.close()

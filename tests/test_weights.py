@@ -104,8 +104,10 @@ def test_truncated_and_random_files(checkpoint, tmp_path):
 
 def test_not_a_llama(tmp_path):
   cfg = small_config()
-  ref.write_gguf(cfg, ref.random_hf_weights(cfg), tmp_path / "q.gguf", arch="qwen2")
-  with pytest.raises(WeightsError, match="architecture 'qwen2' is not supported"): load_gguf(tmp_path / "q.gguf")
+  ref.write_gguf(cfg, ref.random_hf_weights(cfg), tmp_path / "q.gguf", arch="phi3")
+  with pytest.raises(WeightsError, match="architecture 'phi3' is not supported"): load_gguf(tmp_path / "q.gguf")
+  ref.write_gguf(cfg, ref.random_hf_weights(cfg), tmp_path / "q2.gguf", arch="qwen2")    # Qwen2 without its biases
+  with pytest.raises(WeightsError, match="tensor blk.0.attn_q.bias is missing"): load_gguf(tmp_path / "q2.gguf")
   (tmp_path / "hf").mkdir()
   (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
   with pytest.raises(WeightsError, match="model_type 'gpt2'"): load_hf(tmp_path / "hf")

@@ -1,11 +1,14 @@
-"""`tinyhet info`: the configuration, the HET backend, the transports this machine can use (and why not), and arenas."""
+"""`tinyhet info`: the configuration, the HET backend, the transports this machine can use (and why not), and arenas.
+`tinyhet info --model F`: what tinyhet reads from a model file or directory (architecture, config, tensors, tokenizer), no weights loaded."""
 import json, sys
 
 def main(argv=None) -> int:
   from tinyhet.cli.common import ArgumentParser
   ap = ArgumentParser(prog="tinyhet info", description=__doc__)
   ap.add_argument("--json", action="store_true")
+  ap.add_argument("--model", help="a GGUF file or Hugging Face directory: show its architecture and what tinyhet reads from it")
   args = ap.parse_args(argv)
+  if args.model is not None: return model_info(args.model, args.json)
   from tinyhet.config import describe
   from tinyhet.runtime.transport import available_transports
   from tinyhet.device.memory import local_node
@@ -25,6 +28,26 @@ def main(argv=None) -> int:
   print(f"arenas      {node.config.arena_bytes >> 20} MiB each, {info['arena_pages']}")
   for t, state in info["transports"].items(): print(f"{t:<12}{state}")
   print("config      " + ", ".join(f"{k}={v}" for k, v in info["config"].items()))
+  return 0
+
+def model_info(path: str, as_json: bool) -> int:
+  from tinyhet.model.weights import describe_model
+  d = describe_model(path)
+  if as_json:
+    print(json.dumps(d))
+    return 0
+  c = d["config"]
+  print(f"model       {path}")
+  print(f"format      {d['format']}, architecture {d['architecture']} ({c['arch']}{', ' + ', '.join(d['layout']) if d['layout'] else ''})")
+  print(f"shape       {c['n_layers']} layers, dim {c['dim']}, {c['n_heads']} heads / {c['n_kv_heads']} KV heads of {c['head_dim']}, "
+        f"hidden {c['hidden_dim']}, vocabulary {c['vocab_size']}, context {c['max_context']}")
+  print(f"rope        theta {c['rope_theta']}" + (f", llama3 scaling {c['rope_scaling']}" if c["rope_scaling"] else ""))
+  if d.get("sliding_window"): print(f"window      sliding window {d['sliding_window']}: the context is capped to it")
+  print(f"tensors     {d['tensors']}, {'/'.join(d['tensor_dtypes'])}")
+  print(f"tokenizer   {d['tokenizer']}, {d['vocab_size']} tokens, chat template {'yes' if d['chat_template'] else 'no'}, stop ids {d['stop_ids']}")
+  print("read        " + ", ".join(f"{k}={json.dumps(v)}" for k, v in d["config_used"].items() if not isinstance(v, list) or len(v) < 8))
+  if d.get("config_checked"): print("checked     " + ", ".join(f"{k}={json.dumps(v)}" for k, v in d["config_checked"].items()))
+  if d.get("config_ignored"): print("ignored     " + ", ".join(d["config_ignored"]))
   return 0
 
 if __name__ == "__main__": sys.exit(main())

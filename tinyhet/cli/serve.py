@@ -19,6 +19,9 @@ def parse_args(argv):
   ap.add_argument("--queue-timeout", type=number_in(0, 86400, "seconds"), default=60.0, help="seconds a request waits for KV room before 503")
   ap.add_argument("--api-key", action="append", default=[], metavar="KEY", help="a key /v1/* accepts as 'Authorization: Bearer KEY' (repeatable; "
                   "also TINYHET_API_KEY, comma-separated); without any, the API is open. /health, /ready and /metrics are always open")
+  ap.add_argument("--admin-key", default=None, metavar="KEY", help="the key of /admin/* and of /ready's node list, as 'Authorization: Bearer KEY' "
+                  "(also TINYHET_ADMIN_KEY; it must differ from TINYHET_TOKEN and every API key); without it, /admin/* is off")
+  ap.add_argument("--max-body", default="8M", metavar="BYTES", help="the largest request body accepted (413 past it; e.g. 8M)")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns the router)")
   add_ray_args(ap)
   args = ap.parse_args(argv)
@@ -29,6 +32,10 @@ def parse_args(argv):
   elif not (args.decode or args.both or args.cluster):
     ap.error("give at least one decode-capable node: --decode HOST:PORT, --both HOST:PORT, or --cluster FILE with role and address keys")
   if args.cluster and not args.cluster_model: ap.error("--cluster needs --cluster-model (the model's name in the planner's catalog)")
+  from tinyhet.config import ConfigError, parse_bytes
+  try: args.max_body = parse_bytes(args.max_body, "--max-body")
+  except ConfigError as e: ap.error(str(e))
+  if not 1 <= args.max_body <= 1 << 30: ap.error("--max-body must be between 1 byte and 1G")
   return args
 
 def fail(message: str) -> int:
@@ -68,17 +75,22 @@ def main(argv=None) -> int:
     return fail(f"no decode-capable node: give role = \"decode\" or \"both\" and an address to a node of {args.cluster}, or add --decode HOST:PORT")
   model_id, tok = service_model.model_id(args.model), service_model.load_tokenizer(args.model)
   metrics = Metrics()
-  if args.ray is not None: token = ray_cluster.share_token()      # before the router's endpoint reads it
+  if args.ray is not None: ray_cluster.share_token()      # before the router's endpoint reads it
   ep = Endpoint(f"router-{socket.gethostname()}-{os.getpid()}", config=load_config())   # the shared token, transport and RDMA port
   cluster = Cluster(ep, nodes, model_id, metrics, args.max_queue, args.queue_timeout, planner, names=names)
   host, _, port = args.listen.rpartition(":")
   try: sock = socket.create_server((host, int(port)), backlog=1024)
   except OSError as e: return fail(f"cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port")
   from tinyhet.service.http_api import Service, parse_keys
-  app, replicas = Service(cluster, tok, model_id, metrics, api_keys=parse_keys(args.api_key, os.environ.get("TINYHET_API_KEY"))).app(), None
+  from tinyhet.service.http_guard import check_admin_key
+  api_keys = parse_keys(args.api_key, os.environ.get("TINYHET_API_KEY"))
+  try: admin_key = check_admin_key(args.admin_key or os.environ.get("TINYHET_ADMIN_KEY"), os.environ.get("TINYHET_TOKEN"), api_keys)
+  except ValueError as e: return fail(str(e))
+  app = Service(cluster, tok, model_id, metrics, api_keys=api_keys, admin_key=admin_key, max_body=args.max_body).app()
+  replicas = None
   if args.ray is not None:
     replicas = ray_cluster.start(args, cluster, args.model)
-    replicas.mount(app, token)
+    replicas.mount(app, admin_key)
     nodes = {"ray": args.ray, "replicas": replicas.want}
   server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
   print(json.dumps({"address": f"{host}:{sock.getsockname()[1]}", "model": model_id, "nodes": nodes}), flush=True)

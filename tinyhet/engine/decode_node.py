@@ -92,8 +92,7 @@ class DecodeNode:
     self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
     # peers whose written KV this node may vouch for (node config trusted_writers, default the cluster file's prefill nodes)
     self.trusted_writers = frozenset(node.config.trusted_writers or ())
-    # prompt tokens a step prefills while sequences decode (Scheduler.schedule_step)
-    self.prefill_budget = node.config.prefill_budget if prefill_budget is None else prefill_budget
+    self.prefill_budget = node.config.prefill_budget if prefill_budget is None else prefill_budget   # per step while decoding
     self.warm, self.on_warm = None, None    # a WarmUp (engine/warm_up.py) run() builds from while idle; on_warm(status) once it is over
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release", "lookup"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
@@ -225,9 +224,9 @@ class DecodeNode:
   def set_stop_strings(self, seq: Sequence, stop) -> None:
     """Stop strings (a request's `stop`) end the sequence here, its blocks freed at once, as a stop id does. Matched on the
     text decoded from the tokens generated on this node (the first token included)."""
+    from tinyhet.model.request_rules import check_stop      # the rule the HTTP API checked already
     if stop is None: return
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(x, str) and 0 < len(x) <= 200 for x in stop):
-      raise ValueError(f"stop must be a list of at most 4 non-empty strings of at most 200 characters, got {str(stop)[:80]!r}")
+    stop = check_stop(stop)
     if stop and self.tokenizer is None: raise ValueError("this decode node has no tokenizer to match stop strings: leave stop out")
     if stop: seq.extra.update(stop_strings=stop, stop_decoder=self.tokenizer.stream_decoder(), stop_tail="")
 
@@ -347,9 +346,8 @@ class DecodeNode:
         if not self.warm.step() and self.on_warm is not None: self.on_warm(self.warm.status())
         continue
       for batch, piece in ([(decode, None)] if decode else []) + [([s], (first, end)) for s, first, end in chunks]:
-        # a grammar's masks for this step, computed on the grammar thread while the step runs; rows without one cost nothing
-        sampled = piece is None or piece[1] == batch[0].num_tokens     # a chunk short of its prompt's end samples nothing
-        masks = prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch]) if sampled else None
+        # a grammar's masks, made on the grammar thread while the step runs (none for rows without one, or a chunk short of its end)
+        masks = None if piece and piece[1] < batch[0].num_tokens else prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch])
         try:
           if piece is None: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
           elif (logits := self._prefill(batch[0], *piece)) is None:      # a chunk short of the prompt's end: nothing to sample yet
@@ -394,15 +392,17 @@ class DecodeNode:
     """A sequence's prompt (a recomputed one's prompt and tokens so far), or tokens first..end-1 of it (a chunk: Scheduler.
     schedule_step), into its blocks (prefill_sequence_logits). Logits (1, vocab); None until the prompt's last chunk."""
     from tinyhet.engine.prefill import prefill_sequence_logits
-    s.extra.setdefault("cached_tokens", self.cache.block_manager.cached_length(s.seq_id))   # its first prefill's hit (not a recompute's)
-    if (logits := prefill_sequence_logits(self.model, self.cache, s.seq_id, s.token_ids, first, end)) is None: return None
-    logits = logits[None]
+    from tinyhet.engine.prompt_logprobs import PromptLogprobs
+    s.extra.setdefault("cached_tokens", hit := self.cache.block_manager.cached_length(s.seq_id))   # its first prefill's hit only
+    # a submitted one's first prefill, with its prompt's logprobs asked for: from this prefill's rows, every chunk's
+    if first in (None, hit) and (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):
+      s.extra["scorer"] = PromptLogprobs(self.model, s.token_ids, n)
+    if (logits := prefill_sequence_logits(self.model, self.cache, s.seq_id, s.token_ids, first, end, s.extra.get("scorer"))) is None: return None
     with self.cond: self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
-    if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):    # a submitted one's first prefill
-      from tinyhet.engine.prompt_logprobs import prompt_logprobs
+    if (scorer := s.extra.pop("scorer", None)) is not None:
       s.extra["prompt_sent"] = True
-      s.extra["queue"].put(("prompt", prompt_logprobs(self.model, s.token_ids, n, self.cache.kv_dtype)))
-    return logits
+      s.extra["queue"].put(("prompt", scorer.entries))
+    return logits[None]
 
   def close(self):
     self.stopped = True

@@ -56,22 +56,24 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     end = b
   return total
 
-def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16, on_layer=None, progress=None, on_chunk=None) -> np.ndarray:
+def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16, on_layer=None, progress=None, on_chunk=None,
+                   on_hidden=None) -> np.ndarray:
   """Prefill the prompt padded to its bucket on the model's device: the logits (vocab,) of its last token. on_layer(l, k, v)
   gets each layer's K, V (to send, or to store); progress(layers done), if given, as each layer finishes (see
-  prefill_progress); on_chunk(...): a chunked prefill's chunks of each layer as they exist (Llama.prefill)."""
+  prefill_progress); on_chunk(...): a chunked prefill's chunks of each layer as they exist (Llama.prefill); on_hidden(x, p0,
+  n): the last layer's rows (a prompt's logprobs: tinyhet.engine.prompt_logprobs.PromptLogprobs)."""
   T = prefill_bucket(len(prompt_ids), model.prefill_chunk or None)
   if (warm := getattr(model, "warm", None)) is not None: T = warm.pick("prefill", T)   # while it warms up: a ready bucket (engine/warm_up.py)
   padded = list(prompt_ids) + [0] * (T - len(prompt_ids))
   if progress is not None: progress(0)
   return model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
-                       n_valid=len(prompt_ids), progress=progress, on_chunk=on_chunk).numpy()[0]
+                       n_valid=len(prompt_ids), progress=progress, on_chunk=on_chunk, on_hidden=on_hidden).numpy()[0]
 
 def prefill_first_token(model: Llama, prompt_ids: list[int], sampler: Sampler, kv_dtype=dtypes.float16, on_layer=None,
-                        progress=None, on_chunk=None) -> tuple[int, np.ndarray]:
+                        progress=None, on_chunk=None, on_hidden=None) -> tuple[int, np.ndarray]:
   """prefill_logits, then the first token sampled from them: (token, logits). The disaggregated path passes on_layer to send
   each layer; without it this is the same prefill with no transfer."""
-  logits = prefill_logits(model, prompt_ids, kv_dtype, on_layer, progress, on_chunk)
+  logits = prefill_logits(model, prompt_ids, kv_dtype, on_layer, progress, on_chunk, on_hidden)
   return sampler(logits, len(prompt_ids), prompt_ids), logits
 
 def prefill_progress(n_tokens: int, n_layers: int, after_s: float = 2.0, out=None):
@@ -118,7 +120,8 @@ def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed
   stats.transfer_gbps = kv_bytes / stats.transfer_s / 1e9 if stats.transfer_s > 0 else 0.0
   stats.timeline = [LayerTimes(l, computed[l] - t0, posted[l] - t0, landed[l] - t0) for l in sorted(landed)]
 
-def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int], start: int, end: int | None = None) -> np.ndarray:
+def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int], start: int, end: int | None = None,
+                          on_hidden=None) -> np.ndarray:
   """Prefill token_ids[start:] of a sequence whose first `start` tokens' K, V are in its paged-cache blocks already (a prefix
   cache hit, or a recompute's): captured chunk prefills (tinyhet.model.chunked_prefill) continuing from the K, V in the
   cache's pools, the suffix's K, V written into the sequence's own blocks, its last chunk at the shortest captured length
@@ -126,7 +129,7 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   slots for it; the last chunk's pads past its blocks land in PAD_SEQ's block (the decode engine's scratch block). One
   capture per chunk length serves every sequence: the table is as wide as the longest sequence's. The logits (vocab,) of
   its last token. end: only token_ids[start:end] (one chunk of a prompt spread over steps, start 0 included: tinyhet.engine.
-  scheduler.Scheduler.schedule_step), the logits of token end - 1."""
+  scheduler.Scheduler.schedule_step), the logits of token end - 1. on_hidden: the suffix's last-layer rows (chunked_prefill's)."""
   from tinyhet.device.cpu_threads import kernel_threads
   from tinyhet.engine.decode_engine import PAD_SEQ
   from tinyhet.model.chunked_prefill import chunked_prefill
@@ -144,19 +147,24 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   table = table + bm.block_table(PAD_SEQ)[:1] * (width - len(table))
   with kernel_threads(model.device):
     return chunked_prefill(model, np.array([token_ids[start:end]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
-                           start=start, buckets=suffix_buckets(model, chunk)).numpy()[0]
+                           start=start, buckets=suffix_buckets(model, chunk), on_hidden=on_hidden).numpy()[0]
 
-def prefill_sequence_logits(model: Llama, cache, seq_id: int, token_ids: list[int], first: int | None = None, end: int | None = None):
+def prefill_sequence_logits(model: Llama, cache, seq_id: int, token_ids: list[int], first: int | None = None, end: int | None = None,
+                            on_hidden=None):
   """A decode node's own prefill of a sequence whose blocks its cache holds: token_ids[first:end] (default: all past its
   prefix-cache hit) over the K, V before them. A whole prompt up to the chunk length runs as a prefill node's does (captured
   layers, each layer's K, V packed into the blocks); anything else in chunks straight into the blocks (prefill_suffix_logits:
   the captures of the chunk lengths over the pool serve every prompt). The logits (vocab,) of token end - 1, or None while
-  end falls short of the sequence's last token (a piece of a prompt spread over steps: Scheduler.schedule_step)."""
+  end falls short of the sequence's last token (a piece of a prompt spread over steps: Scheduler.schedule_step). on_hidden:
+  the last layer's rows (a prompt's logprobs, PromptLogprobs; a prefix-cache hit's rows, which exist nowhere, by a prefill
+  of the prefix alone, its K, V dropped)."""
   from tinyhet.engine.warm_up import chunk_of
-  first = cache.block_manager.cached_length(seq_id) if first is None else first
-  end = len(token_ids) if end is None else end
-  if first == 0 and end == len(token_ids) <= chunk_of(model): return prefill_logits(model, token_ids, cache.kv_dtype, cache.layer_storer(seq_id))
-  logits = prefill_suffix_logits(model, cache, seq_id, token_ids, first, end)
+  hit = cache.block_manager.cached_length(seq_id)
+  first, end = hit if first is None else first, len(token_ids) if end is None else end
+  if first == 0 and end == len(token_ids) <= chunk_of(model):
+    return prefill_logits(model, token_ids, cache.kv_dtype, cache.layer_storer(seq_id), on_hidden=on_hidden)
+  if on_hidden is not None and first == hit > 0: prefill_logits(model, token_ids[:hit], cache.kv_dtype, on_hidden=on_hidden)
+  logits = prefill_suffix_logits(model, cache, seq_id, token_ids, first, end, on_hidden)
   return logits if end == len(token_ids) else None
 
 def suffix_buckets(model, chunk: int) -> tuple[int, ...]:
@@ -181,12 +189,14 @@ def pull_pools(model: Llama, nb: int, block_size: int, kv_dtype) -> list[Tensor]
     kept[key] = pools
   return pools
 
-def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, block_size: int, kv_dtype, start_pull, on_layer=None):
+def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, block_size: int, kv_dtype, start_pull, on_layer=None, on_chunk=None):
   """Prefill prompt_ids[cached:] over a prefix whose K, V are pulled from a decode node: pools of the decode node's block size
   (blocks 0.. the prefix's, pulled by start_pull(pools) -> tinyhet.kv.pull.PrefixPull, each layer waited for just before the
   suffix's first chunk computes it), then the chunked prefill continues from there (tinyhet.model.chunked_prefill). The
   suffix is padded to its bucket and the pools' block count too, so the captures serve the turns of a growing conversation.
-  on_layer(l, k, v) gets the suffix's K, V only (tokens cached..n-1). Returns (logits (vocab,), the pull's figures)."""
+  on_layer(l, k, v) gets the suffix's K, V only (tokens cached..n-1); on_chunk, where given, each chunk's blocks of a layer
+  in the pools as they are stored (chunked_prefill's: blocks cached // block_size.., a sender writes them as they lie,
+  KVSender.send_chunk), so no layer is unpacked for the sender. Returns (logits (vocab,), the pull's figures)."""
   from tinygrad.helpers import ceildiv
   from tinyhet.model.chunked_prefill import chunked_prefill
   from tinyhet.model.llama import _config_chunk
@@ -201,7 +211,7 @@ def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, bloc
   try:
     tokens = Tensor([suffix + [0] * (T - len(suffix))], dtype=dtypes.int32, device=model.device)
     logits = chunked_prefill(model, tokens, chunk, kv_dtype, on_layer, None, len(suffix), pools, list(range(nb)), cached,
-                             before_layer=pull.wait, layer_from=cached).numpy()[0]
+                             before_layer=pull.wait, layer_from=cached, on_chunk=on_chunk).numpy()[0]
   except BaseException:
     pull.abort()                 # no read may still fill pools after they are gone
     raise

@@ -179,7 +179,7 @@ class KVSender:
     self.ring = buffers.ring(self.layer_bytes)
     self.keep: list[Tensor] = []              # K, V or packed layers stay alive until their writes have landed
     self.computed: dict[int, float] = {}      # when each layer's K, V were handed over (perf_counter; chunked: its last piece)
-    self.cached = r.get("cached_tokens", 0)   # the reservation's blocks start past a cached prefix (no chunk pieces then)
+    self.cached = r.get("cached_tokens", 0)   # the reservation's blocks start past a cached prefix (chunk pieces: from there)
     self.pieces: list[tuple] = []             # send_chunk's arguments, in order
     self.handoff_s = 0.0                      # time the prefill thread spent in send()
 
@@ -200,23 +200,26 @@ class KVSender:
   def _spans(self, layer: int, region: Region, offset: int) -> list[Span]:
     return [Span(region, offset + i * self.block_bytes, self.pools[layer], b * self.block_bytes, self.block_bytes) for i, b in enumerate(self.blocks)]
 
-  def send(self, layer: int, k: Tensor, v: Tensor):
-    """Queue layer's K, V (T, KVH, D), realized on the prefill device. After a write has failed, nothing more is posted:
-    check() or finish() raises that failure (the caller may send every layer again over a new link)."""
+  def send(self, layer: int, k: Tensor, v: Tensor, first_row: int = 0):
+    """Queue layer's K, V (T, KVH, D), realized on the prefill device, from row first_row on (a whole prompt computed again
+    over a cached prefix sends the suffix's rows: in host memory a numpy view of them, not a slice realized per layer).
+    After a write has failed, nothing more is posted: check() or finish() raises that failure (the caller may send every
+    layer again over a new link)."""
     self.computed[layer] = t0 = time.perf_counter()
-    try: self._hand_off(layer, k, v)
+    try: self._hand_off(layer, k, v, first_row)
     except Exception:
       if self.writer.error is None: raise
     finally: self.handoff_s += time.perf_counter() - t0
 
-  def _hand_off(self, layer: int, k: Tensor, v: Tensor):
+  def _hand_off(self, layer: int, k: Tensor, v: Tensor, first_row: int):
     if self.writer.error is not None: return
     notify = notice_value(self.seq_id, layer)
     if self.kv_dtype.fmt is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
       self.keep.extend((k, v))              # K, V in host memory: the writer thread packs them into the host region
       self.writer.post(layer, self._spans(layer, self.host_stage(), layer * self.layer_bytes), notify,
-                       functools.partial(pack_kv_host, ka, va, self.stage[layer]))
+                       functools.partial(pack_kv_host, ka[first_row:], va[first_row:], self.stage[layer]))
       return
+    if first_row: k, v = k[first_row:].contiguous().realize(), v[first_row:].contiguous().realize()
     packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
     self.keep.append(post_packed(self.writer, layer, packed, self.layer_bytes, functools.partial(self._spans, layer), notify, self.ring))
 
@@ -225,16 +228,18 @@ class KVSender:
     the prefill's own pool on HET (its block i is the prompt's block i, in the decode node's layout), and are written from
     there into this reservation's blocks b0..b1-1 (clipped to them) with the notice of this piece of the layer (the last of
     n_pieces: the decode node counts the layer once every piece has landed). False, with nothing sent, where that cannot
-    be (the pool is not in registered host memory, or has another block size or dtype; the reservation starts past a
-    cached prefix; more pieces than a notice counts): the caller then sends the layer whole (send)."""
+    be (the pool is not in registered host memory, or has another block size or dtype; more pieces than a notice counts;
+    the reservation starts past a cached prefix and the pieces do not start there): the caller then sends the layer whole
+    (send). Past a cached prefix of c blocks (a pulled prefix's suffix) the pool's block c + i goes to the reservation's block i."""
     t0 = time.perf_counter()
     try:
-      if piece == 0 and not self._can_send_from(pool, n_pieces): return False
+      if piece == 0 and not self._can_send_from(pool, n_pieces, b0): return False
       self.pieces.append((layer, pool, b0, b1, piece, n_pieces))         # for a resend over a new link (resend_pieces)
       if self.writer.error is not None: return True
       region, offset = region_of(pool.uop.base.buffer)
-      blocks = range(min(b0, len(self.blocks)), min(b1, len(self.blocks)))
-      spans = [Span(region, offset + b * self.block_bytes, self.pools[layer], self.blocks[b] * self.block_bytes, self.block_bytes) for b in blocks]
+      first, bb = self.cached // self.block_size, self.block_bytes     # the pool's block `first` is the reservation's block 0
+      blocks = range(max(b0, first), min(b1, first + len(self.blocks)))
+      spans = [Span(region, offset + b * bb, self.pools[layer], self.blocks[b - first] * bb, bb) for b in blocks]
       self.keep.append(pool)                                            # the writer reads it after the prefill has returned
       if piece == n_pieces - 1: self.computed[layer] = t0
       try: self.writer.post((layer, piece), spans, notice_value(self.seq_id, layer, piece, piece == n_pieces - 1))
@@ -243,9 +248,9 @@ class KVSender:
       return True
     finally: self.handoff_s += time.perf_counter() - t0
 
-  def _can_send_from(self, pool: Tensor, n_pieces: int) -> bool:
+  def _can_send_from(self, pool: Tensor, n_pieces: int, b0: int) -> bool:
     cfg = self.cfg
-    if self.cached or not 0 < n_pieces <= MAX_PIECES or pool.dtype != self.kv_dtype: return False
+    if b0 * self.block_size != self.cached or not 0 < n_pieces <= MAX_PIECES or pool.dtype != self.kv_dtype: return False
     if tuple(pool.shape[1:]) != (2, cfg.n_kv_heads, self.block_size * cfg.head_dim) or pool.uop.base.op is not Ops.BUFFER: return False
     try: region_of(pool.uop.base.buffer)
     except NotRegistered: return False

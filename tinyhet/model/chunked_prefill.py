@@ -113,24 +113,26 @@ def prompt_pools(model, n_tokens: int, kv_dtype: DType, block_size: int = BLOCK)
 
 def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer=None, progress=None, n_valid: int | None = None,
                     pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0, buckets: tuple[int, ...] = (),
-                    on_chunk=None, before_layer=None, layer_from: int = 0) -> Tensor:
+                    on_chunk=None, before_layer=None, layer_from: int = 0, on_hidden=None) -> Tensor:
   """tokens (1, T) int32 (a Tensor, or ids on the host) at positions start..start+T-1 -> logits (1, vocab) of row n_valid - 1 (default T - 1).
   pools/table: per-layer pools holding the K, V of positions 0..start-1 at the blocks of `table` (its entries cover at
   least the plan's positions, the last chunk's pads included); None makes the prompt's own (start must be 0). The last
   chunk is padded to its captured length (padded_plan; buckets: the shorter lengths it may take); its pads land in slots past
   the prompt (the table's entries there: a scratch block), masked for the prompt's rows.
-  on_chunk(l, pool, b0, b1, piece, n_pieces) -> bool, with the prefill's own pools and chunks of whole blocks: called as soon
+  on_chunk(l, pool, b0, b1, piece, n_pieces) -> bool, with pools in order (the prefill's own, or a pulled prefix's: block i
+  holds positions of block i) and chunks of whole blocks: called as soon
   as a chunk's K, V of layer l are in pools[l], its blocks b0..b1-1 (the prompt's, pads past n_valid left out; a chunk of
   pads alone is no piece); True: it took them (on_layer is not called for that layer), False at piece 0: on_layer gets the
   layer whole at the end. before_layer(l), if given, runs before layer l of the first chunk (a pulled prefix's layer l is
   waited for there: tinyhet.kv.pull). layer_from: the first position on_layer's K, V hold (a multiple of the block size; a
-  pulled prefix's suffix hands out its own tokens only), to start + n_valid - 1."""
+  pulled prefix's suffix hands out its own tokens only), to start + n_valid - 1. on_hidden(x, p0, n), if given, gets each
+  chunk's last-layer rows, x (1, C, dim) realized, its first n rows the prompt's positions p0..p0+n-1 (a prompt's own
+  logprobs: tinyhet.engine.prompt_logprobs); x is overwritten by the next chunk."""
   cfg = model.cfg
   T = len(tokens[0]) if not isinstance(tokens, Tensor) else tokens.shape[1]
   n_valid = T if n_valid is None else n_valid
   plan = padded_plan(T, chunk, start, buckets)
   span = plan[-1][0] + plan[-1][2]                            # positions the pools must hold, the last chunk's pads included
-  own = pools is None                                          # the prompt's own pools: block i holds prompt positions of block i
   if pools is None:
     if start: raise ValueError("chunked_prefill: start > 0 needs the pools holding the tokens before")
     pools, nb = prompt_pools(model, span, kv_dtype)
@@ -142,7 +144,8 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
     raise ValueError(f"chunked_prefill: layer_from must be a block boundary in 0..start, got {layer_from}")
   end = start + (n_valid if layer_from else T)                 # on_layer's K, V: positions layer_from..end-1
   real = [c for c in plan if c[0] - start < n_valid]                   # chunks holding prompt rows: the pieces on_chunk sends
-  whole = set() if on_chunk is not None and own and all(C % bs == 0 for _, _, C in plan[:-1]) else set(range(cfg.n_layers))
+  in_order = table == list(range(nb))                          # pool block i holds positions of block i (own pools, a pulled prefix's)
+  whole = set() if on_chunk is not None and in_order and all(C % bs == 0 for _, _, C in plan[:-1]) else set(range(cfg.n_layers))
   toks = (tokens.numpy() if isinstance(tokens, Tensor) else np.asarray(tokens)).astype(np.int32).reshape(-1)
   for ci, (p0, n, C) in enumerate(plan):
     cj = chunk_jit(model, C, nb, kv_dtype, tuple(pools[0].shape))
@@ -163,12 +166,13 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
         if not on_chunk(l, pools[l], p0 // bs, b1, ci, len(real)): whole.add(l)
       if on_layer is not None and l in whole and ci == len(plan) - 1:    # the layer's K, V are all in place: hand them out
         b0, b1 = layer_from // bs, ceildiv(end, bs)
-        k, v = unpack_kv(pools[l][b0:b1] if table == list(range(nb)) else pools[l][Tensor(table[b0:b1])], end - layer_from, cfg.head_dim)
+        k, v = unpack_kv(pools[l][b0:b1] if in_order else pools[l][Tensor(table[b0:b1])], end - layer_from, cfg.head_dim)
         on_layer(l, k.contiguous().realize(), v.contiguous().realize())
       out = cj.x[1] if x is not cj.x[1] else cj.x[2]
       cj.half(l, FINISH)(x, cj.q, pools[l], cj.tables, cj.lens, out, *layer_tensors(w, FINISH), kv_max_blocks=mb)
       x = out
       if progress is not None and ci == len(plan) - 1: progress(l + 1)
+    if on_hidden is not None and p0 - start < n_valid: on_hidden(x, p0, min(n, start + n_valid - p0))
     if p0 - start <= n_valid - 1 < p0 - start + n:
       _write(cj.row, np.array([n_valid - 1 - (p0 - start)], np.int32))
       logits = cj.logits(x, cj.row)

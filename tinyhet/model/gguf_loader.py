@@ -1,10 +1,14 @@
-"""Llama weights from a GGUF file (llama.cpp's format): the header and tensor table, the config from llama.cpp's metadata keys,
-a check of every tensor's name, shape and type against that config before any weight is read, then the tensors onto the
-device the caller names (only those of the layers asked for).
+"""Llama, Mistral, Qwen2 and Qwen3 weights from a GGUF file (llama.cpp's format, architectures `llama` (Mistral too), `qwen2`,
+`qwen3`): the header and tensor table, the config from llama.cpp's metadata keys, a check of every tensor's name, shape and
+type against that config before any weight is read, then the tensors onto the device the caller names (only those of the
+layers asked for). Qwen2's biases (blk.N.attn_q/k/v.bias) and Qwen3's norms (blk.N.attn_q_norm/attn_k_norm.weight) become
+float32 vectors.
 
 Matrices come in their stored form where the model has a kernel path for it: block-quantized types as PackedWeight (when
 packed) or dequantized to float32, F16 as a float16 Tensor, BF16 always as its 2-byte bits (BF16Weight), F32 as float32.
-Q and K rows are in GGUF's interleaved-pair RoPE order already (llama.cpp's converter permutes Hugging Face's rows).
+Q and K rows of a `llama` file are in the interleaved-pair RoPE order already (llama.cpp's converter permutes Hugging Face's
+rows). A `qwen2` or `qwen3` file keeps Hugging Face's rotate-half order (llama.cpp runs those with its NEOX RoPE), so their Q
+and K rows (a quantized matrix's rows of blocks), biases and norms are permuted on load, as for a Hugging Face checkpoint.
 """
 from __future__ import annotations
 import dataclasses, io, pathlib
@@ -12,13 +16,17 @@ from typing import Any
 import numpy as np
 from tinyhet.model.bf16_weight import BF16, BF16Weight, bf16_to_float
 from tinyhet.model.llama import LayerWeights, LlamaConfig, LlamaWeights
-from tinyhet.model.model_files import Progress, WeightsError, expected_shapes, keep_layers
+from tinyhet.model.model_files import Progress, WeightsError, expected_shapes, hf_rows_to_interleaved, keep_layers
 from tinyhet.model.packed import PackedWeight
 from tinyhet.model.tokenizer import GGUF_TOKENIZERS
 
 GGUF_LAYER_NAMES = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "attn_v", "wo": "attn_output", "ffn_norm": "ffn_norm",
                     "w_gate": "ffn_gate", "w_up": "ffn_up", "w_down": "ffn_down"}
-NORMS = ("attn_norm", "ffn_norm")
+GGUF_BIAS_NAMES = {"bq": "attn_q.bias", "bk": "attn_k.bias", "bv": "attn_v.bias"}                # qwen2
+GGUF_QK_NORM_NAMES = {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"}            # qwen3
+NORMS = ("attn_norm", "ffn_norm", *GGUF_BIAS_NAMES, *GGUF_QK_NORM_NAMES)   # vectors: float32 on load
+ARCHS = ("llama", "qwen2", "qwen3")       # llama.cpp's names; `llama` covers Mistral
+REPERMUTED = ("qwen2", "qwen3")           # rotate-half (NEOX) Q/K rows in the file
 GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 18: "IQ3_XXS",
                    21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 30: "BF16", 39: "MXFP4", 41: "Q1_0"}
 FLOAT_TYPES = (0, 1, BF16)                    # F32, F16, BF16: what a norm vector may be stored as
@@ -85,9 +93,9 @@ def gguf_config(g: GGUFFile, max_context: int | None = None) -> LlamaConfig:
   """A LlamaConfig from GGUF metadata (llama.cpp's keys, `{arch}.*`)."""
   kv = g.metadata
   arch = kv.get("general.architecture")
-  if arch != "llama":
-    raise WeightsError(f"{g.path}: architecture {arch!r} is not supported; tinyhet runs the Llama family (GGUF architecture llama: "
-                       "Llama 2/3/3.1, Mistral 7B, SmolLM2)")
+  if arch not in ARCHS:
+    raise WeightsError(f"{g.path}: architecture {arch!r} is not supported; tinyhet runs GGUF architectures {', '.join(ARCHS)} (Llama 2/3/3.x, "
+                       "Mistral, SmolLM2, Qwen2/2.5, Qwen3)")
   def need(key):
     if f"{arch}.{key}" not in kv: raise _gguf_error(g.path, f"metadata {arch}.{key} is missing")
     return kv[f"{arch}.{key}"]
@@ -111,12 +119,18 @@ def gguf_config(g: GGUFFile, max_context: int | None = None) -> LlamaConfig:
                      head_dim=head_dim, hidden_dim=need("feed_forward_length"), vocab_size=vocab,
                      norm_eps=kv.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5), rope_theta=kv.get(f"{arch}.rope.freq_base", 10000.0),
                      max_context=min(ctx, max_context) if max_context else ctx, tie_embeddings="output.weight" not in g.tensors,
-                     rope_freq_factors=freq_factors, name=kv.get("general.name", g.path.stem))
+                     rope_freq_factors=freq_factors, name=kv.get("general.name", g.path.stem), arch=arch,
+                     qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+
+def gguf_layer_names(cfg: LlamaConfig) -> dict[str, str]:
+  """LayerWeights field -> its GGUF name within a layer (blk.N.<name>), for cfg's family."""
+  names = {field: f"{gg}.weight" for field, gg in GGUF_LAYER_NAMES.items()}
+  return names | (GGUF_BIAS_NAMES if cfg.qkv_bias else {}) | (GGUF_QK_NORM_NAMES if cfg.qk_norm else {})
 
 def gguf_names(cfg: LlamaConfig) -> dict[str, str]:
   """GGUF tensor name -> the LlamaWeights field it fills ("tok_embeddings", "wq", ...), every layer of cfg."""
   names = {"token_embd.weight": "tok_embeddings", "output_norm.weight": "norm"} | ({} if cfg.tie_embeddings else {"output.weight": "output"})
-  return names | {f"blk.{l}.{gg}.weight": field for l in range(cfg.n_layers) for field, gg in GGUF_LAYER_NAMES.items()}
+  return names | {f"blk.{l}.{gg}": field for l in range(cfg.n_layers) for field, gg in gguf_layer_names(cfg).items()}
 
 def check_gguf(g: GGUFFile, cfg: LlamaConfig | None = None) -> LlamaConfig:
   """Everything the load will need, from the header alone: the architecture and config, the tokenizer model, and each tensor's
@@ -128,9 +142,9 @@ def check_gguf(g: GGUFFile, cfg: LlamaConfig | None = None) -> LlamaConfig:
                        "use, llama = SentencePiece as Llama 2 and Mistral use)")
   known, shapes = gguf_names(cfg), expected_shapes(cfg)
   if (extra := sorted(set(g.tensors) - set(known) - {"rope_freqs.weight"})):
-    raise WeightsError(f"{g.path}: tensor {extra[0]} ({len(extra)} unexpected in all) is not part of a Llama that tinyhet runs "
+    raise WeightsError(f"{g.path}: tensor {extra[0]} ({len(extra)} unexpected in all) is not part of a {cfg.arch} model that tinyhet runs "
                        "(token_embd, output_norm, output, rope_freqs and blk.N.attn_norm/attn_q/attn_k/attn_v/attn_output/ffn_norm/"
-                       "ffn_gate/ffn_up/ffn_down weights)")
+                       "ffn_gate/ffn_up/ffn_down weights, attn_q/k/v biases, attn_q_norm/attn_k_norm)")
   for name, field in known.items():
     if (t := g.tensors.get(name)) is None: raise _gguf_error(g.path, f"tensor {name} is missing")
     if t.shape != shapes[field]:
@@ -192,11 +206,16 @@ def load_gguf(path: str | pathlib.Path, device: str | None = None, n_layers: int
   def get(name):
     if packed or g.tensors[name].ggml_type == BF16: return gguf_matrix(g, name, device)
     return gguf_tensor(g, name, device)
+  heads = {"wq": cfg.n_heads, "wk": cfg.n_kv_heads, "bq": cfg.n_heads, "bk": cfg.n_kv_heads, "q_norm": 1, "k_norm": 1}
+  def load(field, name):
+    x = gguf_tensor(g, name, device) if field in NORMS else get(name)
+    if cfg.arch not in REPERMUTED or field not in heads: return x
+    if isinstance(x, PackedWeight): return type(x)(hf_rows_to_interleaved(x.blocks, heads[field]), x.shape, x.ggml_type).realize()
+    return hf_rows_to_interleaved(x, heads[field]).contiguous().realize()
   emb = get("token_embd.weight")
   layers = []
   for l in range(cfg.n_layers):
-    names = {field: f"blk.{l}.{gg}.weight" for field, gg in GGUF_LAYER_NAMES.items()}
-    layers.append(LayerWeights(**{field: gguf_tensor(g, n, device) if field in NORMS else get(n) for field, n in names.items()}))
+    layers.append(LayerWeights(**{field: load(field, f"blk.{l}.{gg}") for field, gg in gguf_layer_names(cfg).items()}))
     progress.count(l + 1, cfg.n_layers)
   w = LlamaWeights(tok_embeddings=emb, layers=layers, norm=gguf_tensor(g, "output_norm.weight", device),
                    output=emb if cfg.tie_embeddings else get("output.weight"))

@@ -30,17 +30,19 @@ from tinyhet.kernels.paged_attention import paged_attention
 from tinyhet.model.layers import attention
 from tinyhet.model.packed import PackedWeight
 
-QKV = ("attn_norm", "wq", "wk", "wv")                       # the weights each half reads (a capture's inputs are all used)
+# the weights each half reads (a capture's inputs are all used): Qwen2's biases and Qwen3's q/k norms where the layer has them
+QKV = ("attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm")
 FINISH = ("wo", "ffn_norm", "w_gate", "w_up", "w_down")
 
 def layer_tensors(w, names: tuple[str, ...]) -> list[Tensor]:
-  """Some of a layer's weights as Tensors (a packed matrix is its blocks), inputs of a captured half-layer."""
-  return [getattr(w, n).blocks if isinstance(getattr(w, n), PackedWeight) else getattr(w, n) for n in names]
+  """Some of a layer's weights as Tensors (a packed matrix is its blocks), inputs of a captured half-layer; those the layer
+  lacks (None) are left out."""
+  return [getattr(w, n).blocks if isinstance(getattr(w, n), PackedWeight) else getattr(w, n) for n in w.present(names)]
 
 def layer_from(template, names: tuple[str, ...], tensors: tuple[Tensor, ...]):
-  """The LayerWeights `template` with the weights `names` replaced by `tensors` (in layer_tensors' order)."""
+  """The LayerWeights `template` with the weights `names` it has replaced by `tensors` (in layer_tensors' order)."""
   new = {}
-  for n, t in zip(names, tensors):
+  for n, t in zip(template.present(names), tensors, strict=True):
     old = getattr(template, n)
     new[n] = type(old)(t, old.shape, old.ggml_type) if isinstance(old, PackedWeight) else t   # PackedWeight or BF16Weight
   return dataclasses.replace(template, **new)
@@ -93,7 +95,8 @@ def allocated(t: Tensor) -> Tensor:
 def signature(w, names: tuple[str, ...]) -> tuple:
   """What a capture of a half-layer is specific to besides T: each weight's kind, type and shape. A GGUF may store a layer's
   weight in another type than layer 0's (llama.cpp's Q4_K_M keeps some in Q6_K): such a layer gets captures of its own."""
-  return tuple((type(m).__name__, getattr(m, "ggml_type", None), tuple(m.shape), str(m.dtype)) for m in (getattr(w, n) for n in names))
+  mats = ((n, getattr(w, n)) for n in w.present(names))
+  return tuple((n, type(m).__name__, getattr(m, "ggml_type", None), tuple(m.shape), str(m.dtype)) for n, m in mats)
 
 class Replay:
   """One half-layer's TinyJit, called through TinyJit until it has captured, then replayed straight from its capture: TinyJit's
@@ -175,12 +178,14 @@ class LayerJit:
     cfg = self.model.cfg
     return allocated(Tensor.empty(self.T, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=self.model.device))
 
-  def prefill(self, tokens: Tensor, on_layer, progress, n_valid: int) -> Tensor:
+  def prefill(self, tokens: Tensor, on_layer, progress, n_valid: int, on_hidden=None) -> Tensor:
     """tokens (1, T) int32 -> logits (1, vocab) of row n_valid - 1, every layer through the captures (see run). The logits
-    are the capture's output buffer: the next prefill of this length overwrites them."""
+    are the capture's output buffer: the next prefill of this length overwrites them. on_hidden(x, 0, n_valid): the last
+    layer's rows (1, T, dim), as chunked_prefill's."""
     tokens = tokens.to(self.model.device).realize()
     self.embed(tokens, self.x[1])                              # layer 0 then writes self.x[0] (run alternates the two)
     x = self.run(self.x[1], self.rope, on_layer, progress)
+    if on_hidden is not None: on_hidden(x, 0, n_valid)
     write_into(self.row, np.array([n_valid - 1], np.int32))   # a Tensor per prompt length was a schedule on every new length's path
     return self.logits(x, self.row)
 

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3/3.1, SmolLM2) in tinygrad, written like llama2.c's run.c: one straight forward pass.
+"""The Llama family (Llama 2/3/3.1, SmolLM2, Mistral) and its close kin Qwen2/2.5 (biases on the q, k, v projections) and Qwen3
+(RMSNorm of each query and key head before RoPE) in tinygrad, written like llama2.c's run.c: one straight forward pass.
 
 Conventions
 - Weights are stored like torch's Linear, (out_features, in_features), in any float dtype or as GGUF blocks (PackedWeight);
@@ -48,6 +49,9 @@ class LlamaConfig:
   tie_embeddings: bool = False     # the output projection is the token embedding
   rope_freq_factors: tuple[float, ...] | None = None  # GGUF's rope_freqs.weight (Llama 3.1): divides each frequency; overrides rope_scaling
   name: str = ""
+  arch: str = "llama"      # the family as transformers names it (model_type): llama, mistral, qwen2, qwen3
+  qkv_bias: bool = False   # Qwen2: q, k, v projections add a bias
+  qk_norm: bool = False    # Qwen3: each head of q and k is RMSNorm-ed (weights of head_dim) before RoPE
 
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads: raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
@@ -61,6 +65,7 @@ class LlamaConfig:
 
   def n_params(self) -> int:
     per_layer = 2 * self.dim + self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * self.dim * self.hidden_dim
+    per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim * self.qkv_bias + 2 * self.head_dim * self.qk_norm
     return self.vocab_size * self.dim * (1 if self.tie_embeddings else 2) + self.n_layers * per_layer + self.dim
 
 SMOLLM2_135M = LlamaConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, hidden_dim=1536, vocab_size=49152, norm_eps=1e-5,
@@ -92,6 +97,15 @@ class LayerWeights:
   w_gate: Matrix      # (hidden_dim, dim)   run.c's w1
   w_up: Matrix        # (hidden_dim, dim)   run.c's w3
   w_down: Matrix      # (dim, hidden_dim)   run.c's w2
+  bq: Tensor | None = None       # (n_heads*head_dim,) Qwen2's biases, float32, q and k in the rows' (Meta/GGUF) order
+  bk: Tensor | None = None       # (n_kv_heads*head_dim,)
+  bv: Tensor | None = None       # (n_kv_heads*head_dim,)
+  q_norm: Tensor | None = None   # (head_dim,) Qwen3's per-head RMSNorm weights, in the rows' order
+  k_norm: Tensor | None = None   # (head_dim,)
+
+  def present(self, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `names` this layer has (the optional biases and norms are None where the family has none)."""
+    return tuple(n for n in names if getattr(self, n) is not None)
 
 @dataclass
 class LlamaWeights:
@@ -101,7 +115,8 @@ class LlamaWeights:
   output: Matrix            # (vocab, dim); the same object as tok_embeddings when the config ties them
 
   def tensors(self) -> list[Matrix]:
-    ts = [self.tok_embeddings, self.norm] + [getattr(l, f.name) for l in self.layers for f in dataclasses.fields(LayerWeights)]
+    ts = [self.tok_embeddings, self.norm] + [getattr(l, f.name) for l in self.layers for f in dataclasses.fields(LayerWeights)
+                                             if getattr(l, f.name) is not None]
     return ts if self.output is self.tok_embeddings else [*ts, self.output]
 
   def nbytes(self) -> int: return sum(t.nbytes() for t in self.tensors())
@@ -119,10 +134,13 @@ def random_weights(cfg: LlamaConfig, device: str | None = None, dtype: DType = d
       return BF16Weight(round_to_bf16(Tensor.uniform(o, i, low=-math.sqrt(3 / i), high=math.sqrt(3 / i), device=device)), (o, i)).realize()
     return Tensor.uniform(o, i, low=-math.sqrt(3 / i), high=math.sqrt(3 / i), device=device, dtype=dtype).realize()
   def norm(n): return Tensor.uniform(n, low=0.8, high=1.2, device=device).realize()
+  def bias(n): return Tensor.uniform(n, low=-0.2, high=0.2, device=device).realize() if cfg.qkv_bias else None
+  def head_norm(): return norm(cfg.head_dim) if cfg.qk_norm else None
   qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
   layers = [LayerWeights(attn_norm=norm(cfg.dim), wq=lin(qd, cfg.dim), wk=lin(kvd, cfg.dim), wv=lin(kvd, cfg.dim), wo=lin(cfg.dim, qd),
                          ffn_norm=norm(cfg.dim), w_gate=lin(cfg.hidden_dim, cfg.dim), w_up=lin(cfg.hidden_dim, cfg.dim),
-                         w_down=lin(cfg.dim, cfg.hidden_dim)) for _ in range(cfg.n_layers)]
+                         w_down=lin(cfg.dim, cfg.hidden_dim), bq=bias(qd), bk=bias(kvd), bv=bias(kvd), q_norm=head_norm(), k_norm=head_norm())
+            for _ in range(cfg.n_layers)]
   emb = lin(cfg.vocab_size, cfg.dim)
   return LlamaWeights(tok_embeddings=emb, layers=layers, norm=norm(cfg.dim), output=emb if cfg.tie_embeddings else lin(cfg.vocab_size, cfg.dim))
 
@@ -193,14 +211,18 @@ class Llama:
     return self.rope_cos[positions].contiguous(), self.rope_sin[positions].contiguous()
 
   def _qkv(self, l: int, x: Tensor, rope: tuple[Tensor, Tensor], w: LayerWeights | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Layer l's attention inputs (or those of weights w): RMSNorm, projections, RoPE. x: (B, T, dim) -> q (B, T, H, D),
-    k, v (B, T, KVH, D) float32."""
+    """Layer l's attention inputs (or those of weights w): RMSNorm, projections (+ Qwen2's biases), Qwen3's per-head q/k
+    RMSNorm, RoPE. x: (B, T, dim) -> q (B, T, H, D), k, v (B, T, KVH, D) float32. Every forward, prefill and decode step
+    of every engine computes its q, k, v here."""
     cfg, w = self.cfg, w or self.w.layers[l]
     B, T, _ = x.shape
     h = rms_norm(x, w.attn_norm, cfg.norm_eps)                               # (B, T, dim)
-    q = linear(h, w.wq).reshape(B, T, cfg.n_heads, cfg.head_dim)             # (B, T, H, D)
-    k = linear(h, w.wk).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)          # (B, T, KVH, D)
-    v = linear(h, w.wv).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)          # (B, T, KVH, D)
+    q, k, v = linear(h, w.wq), linear(h, w.wk), linear(h, w.wv)              # (B, T, H*D), (B, T, KVH*D) x2
+    if w.bq is not None: q, k, v = q + w.bq, k + w.bk, v + w.bv              # Qwen2
+    q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)                           # (B, T, H, D)
+    k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)                        # (B, T, KVH, D)
+    v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)                        # (B, T, KVH, D)
+    if w.q_norm is not None: q, k = rms_norm(q, w.q_norm, cfg.norm_eps), rms_norm(k, w.k_norm, cfg.norm_eps)   # Qwen3: over each head's D
     cos, sin = rope                                                          # (B, T, D/2)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -244,7 +266,8 @@ class Llama:
     return step
 
   def prefill(self, tokens: Tensor, on_layer: Callable[[int, Tensor, Tensor], None] | None = None, cache: KVCache | None = None,
-              kv_dtype: DType | None = None, n_valid: int | None = None, progress: Callable[[int], None] | None = None, on_chunk=None) -> Tensor:
+              kv_dtype: DType | None = None, n_valid: int | None = None, progress: Callable[[int], None] | None = None, on_chunk=None,
+              on_hidden=None) -> Tensor:
     """Runs one prompt, tokens (1, T) int32 at positions 0..T-1, realizing one layer at a time. As soon as layer l's K and V
     are realized, on_layer(l, k, v) gets them as (T, n_kv_heads, head_dim) tensors in kv_dtype (post-RoPE), before the rest of
     layer l and before any of layer l+1 is computed, so the caller can start sending them. Attention inside the prompt reads
@@ -254,25 +277,28 @@ class Llama:
     (tinygrad compiles per shape; causal attention keeps pads out of the prompt's numbers). The logits are position
     n_valid-1's, and on_layer gets all T rows: the caller sends the ones it needs. progress(layers done) is called as each layer
     finishes (a long prefill shows where it is). on_chunk: a chunked prefill's per-chunk hand-off (tinyhet.model.chunked_prefill:
-    layers it takes are not given to on_layer); other prefills ignore it. Without a cache, up to LAYER_JIT_MAX_T tokens or past the chunk length, the
-    logits are a capture's output buffer (layer_jit, chunked_prefill), overwritten by the next prefill of that length: read them first."""
+    layers it takes are not given to on_layer); other prefills ignore it. on_hidden(x, p0, n): the last layer's rows of each
+    chunk (1, C, dim), its first n rows positions p0..p0+n-1 (chunked_prefill; a prompt's logprobs). Without a cache, up to
+    LAYER_JIT_MAX_T tokens or past the chunk length, the logits are a capture's output buffer (layer_jit, chunked_prefill),
+    overwritten by the next prefill of that length: read them first."""
     if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"prefill takes one prompt, tokens of shape (1, T); got {tokens.shape}")
     if n_valid is not None and not (0 < n_valid <= tokens.shape[1] and cache is None):
       raise ValueError(f"n_valid={n_valid} must be in 1..{tokens.shape[1]}, and without a cache (it would store the pads)")
-    with kernel_threads(self.device): return self._prefill(tokens, on_layer, cache, kv_dtype, n_valid, progress, on_chunk)
+    with kernel_threads(self.device): return self._prefill(tokens, on_layer, cache, kv_dtype, n_valid, progress, on_chunk, on_hidden)
 
   def _prefill(self, tokens: Tensor, on_layer, cache: KVCache | None, kv_dtype: DType | None, n_valid: int | None = None, progress=None,
-               on_chunk=None) -> Tensor:
+               on_chunk=None, on_hidden=None) -> Tensor:
     kv_dtype = cache.kv_dtype if cache is not None else (kv_dtype or dtypes.float16)
     T = tokens.shape[1]
     chunk = self.prefill_chunk or _config_chunk()
     if cache is None and T > chunk:                # a long prompt: chunks through a paged pool, tiled attention (no (T, T) scores)
       from tinyhet.model.chunked_prefill import chunked_prefill
       from tinyhet.model.buckets import below_chunk
-      return chunked_prefill(self, tokens, chunk, kv_dtype, on_layer, progress, n_valid, on_chunk=on_chunk, buckets=below_chunk(chunk))
+      return chunked_prefill(self, tokens, chunk, kv_dtype, on_layer, progress, n_valid, on_chunk=on_chunk, on_hidden=on_hidden,
+                             buckets=below_chunk(chunk))
     if cache is None and T <= LAYER_JIT_MAX_T:     # the prompt's own K, V only: every layer replays one capture
       from tinyhet.model.layer_jit import layer_jit
-      return layer_jit(self, T, kv_dtype).prefill(tokens, on_layer, progress, n_valid or T)
+      return layer_jit(self, T, kv_dtype).prefill(tokens, on_layer, progress, n_valid or T, on_hidden)
     positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device).realize()
     x, rope = self.embed(tokens.to(self.device)).realize(), self.rope(positions)   # (1, T, dim)
     # attention through a dense cache of the prompt even when the caller keeps none: tinygrad's kernels for that form ran
@@ -285,6 +311,7 @@ class Llama:
       att = cache.update_and_attend(l, q, k.float(), v.float(), positions)
       x = self._finish_layer(l, x, att).realize()
       if progress is not None: progress(l + 1)
+    if on_hidden is not None: on_hidden(x, 0, n_valid or T)
     if n_valid is not None and n_valid != T:     # the last prompt row, picked by a tensor index: no kernel specialized to n_valid
       x = x[:, Tensor([n_valid - 1], dtype=dtypes.int32, device=self.device)]
     return self._logits(x).realize()

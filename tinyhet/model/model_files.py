@@ -45,4 +45,14 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
   qd, kvd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
   return {"tok_embeddings": (cfg.vocab_size, cfg.dim), "norm": (cfg.dim,), "output": (cfg.vocab_size, cfg.dim), "attn_norm": (cfg.dim,),
           "wq": (qd, cfg.dim), "wk": (kvd, cfg.dim), "wv": (kvd, cfg.dim), "wo": (cfg.dim, qd), "ffn_norm": (cfg.dim,),
-          "w_gate": (cfg.hidden_dim, cfg.dim), "w_up": (cfg.hidden_dim, cfg.dim), "w_down": (cfg.dim, cfg.hidden_dim)}
+          "w_gate": (cfg.hidden_dim, cfg.dim), "w_up": (cfg.hidden_dim, cfg.dim), "w_down": (cfg.dim, cfg.hidden_dim),
+          "bq": (qd,), "bk": (kvd,), "bv": (kvd,), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,)}
+
+def hf_rows_to_interleaved(w, n_heads: int):
+  """Hugging Face's rotate-half Q/K rows -> interleaved RoPE pairs: llama.cpp convert_hf_to_gguf.py's permute.
+  Within each head, row i of the first half and row i of the second half become rows 2i and 2i+1. A vector (a bias, or with
+  n_heads=1 a per-head norm's weights) is permuted as a column. Rows only move: a matrix of GGUF blocks (one row of blocks per
+  weight row) permutes as its blocks."""
+  if w.ndim == 1: return hf_rows_to_interleaved(w.reshape(w.shape[0], 1), n_heads).reshape(w.shape[0])
+  rows, cols = w.shape
+  return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)

@@ -1,8 +1,10 @@
 """The tokenizer and chat template of a model, from GGUF metadata or a Hugging Face directory (tokenizer.json,
 tokenizer_config.json), built on the Hugging Face `tokenizers` library; chat templates rendered with jinja2 in a sandbox.
 
-GGUF vocabularies of type gpt2 are byte-level BPE (SmolLM2, Llama 3); tokenizer.ggml.pre picks the pre-tokenizer the way
-llama.cpp does: `smollm` splits digits one by one, then GPT-2's regex; `llama-bpe` is Llama 3's tiktoken-style regex.
+GGUF vocabularies of type gpt2 are byte-level BPE (SmolLM2, Llama 3, Qwen2/3, Mistral's Tekken); tokenizer.ggml.pre picks the
+pre-tokenizer the way llama.cpp does: `smollm` splits digits one by one, then GPT-2's regex; `llama-bpe` is Llama 3's
+tiktoken-style regex; `qwen2` the same with single digits, after Unicode NFC (as Qwen's tokenizer.json normalizes);
+`tekken` Mistral's regex that splits words at case changes.
 Type llama is SentencePiece (Llama 2, Mistral): tokens, scores and token types in the GGUF. It becomes the BPE model
 transformers' LlamaConverter builds from a tokenizer.model: merges of every pair of pieces that makes a normal token, ranked
 by that token's score (SentencePiece's BPE merges the adjacent pair whose merged piece scores highest), byte fallback to the
@@ -17,6 +19,9 @@ class TokenizerError(ValueError):
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+TEKKEN_SPLIT = (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}"""
+                r"""\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 STOP_TEXTS = ("<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")   # end-of-turn markers of common chat models
 GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED = 1, 2, 3, 4   # llama.cpp's token types; 2-4 are matched whole in text
 GGUF_TOKENIZERS = ("gpt2", "llama")
@@ -50,10 +55,11 @@ def _sentencepiece(kv: dict[str, Any], tokens: list[str], types: list[int]):
 def _pre_tokenizer(pre: str):
   from tokenizers import Regex, pre_tokenizers as pt
   if pre == "smollm": return pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, use_regex=True)])
-  if pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe"):
-    return pt.Sequence([pt.Split(Regex(LLAMA3_SPLIT), behavior="isolated"), pt.ByteLevel(add_prefix_space=False, use_regex=False)])
+  splits = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT,
+            "tekken": TEKKEN_SPLIT}
+  if pre in splits: return pt.Sequence([pt.Split(Regex(splits[pre]), behavior="isolated"), pt.ByteLevel(add_prefix_space=False, use_regex=False)])
   if pre in ("default", "gpt2", "gpt-2"): return pt.ByteLevel(add_prefix_space=False, use_regex=True)
-  raise TokenizerError(f"GGUF tokenizer.ggml.pre = {pre!r} is not supported (supported: smollm, llama-bpe, default/gpt2); "
+  raise TokenizerError(f"GGUF tokenizer.ggml.pre = {pre!r} is not supported (supported: smollm, llama-bpe, qwen2, tekken, default/gpt2); "
                        "use a Hugging Face directory with tokenizer.json instead")
 
 class Tokenizer:
@@ -65,7 +71,7 @@ class Tokenizer:
   @staticmethod
   def from_gguf_metadata(kv: dict[str, Any]) -> Tokenizer:
     """From llama.cpp's tokenizer.ggml.* keys and tokenizer.chat_template."""
-    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers
     model = kv.get("tokenizer.ggml.model")
     if model not in GGUF_TOKENIZERS:
       raise TokenizerError(f"GGUF tokenizer.ggml.model = {model!r} is not supported (supported: gpt2 = byte-level BPE as SmolLM2 and Llama 3 "
@@ -77,9 +83,11 @@ class Tokenizer:
     if model == "llama": tok, whole = _sentencepiece(kv, tokens, types), (GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED)
     else:
       merges = [tuple(m.split(" ", 1)) for m in kv.get("tokenizer.ggml.merges", [])]
-      tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=kv.get("tokenizer.ggml.pre") in
-                                   ("llama-bpe", "llama3", "llama-v3")))
-      tok.pre_tokenizer = _pre_tokenizer(kv.get("tokenizer.ggml.pre", "default"))
+      pre = kv.get("tokenizer.ggml.pre", "default")
+      vocab = {t: i for i, t in enumerate(tokens)}
+      tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3")))
+      tok.pre_tokenizer = _pre_tokenizer(pre)
+      if pre == "qwen2": tok.normalizer = normalizers.NFC()
       tok.decoder, whole = decoders.ByteLevel(), (GGUF_CONTROL, GGUF_USER_DEFINED)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in whole])
     bos, eos = kv.get("tokenizer.ggml.bos_token_id"), kv.get("tokenizer.ggml.eos_token_id")

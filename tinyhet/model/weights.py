@@ -43,3 +43,37 @@ def model_nbytes(path, packed: bool = False) -> int:
   path = embedded_model_path() if path is None else pathlib.Path(path)
   if path.is_dir(): return hf_loaded_nbytes(path)
   return gguf_loaded_nbytes(read_gguf(path), packed)
+
+def describe_model(path) -> dict:
+  """What tinyhet reads from a model file without loading its weights (`tinyhet info --model`): the format, the architecture,
+  the config it becomes, what of the file's config was used, checked or ignored, the tensors' types, the tokenizer's kind and
+  the chat template. Raises WeightsError (or TokenizerError) as a load would."""
+  import dataclasses, json
+  from tinyhet.model.gguf_loader import gguf_types
+  from tinyhet.model.hf_config import read_hf_config
+  from tinyhet.model.hf_loader import check_hf
+  from tinyhet.model.tokenizer import Tokenizer
+  path = embedded_model_path() if path is None else pathlib.Path(path)
+  if path.is_dir():
+    cfg, read = read_hf_config(path)
+    table = check_hf(path, cfg)
+    tok = Tokenizer.from_hf_dir(path)
+    tj = json.loads((path / "tokenizer.json").read_text())
+    pre = tj.get("pre_tokenizer") or {}
+    pres = [p["type"] for p in pre.get("pretokenizers", [pre])] if pre else []
+    kind = f"{tj['model']['type']}" + (", byte fallback" if tj["model"].get("byte_fallback") else "") + "".join(f", {p}" for p in pres)
+    out = {"format": "Hugging Face safetensors", "architecture": read["architecture"], "model_type": cfg.arch, "config_used": read["used"],
+           "config_checked": read["checked"], "config_ignored": read["ignored"], "sliding_window": read["sliding_window"],
+           "tensor_dtypes": sorted({t.dtype for t in table.values()}), "tensors": len(table), "tokenizer": f"tokenizer.json ({kind})"}
+  else:
+    g = read_gguf(path)
+    cfg = check_gguf(g)
+    tok = Tokenizer.from_gguf_metadata(g.metadata)
+    arch = g.metadata["general.architecture"]
+    model = g.metadata.get("tokenizer.ggml.model")
+    kind = "SentencePiece" if model == "llama" else f"byte-level BPE, pre-tokenizer {g.metadata.get('tokenizer.ggml.pre', 'default')}"
+    out = {"format": "GGUF", "architecture": arch, "model_type": cfg.arch, "tensor_dtypes": gguf_types(g), "tensors": len(g.tensors),
+           "config_used": {k: v for k, v in g.metadata.items() if k.startswith(f"{arch}.")}, "tokenizer": f"GGUF {model} ({kind})"}
+  layout = ["q/k/v biases"] * cfg.qkv_bias + ["per-head q/k RMSNorm"] * cfg.qk_norm + ["tied embeddings"] * cfg.tie_embeddings
+  return out | {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "rope_freq_factors"}, "layout": layout,
+                "vocab_size": tok.vocab_size, "chat_template": bool(tok.chat_template), "stop_ids": list(tok.stop_ids)}

@@ -1,7 +1,15 @@
 """Checking OpenAI request bodies: each field's type and range, the model's name and the context's length. A bad body
 raises ApiError (HTTP 4xx) whose message says which field to change and how; nothing else is raised for any JSON value."""
 from __future__ import annotations
+from tinyhet.model.request_rules import MAX_STOP_CHARS, MAX_STOPS, check_generation, check_stop
 from tinyhet.service.api_error import ApiError
+
+def node_rules(body: dict, temperature, top_p, seed, options: dict, stop: list[str]) -> None:
+  """The nodes' own checks of what the router will send (tinyhet.model.request_rules), so a node never refuses it later."""
+  try: check_generation(temperature, top_p, seed, options, stop)
+  except ValueError as e:
+    name = str(e).split()[0]
+    raise ApiError(f"a node refuses this request: {e}", name if name in body else None) from None
 
 def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
 def _is_num(x) -> bool: return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -45,8 +53,10 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
     raise ApiError("'stream_options' must be an object like {\"include_usage\": true}", "stream_options")
   stop = body.get("stop")
   stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-  if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-    raise ApiError("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
+  try: stop = check_stop(stop)          # the decode node's own rule (tinyhet.model.request_rules)
+  except ValueError:
+    raise ApiError(f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} of them, each at most {MAX_STOP_CHARS} characters",
+                   "stop") from None
   # tools, tool_choice, response_format and guided_*: tinyhet.service.tools and structured (constrain_request)
   unsupported = {"best_of": (None, 1), "functions": (None, []), "function_call": (None, "none"),
                  "suffix": (None, ""), "prediction": (None,), "audio": (None,),
@@ -65,6 +75,7 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
     echo = body.get("echo", False)
     if not isinstance(echo, bool): raise ApiError("'echo' must be true or false", "echo")
     if echo and logprobs is not None: options["prompt_logprobs"] = logprobs      # the prompt's own, from the prefill's logits
+  node_rules(body, temperature, top_p, seed, {**options, "output_from": len(prompt_ids)}, stop)
   return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p), "seed": seed,
           "stream": bool(stream), "include_usage": bool(opts and opts.get("include_usage")), "stop": stop, "chat": chat,
           "return_token_ids": rti, "options": options, "logprobs": logprobs, "echo": echo}

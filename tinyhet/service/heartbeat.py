@@ -11,12 +11,14 @@ from tinyhet.runtime.control import ControlClient
 INTERVAL_S = 0.5     # a node's beat
 TIMEOUT_S = 3.0      # silence after which the router calls it down: a few beats, so one slow reply (a busy GIL) is no false alarm
 
-def install(endpoint, role: str, status) -> None:
-  """Serve node.heartbeat on endpoint: status() -> dict is called for each beat."""
+def install(endpoint, role: str, status, per_stream=None) -> None:
+  """Serve node.heartbeat on endpoint: status() -> dict is called for each beat; per_stream() makes, for each stream, a
+  callable whose dict joins each of its beats (what a stream says relative to its own beat before)."""
   def serve(conn, interval: float = INTERVAL_S):
     if not isinstance(interval, (int, float)) or not 0.01 <= interval <= 10: raise ValueError(f"interval must be 0.01..10 s, got {interval!r}")
+    mine = per_stream() if per_stream is not None else dict
     while True:       # ends when the caller goes away (the send fails)
-      yield {"role": role, "node": endpoint.name, "time": time.time(), **status()}
+      yield {"role": role, "node": endpoint.name, "time": time.time(), **status(), **mine()}
       time.sleep(interval)
   endpoint.handle("node.heartbeat", serve)
 

@@ -5,29 +5,18 @@ prefill and decode nodes.
                                                stream_options.include_usage) or not; `return_token_ids` (as in vLLM)
                                                adds the generated token ids
   GET  /v1/models, /health (200 while the router runs), /ready (200 once a decode node is up: a path from prefill to
-       decode exists, else 503), /metrics (Prometheus)
+       decode exists, else 503; the node list only with the admin key), /metrics (Prometheus)
 With API keys (`tinyhet serve --api-key`, TINYHET_API_KEY) every /v1/* route wants `Authorization: Bearer KEY` (401 in OpenAI's error
-shape otherwise, keys compared in constant time); /health, /ready and /metrics stay open.
+shape otherwise, keys compared in constant time); /health, /ready and /metrics stay open. Body size, JSON depth and the admin key:
+tinyhet.service.http_guard.
 Requests are checked here (4xx in OpenAI's error shape, saying what to change), then served by tinyhet.service.router.Cluster on a
 thread each; a client that goes away cancels its request and the nodes free what it held.
 """
 from __future__ import annotations
-import asyncio, hmac, json, threading, time, uuid
+import asyncio, json, threading, time, uuid
 from tinyhet.service.api_schema import ApiError, parse_chat, parse_completion
+from tinyhet.service.http_guard import MAX_BODY_BYTES, BodyLimit, authorization, error_response, is_admin, key_matches, parse_body
 from tinyhet.service.logprobs import LogprobFormatter
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None,
-                   headers: dict | None = None):
-  from starlette.responses import JSONResponse
-  message = message.encode("utf-8", "backslashreplace").decode()       # a client's lone surrogates must not break the reply
-  return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status, headers=headers)
-
-def key_matches(header: bytes | None, keys: list[bytes]) -> bool:
-  """Authorization: Bearer KEY against every key, each compared in constant time (no early exit on the first match either)."""
-  if header is None or not header[:7].lower() == b"bearer ": return False
-  given, ok = header[7:].strip(), False
-  for k in keys: ok |= hmac.compare_digest(given, k)
-  return ok
 
 class KeyCheck:
   """ASGI middleware: /v1/* needs one of the API keys; everything else (/health, /ready, /metrics) is open."""
@@ -35,8 +24,7 @@ class KeyCheck:
     self.app, self.keys = app, [k.encode() for k in keys]
   async def __call__(self, scope, receive, send):
     if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
-      header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
-      if not key_matches(header, self.keys):
+      if not key_matches(authorization(scope), self.keys):
         reply = error_response(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'", "invalid_request_error",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return await reply(scope, receive, send)
@@ -49,9 +37,10 @@ def parse_keys(flags: list[str] | None, env: str | None) -> list[str]:
 
 class Service:
   """The HTTP side: one Cluster, the tokenizer, the metrics; api_keys: none (open), or the keys /v1/* accepts."""
-  def __init__(self, cluster, tokenizer, model_id: str, metrics, retry_after_s: int = 1, api_keys: list[str] | None = None):
+  def __init__(self, cluster, tokenizer, model_id: str, metrics, retry_after_s: int = 1, api_keys: list[str] | None = None,
+               admin_key: bytes | None = None, max_body: int = MAX_BODY_BYTES):
     self.cluster, self.tok, self.model_id, self.metrics, self.retry_after_s = cluster, tokenizer, model_id, metrics, retry_after_s
-    self.api_keys = list(api_keys or [])
+    self.api_keys, self.admin_key, self.max_body = list(api_keys or []), admin_key, max_body    # http_guard: the admin key, the body limit
 
   def app(self):
     from starlette.applications import Starlette
@@ -62,7 +51,8 @@ class Service:
     routes = [Route("/v1/completions", self.completions, methods=["POST"]), Route("/v1/chat/completions", self.chat, methods=["POST"]),
               Route("/v1/models", self.models), Route("/health", self.health), Route("/ready", self.ready), Route("/metrics", self.metrics_page)]
     from starlette.middleware import Middleware
-    middleware = [Middleware(KeyCheck, keys=self.api_keys)] if self.api_keys else []
+    # the key first: a client without one is refused before its body is read
+    middleware = ([Middleware(KeyCheck, keys=self.api_keys)] if self.api_keys else []) + [Middleware(BodyLimit, max_bytes=self.max_body)]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, middleware=middleware)
 
   # ---- plain pages
@@ -77,8 +67,9 @@ class Service:
 
   async def ready(self, request):
     from starlette.responses import JSONResponse
-    ok = self.cluster.ready()
-    return JSONResponse({"ready": ok, "nodes": self.cluster.describe()}, status_code=200 if ok else 503)
+    ok = self.cluster.ready()        # the nodes' names and state only for the admin key: a node's name is what its peers trust
+    extra = {"nodes": self.cluster.describe()} if is_admin(request.scope, self.admin_key) else {}
+    return JSONResponse({"ready": ok, **extra}, status_code=200 if ok else 503)
 
   async def metrics_page(self, request):
     from prometheus_client import CONTENT_TYPE_LATEST
@@ -92,8 +83,7 @@ class Service:
   async def _generate(self, request, chat: bool):
     from starlette.responses import JSONResponse, StreamingResponse
     try:
-      try: body = json.loads(await request.body())
-      except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ApiError(f"the body is not JSON: {e}") from None
+      body = parse_body(await request.body())
       p = (parse_chat if chat else parse_completion)(body, self.tok, self.model_id, self.cluster.max_context())
     except ApiError as e:
       self.metrics.rejected.labels(str(e.status)).inc()

@@ -51,15 +51,28 @@ def stream_submitted(decode, conn, seq):
            "ended": bool(seq.extra.get("grammar_done"))}
   finally: decode._detach(conn.state.get("seqs", {}), seq)
 
-SUMMARY_HASHES = 1024      # block hashes a heartbeat carries at most: the newest cached (16,384 tokens of 16-token blocks)
+SUMMARY_HASHES = 1 << 18   # block hashes the router's view of a node's cache holds at most (4M tokens of 16-token blocks; ~6 MB of JSON)
 
-def cached_summary(bm) -> list[int]:
-  """The newest SUMMARY_HASHES block hashes the node holds, for KV-aware routing: read without the lock (another thread may
-  change the map meanwhile: then read again; a summary a moment stale is what a heartbeat is anyway)."""
-  for _ in range(5):
-    try: return list(bm.hash_block)[-SUMMARY_HASHES:]
-    except RuntimeError: continue
-  return []
+class CacheSummary:
+  """The block hashes of a node's prefix cache, for one heartbeat stream (KV-aware routing: the router walks a prompt's
+  chain of hashes through them). Its first beat carries them all ("cached_hashes"), every later one what changed since
+  the beat before ("cached_added", "cached_removed"): a stream's beats arrive in order and a new stream starts whole
+  again, so the router's set is the node's, however long a conversation's chain. Past SUMMARY_HASHES the newest only."""
+  def __init__(self, bm, limit: int = SUMMARY_HASHES):
+    self.bm, self.limit, self.sent = bm, limit, None
+
+  def _now(self) -> set[int] | None:
+    for _ in range(5):       # read without the lock: another thread may change the map meanwhile (then read again)
+      try: return set(list(self.bm.hash_block)[-self.limit:])     # newest last (tinyhet.kv.block_manager)
+      except RuntimeError: continue
+    return None
+
+  def __call__(self) -> dict:
+    if (now := self._now()) is None: return {}            # this beat says nothing of the cache; the next one catches up
+    if self.sent is None or len(now ^ self.sent) > self.limit: out = {"cached_hashes": list(now)}
+    else: out = {"cached_added": list(now - self.sent), "cached_removed": list(self.sent - now)}
+    self.sent = now
+    return out
 
 def decode_status(decode) -> dict:
   # read without decode.cond: a `both` node's batching loop can hold it while it waits for the model (a long prefill), and a
@@ -69,7 +82,7 @@ def decode_status(decode) -> dict:
           "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
           "max_context": decode.model.cfg.max_context, "cached_blocks": bm.num_cached, "prefix_queried_tokens": bm.queried_tokens,
           "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache,
-          "cached_hashes": cached_summary(bm), **({"warm_up": decode.warm.status()} if decode.warm is not None else {})}
+          **({"warm_up": decode.warm.status()} if decode.warm is not None else {})}
 
 class ServiceExtras:
   """Heartbeats and decode.submit on a decode node; with role `both`, a PrefillNode sharing its model, on its own thread."""
@@ -89,7 +102,8 @@ class ServiceExtras:
           self.prefill.run_one()
           while self.prefill.jobs.qsize() and not (decode.scheduler.running or decode.scheduler.waiting): self.prefill.run_one()
       decode.between_steps = prefill_first
-    heartbeat.install(decode.node.endpoint, role, lambda: {**decode_status(decode), **(self.prefill.status() if self.prefill else {})})
+    heartbeat.install(decode.node.endpoint, role, lambda: {**decode_status(decode), **(self.prefill.status() if self.prefill else {})},
+                      per_stream=lambda: CacheSummary(decode.cache.block_manager))
 
   @staticmethod
   def _wake(decode):

@@ -21,6 +21,7 @@ from tinyhet.kv.grants import check_grant
 from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
 from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible, check_prompt
 from tinyhet.engine.prefill import busy_time, prefill_first_token, prefill_pulled_logits
+from tinyhet.engine.prompt_logprobs import PromptLogprobs
 from tinyhet.kv.pull import PrefixPull, PullCost, pull_spec
 from tinyhet.runtime.control import ControlClient
 from tinyhet.runtime.transport import TransportError
@@ -131,28 +132,31 @@ class PrefillNode:
     def still_wanted():                         # on the writer thread, before each layer's write is posted
       if job.caller_gone(): raise CallerGone("the router gave the reservation up during prefill")
     sender = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted)
-    kept: list[tuple[int, Tensor, Tensor]] = []   # every layer's K, V, for a resend over a new link
+    kept: list[tuple[int, Tensor, Tensor, int]] = []   # every layer's K, V and first row sent, for a resend over a new link
     # a prefix-cache hit: the reservation's blocks are the suffix's; its prefix is pulled (read grant) or computed again here
     cached = len(pull_spec(r)[0]) * r["block_size"]
-    pulled = cached > 0 and self.cost.should_pull(cached // r["block_size"] * r["block_bytes"] * self.model.cfg.n_layers, cached)
+    sampler = job.sampling["sampler"]
+    # the prompt's own logprobs need every row's hidden state: a cached prefix is computed again here then, never pulled
+    scorer = None if sampler.prompt_logprobs is None else PromptLogprobs(self.model, job.prompt_ids, sampler.prompt_logprobs)
+    pulled = cached > 0 and scorer is None and self.cost.should_pull(cached // r["block_size"] * r["block_bytes"] * self.model.cfg.n_layers, cached)
 
     def send_layer(layer: int, k: Tensor, v: Tensor):
       if isinstance(sender.writer.error, CallerGone): raise sender.writer.error    # stop prefilling for nobody
-      if cached and not pulled: k, v = k[cached:].contiguous().realize(), v[cached:].contiguous().realize()   # the suffix's rows only
-      kept.append((layer, k, v))
-      sender.send(layer, k, v)
+      first = cached if cached and not pulled else 0      # the whole prompt computed again: the suffix's rows only
+      kept.append((layer, k, v, first))
+      sender.send(layer, k, v, first)
 
-    def send_chunk(*piece) -> bool:     # a chunked prefill's blocks of a layer, as each chunk computes them (not past a cached prefix)
+    def send_chunk(*piece) -> bool:     # a chunked prefill's blocks of a layer, as each chunk computes them (a pulled prefix's suffix too)
       if isinstance(sender.writer.error, CallerGone): raise sender.writer.error
       return sender.send_chunk(*piece)
 
-    sampler, n, pull = job.sampling["sampler"], len(job.prompt_ids), {}
+    n, pull = len(job.prompt_ids), {}
     try:
       if pulled:
         logits, pull = prefill_pulled_logits(self.model, job.prompt_ids, cached, r["block_size"], kv_dtype,
-                                             lambda pools: PrefixPull(self.node, peer, r, pools), send_layer)
+                                             lambda pools: PrefixPull(self.node, peer, r, pools), send_layer, send_chunk)
         self.cost.saw_transfer(pull["pulled_bytes"], pull["pull_s"])
-      else: _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer, on_chunk=send_chunk)
+      else: _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer, on_chunk=send_chunk, on_hidden=scorer)
       first = sampler.draw(logits, n, job.prompt_ids)     # the same draw again, with its logprobs when asked for
       t_prefill = time.perf_counter()
       if not pulled: self.cost.saw_prefill(n, t_prefill - t0)
@@ -162,7 +166,7 @@ class PrefillNode:
         if job.caller_gone(): raise CallerGone("the router gave the reservation up during the transfer") from None
         peer, _ = self._decoder(job.decode, fresh=True)
         sender, old = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted), sender
-        for layer, k, v in kept: sender.send(layer, k, v)
+        for layer, k, v, first in kept: sender.send(layer, k, v, first)
         sender.resend_pieces(old)
         transfers = sender.finish(60)
     except BaseException as e:
@@ -173,9 +177,7 @@ class PrefillNode:
     self.cost.saw_transfer(kv_bytes, transfer_s)
     last = max(t.finished for t in transfers.values())
     lp = {} if first.logprob is None else {"logprob": first.logprob, "top_logprobs": first.top}
-    if sampler.prompt_logprobs is not None:
-      from tinyhet.engine.prompt_logprobs import prompt_logprobs
-      lp["prompt_logprobs"] = prompt_logprobs(self.model, job.prompt_ids, sampler.prompt_logprobs, kv_dtype)
+    if scorer is not None: lp["prompt_logprobs"] = scorer.entries
     return {"first_token": first.token, **lp, "seed": sampler.seed, "prefill_s": t_prefill - t0, "kv_bytes": kv_bytes, "transfer_s": transfer_s,
             "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0, "staging_waits": sender.staging_waits,
             "kv_writes": sum(len(t.transfers) if isinstance(t, Pieces) else 1 for t in transfers.values()),   # a chunked layer: one a piece

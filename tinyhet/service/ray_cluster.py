@@ -12,8 +12,9 @@ else any), on a host without a decode node when the cluster has one. The router 
 Restarts: an actor whose process dies (kill -9, its node crashed) is restarted by Ray (max_restarts); its new node has a
 new address, which the router's Cluster learns on the next poll while its recovery moves or queues the requests of the
 old one. An actor that cannot come back (its host left the cluster, restarts used up) is replaced on another host; a
-host that joins gets the replicas still missing. GET/POST /admin/replicas (the TINYHET_TOKEN as a bearer token) shows
-and changes the counts at run time; a replica dropped is first taken out of routing, then stopped once its requests end.
+host that joins gets the replicas still missing. GET/POST /admin/replicas (the admin key, TINYHET_ADMIN_KEY, as a bearer
+token: not the nodes' TINYHET_TOKEN; without an admin key the endpoint is off) shows and changes the counts at run time;
+a replica dropped is first taken out of routing, then stopped once its requests end.
 """
 from __future__ import annotations
 import json, os, secrets, subprocess, sys, threading, time
@@ -108,8 +109,8 @@ class Replicas:
     self.ray, self.cluster, self.want, self.interval = ray, cluster, dict(want), interval
     self.node_args = ["--max-seqs", str(args.max_seqs)] + (["--model", model] if model else [])
     self.kv_memory, self.kv_fraction, self.max_restarts = args.kv_memory, args.kv_fraction, args.max_restarts
-    # the nodes must prove the router's token and see the same settings (arena size, transport, ...)
-    self.env = {k: v for k, v in os.environ.items() if k.startswith(("TINYHET_", "HET_"))}
+    # the nodes must prove the router's token and see the same settings (arena size, transport, ...); the router's own keys stay here
+    self.env = {k: v for k, v in os.environ.items() if k.startswith(("TINYHET_", "HET_")) and k not in ("TINYHET_ADMIN_KEY", "TINYHET_API_KEY")}
     self.remote = ray.remote(NodeActor)
     self.replicas: list[Replica] = []
     self.draining: list[tuple[Replica, object, float]] = []      # (replica, its Node in the router, when it was dropped)
@@ -226,21 +227,24 @@ class Replicas:
       check_counts(new)
       self.want = new
 
-  def mount(self, app, token: str) -> None:
-    """GET /admin/replicas (the counts, where each replica runs) and POST /admin/replicas {"decode": 2, ...} on the router."""
+  def mount(self, app, admin_key: bytes | None) -> None:
+    """GET /admin/replicas (the counts, where each replica runs) and POST /admin/replicas {"decode": 2, ...} on the router,
+    for the admin key only (tinyhet.service.http_guard: compared as bytes); admin_key None: the endpoint answers 403."""
     from starlette.routing import Route
-    from tinyhet.service.http_api import error_response
+    from tinyhet.service.http_guard import error_response, is_admin, parse_body
     async def replicas(request):
       from starlette.responses import JSONResponse
-      if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
-        return error_response(401, "the admin endpoint needs the cluster's token: send 'Authorization: Bearer $TINYHET_TOKEN'",
-                              "authentication_error")
+      if admin_key is None:
+        return error_response(403, "the admin endpoint is off: start tinyhet serve with TINYHET_ADMIN_KEY (or --admin-key) set", "permission_error")
+      if not is_admin(request.scope, admin_key):
+        return error_response(401, "the admin endpoint needs the admin key: send 'Authorization: Bearer $TINYHET_ADMIN_KEY'", "authentication_error",
+                              code="invalid_api_key")
       if request.method == "POST":
         try:
-          body = json.loads(await request.body())
+          body = parse_body(await request.body())
           if not isinstance(body, dict): raise ValueError('send a JSON object of counts, e.g. {"decode": 2}')
           self.set_want(body)
-        except (ValueError, UnicodeDecodeError) as e: return error_response(400, f"replicas: {e}")
+        except (ValueError, UnicodeDecodeError) as e: return error_response(400, f"replicas: {e}", code=getattr(e, "code", None))
         threading.Thread(target=self.reconcile, daemon=True).start()        # act now rather than at the next poll
       return JSONResponse(self.state())
     app.router.routes.append(Route("/admin/replicas", replicas, methods=["GET", "POST"]))

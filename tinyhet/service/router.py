@@ -42,6 +42,19 @@ class _NodeLost(Exception):
     super().__init__(message)
     self.reason = reason
 
+CACHE_SUMMARY = ("cached_hashes", "cached_added", "cached_removed")   # a heartbeat's cache summary (node_roles.CacheSummary)
+
+def cache_view(view: set, beat: dict) -> set:
+  """A node's cached block hashes after one of its beats: the whole set, or the one before with what was added and removed
+  (a beat without a summary leaves it; a malformed one empties it: no summary is better than a wrong one)."""
+  def ints(key):
+    v = beat.get(key, [])
+    return {h for h in v if isinstance(h, int) and not isinstance(h, bool)} if isinstance(v, list) else None
+  if "cached_hashes" in beat: return ints("cached_hashes") or set()
+  added, removed = ints("cached_added"), ints("cached_removed")
+  if added is None or removed is None: return set()
+  return (view - removed) | added if added or removed else view
+
 @dataclass(eq=False)
 class Node:
   address: str
@@ -54,7 +67,7 @@ class Node:
   assigned: int = 0                           # this router's requests decoding here (heartbeats lag; this does not)
   recent: list = field(default_factory=list)  # (monotonic time, blocks) of admissions the last heartbeat may not show yet
   clients: set = field(default_factory=set)   # requests' control connections to this node
-  cached: frozenset = frozenset()             # block hashes of its prefix cache, as its last heartbeat summarized them
+  cached: set = field(default_factory=set)    # block hashes of its prefix cache, as its heartbeats tell them (_beat)
   @property
   def can_decode(self) -> bool: return self.role in ("decode", "both")
   @property
@@ -110,6 +123,10 @@ class Request:
     self.cancelled.set()
     for c in list(self.clients): c.close()
 
+def cached_prompt_tokens(reported, prompt_tokens: int) -> int:
+  """usage.prompt_tokens_details.cached_tokens from a node's figure: a count in 0..prompt_tokens whatever the node said."""
+  return min(max(reported, 0), prompt_tokens) if isinstance(reported, int) and not isinstance(reported, bool) else 0
+
 def _logprobs(item: dict) -> dict | None:
   return {"logprob": item["logprob"], "top_logprobs": item["top_logprobs"]} if "logprob" in item else None
 
@@ -135,9 +152,8 @@ class Cluster:
       if beat.get("model") != self.model_id:
         node.up, node.reason = False, f"serves {beat.get('model')!r}, this router {self.model_id!r}: start every node with the same --model"
       else: node.up, node.reason = True, ""
-      node.status = beat
-      hashes = beat.get("cached_hashes")
-      node.cached = frozenset(h for h in hashes[:4096] if isinstance(h, int)) if isinstance(hashes, list) else frozenset()
+      node.status = {k: v for k, v in beat.items() if k not in CACHE_SUMMARY}
+      node.cached = cache_view(node.cached, beat)
       shown = time.monotonic() - 2 * self.hb_interval      # a beat arriving now was made after these reservations landed
       node.recent = [(t, b) for t, b in node.recent if t > shown]
       self.cond.notify_all()
@@ -178,9 +194,8 @@ class Cluster:
     with self.cond: return min((n.status["max_context"] for n in self.nodes.values() if n.up and "max_context" in n.status), default=None)
 
   def describe(self) -> list[dict]:
-    with self.cond:   # a node's cache summary stays out (a thousand hashes)
-      return [{"address": n.address, "role": n.role, "up": n.up, "reason": n.reason, **{k: v for k, v in n.status.items() if k != "cached_hashes"}}
-              for n in self.nodes.values()]
+    with self.cond:
+      return [{"address": n.address, "role": n.role, "up": n.up, "reason": n.reason, **n.status} for n in self.nodes.values()]
 
   # ---- choosing nodes
   def _admit(self, prompt_tokens: int, new_tokens: int = 0, ids: list[int] | None = None,
@@ -382,12 +397,14 @@ class Cluster:
 
   def _done(self, req: Request, node: Node, item: dict, prompt_tokens: int):
     """A decode stream's last item: the prefix cache's hit (a decode node that prefilled for itself) and its preemptions."""
-    if "cached_tokens" in item: req.cached_tokens = int(item["cached_tokens"])
+    # the prompt's tokens served from the cache: after a lost node the attempt's prompt holds tokens already generated,
+    # which may be cached on the new node, but they are no prompt tokens of the client's
+    if "cached_tokens" in item: req.cached_tokens = cached_prompt_tokens(item["cached_tokens"], len(req.prompt_ids))
     if item.get("ended"): req.ended = True
     if self.metrics is None: return
     if "cached_tokens" in item and node.status.get("prefix_cache", True):
       self.metrics.prefix_queries.inc(prompt_tokens)
-      self.metrics.prefix_hits.inc(req.cached_tokens)
+      self.metrics.prefix_hits.inc(cached_prompt_tokens(item["cached_tokens"], prompt_tokens))    # the attempt's prompt, as the node saw it
     if item.get("preemptions"): self.metrics.preemptions.inc(int(item["preemptions"]))
 
   def _count(self, node: Node, role: str):
