@@ -37,13 +37,13 @@ def warm_node():
   yield decode
   decode.close()
 
-def serve(decode, prompts, new: int, steps: list | None = None, staggered: bool = False) -> list[list[int]]:
+def serve(decode, prompts, new: int, steps: list | None = None, staggered: bool = False, options: dict | None = None) -> list[list[int]]:
   """Submit the prompts, run the batching loop on this thread (tinygrad's) until every sequence ends; steps, if given, gets
   each step's (decoding sequences' ids, chunks' (id, first, end)). staggered: each prompt once the one before has its first token."""
   seqs = []
   for i, p in enumerate(prompts):
     seq = Sequence(decode.new_seq_id(), list(p), new)
-    seq.extra.update(queue=queue.SimpleQueue(), sampler=Sampler(0.0, 1.0, 0), stop_ids=set())
+    seq.extra.update(queue=queue.SimpleQueue(), sampler=Sampler(0.0, 1.0, 0, **(options or {})), stop_ids=set())
     seqs.append(seq)
   if steps is not None:
     schedule = decode.scheduler.schedule_step
@@ -95,6 +95,16 @@ def test_a_prompt_spread_over_steps_gives_the_unchunked_tokens_and_decode_goes_o
   try: assert serve(decode, [short, long], 12) == got
   finally: decode.prefill_budget = 16
   assert got[1] == decode.model.reference_generate(long, 12)      # and the dense single-device reference's
+
+def test_a_prompt_spread_over_steps_gives_its_prompt_logprobs_from_every_chunk(warm_node):
+  from tinyhet.engine.prompt_logprobs import prompt_logprobs
+  decode, rng = warm_node, np.random.default_rng(3)
+  short, long = [int(t) for t in rng.integers(0, 256, 6)], [int(t) for t in rng.integers(0, 256, 70)]
+  got = serve(decode, [short, long], 4, staggered=True, options={"prompt_logprobs": 2})   # 70 tokens in 5 chunks beside a decode
+  (kind, entries), want = got[1][0], prompt_logprobs(decode.model, long, 2, decode.cache.kv_dtype)
+  assert kind == "prompt" and len(entries) == len(want) == 70 and entries[0] is None and want[0] is None
+  for e, w in zip(entries[1:], want[1:]):
+    assert abs(e["logprob"] - w["logprob"]) < 1e-3 and [t for t, _ in e["top_logprobs"]] == [t for t, _ in w["top_logprobs"]]
 
 COMPILES = """
 import tinyhet
