@@ -24,8 +24,9 @@ def wait_ready(address: str, timeout: float = 300):
     time.sleep(0.2)
 
 class Proc:
-  def __init__(self, *args):
-    self.p = subprocess.Popen([sys.executable, "-m", "tinyhet", *args, "--stdin-stop"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  def __init__(self, *args, env: dict | None = None):
+    self.p = subprocess.Popen([sys.executable, "-m", "tinyhet", *args, "--stdin-stop"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env)
     line = self.p.stdout.readline()
     if not line: raise RuntimeError(f"tinyhet {' '.join(args)} did not start (exit {self.p.wait()})")
     self.info = json.loads(line)

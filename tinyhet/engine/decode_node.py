@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools, queue, threading, time
 from dataclasses import asdict
 import numpy as np
-from tinygrad import dtypes
 from tinyhet.device.backend import region_of
 from tinyhet.kv.grants import sign_grant
 from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, NOTICE_FORMAT, Landing, split_notice
@@ -35,13 +34,13 @@ from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_prompt, is_int
 from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
-from tinyhet.engine.forked_samples import generate_samples
+from tinyhet.engine.forked_samples import generate_samples, prefill_group, with_forks
 from tinyhet.engine.grammar import constrain, prefetch
 from tinyhet.runtime.arena import Region
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
 from tinyhet.model.sampling import Sampler, sample_batch
-from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus, prefill_groups
+from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus
 from tinyhet.engine.token_queue import TICK, queued_tokens, token_item  # noqa: F401  (node_roles reads them here too)
 
 def _check_timeout(timeout):
@@ -50,7 +49,8 @@ def _check_timeout(timeout):
 
 class DecodeNode:
   def __init__(self, model: Llama, node: LocalNode, kv_blocks: int, block_size: int = 16, kv_dtype: str = "float16",
-               max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = (), prefix_cache: bool = True):
+               max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = (), prefix_cache: bool = True,
+               prefill_budget: int | None = None):
     cfg = model.cfg
     if cfg.n_layers >= 1 << LAYER_BITS: raise ValueError(f"{cfg.n_layers} layers do not fit the {LAYER_BITS}-bit layer field of a notice")
     self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
@@ -73,6 +73,8 @@ class DecodeNode:
     self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
     # peers whose written KV this node may vouch for (node config trusted_writers, default the cluster file's prefill nodes)
     self.trusted_writers = frozenset(node.config.trusted_writers or ())
+    self.prefill_budget = node.config.prefill_budget if prefill_budget is None else prefill_budget   # per step while decoding
+    self.warm, self.on_warm = None, None    # a WarmUp (engine/warm_up.py) run() builds from while idle; on_warm(status) once it is over
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release", "lookup"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
     self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
@@ -325,23 +327,34 @@ class DecodeNode:
     self.engine.warm_up(batch_sizes, self.cond)
 
   def run(self, stop: threading.Event, warm_up: bool = True):
-    """Continuous batching until stop is set: one decode step for every running sequence, or the recompute of preempted
-    ones. Call it from the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
+    """Continuous batching until stop is set: each step (Scheduler.schedule_step) one decode step for every decoding sequence,
+    then prompt chunks of at most prefill_budget tokens (submitted prompts, recomputes), so decode keeps its pace; idle, the
+    warm-up's next capture. Call it from the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
     if warm_up: self.warm_up()
     while not self.stopped and not stop.is_set():
       if self.between_steps is not None: self.between_steps()      # on this thread, without the lock (a `both` node's prefills)
       with self.cond:
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        decode, chunks = self.scheduler.schedule_step(self.prefill_budget)
+        idle = not decode and not chunks
+        if idle and (self.warm is None or self.warm.done):
           self.cond.wait(0.5)
           continue
-        self.in_step = set(seqs)
-      for batch in (prefill_groups(seqs) if is_prefill else [seqs]):    # a recompute runs each sequence at its own length
-        # a grammar's masks for this step, computed on the grammar thread while the step runs; rows without one cost nothing
-        masks = prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch])
+        # a prompt's last chunk runs with its forks (n > 1), which take its KV and its logits
+        pieces = [(with_forks(self.scheduler, s) if end == s.num_tokens else [s], (first, end)) for s, first, end in chunks]
+        self.in_step = {*decode, *(f for batch, _ in pieces for f in batch)}
+      if idle:                               # the warm-up's next capture, on this thread (tinygrad's), without the lock
+        if not self.warm.step() and self.on_warm is not None: self.on_warm(self.warm.status())
+        continue
+      for batch, piece in ([(decode, None)] if decode else []) + pieces:
+        # a grammar's masks, made on the grammar thread while the step runs (none for rows without one, or a chunk short of its end)
+        masks = None if piece and piece[1] < batch[0].num_tokens else prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch])
         try:
-          if is_prefill: logits = self._prefill_group(batch)
-          else: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
+          if piece is None: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
+          elif (logits := prefill_group(self, batch, *piece)) is None:    # a chunk short of the prompt's end: nothing to sample yet
+            with self.cond:
+              if batch[0].extra.get("cancelled") and batch[0].status is SequenceStatus.RUNNING: self.scheduler.finish(batch[0])
+              else: batch[0].prefilled = piece[1]
+            continue
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
@@ -351,6 +364,7 @@ class DecodeNode:
         draws = None if logits is None else sample_batch(logits[:len(batch)], [s.extra["sampler"] for s in batch], [s.num_tokens for s in batch],
                                                          [s.token_ids for s in batch])     # num_tokens: the new token's position
         with self.cond:
+          for s in batch: s.prefilled = None   # a prompt's last chunk: it decodes from the next step on
           live = [s for s in batch if not s.extra.get("cancelled")]
           if logits is None: finished = list(live)
           else:
@@ -374,35 +388,24 @@ class DecodeNode:
           self.cond.notify_all()
       with self.cond: self.in_step = set()
 
-  def _prefill_group(self, group: list[Sequence]) -> np.ndarray:
-    """The first sequence's prefill; its forks (n > 1) take its KV (their partial last block copied now) and its logits.
-    Logits (len(group), vocab)."""
-    logits = self._prefill(group[0])
-    for f in group[1:]:
-      if f.fork_copy is not None: self.cache.copy_block(*f.fork_copy)
-      f.fork_of, f.fork_copy = None, None
-      f.extra.setdefault("cached_tokens", group[0].extra.get("cached_tokens", 0))
-    return np.repeat(logits, len(group), axis=0)
-
-  def _prefill(self, s: Sequence) -> np.ndarray:
-    """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
-    to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
-    from tinyhet.engine.prefill import prefill_logits, prefill_suffix_logits
+  def _prefill(self, s: Sequence, first: int | None = None, end: int | None = None) -> np.ndarray | None:
+    """A sequence's prompt (a recomputed one's prompt and tokens so far), or tokens first..end-1 of it (a chunk: Scheduler.
+    schedule_step), into its blocks (prefill_sequence_logits). Logits (1, vocab); None until the prompt's last chunk."""
+    from tinyhet.engine.prefill import prefill_sequence_logits
     from tinyhet.engine.prompt_logprobs import PromptLogprobs
-    scorer = None           # a submitted one's first prefill, with its prompt's logprobs asked for: from this prefill's rows
-    if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"): scorer = PromptLogprobs(self.model, s.token_ids, n)
-    if (hit := self.cache.block_manager.cached_length(s.seq_id)) > 0:    # a prefix-cache hit: only the rest, over the cached K, V
-      # the cached prefix's rows exist nowhere: scored by a prefill of the prefix alone (its K, V dropped)
-      if scorer is not None: prefill_logits(self.model, s.token_ids[:hit], self.cache.kv_dtype, on_hidden=scorer)
-      logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit, on_hidden=scorer)[None]
-    else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id), on_hidden=scorer)[None]
-    s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
-    self.prefills, self.prefilled_tokens = self.prefills + 1, self.prefilled_tokens + len(s.token_ids) - hit
+    s.extra.setdefault("cached_tokens", hit := self.cache.block_manager.cached_length(s.seq_id))   # its first prefill's hit only
+    # a submitted one's first prefill, with its prompt's logprobs asked for: from this prefill's rows, every chunk's
+    if first in (None, hit) and (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):
+      s.extra["scorer"] = PromptLogprobs(self.model, s.token_ids, n)
+    logits = prefill_sequence_logits(self.model, self.cache, s.seq_id, s.token_ids, first, end, s.extra.get("scorer"))
+    self.prefilled_tokens += (len(s.token_ids) if end is None else end) - (hit if first is None else first)
+    if logits is None: return None
+    self.prefills += 1
     with self.cond: self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
-    if scorer is not None:
+    if (scorer := s.extra.pop("scorer", None)) is not None:
       s.extra["prompt_sent"] = True
       s.extra["queue"].put(("prompt", scorer.entries))
-    return logits
+    return logits[None]
 
   def close(self):
     self.stopped = True
@@ -412,9 +415,3 @@ class DecodeNode:
 def _pool_region(buf) -> Region:
   region, offset = region_of(buf)
   return Region(region.arena, region.offset + offset, buf.nbytes)
-
-def kv_blocks_for(cfg, block_size: int, kv_dtype: str, kv_bytes: int) -> int:
-  """How many blocks a KV budget of kv_bytes holds (all layers, K and V)."""
-  per_block = PagedKVCache.bytes_per_block(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, getattr(dtypes, kv_dtype))
-  if kv_bytes < per_block: raise ValueError(f"a KV budget of {kv_bytes} bytes holds no block ({per_block} bytes each)")
-  return kv_bytes // per_block

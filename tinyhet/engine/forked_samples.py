@@ -1,4 +1,5 @@
-"""n > 1 on the disaggregated path: the samples of a prompt that a prefill node prefilled once.
+"""n > 1: the samples of a prompt prefilled once. On the decode node's own prefill (prefill_group), the forks take the
+prompt's KV and logits at its last chunk. On the disaggregated path, the samples of a prompt that a prefill node prefilled:
 
   decode.reserve  with n: the prompt's blocks for the first sample, and n - 1 forks of it reserved with it (the prompt's full
                   blocks shared by reference count, a block each for its copy of the partial last one); the prefill node
@@ -10,11 +11,26 @@
 """
 from __future__ import annotations
 import queue, time
+import numpy as np
 from tinyhet.engine.checks import is_int
 from tinyhet.engine.grammar import constrain
 from tinyhet.engine.scheduler import Sequence, SequenceStatus
 from tinyhet.engine.token_queue import TICK, token_item
 from tinyhet.model.sampling import Sampler
+
+def with_forks(scheduler, s: Sequence) -> list[Sequence]:
+  """s and its forks still waiting for its prompt's KV (Scheduler._fork), in the order they were forked."""
+  return [s, *(f for f in scheduler.running if f.fork_of is s)]
+
+def prefill_group(node, group: list[Sequence], first: int | None = None, end: int | None = None):
+  """A decode node's prefill of group[0] (or a chunk of it); at its prompt's end its forks (n > 1, prefilled on this node)
+  take its KV (their partial last block copied now) and its logits. Logits (len(group), vocab), or None until the last chunk."""
+  if (logits := node._prefill(group[0], first, end)) is None: return None
+  for f in group[1:]:
+    if f.fork_copy is not None: node.cache.copy_block(*f.fork_copy)
+    f.fork_of, f.fork_copy = None, None
+    f.extra.setdefault("cached_tokens", group[0].extra.get("cached_tokens", 0))
+  return np.repeat(logits, len(group), axis=0)
 
 class Tagged:
   """The queue of one of n samples: what the batching loop puts in it goes to the samples' shared queue as (index, item)."""

@@ -44,6 +44,7 @@ class Sequence:
   num_prompt_tokens: int = -1     # defaults to len(token_ids) at creation
   status: SequenceStatus = SequenceStatus.WAITING
   num_preemptions: int = 0
+  prefilled: int | None = None    # while its prompt is prefilled over several steps (schedule_step): the tokens whose KV is stored
   extra: dict = field(default_factory=dict)   # the engine's per-sequence state (sampling parameters, a reply channel)
   forks: list = field(default_factory=list)   # sequences of the same prompt forked from this one at its first prefill (n > 1)
   fork_of: Sequence | None = None             # a fork not yet prefilled: its KV comes from this sequence's prefill
@@ -98,15 +99,7 @@ class Scheduler:
     sequences when a slot needs a block and none is free. An empty list means nothing can run until blocks free up."""
     scheduled: list[Sequence] = []
     batched = 0
-    # an incoming sequence will run here too; a sequence with forks needs a place for each
-    while self.waiting and len(self.running) + len(self.incoming) + 1 + len(self.waiting[0].forks) <= self.max_num_seqs:
-      seq = self.waiting[0]
-      if scheduled and batched + seq.num_tokens > self.max_num_batched_tokens: break
-      if self.bm.fresh_needed(seq.num_tokens, seq.token_ids) + self._copies(seq) > self.bm.num_free: break   # first come, first served
-      self.bm.allocate(seq.seq_id, seq.num_tokens, seq.token_ids)
-      self.waiting.popleft()
-      seq.status = SequenceStatus.RUNNING
-      self.running.append(seq)
+    while self.waiting and (not scheduled or batched + self.waiting[0].num_tokens <= self.max_num_batched_tokens) and (seq := self._admit()):
       scheduled.append(seq)
       batched += seq.num_tokens
       scheduled += self._fork(seq)
@@ -139,10 +132,59 @@ class Scheduler:
       self.running.append(f)
     return forks
 
+  def _admit(self) -> Sequence | None:
+    """The first waiting sequence, running now with its blocks held; None when it does not fit (first come, first served:
+    later requests wait too) or max_num_seqs sequences run or arrive (an incoming sequence will run here too; a sequence
+    with forks needs a place for each, and a block each for its copy of the partial last block)."""
+    if not self.waiting or len(self.running) + len(self.incoming) + 1 + len(self.waiting[0].forks) > self.max_num_seqs: return None
+    seq = self.waiting[0]
+    if self.bm.fresh_needed(seq.num_tokens, seq.token_ids) + self._copies(seq) > self.bm.num_free: return None
+    self.bm.allocate(seq.seq_id, seq.num_tokens, seq.token_ids)
+    self.waiting.popleft()
+    seq.status = SequenceStatus.RUNNING
+    self.running.append(seq)
+    return seq
+
+  def schedule_step(self, budget: int) -> tuple[list[Sequence], list[tuple[Sequence, int, int]]]:
+    """A stall-free step (Sarathi-Serve's; vLLM's chunked prefill under max_num_batched_tokens): one new token slot for every
+    decoding sequence, as schedule() gives them (preempting the newest when a slot needs a block), and prompt chunks of at most
+    `budget` tokens in all (max_num_batched_tokens while nothing decodes): the prompts under way first, then waiting
+    sequences admitted in order while their blocks fit.
+    Returns (decode batch, [(sequence, first token, end)]): the chunk's tokens are token_ids[first:end]; a prompt is done when
+    its end is num_tokens (seq.prefilled holds the progress between steps; an admitted prompt starts after its cached prefix).
+    A long prompt is spread over steps, so the decoding sequences get a token every step whatever arrives."""
+    if budget < 1: raise ValueError(f"a step's prefill budget must be at least 1 token, got {budget}")
+    decode: list[Sequence] = []
+    for seq in [s for s in self.running if s.prefilled is None and s.fork_of is None]:   # a fork decodes once its prompt's KV is in
+      if seq.status is not SequenceStatus.RUNNING: continue            # preempted for an earlier sequence's slot
+      while not self.bm.may_append(seq.seq_id):
+        victim = self.running.pop()                                       # the newest, maybe seq itself
+        self.preempt(victim)
+        if victim is seq: break
+      else:
+        self.bm.append_slot(seq.seq_id)
+        decode.append(seq)
+    if not decode: budget = max(budget, self.max_num_batched_tokens)     # nothing decodes to keep pace with: prompts whole
+    chunks: list[tuple[Sequence, int, int]] = []
+    for seq in [s for s in self.running if s.prefilled is not None]:
+      if budget <= 0: break
+      n = min(seq.num_tokens - seq.prefilled, budget)
+      chunks.append((seq, seq.prefilled, seq.prefilled + n))
+      budget -= n
+    while budget > 0 and (seq := self._admit()):
+      self._fork(seq)                         # its forks run from now on, waiting (fork_of) for its prompt's last chunk
+      seq.prefilled = self.bm.cached_length(seq.seq_id)
+      n = min(seq.num_tokens - seq.prefilled, budget)
+      chunks.append((seq, seq.prefilled, seq.prefilled + n))
+      budget -= n
+    return decode, chunks
+
   def preempt(self, seq: Sequence) -> None:
-    """Free seq's blocks (its full ones stay cached: its recompute may find them) and queue it first for recompute."""
+    """Free seq's blocks (its full ones stay cached: its recompute may find them) and queue it first for recompute. Its
+    forks still waiting for its prompt's KV go too: each is recomputed on its own."""
+    self._unfork(seq)
     self.bm.deallocate(seq.seq_id, seq.token_ids)
-    seq.status = SequenceStatus.WAITING
+    seq.status, seq.prefilled, seq.fork_of, seq.fork_copy = SequenceStatus.WAITING, None, None, None
     seq.num_preemptions += 1
     self.num_preemptions += 1
     self.waiting.appendleft(seq)
@@ -157,8 +199,18 @@ class Scheduler:
         finished.append(seq)
     return finished
 
+  def _unfork(self, seq: Sequence) -> None:
+    """seq's forks still waiting for its prompt's KV, queued to be recomputed on their own: seq stopped part-way through a
+    prompt spread over steps (schedule_step). A prompt prefilled whole (schedule) took its forks along in the same batch."""
+    if seq.prefilled is None: return
+    for f in [f for f in self.running if f.fork_of is seq]:
+      self.running.remove(f)
+      self.preempt(f)
+
   def finish(self, seq: Sequence) -> None:
-    """Stop a running sequence (done, or cancelled by its client) and free its blocks; its full ones stay cached."""
+    """Stop a running sequence (done, or cancelled by its client) and free its blocks; its full ones stay cached. Forks
+    still waiting for its prompt's KV are recomputed on their own."""
+    self._unfork(seq)
     self.running.remove(seq)
     self.bm.deallocate(seq.seq_id, seq.token_ids)
     seq.status = SequenceStatus.FINISHED

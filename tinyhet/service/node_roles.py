@@ -106,7 +106,8 @@ def decode_status(decode) -> dict:
           "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
           "max_context": decode.model.cfg.max_context, "cached_blocks": bm.num_cached, "prefix_queried_tokens": bm.queried_tokens,
           "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache,
-          "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens}
+          "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens,
+          **({"warm_up": decode.warm.status()} if decode.warm is not None else {})}
 
 class ServiceExtras:
   """Heartbeats and decode.submit on a decode node; with role `both`, a PrefillNode sharing its model, on its own thread."""

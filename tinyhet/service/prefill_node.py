@@ -98,9 +98,12 @@ class PrefillNode:
     return job.result
 
   # ---- the model's thread
-  def run(self, stop: threading.Event):
-    """Prefill jobs in arrival order until stop is set. Call it from the thread that loaded the model."""
-    while not stop.is_set(): self.run_one(timeout=0.5)
+  def run(self, stop: threading.Event, idle=None):
+    """Prefill jobs in arrival order until stop is set. Call it from the thread that loaded the model. idle() -> bool, if
+    given, runs while no job is queued (a warm-up's next capture: tinyhet.engine.warm_up); False: it has nothing more to do."""
+    while not stop.is_set():
+      if idle is not None and not self.jobs.qsize() and idle(): continue
+      self.run_one(timeout=0.5)
 
   def run_one(self, timeout: float = 0.0):
     """Run the oldest queued job, if one arrives within timeout."""
