@@ -13,8 +13,10 @@ BENCHMARKS = {
   "serve": ("tinyhet.bench.serve", "the service: 1 prefill + 1 decode node against one --role both node, requests/s, TTFT, TPOT"),
   "staging": ("tinyhet.bench.staging", "layers leaving unregistered device memory: asynchronous staging buffers against the synchronous copy"),
   "gpu": ("tinyhet.bench.gpu_check", "the GPU check (bench/gpu_check.sh): HET checks, SmolLM2 and 70B shapes prefilled on the GPU"),
+  "samples": ("tinyhet.bench.samples", "n = 4 parallel samples of one prompt against 4 separate requests: prefills, peak KV blocks, time"),
   "prefix": ("tinyhet.bench.prefix", "the decode node as a KV store: a multi-turn chat through the router, prefix cache on against off"),
   "profile": ("tinyhet.bench.profile", "where a prefill and a decode step spend their time, kernel by kernel (matmuls per shape, attention, rest)"),
+  "latency": ("tinyhet.bench.latency", "what a request waits for: first requests after warm-up, a fresh process, decode under prefill load"),
   "logprobs": ("tinyhet.bench.logprobs", "a prompt's own logprobs (echo): its prefill against a plain one; loglikelihood load vs llama-cpp-python"),
   "e2e": ("tinyhet.bench.e2e", "end to end: disaggregated against --no-disagg, decode against the memory-bandwidth bound"),
 }

@@ -26,7 +26,7 @@ def wait_ready(address: str, timeout: float = 300):
 class Proc:
   def __init__(self, *args, env: dict | None = None):
     self.p = subprocess.Popen([sys.executable, "-m", "tinyhet", *args, "--stdin-stop"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, **(env or {})})
+                              env=env)
     line = self.p.stdout.readline()
     if not line: raise RuntimeError(f"tinyhet {' '.join(args)} did not start (exit {self.p.wait()})")
     self.info = json.loads(line)

@@ -101,7 +101,8 @@ def kv_pool_bytes(cfg, args, kv_dtype) -> int:
 def serve_decode(args) -> int:
   """--role decode: this script as the decode node, with the same model on MESH."""
   from tinygrad import dtypes
-  from tinyhet.engine.decode_node import DecodeNode, kv_blocks_for
+  from tinyhet.engine.decode_node import DecodeNode
+  from tinyhet.kv.paged_cache import kv_blocks_for
   from tinyhet.device.memory import local_node
   from tinyhet.model.llama import PRESETS
   cfg0 = dataclasses.replace(PRESETS[args.preset], n_layers=args.layers or 2) if args.random_weights else None

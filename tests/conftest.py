@@ -3,6 +3,8 @@ import os
 for var in [v for v in os.environ if v.startswith("TINYHET_") or v == "HET_BACKEND"]: del os.environ[var]
 # `tinyhet run` in a test loads its model in its own process and leaves nothing resident (tests/test_resident.py tests that)
 os.environ["TINYHET_KEEP_ALIVE"] = "0"
+# nodes started by tests build no captures beyond their decode step's: the warm-up's own tests (tests/test_warm_up.py) build them
+os.environ["TINYHET_WARM_UP"] = "off"
 
 import pytest  # noqa: E402
 

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import tinyhet  # noqa: F401  (HET, MESH)
 from tinygrad import Tensor, dtypes
-from tinyhet.model.chunked_prefill import SUFFIX_BUCKETS, bucket_of, chunk_plan, chunked_prefill, padded_plan, prompt_pools
+from tinyhet.model.buckets import below_chunk
+from tinyhet.model.chunked_prefill import bucket_of, chunk_plan, chunked_prefill, padded_plan, prompt_pools
 from tinyhet.model.llama import DenseKVCache, Llama, random_weights, small_config
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_chunk_plan():
   for bad in ((0, 32), (10, 0), (10, 32, -1)):
     with pytest.raises(ValueError): chunk_plan(*bad)
 
-@given(T=st.integers(1, 3000), chunk=st.integers(1, 1024), start=st.integers(0, 100), buckets=st.sampled_from([(), SUFFIX_BUCKETS, (8, 300)]))
+@given(T=st.integers(1, 3000), chunk=st.integers(1, 1024), start=st.integers(0, 100), buckets=st.sampled_from([(), below_chunk(512), (8, 300)]))
 def test_a_padded_plan_covers_the_tokens_in_order_at_captured_lengths(T, chunk, start, buckets):
   plan = padded_plan(T, chunk, start, buckets)
   assert [(p0, n) for p0, n, _ in plan] == chunk_plan(T, min(chunk, T) if not buckets else chunk, start)

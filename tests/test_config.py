@@ -79,3 +79,12 @@ def test_config_and_transport_settings_agree_on_every_value(name, value):
     except (ConfigError, ValueError) as e: return str(e).split(": ", 1)[1]      # without the source ("config: ", "transport settings: ")
     return None
   assert outcome(lambda: Config(**{name: value})) == outcome(lambda: TransportSettings(**{name: value}))
+
+def test_warm_up_and_prefill_budget():
+  assert load_config(env={}).warm_up == "background" and load_config(env={}).prefill_budget == 16
+  assert load_config(env={"TINYHET_WARM_UP": "Before", "TINYHET_PREFILL_BUDGET": "64"}) == Config(warm_up="before", prefill_budget=64)
+  with pytest.raises(ConfigError, match="TINYHET_WARM_UP: warm_up = 'later' is not one of background, before, off"):
+    load_config(env={"TINYHET_WARM_UP": "later"})
+  for bad in ("0", "100000"):
+    with pytest.raises(ConfigError, match="prefill_budget .* must be between 1 and 65536"): load_config(env={"TINYHET_PREFILL_BUDGET": bad})
+  with pytest.raises(ConfigError, match="TINYHET_PREFILL_BUDGET"): load_config(env={"TINYHET_PREFILL_BUDGET": "lots"})

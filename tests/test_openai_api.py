@@ -219,7 +219,7 @@ def test_sampling_options_on_the_nodes(nodes, model):
   sampled = dict(temperature=0.9, top_p=0.8, top_k=20, min_p=0.05, frequency_penalty=0.5, seed=11)
   want = model[0].reference_generate(ids, 6, temperature=0.9, top_p=0.8, seed=11, options=dict(top_k=20, min_p=0.05, frequency_penalty=0.5))
   assert ask(**sampled) == want
-  for field, value in (("n", 2), ("response_format", {"type": "xml"}), ("tools", [{"type": "function"}]), ("top_k", -2),
+  for field, value in (("n", 0), ("n", 129), ("response_format", {"type": "xml"}), ("tools", [{"type": "function"}]), ("top_k", -2),
                        ("min_p", 1.5), ("presence_penalty", 3), ("repetition_penalty", 0), ("logit_bias", {"999": 1}),
                        ("logit_bias", {"5": 101}),
                        ("logprobs", 6), ("echo", 1), ("best_of", 3)):
@@ -300,6 +300,151 @@ def test_body_size_and_json_depth_limits(nodes):
     assert status == 400 and obj["error"]["code"] == "json_too_deep", obj
   fine = '{"prompt": [1], "max_tokens": 1, "user": "[[[[[[", "metadata": ' + "[" * 8 + "]" * 8 + "}"   # brackets in strings do not count
   assert call(router, "POST", "/v1/completions", raw=fine.encode())[0] == 200
+
+def node_info(address: str, **kw) -> dict:
+  from tinyhet.config import load_config
+  from tinyhet.runtime.control import ControlClient
+  from tinyhet.runtime.transport import Endpoint
+  from test_service import TOKEN
+  ep = Endpoint("test-info", token=TOKEN, config=load_config(env={}))
+  ctl = ControlClient(ep, address)
+  try: return ctl.call("decode.info", **kw)
+  finally:
+    ctl.close()
+    ep.close()
+
+def test_n_samples_from_one_prefill_equal_single_requests_with_their_seeds(nodes, model):
+  """n = 3 on a `both` node: 3 choices (index 0..2), sample i the tokens of a single request with seed + i, streamed and not,
+  from one prefill on the node (its prefill counter moves by one)."""
+  openai = pytest.importorskip("openai")
+  client = openai.OpenAI(base_url=f"http://{nodes['keyed'].address}/v1", api_key=KEYS[0], max_retries=0)
+  ids, kw = prompt(21, 20), dict(model=model[1], max_tokens=8, temperature=1.0, seed=77, extra_body={"return_token_ids": True})
+  before = node_info(nodes["both"].address, reset_peak=True)
+  out = client.completions.create(prompt=ids, n=3, **kw)
+  after = node_info(nodes["both"].address)
+  assert after["prefills"] - before["prefills"] == 1 and after["prefilled_tokens"] - before["prefilled_tokens"] <= len(ids)
+  # KV blocks at the most: the padding row's, the prompt's full block once, and each sample's own (its copy of the partial one)
+  assert after["peak_used_blocks"] == 1 + 1 + 3, after
+  assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 24
+  got = [c.token_ids for c in out.choices]
+  singles = [client.completions.create(prompt=ids, **{**kw, "seed": 77 + i}).choices[0].token_ids for i in range(3)]
+  assert got == singles and len({tuple(g) for g in got}) > 1, got
+  assert singles[0] == model[0].reference_generate(ids, 8, temperature=1.0, seed=77)
+  texts = {}
+  for c in client.completions.create(prompt=ids, n=3, stream=True, stream_options={"include_usage": True}, **kw):
+    for ch in c.choices: texts[ch.index] = texts.get(ch.index, "") + ch.text
+    if not c.choices: assert c.usage.completion_tokens == 24
+  assert texts == {c.index: c.text for c in out.choices}
+  chat = client.chat.completions.create(model=model[1], messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4, seed=3)
+  assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+  with pytest.raises(openai.BadRequestError, match="n must be"):        # more samples than the node's batch (--max-seqs)
+    client.completions.create(prompt=ids, n=100, **kw)
+
+def test_a_list_of_prompts_gets_a_choice_each(nodes, model):
+  """Completions with a list of prompts (lm-evaluation-harness with batch_size > 1): one choice per prompt (times n) with its
+  index, each the tokens of its prompt alone; token lists and strings; echo with logprobs per prompt."""
+  openai = pytest.importorskip("openai")
+  client = openai.OpenAI(base_url=f"http://{nodes['router'].address}/v1", api_key="unused", max_retries=0)
+  prompts = [prompt(30), prompt(31, 14), prompt(32, 6)]
+  out = client.completions.create(model=model[1], prompt=prompts, max_tokens=5, temperature=0, extra_body={"return_token_ids": True})
+  assert [c.index for c in out.choices] == [0, 1, 2] and [c.token_ids for c in out.choices] == [reference(model, p, 5) for p in prompts]
+  assert out.usage.prompt_tokens == sum(len(p) for p in prompts) and out.usage.completion_tokens == 15
+  texts = client.completions.create(model=model[1], prompt=["abc", "hello"], max_tokens=3, temperature=0, n=2)
+  assert [c.index for c in texts.choices] == [0, 1, 2, 3] and texts.choices[2].text == texts.choices[3].text
+  lm = client.completions.create(model=model[1], prompt=prompts[:2], max_tokens=1, temperature=0, logprobs=1, echo=True)
+  assert [len(c.logprobs.token_logprobs) for c in lm.choices] == [len(p) + 1 for p in prompts[:2]]
+  for bad in ([], [[]], [prompts[0], "x", 5], [[1, 999]]):
+    status, obj = call(nodes["router"], "POST", "/v1/completions", {"prompt": bad, "max_tokens": 2})
+    assert status == 400 and obj["error"]["param"] == "prompt", (bad, obj)
+
+def test_tokenize_detokenize_and_models(nodes, model):
+  router = nodes["router"]
+  status, obj = call(router, "POST", "/tokenize", {"prompt": "héllo", "return_token_strs": True})
+  assert status == 200 and obj["tokens"] == list("héllo".encode()) and obj["count"] == 6 and obj["max_model_len"] == 256, obj
+  assert len(obj["token_strs"]) == 6
+  assert call(router, "POST", "/detokenize", {"tokens": obj["tokens"], "model": model[1]}) == (200, {"prompt": "héllo"})
+  msgs = [{"role": "user", "content": "hi"}]
+  status, obj = call(router, "POST", "/tokenize", {"messages": msgs})
+  assert status == 200 and obj["tokens"] == list(b"user: hi\nassistant: ") and obj["token_strs"] is None
+  assert call(router, "POST", "/tokenize", {"messages": msgs, "add_generation_prompt": False})[1]["tokens"] == list(b"user: hi\n")
+  for path, body, param in (("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {"prompt": "x", "bogus": 1}, "bogus"),
+                            ("/detokenize", {"tokens": [256]}, "tokens"), ("/detokenize", {"tokens": "ab"}, "tokens"),
+                            ("/tokenize", {"messages": [{"role": "x"}]}, "messages"), ("/tokenize", {"prompt": "x", "model": "m"}, "model")):
+    status, obj = call(router, "POST", path, body)
+    assert 400 <= status < 500 and obj["error"]["param"] == param, (path, body, obj)
+  assert call(nodes["keyed"], "POST", "/tokenize", {"prompt": "x"})[0] == 401
+  assert call(nodes["keyed"], "POST", "/tokenize", {"prompt": "x"}, {"Authorization": f"Bearer {KEYS[0]}"})[0] == 200
+  status, obj = call(router, "GET", "/v1/models")
+  assert status == 200 and obj["data"][0]["max_model_len"] == 256
+
+def test_vllm_stop_fields(nodes, model):
+  """stop_token_ids end the answer at that token (its text left out unless include_stop_str_in_output); min_tokens keeps
+  stop ids and stop strings out of the first tokens; include_stop_str_in_output keeps a stop string."""
+  router, ids = nodes["router"], prompt(40)
+  ref = reference(model, ids, 24)
+  def ask(**kw):
+    status, obj = call(router, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 24, "temperature": 0, "return_token_ids": True, **kw})
+    assert status == 200, obj
+    return obj["choices"][0]
+  k = next(i for i in range(2, 24) if 32 < ref[i] < 127 and ref[i] not in ref[:i])    # a printable byte that first shows up at k
+  c = ask(stop_token_ids=[ref[k]])
+  assert c["token_ids"] == ref[:k + 1] and c["finish_reason"] == "stop" and c["text"] == bytes(ref[:k]).decode(errors="replace")
+  assert ask(stop_token_ids=[ref[k]], include_stop_str_in_output=True)["text"] == bytes(ref[:k + 1]).decode(errors="replace")
+  want = model[0].reference_generate(ids, 24, stop_ids=(ref[k],), options={"min_tokens": k + 3, "min_tokens_ids": [ref[k]]})
+  c = ask(stop_token_ids=[ref[k]], min_tokens=k + 3)
+  assert c["token_ids"] == want and ref[k] not in want[:k + 3], (c, want)
+  s = chr(ref[k])
+  assert ask(stop=[s])["text"] == bytes(ref[:k]).decode(errors="replace")
+  assert ask(stop=[s], include_stop_str_in_output=True)["text"] == bytes(ref[:k]).decode(errors="replace") + s
+  late = ask(stop=[s], min_tokens=k + 1)             # the stop string in the first k + 1 tokens does not count
+  later = [j for j in range(k + 1, 24) if ref[j] == ref[k]]
+  assert late["token_ids"] == (ref[:later[0] + 1] if later else ref) and s not in late["text"][:k], late
+  assert ask(ignore_eos=True, skip_special_tokens=False, spaces_between_special_tokens=False)["token_ids"] == ref
+  for field, value in (("stop_token_ids", [256]), ("stop_token_ids", "a"), ("min_tokens", -1), ("min_tokens", 25), ("ignore_eos", 1),
+                       ("include_stop_str_in_output", "yes"), ("skip_special_tokens", 0), ("spaces_between_special_tokens", "no"),
+                       ("truncate_prompt_tokens", 4), ("allowed_token_ids", [1]), ("no_such_field", 1), ("store", True), ("add_special_tokens", 2)):
+    status, obj = call(router, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 24, field: value})
+    assert status == 400 and obj["error"]["param"] == field, (field, value, obj)
+  for field, value in (("echo", True), ("chat_template", "{{ x }}"), ("add_generation_prompt", "no"), ("suffix", "x")):
+    status, obj = call(router, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value})
+    assert status == 400 and obj["error"]["param"] == field, (field, value, obj)
+  assert call(router, "POST", "/v1/completions", {"prompt": ids, "max_tokens": 2, "user": "u-1", "store": False})[0] == 200
+
+def test_samples_are_freed_when_their_client_goes(nodes, model):
+  """A streamed n = 3 request whose client hangs up mid-stream: every sample's sequence leaves the decode node and its
+  blocks are free again (none runs to max_tokens for nobody)."""
+  router, decode = nodes["router"], nodes["decode"]
+  before = router.metric("tinyhet:generation_tokens_total")
+  c = post(router, {"prompt": prompt(50), "max_tokens": 200, "temperature": 1.0, "n": 3, "stream": True})
+  r = c.getresponse()
+  assert r.status == 200 and r.readline().startswith(b"data: ")
+  started_tokens(router, before)
+  hang_up(c)
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and ((i := node_info(decode.address))["open_sequences"] or i["free_blocks"] != i["kv_blocks"]): time.sleep(0.1)
+  assert i["open_sequences"] == 0 and i["free_blocks"] == i["kv_blocks"], i
+  settled(router)
+  assert router.metric("tinyhet:generation_tokens_total") - before < 600, "the samples ran to their end: they were not cancelled"
+
+def test_n_samples_disaggregated_from_one_prefill_node_prefill(nodes, model):
+  """n = 3 through a prefill node: one prefill.run (it samples every first token), the decode node forks the samples once
+  the KV landed; sample i equals a single (disaggregated) request with seed + i, streamed and not; nothing stays behind."""
+  openai = pytest.importorskip("openai")
+  router = nodes["router"]
+  client = openai.OpenAI(base_url=f"http://{router.address}/v1", api_key="unused", max_retries=0)
+  ids, kw = prompt(60, 20), dict(model=model[1], max_tokens=6, temperature=1.0, seed=5, extra_body={"return_token_ids": True})
+  prefills = lambda: router.metric("tinyhet:node_requests_total", role="prefill")
+  before = prefills()
+  out = client.completions.create(prompt=ids, n=3, **kw)
+  assert prefills() - before == 1 and [c.index for c in out.choices] == [0, 1, 2]
+  singles = [client.completions.create(prompt=ids, **{**kw, "seed": 5 + i}).choices[0].token_ids for i in range(3)]
+  assert [c.token_ids for c in out.choices] == singles and len({tuple(s) for s in singles}) > 1, singles
+  texts = {}
+  for c in client.completions.create(prompt=ids, n=3, stream=True, **kw):
+    for ch in c.choices: texts[ch.index] = texts.get(ch.index, "") + ch.text
+  assert texts == {c.index: c.text for c in out.choices}
+  settled(router)
+  assert node_info(nodes["decode"].address)["open_sequences"] == 0
 
 def test_structured_output_through_a_prefill_node(nodes):
   """Disaggregated: the prefill node draws the first token under the grammar, the decode node the rest (each builds the

@@ -184,7 +184,7 @@ def scenario(model):
 @pytest.mark.netns
 def test_ray_nodes_placed_by_resources_and_serving(scenario, model):
   from tinyhet.config import load_config
-  from tinyhet.engine.decode_node import kv_blocks_for
+  from tinyhet.kv.paged_cache import kv_blocks_for
   s, refs = scenario
   assert s["placement"] == {"prefill": s["hosts"]["head"], "decode": s["hosts"]["big"]}        # tinyhet_prefill / tinyhet_decode hosts
   cfg = load_config()

@@ -38,19 +38,25 @@ def run(s: Scheduler, rng: random.Random, pending: list[Sequence], incoming: lis
 
 @settings(max_examples=60, deadline=None)
 @given(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 4, 16]), max_num_seqs=st.integers(1, 8), seed=st.integers(0, 2**32),
-       n_local=st.integers(0, 12), n_incoming=st.integers(0, 6), prefix_cache=st.booleans())
-def test_random_workload_finishes_every_request_in_full(num_blocks, block_size, max_num_seqs, seed, n_local, n_incoming, prefix_cache):
+       n_local=st.integers(0, 12), n_incoming=st.integers(0, 6), prefix_cache=st.booleans(), forks=st.integers(0, 2))
+def test_random_workload_finishes_every_request_in_full(num_blocks, block_size, max_num_seqs, seed, n_local, n_incoming, prefix_cache, forks):
   rng = random.Random(seed)
   capacity = num_blocks * block_size
   def request(i):
     prompt = rng.randint(1, max(1, capacity // 2))
     return Sequence(i, [1] * prompt, max_new_tokens=rng.randint(1, max(1, capacity - prompt)))
   local = [request(i) for i in range(n_local)]
+  samples = []                          # n > 1: some local requests carry forks (their samples), when the pool and the batch hold them
+  for q in local[:forks]:
+    q.forks = [Sequence(1000 + 10 * q.seq_id + j, list(q.token_ids), q.max_new_tokens) for j in range(rng.randint(1, 2))]
+    if 1 + len(q.forks) > max_num_seqs or q.num_tokens // block_size + (len(q.forks) + 1) * (q.num_tokens % block_size > 0) > num_blocks:
+      q.forks = []
+    samples += q.forks
   incoming = [request(100 + i) for i in range(n_incoming)]
   # with the prefix cache, prompts of 1s share their blocks, and cached blocks are evicted before anything is preempted
   s = Scheduler(BlockManager(num_blocks, block_size, prefix_cache), max_num_seqs=max_num_seqs, max_num_batched_tokens=capacity // 2 + 1, eos=EOS)
   done = run(s, rng, list(local), list(incoming), max_steps=20000)
-  assert sorted(q.seq_id for q in done) == sorted(q.seq_id for q in local + incoming)
+  assert sorted(q.seq_id for q in done) == sorted(q.seq_id for q in local + incoming + samples)
   for q in done:   # never truncated: a sequence stops only at EOS or at max_new_tokens
     assert q.status is SequenceStatus.FINISHED and q.num_prompt_tokens + 1 <= q.num_tokens <= q.max_tokens
     assert q.token_ids[-1] == EOS or q.num_generated == q.max_new_tokens
@@ -119,3 +125,165 @@ def test_incoming_reservation_waits_when_full_and_commit_starts_decode():
 @pytest.mark.parametrize("kw", [dict(max_num_seqs=0), dict(max_num_seqs=-1), dict(max_num_batched_tokens=0)])
 def test_a_scheduler_that_could_admit_nothing_is_refused(kw):
   with pytest.raises(ValueError, match="must be at least 1"): Scheduler(BlockManager(4, 4), **kw)
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.integers(1, 60), n=st.integers(1, 6), block_size=st.sampled_from([1, 4, 16]), steps=st.integers(0, 20),
+       prefix_cache=st.booleans())
+def test_n_samples_fork_from_one_prefill_and_share_the_prompts_blocks(prompt, n, block_size, steps, prefix_cache):
+  """n > 1: the forks are admitted with their sequence in one prefill batch, hold the prompt's full blocks by reference
+  and a copy of its partial last block each; KV blocks used = one prompt's + the samples' own (n separate requests: n prompts')."""
+  bm = BlockManager(200, block_size, prefix_cache=prefix_cache)
+  s = Scheduler(bm, max_num_seqs=8)
+  ids = list(range(3, 3 + prompt))
+  seqs = [Sequence(i, list(ids), 40) for i in range(n)]
+  seqs[0].forks = seqs[1:]
+  s.add(seqs[0])
+  batch, is_prefill = s.schedule()
+  assert is_prefill and batch == seqs and all(f.fork_of is seqs[0] for f in seqs[1:])
+  check_state(s)
+  full, partial = prompt // block_size, prompt % block_size != 0
+  assert bm.num_used == full + n * partial                       # the prompt's full blocks once, its partial block once per sample
+  assert all(bm.block_table(f.seq_id)[:full] == bm.block_table(0)[:full] for f in seqs)
+  assert all(f.fork_copy == ((bm.block_table(0)[-1], bm.block_table(f.seq_id)[-1]) if partial else None) for f in seqs[1:])
+  s.postprocess(batch, [5] * n)
+  for _ in range(steps):
+    batch, is_prefill = s.schedule()
+    assert not is_prefill and len(batch) == n
+    s.postprocess(batch, [5] * n)
+    check_state(s)
+  own = n * (bm.blocks_needed(prompt + steps) - full)           # what each sample holds beyond the shared full blocks
+  assert bm.num_used == full + own
+
+def test_forks_wait_for_room_for_all_of_them():
+  bm = BlockManager(20, 4)
+  s = Scheduler(bm, max_num_seqs=3)
+  s.add(Sequence(9, [1, 2], 4))
+  s.schedule()
+  seqs = [Sequence(i, [1, 2, 3], 4) for i in range(3)]
+  seqs[0].forks = seqs[1:]
+  s.add(seqs[0])
+  assert s.schedule() == ([s.running[0]], False)                # three samples need three places: one is taken
+  dropped = seqs[2]
+  dropped.status = SequenceStatus.FINISHED                      # its client went away before the prefill
+  s.finish(s.running[0])
+  batch, is_prefill = s.schedule()
+  assert is_prefill and batch == seqs[:2] and dropped not in s.running
+  check_state(s)
+
+def test_incoming_samples_are_reserved_with_their_sequence_and_committed_each():
+  bm = BlockManager(10, 4)
+  s = Scheduler(bm, max_num_seqs=3)
+  seqs = [Sequence(i, [1] * 6, 4) for i in range(3)]
+  seqs[0].forks = seqs[1:]
+  assert s.reserve_incoming(seqs[0])
+  assert bm.num_used == 1 + 3 and all(bm.is_reserved(q.seq_id) for q in seqs) and set(s.incoming) == {0, 1, 2}
+  assert all(f.fork_copy == (bm.block_table(0)[1], bm.block_table(f.seq_id)[1]) for f in seqs[1:])
+  check_state(s)
+  s.abort_incoming(seqs[2])                       # a sample whose client left before the KV landed
+  for q, tok in zip(seqs[:2], (5, 6)): assert not s.commit_incoming(q, tok)
+  check_state(s)
+  assert bm.num_used == 1 + 2 and [q.token_ids[-1] for q in s.running] == [5, 6]
+  more = [Sequence(10 + i, [2] * 3, 4) for i in range(3)]
+  more[0].forks = more[1:]
+  assert not s.reserve_incoming(more[0]) and 10 not in bm     # three more places do not fit a batch of three
+
+def run_stall_free(s: Scheduler, rng: random.Random, pending: list[Sequence], budget: int, max_steps: int) -> list[Sequence]:
+  """Drive schedule_step like a node that prefills and decodes: each step's chunks advance their prompts, a prompt's last
+  chunk samples its first token, and every decoding sequence gets a token each step."""
+  done: list[Sequence] = []
+  for _ in range(max_steps):
+    if pending and rng.random() < 0.3: s.add(pending.pop())
+    decoding = [(q, q.num_preemptions) for q in s.running if q.prefilled is None]
+    decode, chunks = s.schedule_step(budget)
+    check_state(s)
+    assert all(q in decode or q.num_preemptions > n for q, n in decoding)   # every decoding sequence steps, or was preempted
+    assert sum(end - first for _, first, end in chunks) <= (budget if decode else max(budget, s.max_num_batched_tokens))
+    assert all(q.prefilled is None for q in decode) and len({id(q) for q, _, _ in chunks}) == len(chunks)
+    for q in decode: assert s.bm.length(q.seq_id) == q.num_tokens
+    finished_prompts = []
+    for q, first, end in chunks:
+      assert first == q.prefilled and 0 <= first < end <= q.num_tokens == s.bm.length(q.seq_id)
+      if end < q.num_tokens: q.prefilled = end
+      else:
+        q.prefilled = None
+        finished_prompts.append(q)
+    seqs = decode + finished_prompts
+    done += s.postprocess(seqs, [EOS if rng.random() < 0.02 else 5 for _ in seqs])
+    check_state(s)
+    if s.is_finished() and not pending: return done
+  raise AssertionError(f"not finished after {max_steps} steps: {len(s.waiting)} waiting, {len(s.running)} running")
+
+@settings(max_examples=60, deadline=None)
+@given(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 4, 16]), max_num_seqs=st.integers(1, 8), seed=st.integers(0, 2**32),
+       n_local=st.integers(0, 12), budget=st.integers(1, 64), prefix_cache=st.booleans())
+def test_stall_free_steps_spread_prompts_within_the_budget_and_finish_every_request(num_blocks, block_size, max_num_seqs, seed, n_local,
+                                                                                     budget, prefix_cache):
+  rng = random.Random(seed)
+  capacity = num_blocks * block_size
+  def request(i):
+    prompt = rng.randint(1, max(1, capacity // 2))
+    return Sequence(i, [1] * prompt, max_new_tokens=rng.randint(1, max(1, capacity - prompt)))
+  local = [request(i) for i in range(n_local)]
+  s = Scheduler(BlockManager(num_blocks, block_size, prefix_cache), max_num_seqs=max_num_seqs, eos=EOS)
+  done = run_stall_free(s, rng, list(local), budget, max_steps=40000)
+  assert sorted(q.seq_id for q in done) == sorted(q.seq_id for q in local)
+  for q in done: assert q.token_ids[-1] == EOS or q.num_generated == q.max_new_tokens
+  assert s.bm.num_free == num_blocks and not s.bm.tables
+
+def test_a_long_prompt_is_spread_over_steps_while_decode_goes_on():
+  s = Scheduler(BlockManager(64, 4), max_num_seqs=4)
+  short, long = Sequence(1, [1] * 3, 20), Sequence(2, [2] * 50, 5)
+  s.add(short)
+  assert s.schedule_step(16) == ([], [(short, 0, 3)])
+  short.prefilled = None
+  s.postprocess([short], [9])
+  s.add(long)
+  for first in range(0, 48, 16):            # the long prompt in chunks of 16; the short one decodes every step meanwhile
+    decode, chunks = s.schedule_step(16)
+    assert decode == [short] and chunks == [(long, first, first + 16)]
+    long.prefilled = first + 16
+    s.postprocess(decode, [9])
+  assert s.schedule_step(16) == ([short], [(long, 48, 50)])
+  with pytest.raises(ValueError, match="budget"): s.schedule_step(0)
+  idle = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=40)
+  idle.add(Sequence(3, [3] * 50, 5))
+  assert idle.schedule_step(16)[1] == [(idle.running[0], 0, 40)]     # nothing decodes: as much as a prefill batch takes
+
+def test_forks_of_a_prompt_spread_over_steps_wait_for_its_last_chunk():
+  """n > 1 under stall-free steps: the forks hold their places and blocks from admission, decode only once their
+  sequence's last chunk has run, and go back to be recomputed alone when it stops before its prompt's end."""
+  bm = BlockManager(64, 4)
+  s = Scheduler(bm, max_num_seqs=4)
+  other = Sequence(9, [1] * 3, 30)
+  s.add(other)
+  s.schedule_step(16)
+  other.prefilled = None
+  s.postprocess([other], [5])
+  seqs = [Sequence(i, [2] * 30, 5) for i in range(3)]
+  seqs[0].forks = seqs[1:]
+  s.add(seqs[0])
+  decode, chunks = s.schedule_step(16)
+  assert decode == [other] and chunks == [(seqs[0], 0, 16)] and all(f.fork_of is seqs[0] for f in seqs[1:])
+  assert bm.num_used == 1 + 8 + 2                      # other's block, the prompt's 7 full + 1 partial, a partial copy per fork
+  check_state(s)
+  seqs[0].prefilled = 16
+  s.postprocess(decode, [5])
+  decode, chunks = s.schedule_step(16)
+  assert decode == [other] and chunks == [(seqs[0], 16, 30)]          # the forks do not decode before their KV is in
+  for f in seqs[1:]: f.fork_of = None                                  # the engine's copy after the last chunk (DecodeNode._prefill_group)
+  seqs[0].prefilled = None
+  s.postprocess(decode + seqs, [5] * 4)
+  decode, _ = s.schedule_step(16)
+  assert decode == [other, *seqs]
+  check_state(s)
+  # a sequence cancelled before its prompt's end: its forks are queued to be recomputed on their own
+  more = [Sequence(10 + i, [3] * 20, 5) for i in range(2)]
+  more[0].forks = more[1:]
+  s2 = Scheduler(BlockManager(64, 4), max_num_seqs=4)
+  s2.add(more[0])
+  s2.add(Sequence(20, [4] * 2, 5))
+  s2.schedule_step(8)
+  assert more[1].fork_of is more[0] and more[1] in s2.running
+  s2.finish(more[0])
+  assert more[1] in s2.waiting and more[1].fork_of is None and more[1].fork_copy is None and more[1] not in s2.running
+  check_state(s2)

@@ -164,7 +164,8 @@ def test_openai_client_streaming_and_not(cluster, model):
   ("/v1/completions", {"model": "M", "prompt": "x", "temperature": "hot"}, 400, "temperature"),
   ("/v1/chat/completions", {"model": "M", "messages": "hello"}, 400, "messages"),
   ("/v1/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
-  ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n"),
+  ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+  ("/v1/completions", {"model": "M", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
 ])
 def test_bad_input_gets_4xx_in_openai_shape(cluster, model, path, body, status, param):
   raw = body if isinstance(body, bytes) else json.dumps(body).replace('"M"', json.dumps(model[1])).encode()
@@ -176,7 +177,8 @@ BAD_FIELDS = {"max_tokens": st.one_of(st.integers(max_value=0), st.integers(min_
               "temperature": st.one_of(st.floats(min_value=2.01), st.floats(max_value=-0.01), st.text()),
               "top_p": st.one_of(st.floats(max_value=0), st.floats(min_value=1.01), st.booleans()),
               "prompt": st.one_of(st.integers(), st.lists(st.integers(min_value=256), min_size=1), st.dictionaries(st.text(), st.text())),
-              "stream": st.one_of(st.integers(), st.text()), "n": st.integers(min_value=2), "seed": st.one_of(st.floats(), st.text()),
+              "stream": st.one_of(st.integers(), st.text()), "n": st.one_of(st.integers(max_value=0), st.integers(min_value=129)),
+              "seed": st.one_of(st.floats(), st.text()),
               "stop": st.one_of(st.integers(), st.lists(st.text(min_size=1), min_size=5)), "model": st.one_of(st.integers(), st.text()),
               "messages": st.one_of(st.integers(), st.text(), st.lists(st.dictionaries(st.text(), st.text()), min_size=1))}
 JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

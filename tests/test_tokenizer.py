@@ -177,3 +177,26 @@ def test_sentencepiece_specials_and_chat():
   assert tok.encode("ab</s>cd", add_special=False) == [*spm_reference("ab", tokens, scores), 2, *spm_reference("cd", tokens, scores)]
   assert tok.encode_chat([{"role": "user", "content": "a"}])[0] == 1 and tok.encode_chat([{"role": "user", "content": "a"}]).count(1) == 1
   assert tok.decode(tok.encode("a b\n"), skip_special=False).startswith("<s>")
+
+def test_special_tokens_kept_and_spaced_as_vllm_asks(smollm2):
+  """skip_special_tokens false keeps the specials' text; spaces_between_special_tokens (the default then) puts a space
+  between each special token and the text around it, as transformers' slow tokenizers and vLLM do; the stream decoder agrees."""
+  ids = smollm2.encode("<|im_start|>user\nHi<|im_end|><|im_end|>x")
+  assert smollm2.decode(ids) == "user\nHix"
+  assert smollm2.decode(ids, skip_special=False) == "<|im_start|>user\nHi<|im_end|><|im_end|>x"
+  assert smollm2.decode(ids, skip_special=False, spaces_between_special=True) == "<|im_start|> user\nHi <|im_end|> <|im_end|> x"
+  for skip, spaces in ((True, True), (False, False), (False, True)):
+    d = smollm2.stream_decoder(skip, spaces)
+    assert "".join(d.push(i) for i in ids) + d.flush() == smollm2.decode(ids, skip, spaces)
+
+def test_vllm_extra_fields_parse():
+  from tinyhet.service.api_fields import ApiError, check_fields, extra_sampling
+  assert extra_sampling({}, (2, 0), 256)["stop_ids"] == [2, 0]
+  assert extra_sampling({"ignore_eos": True, "stop_token_ids": [7]}, (2,), 256)["stop_ids"] == [7]     # ignore_eos: stop ids stay
+  got = extra_sampling({"min_tokens": 3, "stop_token_ids": [7, 2]}, (2,), 256)
+  assert got["stop_ids"] == [2, 7] and got["sampling_extra"] == {"min_tokens": 3, "min_tokens_ids": [2, 7]}
+  check_fields({"model": "m", "prompt": "x", "response_format": {}}, chat=False)   # others' fields are known here (api_schema refuses them)
+  check_fields({"messages": [], "tools": [], "tool_choice": "auto", "user": "u"}, chat=True)
+  for body, chat in (({"echo": True}, True), ({"guided_whatever": 1}, False), ({"reasoning_effort": "low"}, True)):
+    with pytest.raises(ApiError) as e: check_fields(body, chat)
+    assert e.value.param == next(iter(body))

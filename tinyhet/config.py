@@ -10,8 +10,8 @@ File: the path in TINYHET_CONFIG, else ./tinyhet.toml if it exists. Keys are the
 
 Environment variables override the file: TINYHET_NODE, HET_BACKEND, TINYHET_ARENA_BYTES, TINYHET_HUGEPAGES, TINYHET_TRANSPORT, TINYHET_TOKEN,
 TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE,
-TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS, TINYHET_STAGING_BUFFERS, TINYHET_KEY_FILE,
-TINYHET_PEER_KEYS ("name=hex,..."), TINYHET_TRUSTED_WRITERS ("name,name2"; empty: none), TINYHET_CLUSTER.
+TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS, TINYHET_STAGING_BUFFERS, TINYHET_PREFILL_BUDGET,
+TINYHET_WARM_UP, TINYHET_KEY_FILE, TINYHET_PEER_KEYS ("name=hex,..."), TINYHET_TRUSTED_WRITERS ("name,name2"; empty: none), TINYHET_CLUSTER.
 
 Identity (tinyhet.runtime.identity): key_file is this node's Ed25519 private key (`tinyhet keygen --out F`); peer_keys binds
 node names to public keys, so a name is refused to every other key. cluster names a cluster file whose [nodes.NAME]
@@ -29,6 +29,7 @@ from tinyhet.runtime.settings import TRANSPORTS, problem as transport_problem  #
 
 HET_BACKENDS = ("auto", "CUDA", "NV", "AMD", "METAL", "CL", "CPU", "PYTHON")   # PYTHON: tinygrad's emulator, for tests
 KV_DTYPES = ("float16", "float32", "bfloat16")
+WARM_UP_MODES = ("background", "before", "off")
 NUMA_MODES = ("off", "interleave", "replicate")   # replicate: the weights copied per node, each pool thread reading its node's
 
 class ConfigError(ValueError):
@@ -57,6 +58,8 @@ class Config:
   peer_keys: dict[str, str] = field(default_factory=dict)   # node name -> public key (hex): the name is refused to any other key
   trusted_writers: tuple[str, ...] | None = None   # peers whose written KV a decode node may cache; None = the cluster file's prefill nodes
   cluster: str = ""                      # a cluster file: its nodes' public_key entries and prefill roles (see above)
+  prefill_budget: int = 16               # prompt tokens a step prefills at most while sequences decode (stall-free; see Scheduler.schedule_step)
+  warm_up: str = "background"            # background: a node builds every capture while idle | before: before it says ready | off
 
   def __post_init__(self): validate(self, "config")
 
@@ -115,6 +118,8 @@ def validate(cfg: Config, source: str):
   if cfg.trusted_writers is not None and (not isinstance(cfg.trusted_writers, tuple)
                                           or not all(isinstance(n, str) and 0 < len(n.encode()) <= 200 for n in cfg.trusted_writers)):
     bad("trusted_writers", "must be a list of node names")
+  if not isinstance(cfg.prefill_budget, int) or not 1 <= cfg.prefill_budget <= 65536: bad("prefill_budget", "must be between 1 and 65536 tokens")
+  if cfg.warm_up not in WARM_UP_MODES: bad("warm_up", f"is not one of {', '.join(WARM_UP_MODES)}")
 
 # field -> (environment variable, parser)
 _PARSERS = {
@@ -139,6 +144,8 @@ _PARSERS = {
   "peer_keys": ("TINYHET_PEER_KEYS", lambda v, w: parse_keys(v, w)),
   "trusted_writers": ("TINYHET_TRUSTED_WRITERS", lambda v, w: parse_names(v, w)),
   "cluster": ("TINYHET_CLUSTER", lambda v, w: str(v)),
+  "prefill_budget": ("TINYHET_PREFILL_BUDGET", lambda v, w: _int(v, w)),
+  "warm_up": ("TINYHET_WARM_UP", lambda v, w: str(v).lower()),
 }
 
 def parse_keys(text: str | dict, what: str) -> dict[str, str]:

@@ -80,7 +80,8 @@ def serve(args, stop: threading.Event) -> int:
   kv_bytes = parse_bytes(args.kv_memory, "--kv-memory")     # checked by parse_args, as --listen was
   host, _, port = args.listen.rpartition(":")
   node, model, tok, model_id = start(args.model, kv_bytes, args.max_context, args.quiet, packed=not args.float_weights)
-  from tinyhet.engine.decode_node import DecodeNode, kv_blocks_for
+  from tinyhet.engine.decode_node import DecodeNode
+  from tinyhet.kv.paged_cache import kv_blocks_for
   cfg = load_config()
   try: blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
   except ValueError as e:                    # the smallest pool depends on the model: known only once it is loaded
@@ -100,9 +101,16 @@ def serve(args, stop: threading.Event) -> int:
     say_guarantees(node, decode.trusted_writers, args.quiet or args.stdin_stop)   # a parent-owned node: its parent's config
     # capture the decode step before saying ready: a client's first request (and its TTFT) must not share the CPU with it
     decode.warm_up()
+    if cfg.warm_up != "off":       # every other capture: before saying ready, or on the batching thread while it is idle
+      from tinyhet.engine.warm_up import WarmUp
+      decode.warm, decode.on_warm = WarmUp.for_decode_node(decode, prefill_jobs=args.role == "both"), warm_report(args.quiet)
+      if cfg.warm_up == "before":
+        while decode.warm.step(): pass
+        decode.on_warm(decode.warm.status())
     print(json.dumps({"address": address, "node": node.name, "model": model_id, "fingerprint": decode.fingerprint, "kv_blocks": blocks,
                       "block_size": cfg.kv_block_size, "trusted_writers": sorted(decode.trusted_writers),
-                      "transports": node.endpoint.transports, "role": args.role}), flush=True)
+                      "transports": node.endpoint.transports, "role": args.role, "warm_up": cfg.warm_up,
+                      **({"warm_up_status": decode.warm.status()} if cfg.warm_up == "before" else {})}), flush=True)
     decode.run(stop, warm_up=False)
   finally:
     stop.set()
@@ -110,6 +118,15 @@ def serve(args, stop: threading.Event) -> int:
     decode.close()
     node.endpoint.close()
   return 0
+
+def warm_report(quiet: bool):
+  """on_warm for a node: one line on stderr once every capture is built (tinyhet.engine.warm_up)."""
+  def report(status: dict):
+    if quiet: return
+    cold = f", {status['cold']} requests came before their bucket was built" if status["cold"] else ""
+    print(f"tinyhet node: warm-up took {status['seconds']:.1f} s: {status['captures']} captures for {status['of']} buckets{cold}",
+          file=sys.stderr, flush=True)
+  return report
 
 def say_guarantees(node, trusted_writers, quiet: bool):
   """On stderr at start: what this node's transports prove and enforce (Endpoint.guarantees), its public key, and which
@@ -151,7 +168,15 @@ def main_prefill(args) -> int:
   model, tok, model_id = service_model.load(args.model, "HET", args.max_context, args.quiet, packed=not args.float_weights)
   prefill = PrefillNode(model, node, model_id, fingerprint=fingerprint(args.model, model.cfg, not args.float_weights))
   prefill.tokenizer = tok                  # a request's grammar masks the first token, drawn here
-  heartbeat.install(node.endpoint, "prefill", lambda: {**prefill.status(), "max_context": model.cfg.max_context})
+  from tinygrad import dtypes
+  from tinyhet.config import load_config
+  from tinyhet.engine.warm_up import WarmUp
+  cfg = load_config()
+  warm = None if cfg.warm_up == "off" else WarmUp.for_prefill(model, getattr(dtypes, cfg.kv_dtype))
+  if warm is not None and cfg.warm_up == "before":
+    while warm.step(): pass
+  heartbeat.install(node.endpoint, "prefill", lambda: {**prefill.status(), "max_context": model.cfg.max_context,
+                                                       **({"warm_up": warm.status()} if warm else {})})
   try: address = node.serve(host, int(port))
   except OSError as e:
     print(f"tinyhet node: cannot listen on {args.listen}: {e.strerror or e}: choose another --listen address or port", file=sys.stderr)
@@ -162,7 +187,14 @@ def main_prefill(args) -> int:
   stop = threading.Event()
   signal.signal(signal.SIGTERM, lambda *_: stop.set())
   if args.stdin_stop: threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-  try: prefill.run(stop)
+  report, reported = warm_report(args.quiet), [warm is None]
+  def idle() -> bool:              # the warm-up's next capture while no job waits; its line once it is over
+    if reported[0]: return False
+    if not warm.step():
+      reported[0] = True
+      report(warm.status())
+    return True
+  try: prefill.run(stop, idle)
   except KeyboardInterrupt: pass
   prefill.close()
   node.endpoint.close()

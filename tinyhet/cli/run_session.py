@@ -14,15 +14,17 @@ class LocalDecodeNode:
     cmd = [sys.executable, "-m", "tinyhet", "node", "--role", "decode", "--listen", "127.0.0.1:0", "--kv-memory", args.kv_memory,
            "--stdin-stop"] + (["--model", args.model] if args.model else []) + (["--quiet"] if args.quiet else []) + \
           (["--float-weights"] if args.float_weights else []) + (["--no-prefix-cache"] if getattr(args, "no_prefix_cache", False) else [])
-    # its own process group: a Ctrl-C at the terminal reaches this process only, which then stops the node (once, cleanly);
-    # the node dies with this process anyway (its stdin closes, and PR_SET_PDEATHSIG: tinyhet.cli.node.die_with_parent, which
-    # fires when the thread that started it ends: start it from the thread that outlives it, the main one)
+    # no warm-up unless asked for (TINYHET_WARM_UP): this node decodes one run's tokens, and a background warm-up would take
+    # the cores from the run's own prefill. Its own process group: a Ctrl-C at the terminal reaches this process only, which
+    # then stops the node (once, cleanly); the node dies with this process anyway (its stdin closes, and PR_SET_PDEATHSIG:
+    # tinyhet.cli.node.die_with_parent, which fires when the thread that started it ends: start it from the thread that
+    # outlives it, the main one)
     # its one writer is this process: bound to this process's key, and trusted (its KV may be cached: tinyhet.runtime.identity)
     from tinyhet.device.memory import local_node
     me = local_node()
     keys = ",".join(x for x in (os.environ.get("TINYHET_PEER_KEYS", ""), f"{me.name}={me.endpoint.identity.public}") if x)
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0,
-                                 env={**os.environ, "TINYHET_NODE": "decode-local", "TINYHET_PARENT_PID": str(os.getpid()),
+                                 env={"TINYHET_WARM_UP": "off", **os.environ, "TINYHET_NODE": "decode-local", "TINYHET_PARENT_PID": str(os.getpid()),
                                       "TINYHET_PEER_KEYS": keys, "TINYHET_TRUSTED_WRITERS": me.name})
     self.ready, self.info, self.errors = threading.Event(), None, []
     threading.Thread(target=self._stdout, daemon=True, name="tinyhet-decode-stdout").start()

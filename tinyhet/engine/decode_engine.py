@@ -38,13 +38,15 @@ class DecodeEngine:
     self.steps: dict[int, Replay] = {}      # batch bucket -> its capture
     cache.block_manager.allocate(PAD_SEQ, 1)
 
-  def step(self, seq_ids: list[int], tokens: list[int], lock=None) -> np.ndarray:
+  def step(self, seq_ids: list[int], tokens: list[int], lock=None, bucket: int | None = None) -> np.ndarray:
     """Logits (len(seq_ids), vocab) float32 of one decode step: tokens[i] is sequence seq_ids[i]'s newest token, whose slot
     the block manager holds already (Scheduler.schedule, or append_slot). lock: held while the step's block tables are read
-    (the block manager's owner may change them from other threads); the forward itself runs without it."""
+    (the block manager's owner may change them from other threads); the forward itself runs without it. bucket: the batch to
+    run at (default: batch_bucket's, or while the model warms up the smallest ready one that holds it: tinyhet.engine.warm_up)."""
     n = len(seq_ids)
     if n == 0 or n != len(tokens): raise ValueError(f"a decode step takes one token per sequence: {n} sequences, {len(tokens)} tokens")
-    B = batch_bucket(n)
+    B = bucket or batch_bucket(n)
+    if bucket is None and (warm := getattr(self.model, "warm", None)) is not None: B = warm.pick("decode", B)
     with lock if lock is not None else contextlib.nullcontext():
       positions = self.cache.begin_step(list(seq_ids) + [PAD_SEQ] * (B - n), 1)
     with kernel_threads(self.model.device):
@@ -58,4 +60,4 @@ class DecodeEngine:
     """Capture the step for these batch sizes' buckets now (every row a padding row), so a first request does not pay
     tinygrad's scheduling and compiles."""
     for B in sorted({batch_bucket(b) for b in batch_sizes}):
-      for _ in range(3): self.step([PAD_SEQ] * B, [0] * B, lock)      # TinyJit: the first call runs, the second captures, the third replays
+      for _ in range(3): self.step([PAD_SEQ] * B, [0] * B, lock, bucket=B)      # TinyJit: the first call runs, the second captures, the third replays

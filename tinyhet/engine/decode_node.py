@@ -22,20 +22,19 @@ A sequence arrives in three steps, each a control request (tinyhet.runtime.contr
                    over shm/verbs when every layer landed, the writer says its writes are done, or its connections close.
 A full pool never crashes the node: reservations wait, and a decode step that needs a block preempts the newest sequence,
 which is recomputed here later (its prompt and generated tokens prefilled again on this node).
-Its prefix cache holds only KV it vouches for (its own, a trusted_writers peer's: Sequence.cache_limit), keyed by fingerprint and salt.
 """
 from __future__ import annotations
 import itertools, queue, threading, time
 from dataclasses import asdict
 import numpy as np
-from tinygrad import dtypes
 from tinyhet.device.backend import region_of
 from tinyhet.kv.grants import sign_grant
 from tinyhet.kv.notices import LAYER_BITS, MAX_SEQ_ID, NOTICE_FORMAT, Landing, split_notice
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
-from tinyhet.engine.checks import check_prompt, check_salt, is_int
+from tinyhet.engine.checks import check_prompt, is_int
 from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
+from tinyhet.engine.forked_samples import generate_samples, prefill_group, with_forks
 from tinyhet.engine.grammar import constrain, prefetch
 from tinyhet.runtime.arena import Region
 from tinyhet.model.fingerprint import cache_key
@@ -43,27 +42,7 @@ from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
 from tinyhet.model.sampling import Sampler, sample_batch
 from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus
-
-TICK = 0.5                # seconds: how often a waiting stream lets the control channel look for a cancel or a departed client
-
-def queued_tokens(seq: Sequence):
-  """A sequence's tokens as the batching loop queues them, until it is done; None every TICK while none comes (a stream
-  then lets the control channel look for a cancel or a departed client). A failed step's error is raised."""
-  while True:
-    try: tok = seq.extra["queue"].get(timeout=TICK)
-    except queue.Empty:
-      yield None
-      continue
-    if isinstance(tok, Exception): raise tok
-    if tok is None: return
-    yield tok
-
-def token_item(tok) -> dict:
-  """A queued token as the generate stream sends it: an id, or (id, logprob, top alternatives) when logprobs were asked for;
-  ("prompt", entries): the prompt's own logprobs (tinyhet.engine.prompt_logprobs), before the first token."""
-  if isinstance(tok, tuple) and tok[0] == "prompt": return {"prompt_logprobs": tok[1]}
-  if isinstance(tok, tuple): return {"token": tok[0], "logprob": tok[1], "top_logprobs": tok[2]}
-  return {"token": tok}
+from tinyhet.engine.token_queue import TICK, queued_tokens, token_item  # noqa: F401  (node_roles reads them here too)
 
 def _check_timeout(timeout):
   if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout <= 3600:
@@ -72,12 +51,11 @@ def _check_timeout(timeout):
 class DecodeNode:
   def __init__(self, model: Llama, node: LocalNode, kv_blocks: int, block_size: int = 16, kv_dtype: str = "float16",
                max_num_seqs: int = 16, model_id: str = "", stop_ids: tuple[int, ...] = (), prefix_cache: bool = True,
-               fingerprint: str = "", trusted_writers: tuple[str, ...] | None = None):
+               fingerprint: str = "", trusted_writers: tuple[str, ...] | None = None, prefill_budget: int | None = None):
     cfg = model.cfg
     if cfg.n_layers >= 1 << LAYER_BITS: raise ValueError(f"{cfg.n_layers} layers do not fit the {LAYER_BITS}-bit layer field of a notice")
     self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
-    self.fingerprint = fingerprint or model_id
-    # peers whose written KV this node may vouch for (node config trusted_writers, default the cluster file's prefill nodes)
+    self.fingerprint = fingerprint or model_id     # trusted_writers: default the config's (a cluster file's prefill nodes)
     self.trusted_writers = frozenset((node.config.trusted_writers or ()) if trusted_writers is None else trusted_writers)
     self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_blocks + 1, block_size, kv_dtype, device="MESH",   # +1: PAD_SEQ's
                               max_seq_len=cfg.max_context, prefix_cache=prefix_cache, model_id=cache_key(self.fingerprint, kv_dtype))
@@ -92,18 +70,24 @@ class DecodeNode:
     self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
     self.limbo: dict[int, Sequence] = {}    # released before all layers landed while its writer may still copy (shm, verbs)
     self.rejected_notices = 0
+    self.prefills = self.prefilled_tokens = 0   # prefills run here and the prompt tokens they computed (a prefix hit's are not)
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
     self.tokenizer = None                   # the model's tokenizer (tinyhet node sets it): stop strings are matched here with it
+    self.prefill_budget = node.config.prefill_budget if prefill_budget is None else prefill_budget   # per step while decoding
+    self.warm, self.on_warm = None, None    # a WarmUp (engine/warm_up.py) run() builds from while idle; on_warm(status) once it is over
     ep = node.endpoint
     for name in ("info", "reserve", "generate", "release", "lookup"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
     self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
     self.notice_thread.start()
 
   # ---- control requests
-  def _serve_info(self, conn) -> dict:
+  def _serve_info(self, conn, reset_peak: bool = False) -> dict:
+    """The node's state; peak_used_blocks: the most KV blocks in use at once since the last reset_peak (the sampling benchmark's)."""
     c, bm = self.model.cfg, self.cache.block_manager
-    with self.cond: open_seqs = len(self.scheduler.incoming) + len(self.scheduler.running) + len(self.scheduler.waiting)
+    with self.cond:
+      open_seqs = len(self.scheduler.incoming) + len(self.scheduler.running) + len(self.scheduler.waiting)
+      peak = bm.take_peak() if reset_peak is True else max(bm.peak_used, bm.num_used)
     return {"model": self.model_id, "fingerprint": self.fingerprint, "cache_key": bm.model_id, "kv_notice_format": NOTICE_FORMAT,
             "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
             "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
@@ -112,19 +96,20 @@ class DecodeNode:
             "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
             "rejected_notices": self.rejected_notices, "prefix_cache": bm.prefix_cache, "cached_blocks": bm.num_cached, "submit": self.can_submit,
             "prefix_queried_tokens": bm.queried_tokens, "prefix_hit_tokens": bm.matched_tokens, "preemptions": self.scheduler.num_preemptions,
+            "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens, "peak_used_blocks": peak,
             "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
   def _serve_lookup(self, conn, prompt_ids: list[int], cache_salt: str = "") -> dict:
     """How many of these prompt tokens the prefix cache holds now for this salt (a request here would prefill only the rest)."""
     check_prompt(self.model.cfg, prompt_ids, 1)
-    check_salt(cache_salt)
     with self.cond: return {"cached_tokens": len(self.cache.block_manager.match(prompt_ids, salt=cache_salt)) * self.cache.block_size}
 
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, writer: str | None = None,
-                     use_cache: bool = False, cache_salt: str = "") -> dict:
+                     use_cache: bool = False, cache_salt: str = "", n: int = 1) -> dict:
     check_prompt(self.model.cfg, prompt_ids, max_new_tokens)
+    if not is_int(n) or not 1 <= n <= self.scheduler.max_num_seqs:
+      raise ValueError(f"n must be an integer in 1..{self.scheduler.max_num_seqs} (this node's batch), got {n!r}")
     _check_timeout(timeout)
-    check_salt(cache_salt)
     if writer is not None and (not isinstance(writer, str) or not 0 < len(writer.encode()) <= 200):
       raise ValueError(f"writer must name the node that writes the KV (at most 200 bytes), got {writer!r}")
     if not isinstance(use_cache, bool): raise ValueError(f"use_cache must be true or false, got {use_cache!r}")
@@ -132,7 +117,13 @@ class DecodeNode:
     # (a signature at the handshake, tinyhet.runtime.identity), so a grant to one peer is refused to every other
     owner = conn.peer if writer is None else writer
     seq = Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens, cache_salt=cache_salt, writer=owner)
-    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=owner, writer=owner, trusted_writer=owner in self.trusted_writers)
+    seq.extra.update(queue=queue.SimpleQueue(), layers=threading.Event(), owner=owner, writer=owner,
+                     trusted_writer=owner in self.trusted_writers)
+    # n > 1: the other samples fork from it (tinyhet.engine.forked_samples); nothing is written into their own blocks
+    seq.forks = [Sequence(self.new_seq_id(), list(prompt_ids), max_new_tokens, cache_salt=cache_salt, writer=owner,
+                          extra={"owner": owner, "writer": owner, "writes_done": True})
+                 for _ in range(n - 1)]
+    seq.extra["samples"] = list(seq.forks)
     deadline = time.monotonic() + timeout
     with self.cond:
       try:
@@ -143,11 +134,11 @@ class DecodeNode:
                                f"{self.cache.block_manager.blocks_needed(seq.num_tokens)} needed)")
           self.cond.wait(left)
       except BaseException:
-        self.live_ids.discard(seq.seq_id)
+        self.live_ids.difference_update([seq.seq_id] + [f.seq_id for f in seq.extra["samples"]])
         raise
       self.landed[seq.seq_id] = Landing(self.model.cfg.n_layers)
       cached = self.cache.block_manager.cached_length(seq.seq_id)
-      if seq.writer != self.node.name and seq.writer not in self.trusted_writers: seq.cache_limit = cached   # another's: not shared
+      for f in ([] if seq.writer == self.node.name or seq.writer in self.trusted_writers else [seq, *seq.forks]): f.cache_limit = cached
       # a hit's shared blocks are not the writer's: it writes (and its descriptors cover) the suffix's blocks only
       table = self.cache.block_manager.block_table(seq.seq_id)
       prefix, blocks = table[:cached // self.cache.block_size], table[cached // self.cache.block_size:]
@@ -158,17 +149,21 @@ class DecodeNode:
     descs = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in blocks], access="write") for r in self.pool_regions]
     reads = [ep.expose(r, owner=owner, allowed=[(b * bb, bb) for b in prefix], access="read") for r in self.pool_regions] if prefix else []
     seq.extra["descs"] = descs + reads
-    self._attach(conn, seq)
+    for s in [seq] + seq.extra["samples"]: self._attach(conn, s)
     reply = {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
              "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
     return {**reply, "grant": sign_grant(ep.identity, ep.name, owner, reply, seq.token_ids)}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,
-                      stop: list[str] | None = None):
+                      stop: list[str] | None = None, first_tokens: list[int] | None = None):
+    """first_tokens: with n > 1 reserved, every sample's first token (the prefill node's, first_token among them)."""
     seq = conn.state.get("seqs", {}).get(seq_id) if is_int(seq_id) else None
-    if seq is None: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
+    if seq is None or "samples" not in seq.extra: raise ValueError(f"sequence {seq_id} was not reserved on this connection")
     if "sampler" in seq.extra: raise ValueError(f"sequence {seq_id} is already generating")
+    if seq.extra["samples"] or first_tokens is not None:
+      return generate_samples(self, conn, seq, first_tokens, dict(temperature=temperature, top_p=top_p, seed=seed, options=options),
+                              stop_ids, stop, timeout)
     if not is_int(first_token) or not 0 <= first_token < self.model.cfg.vocab_size: raise ValueError(f"bad first_token {first_token!r}")
     if stop_ids is not None and (not isinstance(stop_ids, list) or not all(is_int(t) for t in stop_ids)):
       raise ValueError(f"stop_ids must be a list of token ids, got {stop_ids!r}")
@@ -234,10 +229,13 @@ class DecodeNode:
     if stop: seq.extra.update(stop_strings=stop, stop_decoder=self.tokenizer.stream_decoder(), stop_tail="")
 
   def _hits_stop(self, seq: Sequence, token: int) -> bool:
+    """Whether token (appended already) completes a stop string; never one of the first min_tokens output tokens."""
     if not (stops := seq.extra.get("stop_strings")): return False
-    tail = seq.extra["stop_tail"] + seq.extra["stop_decoder"].push(token)
+    piece = seq.extra["stop_decoder"].push(token)
+    tail = seq.extra["stop_tail"] + piece
     seq.extra["stop_tail"] = tail[-max(len(x) for x in stops):]       # enough to find a stop string that spans tokens
-    return any(x in tail for x in stops)
+    if seq.extra["sampler"].holds_back_stops(seq.num_tokens - 1): return False
+    return any((i := tail.rfind(x)) >= 0 and i + len(x) > len(tail) - len(piece) for x in stops)   # one this token's text ends
 
   def grammar_done(self, seq: Sequence) -> bool:
     """The sequence's output completes its grammar (nothing more may follow): it ends as a stop id ends it."""
@@ -332,27 +330,37 @@ class DecodeNode:
     self.engine.warm_up(batch_sizes, self.cond)
 
   def run(self, stop: threading.Event, warm_up: bool = True):
-    """Continuous batching until stop is set: one decode step for every running sequence, or the recompute of preempted
-    ones. Call it from the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
+    """Continuous batching until stop is set: each step (Scheduler.schedule_step) one decode step for every decoding sequence,
+    then prompt chunks of at most prefill_budget tokens (submitted prompts, recomputes), so decode keeps its pace; idle, the
+    warm-up's next capture. Call it from the thread that loaded the model: tinygrad's compile cache is bound to one thread."""
     if warm_up: self.warm_up()
     while not self.stopped and not stop.is_set():
       if self.between_steps is not None: self.between_steps()      # on this thread, without the lock (a `both` node's prefills)
       with self.cond:
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        decode, chunks = self.scheduler.schedule_step(self.prefill_budget)
+        idle = not decode and not chunks
+        if idle and (self.warm is None or self.warm.done):
           self.cond.wait(0.5)
           continue
-        self.in_step = set(seqs)
-      for batch in ([[s] for s in seqs] if is_prefill else [seqs]):    # a recompute runs each sequence at its own length
-        # a grammar's masks for this step, computed on the grammar thread while the step runs; rows without one cost nothing
-        masks = prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch])
+        # a prompt's last chunk runs with its forks (n > 1), which take its KV and its logits
+        pieces = [(with_forks(self.scheduler, s) if end == s.num_tokens else [s], (first, end)) for s, first, end in chunks]
+        self.in_step = {*decode, *(f for batch, _ in pieces for f in batch)}
+      if idle:                               # the warm-up's next capture, on this thread (tinygrad's), without the lock
+        if not self.warm.step() and self.on_warm is not None: self.on_warm(self.warm.status())
+        continue
+      for batch, piece in ([(decode, None)] if decode else []) + pieces:
+        # a grammar's masks, made on the grammar thread while the step runs (none for rows without one, or a chunk short of its end)
+        masks = None if piece and piece[1] < batch[0].num_tokens else prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch])
         try:
-          if is_prefill: logits = self._prefill(batch[0])
-          else: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
+          if piece is None: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
+          elif (logits := prefill_group(self, batch, *piece)) is None:    # a chunk short of the prompt's end: nothing to sample yet
+            with self.cond:
+              if batch[0].extra.get("cancelled") and batch[0].status is SequenceStatus.RUNNING: self.scheduler.finish(batch[0])
+              else: batch[0].prefilled = piece[1]
+            continue
         except Exception as e:                 # a failed step fails its sequences, not the node
           logits = None
-          with self.cond:
-            for s in batch: self.scheduler.step_failed(s, is_prefill)     # it caches nothing past what it stored
+          with self.cond: self.scheduler.steps_failed(batch, piece is not None)     # they cache nothing past what they stored
           for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
         if masks is not None: masks.result()
         # the whole batch sampled at once, without the lock (reservations and notices go on meanwhile): the step's sequences
@@ -360,6 +368,7 @@ class DecodeNode:
         draws = None if logits is None else sample_batch(logits[:len(batch)], [s.extra["sampler"] for s in batch], [s.num_tokens for s in batch],
                                                          [s.token_ids for s in batch])     # num_tokens: the new token's position
         with self.cond:
+          for s in batch: s.prefilled = None   # a prompt's last chunk: it decodes from the next step on
           live = [s for s in batch if not s.extra.get("cancelled")]
           if logits is None: finished = list(live)
           else:
@@ -383,26 +392,25 @@ class DecodeNode:
           self.cond.notify_all()
       with self.cond: self.in_step = set()
 
-  def _prefill(self, s: Sequence) -> np.ndarray:
-    """A sequence's prompt (a recomputed one's prompt and tokens so far) as a prefill node prefills it (captured layers up
-    to Llama.prefill's limit), each layer's K, V packed into the sequence's blocks. Logits (1, vocab)."""
-    from tinyhet.engine.prefill import prefill_logits, prefill_suffix_logits
+  def _prefill(self, s: Sequence, first: int | None = None, end: int | None = None) -> np.ndarray | None:
+    """A sequence's prompt (a recomputed one's prompt and tokens so far), or tokens first..end-1 of it (a chunk: Scheduler.
+    schedule_step), into its blocks (prefill_sequence_logits). Logits (1, vocab); None until the prompt's last chunk."""
+    from tinyhet.engine.prefill import prefill_sequence_logits
     from tinyhet.engine.prompt_logprobs import PromptLogprobs
-    scorer = None           # a submitted one's first prefill, with its prompt's logprobs asked for: from this prefill's rows
-    if (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"): scorer = PromptLogprobs(self.model, s.token_ids, n)
-    if (hit := self.cache.block_manager.cached_length(s.seq_id)) > 0:    # a prefix-cache hit: only the rest, over the cached K, V
-      # the cached prefix's rows exist nowhere: scored by a prefill of the prefix alone (its K, V dropped)
-      if scorer is not None: prefill_logits(self.model, s.token_ids[:hit], self.cache.kv_dtype, on_hidden=scorer)
-      logits = prefill_suffix_logits(self.model, self.cache, s.seq_id, s.token_ids, hit, on_hidden=scorer)[None]
-    else: logits = prefill_logits(self.model, s.token_ids, self.cache.kv_dtype, self.cache.layer_storer(s.seq_id), on_hidden=scorer)[None]
-    s.extra.setdefault("cached_tokens", hit)      # its first prefill's hit (a recompute's does not count)
-    with self.cond:
-      s.cache_limit = None                      # every token's KV is this node's own now (a recompute replaced a peer's)
-      self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
-    if scorer is not None:
+    s.extra.setdefault("cached_tokens", hit := self.cache.block_manager.cached_length(s.seq_id))   # its first prefill's hit only
+    # a submitted one's first prefill, with its prompt's logprobs asked for: from this prefill's rows, every chunk's
+    if first in (None, hit) and (n := s.extra["sampler"].prompt_logprobs) is not None and not s.extra.get("prompt_sent"):
+      s.extra["scorer"] = PromptLogprobs(self.model, s.token_ids, n)
+    logits = prefill_sequence_logits(self.model, self.cache, s.seq_id, s.token_ids, first, end, s.extra.get("scorer"))
+    self.prefilled_tokens += (len(s.token_ids) if end is None else end) - (hit if first is None else first)
+    if logits is None: return None
+    self.prefills += 1
+    s.cache_limit = None                        # every token's KV is this node's own now (a recompute replaced a peer's)
+    with self.cond: self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
+    if (scorer := s.extra.pop("scorer", None)) is not None:
       s.extra["prompt_sent"] = True
       s.extra["queue"].put(("prompt", scorer.entries))
-    return logits
+    return logits[None]
 
   def close(self):
     self.stopped = True
@@ -412,9 +420,3 @@ class DecodeNode:
 def _pool_region(buf) -> Region:
   region, offset = region_of(buf)
   return Region(region.arena, region.offset + offset, buf.nbytes)
-
-def kv_blocks_for(cfg, block_size: int, kv_dtype: str, kv_bytes: int) -> int:
-  """How many blocks a KV budget of kv_bytes holds (all layers, K and V)."""
-  per_block = PagedKVCache.bytes_per_block(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, getattr(dtypes, kv_dtype))
-  if kv_bytes < per_block: raise ValueError(f"a KV budget of {kv_bytes} bytes holds no block ({per_block} bytes each)")
-  return kv_bytes // per_block

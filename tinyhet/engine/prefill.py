@@ -39,11 +39,13 @@ class GenerationStats:
   timeline: list[LayerTimes] = field(default_factory=list)
   last_logits: list[float] | None = None   # with return_logits: the logits the last token was sampled from
 
-def prefill_bucket(n: int) -> int:
-  """The padded prompt length: tinygrad compiles kernels per shape, so prompts share the kernels of their bucket. Buckets
-  grow with the length (steps of 16 tokens up to 255, then 1/8 to 1/16 of the length), so padding costs at most ~12%."""
-  step = max(16, 1 << max(0, n.bit_length() - 4))
-  return -(-n // step) * step
+def prefill_bucket(n: int, chunk: int | None = None) -> int:
+  """The padded prompt length: tinygrad compiles kernels per shape, so prompts share the captures of their bucket
+  (tinyhet.model.buckets: powers of two and 1.5x steps, the chunk length, then its multiples; at most a third is padding past
+  16 tokens). chunk: the prefill's chunk length (default: the config's prefill_chunk)."""
+  from tinyhet.model.buckets import bucket
+  from tinyhet.model.llama import _config_chunk
+  return bucket(n, chunk or _config_chunk())
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
   """Length of the union of [start, end) intervals: how long at least one transfer was in flight."""
@@ -60,7 +62,9 @@ def prefill_logits(model: Llama, prompt_ids: list[int], kv_dtype=dtypes.float16,
   gets each layer's K, V (to send, or to store); progress(layers done), if given, as each layer finishes (see
   prefill_progress); on_chunk(...): a chunked prefill's chunks of each layer as they exist (Llama.prefill); on_hidden(x, p0,
   n): the last layer's rows (a prompt's logprobs: tinyhet.engine.prompt_logprobs.PromptLogprobs)."""
-  padded = list(prompt_ids) + [0] * (prefill_bucket(len(prompt_ids)) - len(prompt_ids))
+  T = prefill_bucket(len(prompt_ids), model.prefill_chunk or None)
+  if (warm := getattr(model, "warm", None)) is not None: T = warm.pick("prefill", T)   # while it warms up: a ready bucket (engine/warm_up.py)
+  padded = list(prompt_ids) + [0] * (T - len(prompt_ids))
   if progress is not None: progress(0)
   return model.prefill(Tensor([padded], dtype=dtypes.int32, device=model.device), on_layer=on_layer, kv_dtype=kv_dtype,
                        n_valid=len(prompt_ids), progress=progress, on_chunk=on_chunk, on_hidden=on_hidden).numpy()[0]
@@ -116,20 +120,24 @@ def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed
   stats.transfer_gbps = kv_bytes / stats.transfer_s / 1e9 if stats.transfer_s > 0 else 0.0
   stats.timeline = [LayerTimes(l, computed[l] - t0, posted[l] - t0, landed[l] - t0) for l in sorted(landed)]
 
-def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int], start: int, on_hidden=None) -> np.ndarray:
+def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int], start: int, end: int | None = None,
+                          on_hidden=None) -> np.ndarray:
   """Prefill token_ids[start:] of a sequence whose first `start` tokens' K, V are in its paged-cache blocks already (a prefix
   cache hit, or a recompute's): captured chunk prefills (tinyhet.model.chunked_prefill) continuing from the K, V in the
   cache's pools, the suffix's K, V written into the sequence's own blocks, its last chunk at the shortest captured length
-  that holds it (SUFFIX_BUCKETS: an 8-token suffix runs as 16, not as 512). The block manager must hold len(token_ids)
+  that holds it (buckets.below_chunk: an 8-token suffix runs as 16, not as 512). The block manager must hold len(token_ids)
   slots for it; the last chunk's pads past its blocks land in PAD_SEQ's block (the decode engine's scratch block). One
   capture per chunk length serves every sequence: the table is as wide as the longest sequence's. The logits (vocab,) of
-  its last token. on_hidden: the suffix's last-layer rows (chunked_prefill's)."""
+  its last token. end: only token_ids[start:end] (one chunk of a prompt spread over steps, start 0 included: tinyhet.engine.
+  scheduler.Scheduler.schedule_step), the logits of token end - 1. on_hidden: the suffix's last-layer rows (chunked_prefill's)."""
   from tinyhet.device.cpu_threads import kernel_threads
   from tinyhet.engine.decode_engine import PAD_SEQ
-  from tinyhet.model.chunked_prefill import SUFFIX_BUCKETS, chunked_prefill
+  from tinyhet.model.chunked_prefill import chunked_prefill
   from tinyhet.model.llama import _config_chunk
   bm = cache.block_manager
-  if not 0 < start < len(token_ids): raise ValueError(f"a suffix prefill needs 0 < start < {len(token_ids)}, got {start}")
+  if end is None:
+    if not 0 < start < len(token_ids): raise ValueError(f"a suffix prefill needs 0 < start < {len(token_ids)}, got {start}")
+  elif not 0 <= start < end <= len(token_ids): raise ValueError(f"a prefill piece needs 0 <= start < end <= {len(token_ids)}, got {start}, {end}")
   if bm.length(seq_id) != len(token_ids):
     raise ValueError(f"a suffix prefill of sequence {seq_id}: its blocks hold {bm.length(seq_id)} tokens, not the {len(token_ids)} given")
   if PAD_SEQ not in bm: raise RuntimeError("a suffix prefill needs the decode engine's scratch block (PAD_SEQ): make the DecodeEngine first")
@@ -138,8 +146,33 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   table = bm.block_table(seq_id)
   table = table + bm.block_table(PAD_SEQ)[:1] * (width - len(table))
   with kernel_threads(model.device):
-    return chunked_prefill(model, np.array([token_ids[start:]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
-                           start=start, buckets=SUFFIX_BUCKETS, on_hidden=on_hidden).numpy()[0]
+    return chunked_prefill(model, np.array([token_ids[start:end]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
+                           start=start, buckets=suffix_buckets(model, chunk), on_hidden=on_hidden).numpy()[0]
+
+def prefill_sequence_logits(model: Llama, cache, seq_id: int, token_ids: list[int], first: int | None = None, end: int | None = None,
+                            on_hidden=None):
+  """A decode node's own prefill of a sequence whose blocks its cache holds: token_ids[first:end] (default: all past its
+  prefix-cache hit) over the K, V before them. A whole prompt up to the chunk length runs as a prefill node's does (captured
+  layers, each layer's K, V packed into the blocks); anything else in chunks straight into the blocks (prefill_suffix_logits:
+  the captures of the chunk lengths over the pool serve every prompt). The logits (vocab,) of token end - 1, or None while
+  end falls short of the sequence's last token (a piece of a prompt spread over steps: Scheduler.schedule_step). on_hidden:
+  the last layer's rows (a prompt's logprobs, PromptLogprobs; a prefix-cache hit's rows, which exist nowhere, by a prefill
+  of the prefix alone, its K, V dropped)."""
+  from tinyhet.engine.warm_up import chunk_of
+  hit = cache.block_manager.cached_length(seq_id)
+  first, end = hit if first is None else first, len(token_ids) if end is None else end
+  if first == 0 and end == len(token_ids) <= chunk_of(model):
+    return prefill_logits(model, token_ids, cache.kv_dtype, cache.layer_storer(seq_id), on_hidden=on_hidden)
+  if on_hidden is not None and first == hit > 0: prefill_logits(model, token_ids[:hit], cache.kv_dtype, on_hidden=on_hidden)
+  logits = prefill_suffix_logits(model, cache, seq_id, token_ids, first, end, on_hidden)
+  return logits if end == len(token_ids) else None
+
+def suffix_buckets(model, chunk: int) -> tuple[int, ...]:
+  """The lengths a suffix's last chunk may run at: every bucket below the chunk length, or while the model warms up the
+  ready ones (tinyhet.engine.warm_up)."""
+  from tinyhet.model.buckets import below_chunk
+  warm = getattr(model, "warm", None)
+  return below_chunk(chunk) if warm is None or warm.done else tuple(b for b in below_chunk(chunk) if b in warm.ready.get("suffix", ()))
 
 def pull_pools(model: Llama, nb: int, block_size: int, kv_dtype) -> list[Tensor]:
   """Pools of nb blocks for a pulled prefix, the previous request's again where nothing else holds them any more (making 2 x

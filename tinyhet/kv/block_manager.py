@@ -10,7 +10,8 @@ Invariants (check() asserts every one):
   3. a table holds exactly ceil(length / block_size) blocks
   4. a block is shared (refcount > 1) only if it is full in every table that holds it: fork shares full blocks and copies a
      partial last block, so appending never writes into a shared block
-  5. only committed sequences are appended to, forked and deallocated; only reserved ones are committed or released
+  5. only committed sequences are appended to and deallocated; only reserved ones are committed or released; a reserved
+     sequence's fork is reserved too (its blocks' KV has not landed either)
   6. (prefix cache) a block has a hash only if its block_size tokens are stored in full; hash -> block is one to one; a free
      block with a hash sits in the LRU queue of cached blocks, every other free block in the plain free queue
 
@@ -56,6 +57,7 @@ class BlockManager:
     self.hit_tokens: dict[int, int] = {}     # seq_id -> tokens its allocation found cached
     self.salts: dict[int, str] = {}          # seq_id -> its salt, where it has one (its blocks are hashed with it)
     self.queried_tokens = self.matched_tokens = self.evictions = 0   # prompt tokens looked up / found (vLLM counts tokens)
+    self.peak_used = 0                       # the most blocks used at once since take_peak last read it
     self.ref_counts: list[int] = [0] * num_blocks
     self.tables: dict[int, list[int]] = {}
     self.lengths: dict[int, int] = {}
@@ -101,6 +103,8 @@ class BlockManager:
     """The cached blocks a new sequence of these tokens (and this salt) would share: the longest chain of its full blocks
     found cached, at most up to its last token (n_tokens - 1 tokens: the last one is computed, for its logits)."""
     n = len(token_ids) if n_tokens is None else n_tokens
+    if not isinstance(salt, str) or len(salt.encode()) > 256:
+      raise ValueError(f"the cache salt must be a string of at most 256 bytes, got {str(salt)[:40]!r}")
     if not self.prefix_cache or n < 1: return []
     hit = []
     for h in block_hashes(token_ids, self.block_size, self.model_id, (n - 1) // self.block_size, salt):
@@ -180,7 +184,7 @@ class BlockManager:
   def fork(self, parent: int, child: int) -> tuple[int, int] | None:
     """child starts as a copy of parent: full blocks are shared (refcount + 1), a partial last block is copied into a new
     block. Returns (src, dst) for that copy, which the caller must perform on every layer's pool, or None."""
-    self._committed(parent, "fork")
+    self._known(parent)
     self._new(child, self.lengths[parent])
     table, n = self.tables[parent], self.lengths[parent]
     partial = n % self.block_size != 0
@@ -189,6 +193,7 @@ class BlockManager:
     for b in shared: self.ref_counts[b] += 1
     self.tables[child], self.lengths[child], self.hit_tokens[child] = shared + copy, n, 0
     if parent in self.salts: self.salts[child] = self.salts[parent]
+    if parent in self.reserved: self.reserved.add(child)
     return (table[-1], copy[0]) if partial else None
 
   # ***** incoming transfers *****
@@ -249,7 +254,13 @@ class BlockManager:
         self.evictions += 1
       ids.append(b)
     for b in ids: self.ref_counts[b] = 1
+    self.peak_used = max(self.peak_used, self.num_used)
     return ids
+
+  def take_peak(self) -> int:
+    """The most blocks used at once since the last call; the count starts again from now."""
+    peak, self.peak_used = max(self.peak_used, self.num_used), self.num_used
+    return peak
 
   def _drop(self, seq_id: int) -> None:
     for b in reversed(self.tables.pop(seq_id)):       # the tail first: a chain's last blocks are evicted before its first

@@ -216,3 +216,9 @@ class PagedKVCache:
   def fork(self, parent: int, child: int) -> None:
     """child shares parent's full blocks and gets a copy of its partial last block."""
     if (copy := self.block_manager.fork(parent, child)) is not None: self.copy_block(*copy)
+
+def kv_blocks_for(cfg, block_size: int, kv_dtype: str, kv_bytes: int) -> int:
+  """How many blocks a KV budget of kv_bytes holds (all layers, K and V)."""
+  per_block = PagedKVCache.bytes_per_block(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, getattr(dtypes, kv_dtype))
+  if kv_bytes < per_block: raise ValueError(f"a KV budget of {kv_bytes} bytes holds no block ({per_block} bytes each)")
+  return kv_bytes // per_block

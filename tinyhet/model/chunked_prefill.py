@@ -8,7 +8,7 @@ the chunk's activations and attention partials, whatever the prompt's length.
 K, V are already in `pools` at the blocks of `table` (a cached prefix, or the chunks before); without them the prefill makes
 pools of its own, blocks 0..n-1 in order. A decode node's own prefill of a cached prefix's suffix runs here too
 (tinyhet.engine.prefill.prefill_suffix_logits: the cache's pools, a table as wide as the longest sequence), its last chunk
-at the shortest of SUFFIX_BUCKETS that holds it, so an 8-token suffix replays 16-token captures, not 512-token ones.
+at the shortest bucket that holds it (tinyhet.model.buckets), so an 8-token suffix replays 16-token captures, not 512-token ones.
 
 Each chunk-layer is two captures (TinyJit, replayed through layer_jit.Replay), made once per chunk length, pool size and
 weight signature: qkv (RMSNorm, projections, RoPE of the chunk's positions, K and V scattered into the pool) and finish
@@ -25,16 +25,14 @@ its last one is computed.
 from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor, dtypes
-from tinygrad.device import Buffer
 from tinygrad.dtype import DType
 from tinygrad.helpers import ceildiv
 from tinyhet.device.cpu_threads import pool_threads
 from tinyhet.kernels.kv_pack import unpack_kv
 from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_attention
-from tinyhet.model.layer_jit import FINISH, QKV, Replay, allocated, layer_from, layer_tensors, signature
+from tinyhet.model.layer_jit import FINISH, QKV, Replay, allocated, layer_from, layer_tensors, signature, write_into as _write
 
 DEFAULT_CHUNK = 512
-SUFFIX_BUCKETS = (16, 32, 64, 128, 256)   # the shorter captured lengths a cached prefix's suffix may run at (tinyhet.engine.prefill)
 BLOCK = 16        # tokens per block of the prefill's own pools (any size works; 16 is the decode node's default)
 
 def chunk_plan(T: int, chunk: int, start: int = 0) -> list[tuple[int, int]]:
@@ -97,7 +95,7 @@ class ChunkJit:
       self.halves[key] = Replay(finish)
     return self.halves[key]
 
-KEEP = 8   # chunk captures kept per model, the most recently used: the chunk length's and the suffix buckets' (SUFFIX_BUCKETS)
+KEEP = 64  # chunk captures kept per model, the most recently used: every bucket's (tinyhet.model.buckets; a warmed-up node holds them all)
 
 def chunk_jit(model, C: int, nb: int, kv_dtype: DType, pool_shape: tuple[int, ...] = ()) -> ChunkJit:
   """The model's captures for chunks of C tokens over tables of nb blocks and pools of pool_shape (made on first use)."""
@@ -112,16 +110,6 @@ def prompt_pools(model, n_tokens: int, kv_dtype: DType, block_size: int = BLOCK)
   cfg, nb = model.cfg, ceildiv(n_tokens, block_size)
   shape = (nb, 2, cfg.n_kv_heads, block_size * cfg.head_dim)
   return [Tensor.zeros(*shape, dtype=kv_dtype, device=model.device).contiguous().realize() for _ in range(cfg.n_layers)], nb
-
-def _write(t: Tensor, a: np.ndarray) -> None:
-  # into the buffer a capture reads, in place (an assign may hand the tensor another buffer); host memory (CPU, MESH, HET on
-  # a CPU) by a numpy copy into a view of it: a copy through tinygrad costs ~1.6 ms of Python, five a chunk
-  buf = t.uop.buffer
-  if hasattr(buf.allocator, "_as_buffer"):
-    np.frombuffer(buf.as_memoryview(force_zero_copy=True), dtype=a.dtype)[:a.size] = a.reshape(-1)
-    return
-  data = memoryview(bytearray(a.tobytes()))
-  buf.copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
 
 def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer=None, progress=None, n_valid: int | None = None,
                     pools: list[Tensor] | None = None, table: list[int] | None = None, start: int = 0, buckets: tuple[int, ...] = (),

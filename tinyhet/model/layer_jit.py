@@ -17,9 +17,10 @@ type) get captures of their own: one pair per weight signature. Once captured, a
 capture (`Replay`), without TinyJit's per-call work of re-deriving each input's view.
 """
 from __future__ import annotations
-import dataclasses, sys
+import dataclasses, sys, weakref
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
+from tinygrad.device import Buffer
 from tinygrad.dtype import DType
 from tinygrad.uop.ops import Ops
 from tinyhet.device.cpu_threads import pool_threads
@@ -64,7 +65,8 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: tuple[int, Tensor, T
   pool = pack_kv(k, v, BLOCK)                                                  # (nb, 2, KVH, BLOCK * D)
   return paged_attention(q.reshape(T, H, D), pool, table, lens, table.shape[1], threads=threads, shared_table=True).reshape(1, T, H, D)
 
-KEEP = 4   # captures kept per model, the most recently used: each holds its intermediate buffers (off CPU devices the (T, T) scores among them)
+KEEP = 16  # captures kept per model, the most recently used: every bucket up to the chunk length (tinyhet.model.buckets; a warmed-up
+           # node holds them all); each holds its intermediate buffers (off CPU devices the (T, T) scores among them)
 
 def layer_jit(model, T: int, kv_dtype: DType) -> LayerJit:
   """The model's capture for prompts of T tokens (made on first use), most recently used last."""
@@ -73,6 +75,17 @@ def layer_jit(model, T: int, kv_dtype: DType) -> LayerJit:
   jits[(T, kv_dtype)] = lj
   while len(jits) > KEEP: jits.pop(next(iter(jits)))
   return lj
+
+def write_into(t: Tensor, a: np.ndarray) -> None:
+  """a into the buffer of t that a capture reads, in place (an assign may hand the tensor another buffer)."""
+  # host memory (CPU, MESH, HET on a CPU) by a numpy copy into a view of it: a copy through tinygrad costs ~1.6 ms of Python
+  # (five a chunk), and a new Tensor a schedule
+  buf = t.uop.buffer
+  if hasattr(buf.allocator, "_as_buffer"):
+    np.frombuffer(buf.as_memoryview(force_zero_copy=True), dtype=a.dtype)[:a.size] = a.reshape(-1)
+    return
+  data = memoryview(bytearray(a.tobytes()))
+  buf.copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
 
 def allocated(t: Tensor) -> Tensor:
   """An empty Tensor with its memory allocated: TinyJit takes only real buffers as inputs (an unallocated one is left out)."""
@@ -90,14 +103,24 @@ class Replay:
   own call re-derives every input's view with a graph rewrite (~1-2 ms of Python a call, 60 calls a SmolLM2 prefill), which
   the inputs of one signature (same shapes, dtypes, devices: `signature`) do not need. capture_first: capture on the first
   call (TinyJit runs a first call uncaptured): for a computation called once a prefill, whose inputs are realized buffers."""
+  captures = 0                               # made in this process, every Replay's (tinyhet.engine.warm_up counts them)
+  open: weakref.WeakSet = weakref.WeakSet()   # called but not captured yet (a half whose signature one layer has: a second prefill captures it)
+
   def __init__(self, fn, capture_first: bool = False):
     self.jit = TinyJit(fn)
     if capture_first: self.jit.cnt = 1
 
   def __call__(self, *inputs: Tensor, **variables):
+    if self.jit.captured is None:
+      out = self.jit(*inputs, **variables)
+      if self.jit.captured is None: Replay.open.add(self)
+      else:
+        Replay.captures += 1
+        Replay.open.discard(self)
+      return out
     bases = [t.uop.base for t in inputs]
-    # before the capture, or an input that is not a plain buffer (a realized tensor still behind its last computation): TinyJit's own call
-    if self.jit.captured is None or any(b.op is not Ops.BUFFER for b in bases): return self.jit(*inputs, **variables)
+    # an input that is not a plain buffer (a realized tensor still behind its last computation): TinyJit's own call
+    if any(b.op is not Ops.BUFFER for b in bases): return self.jit(*inputs, **variables)
     # bound Variables (a chunk's block count) by name, as TinyJit passes them
     return self.jit.captured(bases, {var.expr: val for var, val in (u.unbind() for u in variables.values())})
 
@@ -116,7 +139,7 @@ class LayerJit:
     self.rope = tuple(t.realize() for t in model.rope(positions))      # cos, sin of positions 0..T-1: the same every prompt
     self.embed = Replay(lambda tokens, x_out: x_out.assign(model.embed(tokens)).realize())
     self.logits = Replay(lambda x, row: model._logits(x[:, row]).realize())
-    self.rows: dict[int, Tensor] = {}          # n_valid -> the index of the prompt's last row, (1,) int32 on the device
+    self.row = allocated(Tensor.empty(1, dtype=dtypes.int32, device=dev))    # the index of the prompt's last row
     self.q = allocated(Tensor.empty(1, T, cfg.n_heads, cfg.head_dim, device=dev))
     self.x = [allocated(Tensor.empty(1, T, cfg.dim, device=dev)) for _ in range(2)]
     self.kv = [self._new_kv() for _ in range(2 * cfg.n_layers)]      # a run's K and V (kv_buffers)
@@ -163,8 +186,8 @@ class LayerJit:
     self.embed(tokens, self.x[1])                              # layer 0 then writes self.x[0] (run alternates the two)
     x = self.run(self.x[1], self.rope, on_layer, progress)
     if on_hidden is not None: on_hidden(x, 0, n_valid)
-    if n_valid not in self.rows: self.rows[n_valid] = Tensor([n_valid - 1], dtype=dtypes.int32, device=self.model.device).realize()
-    return self.logits(x, self.rows[n_valid])
+    write_into(self.row, np.array([n_valid - 1], np.int32))   # a Tensor per prompt length was a schedule on every new length's path
+    return self.logits(x, self.row)
 
   def run(self, x: Tensor, rope: tuple[Tensor, Tensor], on_layer, progress) -> Tensor:
     """All layers on x (1, T, dim), realized; on_layer(l, k, v) with the layer's K, V (T, KVH, D) in the KV dtype as soon as

@@ -293,7 +293,9 @@ class Llama:
     chunk = self.prefill_chunk or _config_chunk()
     if cache is None and T > chunk:                # a long prompt: chunks through a paged pool, tiled attention (no (T, T) scores)
       from tinyhet.model.chunked_prefill import chunked_prefill
-      return chunked_prefill(self, tokens, chunk, kv_dtype, on_layer, progress, n_valid, on_chunk=on_chunk, on_hidden=on_hidden)
+      from tinyhet.model.buckets import below_chunk
+      return chunked_prefill(self, tokens, chunk, kv_dtype, on_layer, progress, n_valid, on_chunk=on_chunk, on_hidden=on_hidden,
+                             buckets=below_chunk(chunk))
     if cache is None and T <= LAYER_JIT_MAX_T:     # the prompt's own K, V only: every layer replays one capture
       from tinyhet.model.layer_jit import layer_jit
       return layer_jit(self, T, kv_dtype).prefill(tokens, on_layer, progress, n_valid or T, on_hidden)

@@ -33,6 +33,10 @@ OPTIONS = {
   "prompt_logprobs": (None, lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TOP_LOGPROBS),
                       "null or an integer in 0..20 (the prompt's own logprobs, with this many alternatives)"),
   "output_from": (None, lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0), "null or a token index"),
+  # vLLM's min_tokens: the ids in min_tokens_ids (the request's stop ids) are never drawn for the first min_tokens output tokens
+  "min_tokens": (0, lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 20, "an integer in 0..2**20"),
+  "min_tokens_ids": ((), lambda v: isinstance(v, (list, tuple)) and len(v) <= 1024 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                                                         for t in v), "a list of at most 1024 token ids"),
   # llguidance grammar text (tinyhet.engine.grammar): the node that samples builds its Constraint, which masks every draw
   "grammar": (None, lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 1 << 20), "null or a grammar text of at most 1 MiB"),
 }
@@ -76,7 +80,13 @@ class Sampler:
     self.prompt_logprobs = o["prompt_logprobs"]      # read by the node that prefills (tinyhet.engine.prompt_logprobs)
     self.presence, self.frequency, self.repetition = float(o["presence_penalty"]), float(o["frequency_penalty"]), float(o["repetition_penalty"])
     self.bias = {int(k): float(b) for k, b in (o["logit_bias"] or {}).items()}
+    self.min_tokens, self.min_tokens_ids = o["min_tokens"], tuple(o["min_tokens_ids"])
+    if self.min_tokens and self.output_from is None: raise ValueError("min_tokens needs output_from (where the output starts)")
     self.grammar, self.constraint = o["grammar"], None     # the constraint: tinyhet.engine.grammar.constrain sets it on the node
+
+  def holds_back_stops(self, position: int) -> bool:
+    """Whether the token at `position` is one of the first min_tokens of the output (no stop id is drawn, no stop string ends it)."""
+    return bool(self.min_tokens) and position - self.output_from < self.min_tokens
 
   @property
   def penalizes(self) -> bool: return bool(self.presence or self.frequency or self.repetition != 1.0 or self.bias)
@@ -211,6 +221,11 @@ def sample_batch(logits: np.ndarray, samplers: list[Sampler], positions: list[in
   if not ok: return out
   xs, ss = x[ok], [samplers[i] for i in ok]
   proc = processed(xs, ss, [tokens[i] for i in ok])
+  early = [r for r, s in enumerate(ss) if s.min_tokens_ids and s.holds_back_stops(positions[ok[r]])]
+  if early:                                         # min_tokens: the stop ids cannot be drawn yet
+    proc = proc.copy() if proc is xs else proc
+    V = proc.shape[1]
+    for r in early: proc[r, [t for t in ss[r].min_tokens_ids if t < V]] = -np.inf
   lps = log_softmax(xs[[r for r, s in enumerate(ss) if s.logprobs is not None]]) if any(s.logprobs is not None for s in ss) else None
   for r, i in enumerate(ok):      # in place: proc is x[ok]'s copy or processed's, and the logprobs (raw logits) are read already
     if i in allowed: np.copyto(proc[r], -np.inf, where=~allowed[i])

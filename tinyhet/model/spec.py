@@ -30,13 +30,14 @@ class ByteTokenizer:
   chat_template = None
   vocab_size = 256
   def encode(self, text: str, add_special: bool = True) -> list[int]: return list(text.encode())
-  def decode(self, ids: list[int], skip_special: bool = True) -> str: return bytes(i for i in ids if i < 256).decode(errors="replace")
+  def decode(self, ids: list[int], skip_special: bool = True, spaces_between_special: bool = False) -> str:
+    return bytes(i for i in ids if i < 256).decode(errors="replace")
   def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")
     return self.encode(text)
-  def stream_decoder(self):
+  def stream_decoder(self, skip_special: bool = True, spaces_between_special: bool = False):
     from tinyhet.model.tokenizer import StreamDecoder
-    return StreamDecoder(self)
+    return StreamDecoder(self, skip_special, spaces_between_special)
 
 def model_id(spec) -> str:
   """The name clients ask for (`model` in a request): the file name, or the random spec itself."""

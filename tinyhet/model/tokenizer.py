@@ -136,8 +136,20 @@ class Tokenizer:
     if add_special and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]: ids = [self.bos_id, *ids]
     return ids
 
-  def decode(self, ids: list[int], skip_special: bool = True) -> str:
-    return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+  def decode(self, ids: list[int], skip_special: bool = True, spaces_between_special: bool = False) -> str:
+    """Text of ids. skip_special: special tokens leave no text. spaces_between_special (with skip_special off; vLLM's
+    spaces_between_special_tokens, as transformers' slow tokenizers do it): each special token and each run of other
+    tokens decoded on its own, the pieces joined with spaces."""
+    if skip_special or not spaces_between_special: return self.tok.decode(list(ids), skip_special_tokens=skip_special)
+    special, runs = self.special_ids(), []
+    for i in ids:
+      if i in special or not runs or runs[-1][0] in special: runs.append([i])
+      else: runs[-1].append(i)
+    return " ".join(self.tok.decode(r, skip_special_tokens=False) for r in runs)
+
+  def special_ids(self) -> frozenset[int]:
+    if not hasattr(self, "_special"): self._special = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+    return self._special
 
   def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """The model's chat template (jinja2, sandboxed) applied to [{"role": ..., "content": ...}, ...]; tools: OpenAI's function
@@ -155,7 +167,8 @@ class Tokenizer:
     """A user prompt as the model should see it: in the chat template as one user turn, or (raw) as plain text to continue."""
     return self.encode(prompt) if raw or not self.chat_template else self.encode_chat([{"role": "user", "content": prompt}])
 
-  def stream_decoder(self) -> StreamDecoder: return StreamDecoder(self)
+  def stream_decoder(self, skip_special: bool = True, spaces_between_special: bool = False) -> StreamDecoder:
+    return StreamDecoder(self, skip_special, spaces_between_special)
 
 def render_template(template: str, messages: list[dict[str, str]], add_generation_prompt: bool = True, **context) -> str:
   """Renders a Hugging Face chat template as transformers does: sandboxed jinja2, trim_blocks and lstrip_blocks, with
@@ -174,13 +187,17 @@ class StreamDecoder:
   """Text of a growing token sequence, piece by piece: push(id) returns the new text, holding back bytes of a UTF-8
   character split across tokens until it is complete (decoded text ending in U+FFFD is not emitted yet)."""
 
-  def __init__(self, tokenizer: Tokenizer, skip_special: bool = True):
+  def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, spaces_between_special: bool = False):
     self.tokenizer, self.skip_special, self.ids, self.prefix, self.read = tokenizer, skip_special, [], 0, 0
+    self.spaces = spaces_between_special
+
+  def _decode(self, ids: list[int]) -> str:
+    return self.tokenizer.decode(ids, self.skip_special, self.spaces) if self.spaces else self.tokenizer.decode(ids, self.skip_special)
 
   def push(self, token: int) -> str:
     self.ids.append(token)
-    before = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special)
-    now = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special)
+    before = self._decode(self.ids[self.prefix:self.read])
+    now = self._decode(self.ids[self.prefix:])
     if len(now) > len(before) and not now.endswith("\ufffd"):
       self.prefix, self.read = self.read, len(self.ids)   # decoding restarts a token back: byte-level merges never reach further
       return now[len(before):]
@@ -188,7 +205,7 @@ class StreamDecoder:
 
   def flush(self) -> str:
     """Whatever is held back (an incomplete character shows as U+FFFD)."""
-    before = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special)
-    now = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special)
+    before = self._decode(self.ids[self.prefix:self.read])
+    now = self._decode(self.ids[self.prefix:])
     self.prefix = self.read = len(self.ids)
     return now[len(before):]

@@ -3,6 +3,7 @@ raises ApiError (HTTP 4xx) whose message says which field to change and how; not
 from __future__ import annotations
 from tinyhet.model.request_rules import MAX_STOP_CHARS, MAX_STOPS, check_generation, check_stop
 from tinyhet.service.api_error import ApiError
+from tinyhet.service.api_fields import check_fields, completion_prompts, extra_sampling, sample_count
 
 def node_rules(body: dict, temperature, top_p, seed, options: dict, stop: list[str]) -> None:
   """The nodes' own checks of what the router will send (tinyhet.model.request_rules), so a node never refuses it later."""
@@ -44,8 +45,8 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
   if not _is_num(top_p) or not 0 < top_p <= 1: raise ApiError("'top_p' must be a number in (0, 1]", "top_p")
   seed = body.get("seed")
   if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63): raise ApiError("'seed' must be a non-negative integer", "seed")
-  n = body.get("n")
-  if n is not None and n != 1: raise ApiError("'n' must be 1 (one answer per request)", "n")
+  check_fields(body, chat)
+  n = sample_count(body)
   stream = body.get("stream")
   if stream is not None and not isinstance(stream, bool): raise ApiError("'stream' must be true or false", "stream")
   opts = body.get("stream_options")
@@ -78,10 +79,13 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
     echo = body.get("echo", False)
     if not isinstance(echo, bool): raise ApiError("'echo' must be true or false", "echo")
     if echo and logprobs is not None: options["prompt_logprobs"] = logprobs      # the prompt's own, from the prefill's logits
+  extra = extra_sampling(body, tuple(getattr(tok, "stop_ids", ())), n_vocab)
+  options.update(extra.pop("sampling_extra"))
   node_rules(body, temperature, top_p, seed, {**options, "output_from": len(prompt_ids)}, stop)
   return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p), "seed": seed,
           "stream": bool(stream), "include_usage": bool(opts and opts.get("include_usage")), "stop": stop, "chat": chat,
-          "return_token_ids": rti, "options": options, "logprobs": logprobs, "echo": echo, "cache_salt": cache_salt}
+          "return_token_ids": rti, "options": options, "logprobs": logprobs, "echo": echo, "n": n,
+          "prompts": [prompt_ids], "cache_salt": cache_salt, **extra}
 
 # the sampling options beyond temperature and top_p: name -> (the range's check, what to send); the decode node applies them
 _RANGES = {"presence_penalty": (lambda v: _is_num(v) and -2 <= v <= 2, "a number in -2..2"),
@@ -122,24 +126,41 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 def _encode(fn, what, param: str) -> list[int]:
   try: return fn(what)
+  except ApiError: raise
   except Exception as e:       # text the tokenizer cannot take (lone surrogates), a chat template that raises
     raise ApiError(f"'{param}' could not be tokenized: {str(e)[:200]}: send valid UTF-8 text", param) from None
 
 def parse_completion(body, tok, model_id: str, max_context: int | None) -> dict:
-  """POST /v1/completions: prompt is a string, a list of token ids, or a list holding one of those."""
+  """POST /v1/completions: prompt is a string, a list of token ids, or a list of those (one choice per prompt, times n)."""
   if not isinstance(body, dict): raise ApiError("the body must be a JSON object")
-  prompt = body.get("prompt")
-  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)): prompt = prompt[0]
-  if isinstance(prompt, str): ids = _encode(tok.encode, prompt, "prompt")
-  elif isinstance(prompt, list) and all(_is_int(t) for t in prompt): ids = list(prompt)
-  else: raise ApiError("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
+  add_special = body.get("add_special_tokens", True)
+  if not isinstance(add_special, bool): raise ApiError("'add_special_tokens' must be true or false", "add_special_tokens")
+  prompts = [_encode(lambda t: tok.encode(t, add_special), p, "prompt") if isinstance(p, str) else list(p)
+             for p in completion_prompts(body.get("prompt"))]
+  out = _common(body, tok, model_id, max_context, prompts[0], chat=False)
+  for ids in prompts[1:]: _common(body, tok, model_id, max_context, ids, chat=False)    # each prompt fits the context
+  out["prompts"] = prompts
   from tinyhet.service.tools import constrain_request
-  return constrain_request(_common(body, tok, model_id, max_context, ids, chat=False), body)
+  return constrain_request(out, body)
 
 def parse_chat(body, tok, model_id: str, max_context: int | None) -> dict:
   """POST /v1/chat/completions: messages [{role, content}], content a string or a list of {"type": "text", "text"} parts."""
   if not isinstance(body, dict): raise ApiError("the body must be a JSON object")
   from tinyhet.service import tools
+  gen, special = chat_flags(body)
   clean, spec = tools.clean_messages(body.get("messages")), tools.parse_tools(body, tok)     # the tool turns, the tools
-  ids = _encode(lambda m: tools.encode(tok, m, spec), clean, "messages")
+  ids = _encode(lambda m: with_bos(tok, tools.encode(tok, m, spec, gen), special), clean, "messages")
   return tools.constrain_request(_common(body, tok, model_id, max_context, ids, chat=True), body, spec)
+
+def chat_flags(body: dict) -> tuple[bool, bool]:
+  """vLLM's add_generation_prompt (default true) and add_special_tokens (default false: the template writes BOS itself
+  where the model wants one) of a chat request."""
+  gen, special = body.get("add_generation_prompt", True), body.get("add_special_tokens", False)
+  if not isinstance(gen, bool): raise ApiError("'add_generation_prompt' must be true or false", "add_generation_prompt")
+  if not isinstance(special, bool): raise ApiError("'add_special_tokens' must be true or false", "add_special_tokens")
+  return gen, special
+
+def with_bos(tok, ids: list[int], special: bool) -> list[int]:
+  """add_special_tokens on a chat: BOS first where the tokenizer adds one to text and the template did not write it."""
+  bos = getattr(tok, "bos_id", None)
+  return [bos, *ids] if special and getattr(tok, "add_bos", False) and bos is not None and ids[:1] != [bos] else ids

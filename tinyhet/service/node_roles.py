@@ -2,7 +2,9 @@
 `tinyhet node` (the prefill role, `tinyhet.cli.node.main_prefill`, is a PrefillNode and heartbeats).
 
   decode.submit  prompt ids, max_new_tokens, sampling options -> the decode node prefills the prompt itself (its batching
-                 loop's recompute path, on MESH) and streams every token, the first included. The router uses it for a
+                 loop's recompute path, on MESH) and streams every token, the first included. With n > 1: n samples of the
+                 prompt from one prefill, forked there (sharing the prompt's KV blocks), sample i drawn with seed + i; each
+                 item carries its sample's index. The router uses it for a
                  prompt short enough to prefill where it is decoded, for a `both` node's own requests, and when no prefill
                  node is left.
   --role prefill the model on HET and a PrefillNode (tinyhet.service.prefill_node) answering prefill.run.
@@ -15,29 +17,42 @@ import queue
 from tinyhet.service import heartbeat
 
 def install_submit(decode) -> None:
-  from tinyhet.engine.checks import check_prompt, check_salt
+  from tinyhet.engine.checks import check_prompt, check_salt, is_int
+  from tinyhet.engine.forked_samples import Tagged
   from tinyhet.model.sampling import Sampler
   from tinyhet.engine.scheduler import Sequence
   from tinyhet.engine.grammar import constrain
 
   def serve_submit(conn, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                   stop_ids: list[int] | None = None, options: dict | None = None, stop: list[str] | None = None, cache_salt: str = ""):
+                   stop_ids: list[int] | None = None, options: dict | None = None, stop: list[str] | None = None, n: int = 1,
+                   cache_salt: str = ""):
     check_prompt(decode.model.cfg, prompt_ids, max_new_tokens)
     check_salt(cache_salt)
-    sampler = Sampler(temperature, top_p, seed, **(options or {}))      # a bad setting fails before an id is taken
-    constrain(sampler, decode.tokenizer, decode.model.cfg.vocab_size)    # a grammar that does not compile too
-    seq = Sequence(decode.new_seq_id(), list(prompt_ids), max_new_tokens, cache_salt=cache_salt)
-    seq.extra.update(queue=queue.SimpleQueue(), sampler=sampler, want_logits=False,
-                     stop_ids=set(stop_ids if stop_ids is not None else decode.stop_ids))
-    try: decode.set_stop_strings(seq, stop)     # before the sequence joins the batch
+    if not is_int(n) or not 1 <= n <= decode.scheduler.max_num_seqs:
+      raise ValueError(f"n must be an integer in 1..{decode.scheduler.max_num_seqs} (this node's batch), got {n!r}")
+    first = Sampler(temperature, top_p, seed, **(options or {}))      # a bad setting fails before an id is taken
+    # sample i draws from seed + i: the same tokens as a request of its own with that seed
+    samplers = [first] + [Sampler(temperature, top_p, (first.seed + i) % 2**64, **(options or {})) for i in range(1, n)]
+    for sampler in samplers: constrain(sampler, decode.tokenizer, decode.model.cfg.vocab_size)   # a grammar that does not compile too
+    seqs = [Sequence(decode.new_seq_id(), list(prompt_ids), max_new_tokens, cache_salt=cache_salt) for _ in range(n)]
+    shared = queue.SimpleQueue()
+    for i, (seq, sampler) in enumerate(zip(seqs, samplers)):
+      seq.extra.update(queue=shared if n == 1 else Tagged(shared, i), sampler=sampler, want_logits=False, index=i, prompt_sent=i > 0,
+                       stop_ids=set(stop_ids if stop_ids is not None else decode.stop_ids))
+    try:
+      for seq in seqs: decode.set_stop_strings(seq, stop)     # before the sequences join the batch
     except ValueError:
-      with decode.cond: decode.live_ids.discard(seq.seq_id)
+      with decode.cond: decode.live_ids.difference_update(s.seq_id for s in seqs)
       raise
+    seqs[0].forks = seqs[1:]               # one prefill: the others fork from it (tinyhet.engine.scheduler)
     with decode.cond:
-      decode.scheduler.add(seq)            # the batching loop prefills it when its blocks fit (first come, first served)
+      try: decode.scheduler.add(seqs[0])   # the batching loop prefills it when its blocks fit (first come, first served)
+      except ValueError:
+        decode.live_ids.difference_update(s.seq_id for s in seqs)
+        raise
       decode.cond.notify_all()
-    decode._attach(conn, seq)              # the connection closing drops it
-    return stream_submitted(decode, conn, seq)
+    for seq in seqs: decode._attach(conn, seq)   # the connection closing drops them
+    return stream_submitted(decode, conn, seqs[0]) if n == 1 else stream_samples(decode, conn, seqs, shared)
 
   decode.node.endpoint.handle("decode.submit", serve_submit)
   decode.can_submit = True
@@ -51,6 +66,16 @@ def stream_submitted(decode, conn, seq):
     yield {"done": True, "preemptions": seq.num_preemptions, "cached_tokens": seq.extra.get("cached_tokens", 0),
            "ended": bool(seq.extra.get("grammar_done"))}
   finally: decode._detach(conn.state.get("seqs", {}), seq)
+
+def stream_samples(decode, conn, seqs: list, shared: queue.SimpleQueue):
+  """The tokens of n samples of one prompt, each item with its sample's `index`, and a {"done", "index"} item as each ends;
+  the last item is {"done": True} with no index. None while nothing comes (as stream_submitted)."""
+  from tinyhet.engine.forked_samples import sample_items
+  try:
+    yield from sample_items(seqs, shared, set(range(len(seqs))))
+    yield {"done": True, "preemptions": sum(s.num_preemptions for s in seqs), "cached_tokens": seqs[0].extra.get("cached_tokens", 0)}
+  finally:
+    for seq in seqs: decode._detach(conn.state.get("seqs", {}), seq)
 
 SUMMARY_HASHES = 1 << 18   # block hashes the router's view of a node's cache holds at most (4M tokens of 16-token blocks; ~6 MB of JSON)
 
@@ -83,7 +108,9 @@ def decode_status(decode) -> dict:
           "kv_blocks": s.capacity, "free_blocks": bm.num_free, "block_size": decode.cache.block_size,
           "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
           "max_context": decode.model.cfg.max_context, "cached_blocks": bm.num_cached, "prefix_queried_tokens": bm.queried_tokens,
-          "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache}
+          "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache,
+          "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens,
+          **({"warm_up": decode.warm.status()} if decode.warm is not None else {})}
 
 class ServiceExtras:
   """Heartbeats and decode.submit on a decode node; with role `both`, a PrefillNode sharing its model, on its own thread."""

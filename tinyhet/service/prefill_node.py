@@ -79,7 +79,7 @@ class PrefillNode:
             "link_gbps": round(self.cost.link_bps / 1e9, 4), "prefill_tok_s": round(self.cost.prefill_tok_s, 1)}
 
   def _serve_run(self, conn, prompt_ids: list[int], decode: str, reservation: dict, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, timeout: float = 600.0, options: dict | None = None) -> dict:
+                 seed: int | None = None, timeout: float = 600.0, options: dict | None = None, n: int = 1) -> dict:
     cfg = self.model.cfg
     check_prompt(cfg, prompt_ids)
     need = ("seq_id", "blocks", "pools", "block_bytes", "block_size")
@@ -91,8 +91,11 @@ class PrefillNode:
     if len(reservation["pools"]) != cfg.n_layers:
       raise IncompatibleDecodeNode(f"the reservation has {len(reservation['pools'])} layers, this model {cfg.n_layers}: same --model everywhere")
     sampler = Sampler(temperature, top_p, seed, **(options or {}))     # a bad setting fails here, before the job queues
-    constrain(sampler, self.tokenizer, cfg.vocab_size)                   # a grammar's first token is drawn here (tinyhet.engine.grammar)
-    job = Job(list(prompt_ids), decode, reservation, {"sampler": sampler}, conn.sock)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024: raise ValueError(f"n must be an integer in 1..1024, got {n!r}")
+    # n > 1: every sample's first token from the prompt's logits, sample i drawn with seed + i (tinyhet.engine.forked_samples)
+    samplers = [sampler] + [Sampler(temperature, top_p, (sampler.seed + i) % 2**64, **(options or {})) for i in range(1, n)]
+    for s in samplers: constrain(s, self.tokenizer, cfg.vocab_size)       # a grammar's first token is drawn here (tinyhet.engine.grammar)
+    job = Job(list(prompt_ids), decode, reservation, {"sampler": sampler, "samplers": samplers}, conn.sock)
     with self.count_lock: self.queued_tokens += len(prompt_ids)
     self.jobs.put(job)
     if self.on_job is not None: self.on_job()
@@ -101,9 +104,12 @@ class PrefillNode:
     return job.result
 
   # ---- the model's thread
-  def run(self, stop: threading.Event):
-    """Prefill jobs in arrival order until stop is set. Call it from the thread that loaded the model."""
-    while not stop.is_set(): self.run_one(timeout=0.5)
+  def run(self, stop: threading.Event, idle=None):
+    """Prefill jobs in arrival order until stop is set. Call it from the thread that loaded the model. idle() -> bool, if
+    given, runs while no job is queued (a warm-up's next capture: tinyhet.engine.warm_up); False: it has nothing more to do."""
+    while not stop.is_set():
+      if idle is not None and not self.jobs.qsize() and idle(): continue
+      self.run_one(timeout=0.5)
 
   def run_one(self, timeout: float = 0.0):
     """Run the oldest queued job, if one arrives within timeout."""
@@ -167,7 +173,8 @@ class PrefillNode:
           sender, pulled, pull = KVSender(self.node.endpoint, peer, r, self.model.cfg, kv_dtype, self.buffers, still_wanted), False, {}
           kept.clear()
       if not pulled: _, logits = prefill_first_token(self.model, job.prompt_ids, sampler, kv_dtype, send_layer, on_chunk=send_chunk, on_hidden=scorer)
-      first = sampler.draw(logits, n, job.prompt_ids)     # the same draw again, with its logprobs when asked for
+      draws = [s.draw(logits, n, job.prompt_ids) for s in job.sampling["samplers"]]   # the first: the same draw again, with its logprobs
+      first = draws[0]
       t_prefill = time.perf_counter()
       if not pulled: self.cost.saw_prefill(n, t_prefill - t0)
       try: transfers = sender.finish(60)
@@ -188,6 +195,9 @@ class PrefillNode:
     last = max(t.finished for t in transfers.values())
     lp = {} if first.logprob is None else {"logprob": first.logprob, "top_logprobs": first.top}
     if scorer is not None: lp["prompt_logprobs"] = scorer.entries
+    if len(draws) > 1:
+      lp["first_tokens"] = [d.token for d in draws]
+      if first.logprob is not None: lp["first_logprobs"] = [{"logprob": d.logprob, "top_logprobs": d.top} for d in draws]
     return {"first_token": first.token, **lp, "seed": sampler.seed, "prefill_s": t_prefill - t0, "kv_bytes": kv_bytes, "transfer_s": transfer_s,
             "hidden_share": 1 - max(0.0, last - t_prefill) / transfer_s if transfer_s > 0 else 1.0, "staging_waits": sender.staging_waits,
             "kv_writes": sum(len(t.transfers) if isinstance(t, Pieces) else 1 for t in transfers.values()),   # a chunked layer: one a piece

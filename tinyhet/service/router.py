@@ -154,8 +154,7 @@ class Cluster:
       if (fp := beat.get("fingerprint")) and self.fingerprint is None and beat.get("model") == self.model_id: self.fingerprint = fp
       if beat.get("model") != self.model_id:
         node.up, node.reason = False, f"serves {beat.get('model')!r}, this router {self.model_id!r}: start every node with the same --model"
-      elif fp and fp != self.fingerprint:
-        node.up, node.reason = False, f"serves fingerprint {fp}, the cluster's is {self.fingerprint}: other weights or flags of the same name"
+      elif fp and fp != self.fingerprint: node.up, node.reason = False, f"serves fingerprint {fp}, the cluster's {self.fingerprint}: other weights?"
       else: node.up, node.reason = True, ""
       node.status = {k: v for k, v in beat.items() if k not in CACHE_SUMMARY}
       node.cached = cache_view(node.cached, beat)
@@ -204,14 +203,15 @@ class Cluster:
 
   # ---- choosing nodes
   def _admit(self, prompt_tokens: int, new_tokens: int = 0, ids: list[int] | None = None,
-             cancelled: threading.Event | None = None, salt: str = "") -> tuple[Node, int]:
+             cancelled: threading.Event | None = None, samples: int = 1, salt: str = "") -> tuple[Node, int]:
     """A decode-capable node with room for the prompt and a little headroom (admission by need: a sequence grows a block at
     a time, and a full pool evicts cached blocks, then preempts), and the blocks now counted there for the request (release
     them after). Without room anywhere the request waits in the queue, unless max_queue requests wait already; a prompt no
     pool holds is a BadRequest. KV-aware: with the prompt's ids, a node whose prefix cache holds more of it scores better
     (Dynamo's overlap score: the cached share of the prompt against the decode load), and needs its blocks less the hit.
-    Cancelled once `cancelled` is set."""
-    tokens = prompt_tokens + min(new_tokens, HEADROOM_TOKENS)
+    Cancelled once `cancelled` is set. samples: n samples of the prompt (they share its blocks; one more block each, and room
+    for them in the node's batch). A request no node could ever hold is a BadRequest."""
+    tokens, more = prompt_tokens + min(new_tokens, HEADROOM_TOKENS), samples - 1
     with self.cond:
       deadline, queued = time.monotonic() + self.queue_timeout, False
       try:
@@ -219,15 +219,18 @@ class Cluster:
           if cancelled is not None and cancelled.is_set(): raise Cancelled()
           up = [n for n in self.nodes.values() if n.up and n.can_decode]
           hit = {n: n.cached_tokens(ids, salt) if ids else 0 for n in up}
-          fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n])]
+          fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n]) + more]
           if fits:
             node = min(fits, key=lambda n: (n.decode_load() - OVERLAP_WEIGHT * hit[n] / max(1, prompt_tokens), -n.free_blocks()))
-            node.reserved_blocks += (need := node.blocks_for(tokens) - node.blocks_for(hit[node]))
+            node.reserved_blocks += (need := node.blocks_for(tokens) - node.blocks_for(hit[node]) + more)
             node.recent.append((time.monotonic(), need))
             node.assigned += 1
             return node, need
-          if up and all(n.blocks_for(prompt_tokens) > n.status.get("kv_blocks", 0) for n in up):
-            raise BadRequest(f"a prompt of {prompt_tokens} tokens needs more KV blocks than any decode node has: shorten the prompt")
+          if more and up and all(samples > n.status.get("max_seqs", samples) for n in up):
+            raise BadRequest(f"n must be at most {max(n.status.get('max_seqs', 1) for n in up)} here (the decode nodes' batch, --max-seqs)")
+          if up and all(n.blocks_for(prompt_tokens) + more > n.status.get("kv_blocks", 0) for n in up):
+            raise BadRequest(f"a prompt of {prompt_tokens} tokens needs more KV blocks than any decode node has: shorten the prompt" +
+                             (f" or ask for fewer than {samples} samples" if more else ""))
           if not queued:
             if self.waiting >= self.max_queue: raise Overloaded(f"every KV pool is full and {self.waiting} requests wait already")
             queued, self.waiting = True, self.waiting + 1

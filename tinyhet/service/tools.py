@@ -113,10 +113,11 @@ def _history_calls(calls, i: int) -> list[dict]:
     out.append({"id": str(c.get("id", "")), "type": "function", "function": {"name": f["name"], "arguments": args}})
   return out
 
-def encode(tok, messages: list[dict], spec: ToolSpec | None) -> list[int]:
+def encode(tok, messages: list[dict], spec: ToolSpec | None, add_generation_prompt: bool = True) -> list[int]:
   """The prompt's token ids: the template's own tool rendering (tools=...), or the hermes fallback written into the turns."""
-  if template_format(getattr(tok, "chat_template", None))[1]: return tok.encode_chat(messages, tools=spec.tools if spec is not None else None)
-  return tok.encode_chat(fallback_messages(messages, spec))
+  if template_format(getattr(tok, "chat_template", None))[1]:
+    return tok.encode_chat(messages, add_generation_prompt, tools=spec.tools if spec is not None else None)
+  return tok.encode_chat(fallback_messages(messages, spec), add_generation_prompt)
 
 def fallback_messages(messages: list[dict], spec: ToolSpec | None) -> list[dict]:
   """Turns any template renders: the tools in the system message, earlier calls as <tool_call> blocks, results as user turns."""
