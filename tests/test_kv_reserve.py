@@ -200,7 +200,8 @@ def test_a_pull_that_fails_half_way_falls_back_to_computing_the_prefix_and_the_n
       r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=4, timeout=10, use_cache=True)
       assert r["cached_tokens"] == 12
       if turn == 0: w.ctl.call("test.withdraw_reads", seq_id=r["seq_id"], from_layer=1)
-      out = prefill._prefill(Job(ids, guarded_node.address, r, {"sampler": Sampler()}))
+      sampler = Sampler()
+      out = prefill._prefill(Job(ids, guarded_node.address, r, {"sampler": sampler, "samplers": [sampler]}))
       assert out["pulled_tokens"] == (0 if turn == 0 else 12), out
       got = [out["first_token"]] + [i["token"] for i in ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=out["first_token"],
                                                                     seed=out["seed"], timeout=10) if "token" in i]
