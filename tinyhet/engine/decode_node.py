@@ -55,8 +55,7 @@ class DecodeNode:
     cfg = model.cfg
     if cfg.n_layers >= 1 << LAYER_BITS: raise ValueError(f"{cfg.n_layers} layers do not fit the {LAYER_BITS}-bit layer field of a notice")
     self.model, self.node, self.model_id, self.stop_ids = model, node, model_id, tuple(stop_ids)
-    self.fingerprint = fingerprint or model_id     # trusted_writers: default the config's (a cluster file's prefill nodes)
-    self.trusted_writers = frozenset((node.config.trusted_writers or ()) if trusted_writers is None else trusted_writers)
+    self.fingerprint, self.trusted_writers = fingerprint or model_id, frozenset(trusted_writers or node.config.trusted_writers or ())
     self.cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv_blocks + 1, block_size, kv_dtype, device="MESH",   # +1: PAD_SEQ's
                               max_seq_len=cfg.max_context, prefix_cache=prefix_cache, model_id=cache_key(self.fingerprint, kv_dtype))
     self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs, capacity=kv_blocks)

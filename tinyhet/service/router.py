@@ -77,8 +77,7 @@ class Node:
     s = self.status
     return min(s.get("free_blocks", 0) - sum(b for _, b in self.recent), s.get("kv_blocks", 0) - self.reserved_blocks)
   def cached_tokens(self, ids: list[int], salt: str = "") -> int:
-    """Prompt tokens this node's prefix cache would give ids under this tenant salt, from its heartbeat's summary (the block
-    manager's rule: a chain of full blocks, at most up to the last token, hashed with the node's cache key)."""
+    """Prompt tokens this node's cache would give ids under this salt (its heartbeat's summary, hashed with its cache key)."""
     if not self.cached or not ids: return 0
     bs, n = self.status.get("block_size", 16), 0
     for h in block_hashes(ids, bs, self.status.get("cache_key", self.status.get("model", "")), (len(ids) - 1) // bs, salt):
