@@ -404,7 +404,6 @@ class DecodeNode:
     self.prefilled_tokens += (len(s.token_ids) if end is None else end) - (hit if first is None else first)
     if logits is None: return None
     self.prefills += 1
-    s.cache_limit = None                        # every token's KV is this node's own now (a recompute replaced a peer's)
     with self.cond: self.cache.block_manager.cache_blocks(s.seq_id, s.token_ids)   # its prompt's full blocks: found while it runs
     if (scorer := s.extra.pop("scorer", None)) is not None:
       s.extra["prompt_sent"] = True

@@ -189,6 +189,7 @@ class Scheduler:
     self._unfork(seq)
     self.bm.deallocate(seq.seq_id, self.cacheable(seq))
     seq.status, seq.prefilled, seq.fork_of, seq.fork_copy = SequenceStatus.WAITING, None, None, None
+    seq.cache_limit = None        # its recompute here computes every token past its (vouched) hit: a failure sets it again
     seq.num_preemptions += 1
     self.num_preemptions += 1
     self.waiting.appendleft(seq)

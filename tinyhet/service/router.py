@@ -139,9 +139,8 @@ class Cluster:
     self.max_queue, self.queue_timeout, self.hb_interval = max_queue, queue_timeout, hb_interval
     self.nodes = {a: Node(a, r) for a, r in nodes.items()}
     self.hb_timeout = hb_timeout                # for nodes added at run time (add_node)
-    self.fingerprint: str | None = None         # the model's fingerprint (tinyhet.model.fingerprint): the first node's; others must match
     self.cond = threading.Condition()
-    self.waiting = 0
+    self.waiting, self.fingerprint = 0, None    # fingerprint: the first node's (tinyhet.model.fingerprint); others must match
     self.prefill_s_per_token = 0.0              # an average of the prefills seen, for the planner's prefill_queue_s
     self.ids = itertools.count(1)
     self.watches = [heartbeat.Watch(endpoint, a, lambda b, n=n: self._beat(n, b), lambda why, n=n: self._lost(n, why), hb_interval, hb_timeout)
@@ -151,9 +150,9 @@ class Cluster:
   def _beat(self, node: Node, beat: dict):
     with self.cond:
       if (fp := beat.get("fingerprint")) and self.fingerprint is None and beat.get("model") == self.model_id: self.fingerprint = fp
-      if beat.get("model") != self.model_id:
-        node.up, node.reason = False, f"serves {beat.get('model')!r}, this router {self.model_id!r}: start every node with the same --model"
-      elif fp and fp != self.fingerprint: node.up, node.reason = False, f"serves fingerprint {fp}, the cluster's {self.fingerprint}: other weights?"
+      if beat.get("model") != self.model_id or (fp and fp != self.fingerprint):
+        node.up, node.reason = False, (f"serves {beat.get('model')!r} (fingerprint {beat.get('fingerprint')}), this router {self.model_id!r} "
+                                       f"({self.fingerprint}): start every node with the same --model file and flags")
       else: node.up, node.reason = True, ""
       node.status = {k: v for k, v in beat.items() if k not in CACHE_SUMMARY}
       node.cached = cache_view(node.cached, beat)
@@ -289,7 +288,7 @@ class Cluster:
       left = req.max_tokens - len(req.generated)
       if left <= 0: return "length"
       ids = req.prompt_ids + req.generated          # after a lost node: what the client has seen becomes prompt
-      try: decode, blocks = self._admit(len(ids), left, ids, req.cancelled, req.cache_salt)
+      try: decode, blocks = self._admit(len(ids), left, ids, req.cancelled, salt=req.cache_salt)
       except Cancelled: return "cancelled"
       try: self._attempt(req, decode, ids, left)
       except Cancelled: return "cancelled"
@@ -337,18 +336,17 @@ class Cluster:
     sampling = dict(temperature=req.temperature, top_p=req.top_p, options={**req.options, "output_from": len(req.prompt_ids)})
     ctl = self._open(req, decode, "decode node lost")
     try:
-      salt = {"cache_salt": req.cache_salt} if req.cache_salt else {}      # a node of an older tinyhet takes no salt: an unsalted request works there
       prefill = self._choose_prefill(decode, len(ids), left, self._cached(ctl, decode, ids, req.cache_salt))
       try:
         if prefill is None:
           self._count(decode, "prefill+decode")
           stream = ctl.stream("decode.submit", prompt_ids=ids, max_new_tokens=left, seed=req.seed, stop_ids=req.stop_ids,
-                              **({"stop": req.stop} if req.stop else {}), **salt, **sampling)
+                              **({"stop": req.stop} if req.stop else {}), cache_salt=req.cache_salt, **sampling)
         else:
           # the prefill node writes the KV: the reservation's blocks open to it, not to this router (tcp checks every frame)
           # use_cache: a hit's shared blocks come with a read grant for the prefill node, which pulls (or recomputes) them
           r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=left, timeout=self.queue_timeout, writer=prefill.status.get("node"),
-                       use_cache=bool(decode.status.get("prefix_cache")), **salt)
+                       use_cache=bool(decode.status.get("prefix_cache")), cache_salt=req.cache_salt)
           self._done(req, decode, {"cached_tokens": r.get("cached_tokens", 0)}, len(ids))
       except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       if prefill is not None:
@@ -396,7 +394,7 @@ class Cluster:
     take the request instead)."""
     cached = node.cached_tokens(ids, salt)
     if cached < len(ids) - node.status.get("block_size", 16) and node.status.get("prefix_cache") and self._prefill_nodes(node):
-      try: cached = max(cached, int(ctl.call("decode.lookup", prompt_ids=ids, **({"cache_salt": salt} if salt else {}))["cached_tokens"]))
+      try: cached = max(cached, int(ctl.call("decode.lookup", prompt_ids=ids, cache_salt=salt)["cached_tokens"]))
       except Exception: pass                  # an older node without lookup, or a failing one: the summary's figure
     return cached
 
