@@ -30,8 +30,8 @@ REFUSED = {
   "documents": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}), "mm_processor_kwargs": (None,), "priority": (None, 0),
   "request_id": (None,), "return_tokens_as_token_ids": (None, False), "kv_transfer_params": (None,), "vllm_xargs": (None,),
   "prompt_embeds": (None,), "include_reasoning": (None, True), "thinking_token_budget": (None,), "echo@chat": (None, False),
-  # structured outputs' options this server does not take, and the prefix cache's salt: refused until code reads them
-  "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structural_tag": (None,), "cache_salt": (None,),
+  # structured outputs' options this server does not take (cache_salt is read: tinyhet.service.tenancy)
+  "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,), "structural_tag": (None,),
 }
 
 def check_fields(body: dict, chat: bool) -> None:
