@@ -6,7 +6,7 @@ from tokenizer.model (SentencePiece: pieces, scores, types); the chat template a
 from __future__ import annotations
 import json, pathlib, struct
 import numpy as np
-from llama_numpy import _base_freq, hf_to_gguf_permute, inv_freq
+from llama_numpy import _base_freq, add_shape, hf_to_gguf_permute, inv_freq
 from tinyhet.model.hf_config import hf_config
 from tinyhet.model.hf_loader import hf_table
 
@@ -59,18 +59,7 @@ def write_gguf_from_hf(directory: pathlib.Path, path: pathlib.Path, quant: str =
   w = hf_arrays(directory)
   wr = gguf.GGUFWriter(str(path), arch)
   wr.add_name(directory.name)
-  wr.add_block_count(cfg.n_layers)
-  wr.add_context_length(cfg.max_context)
-  wr.add_embedding_length(cfg.dim)
-  wr.add_feed_forward_length(cfg.hidden_dim)
-  wr.add_head_count(cfg.n_heads)
-  wr.add_head_count_kv(cfg.n_kv_heads)
-  wr.add_key_length(cfg.head_dim)
-  wr.add_value_length(cfg.head_dim)
-  wr.add_rope_dimension_count(cfg.head_dim)
-  wr.add_rope_freq_base(cfg.rope_theta)
-  wr.add_layer_norm_rms_eps(cfg.norm_eps)
-  wr.add_vocab_size(cfg.vocab_size)
+  add_shape(wr, cfg)
   tok_cfg = json.loads((directory / "tokenizer_config.json").read_text())
   tj = json.loads((directory / "tokenizer.json").read_text())
   added = {t["id"]: t for t in tj.get("added_tokens", [])}

@@ -138,16 +138,8 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "sel
               "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
               "mlp.down_proj": "ffn_down"}
 
-def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "F32", tokens: list[str] | None = None, arch: str = "llama",
-               sentencepiece: tuple[list[str], list[float], list[int]] | None = None, extra: dict[str, np.ndarray] | None = None):
-  """A GGUF file the way llama.cpp's converter writes a Llama: metadata, Q/K rows permuted, names blk.N.*; quant is a GGML type
-  name gguf-py can quantize (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), for 2-D weights only, as llama.cpp quantizes. Llama 3.1
-  rope scaling goes in as rope_freqs.weight. sentencepiece: (tokens, scores, token types) of a Llama 2-style vocabulary
-  (tokenizer.ggml.model "llama") instead of a byte-level BPE one; extra: more tensors, as written."""
-  import gguf
-  from gguf.quants import quantize
-  wr = gguf.GGUFWriter(str(path), arch)
-  wr.add_name("tiny")
+def add_shape(wr, cfg) -> None:
+  """A GGUF writer's model shape keys, as llama.cpp's converter writes them for a Llama-layout model."""
   wr.add_block_count(cfg.n_layers)
   wr.add_context_length(cfg.max_context)
   wr.add_embedding_length(cfg.dim)
@@ -160,6 +152,18 @@ def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "
   wr.add_rope_freq_base(cfg.rope_theta)
   wr.add_layer_norm_rms_eps(cfg.norm_eps)
   wr.add_vocab_size(cfg.vocab_size)
+
+def write_gguf(cfg, w: dict[str, np.ndarray], path: pathlib.Path, quant: str = "F32", tokens: list[str] | None = None, arch: str = "llama",
+               sentencepiece: tuple[list[str], list[float], list[int]] | None = None, extra: dict[str, np.ndarray] | None = None):
+  """A GGUF file the way llama.cpp's converter writes a Llama: metadata, Q/K rows permuted, names blk.N.*; quant is a GGML type
+  name gguf-py can quantize (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), for 2-D weights only, as llama.cpp quantizes. Llama 3.1
+  rope scaling goes in as rope_freqs.weight. sentencepiece: (tokens, scores, token types) of a Llama 2-style vocabulary
+  (tokenizer.ggml.model "llama") instead of a byte-level BPE one; extra: more tensors, as written."""
+  import gguf
+  from gguf.quants import quantize
+  wr = gguf.GGUFWriter(str(path), arch)
+  wr.add_name("tiny")
+  add_shape(wr, cfg)
   if sentencepiece is not None:
     wr.add_tokenizer_model("llama")
     wr.add_token_list(sentencepiece[0])
