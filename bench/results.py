@@ -67,9 +67,9 @@ def run_and_save(name: str, module, argv: list[str], out: str | None) -> int:
     print(f"tinyhet bench {name} --save: nothing saved ({'exit ' + str(rc) if rc else 'no JSON printed'})", file=sys.stderr)
     return rc or 1
   data = json.loads(lines[-1])
-  result = {"name": name, "command": " ".join(["tinyhet", "bench", name, *argv]), "date": date, "commit": commit(), "machine": machine(),
+  path = pathlib.Path(out) if out else RESULTS / f"{name}.json"     # a result is named by its file: one benchmark may give several
+  result = {"name": path.stem, "command": " ".join(["tinyhet", "bench", name, *argv]), "date": date, "commit": commit(), "machine": machine(),
             "load_before": round(watch.before, 2), "load_max": round(watch.max, 2), "quiet": watch.before < QUIET_LOAD, "data": data}
-  path = pathlib.Path(out) if out else RESULTS / f"{name}.json"
   path.parent.mkdir(parents=True, exist_ok=True); path.write_text(json.dumps(result, indent=1) + "\n")
   busy = f" (load average {watch.before:.1f} before the run: other work shared the cores, not publishable)"
   print(f"saved {path}" + ("" if result["quiet"] else busy), file=sys.stderr)
