@@ -46,11 +46,20 @@ class LoadWatch:
     self._stop.set(); self._thread.join(); self.max = max(self.max, os.getloadavg()[0])
 
 def table_of(data) -> tuple[list[str], list[list]]:
-  """A result's table: its `table` ({columns, rows}) when the benchmark made one, else its `rows` (a list of objects) flattened."""
+  """A result's table: its `table` ({columns, rows}) when the benchmark made one, else its `rows` (a list of objects)
+  flattened, else (an object of figures) one row a figure."""
   if isinstance(data, dict) and isinstance(data.get("table"), dict): return list(data["table"]["columns"]), [list(r) for r in data["table"]["rows"]]
   rows = data.get("rows") if isinstance(data, dict) else data
+  if isinstance(data, dict) and rows is None:      # no rows: every figure a row of its own, nested keys joined with dots
+    flat = {}
+    def walk(prefix, v):
+      if isinstance(v, dict):
+        for k, x in v.items(): walk(f"{prefix}.{k}" if prefix else str(k), x)
+      elif not isinstance(v, list): flat[prefix] = v
+    walk("", data)
+    return ["figure", "value"], [[k, v] for k, v in flat.items()]
   if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-    raise ValueError("a result needs a 'table' or a list of 'rows' objects")
+    raise ValueError("a result needs a 'table', a list of 'rows' objects, or an object of figures")
   columns = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (dict, list))))
   return columns, [[r.get(c) for c in columns] for r in rows]
 
