@@ -50,12 +50,14 @@ def table_of(data) -> tuple[list[str], list[list]]:
   flattened, else (an object of figures) one row a figure."""
   if isinstance(data, dict) and isinstance(data.get("table"), dict): return list(data["table"]["columns"]), [list(r) for r in data["table"]["rows"]]
   rows = data.get("rows") if isinstance(data, dict) else data
-  if isinstance(data, dict) and rows is None:      # no rows: every figure a row of its own, nested keys joined with dots
+  if isinstance(data, dict) and rows is None:      # no rows: every figure a row of its own, nested keys joined with dots, a list of rows a line each
     flat = {}
     def walk(prefix, v):
       if isinstance(v, dict):
         for k, x in v.items(): walk(f"{prefix}.{k}" if prefix else str(k), x)
-      elif not isinstance(v, list): flat[prefix] = v
+      elif isinstance(v, list) and all(isinstance(x, dict) for x in v):    # a list of rows: each row's figures on one line
+        for i, x in enumerate(v): flat[f"{prefix}[{i}]"] = ", ".join(f"{k} {cell(y)}" for k, y in x.items() if not isinstance(y, (dict, list)))
+      else: flat[prefix] = ", ".join(cell(x) for x in v) if isinstance(v, list) else v
     walk("", data)
     return ["figure", "value"], [[k, v] for k, v in flat.items()]
   if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
