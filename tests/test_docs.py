@@ -73,7 +73,8 @@ def test_save_writes_the_figures_with_their_provenance(tmp_path, capsys):
   out = tmp_path / "probe.json"
   assert results.run_and_save("probe", bench, ["--rounds", "1"], str(out)) == 0
   r = json.loads(out.read_text())
-  assert r["name"] == "probe" and r["command"] == "tinyhet bench probe --rounds 1" and r["data"]["rows"] == [{"rows_done": 3, "rate": 12.5}]   # --json was added
+  assert r["name"] == "probe" and r["command"] == "tinyhet bench probe --rounds 1"
+  assert r["data"]["rows"] == [{"rows_done": 3, "rate": 12.5}]                  # --json was added
   assert r["machine"]["cores"] >= 1 and isinstance(r["quiet"], bool) and r["load_max"] >= 0
   table = results.render(r)
   assert table.splitlines()[0] == "| rows_done | rate |" and "| 3 | 12.5 |" in table and "tinyhet bench probe --rounds 1" in table
