@@ -36,15 +36,18 @@ def run(s: Scheduler, rng: random.Random, pending: list[Sequence], incoming: lis
     if s.is_finished() and not pending and not incoming and not in_flight: return done
   raise AssertionError(f"not finished after {max_steps} steps: {len(s.waiting)} waiting, {len(s.running)} running")
 
+def random_request(rng: random.Random, i: int, capacity: int) -> Sequence:
+  """A request whose prompt takes at most half of a pool of `capacity` tokens and whose answer fits the rest."""
+  prompt = rng.randint(1, max(1, capacity // 2))
+  return Sequence(i, [1] * prompt, max_new_tokens=rng.randint(1, max(1, capacity - prompt)))
+
 @settings(max_examples=60, deadline=None)
 @given(num_blocks=st.integers(4, 40), block_size=st.sampled_from([1, 4, 16]), max_num_seqs=st.integers(1, 8), seed=st.integers(0, 2**32),
        n_local=st.integers(0, 12), n_incoming=st.integers(0, 6), prefix_cache=st.booleans(), forks=st.integers(0, 2))
 def test_random_workload_finishes_every_request_in_full(num_blocks, block_size, max_num_seqs, seed, n_local, n_incoming, prefix_cache, forks):
   rng = random.Random(seed)
   capacity = num_blocks * block_size
-  def request(i):
-    prompt = rng.randint(1, max(1, capacity // 2))
-    return Sequence(i, [1] * prompt, max_new_tokens=rng.randint(1, max(1, capacity - prompt)))
+  request = lambda i: random_request(rng, i, capacity)
   local = [request(i) for i in range(n_local)]
   samples = []                          # n > 1: some local requests carry forks (their samples), when the pool and the batch hold them
   for q in local[:forks]:
@@ -220,9 +223,7 @@ def test_stall_free_steps_spread_prompts_within_the_budget_and_finish_every_requ
                                                                                      budget, prefix_cache):
   rng = random.Random(seed)
   capacity = num_blocks * block_size
-  def request(i):
-    prompt = rng.randint(1, max(1, capacity // 2))
-    return Sequence(i, [1] * prompt, max_new_tokens=rng.randint(1, max(1, capacity - prompt)))
+  request = lambda i: random_request(rng, i, capacity)
   local = [request(i) for i in range(n_local)]
   s = Scheduler(BlockManager(num_blocks, block_size, prefix_cache), max_num_seqs=max_num_seqs, eos=EOS)
   done = run_stall_free(s, rng, list(local), budget, max_steps=40000)
