@@ -264,11 +264,3 @@ class Scheduler:
     """The transfer failed: give its blocks back. The caller decides whether to prefill seq again (add) or drop it."""
     self.bm.release_reservation(self.incoming.pop(seq.seq_id).seq_id)
     seq.status = SequenceStatus.WAITING
-
-def prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
-  """A prefill batch as the loop runs it: each sequence alone, its forks (which follow it) with it."""
-  groups: list[list[Sequence]] = []
-  for s in seqs:
-    if s.fork_of is not None and groups and groups[-1][0] is s.fork_of: groups[-1].append(s)
-    else: groups.append([s])
-  return groups
