@@ -19,7 +19,7 @@ from tinyhet.bench.serve import Proc, prompt_ids, stream_one, wait_ready
 
 def start_both(args, warm_up: str) -> tuple[list[Proc], str, str]:
   """A `both` node (the warm-up mode given) and a router in front of it: (processes, router address, model id)."""
-  env, model = {**os.environ, "TINYHET_WARM_UP": warm_up}, (["--model", args.model] if args.model else [])
+  env, model = {"TINYHET_WARM_UP": warm_up}, (["--model", args.model] if args.model else [])
   node = Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, "--max-seqs", "16", *model, env=env)
   router = Proc("serve", "--listen", "127.0.0.1:0", "--both", node.info["address"], *model, "--max-queue", "1024", "--queue-timeout", "600")
   wait_ready(router.info["address"])

@@ -24,9 +24,10 @@ def wait_ready(address: str, timeout: float = 300):
     time.sleep(0.2)
 
 class Proc:
+  """A `tinyhet` process of a benchmark; env: variables set on top of this process's environment (the token, PATH, ...)."""
   def __init__(self, *args, env: dict | None = None):
     self.p = subprocess.Popen([sys.executable, "-m", "tinyhet", *args, "--stdin-stop"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env=env)
+                              env=None if env is None else {**os.environ, **env})
     line = self.p.stdout.readline()
     if not line: raise RuntimeError(f"tinyhet {' '.join(args)} did not start (exit {self.p.wait()})")
     self.info = json.loads(line)
