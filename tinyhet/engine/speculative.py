@@ -6,8 +6,10 @@ prefix of drafts that the model itself would have produced is kept, and the reje
   draws = spec.step(seq_ids, token_lists, samplers, k)  # per sequence the Draws of 1..k+1 new tokens
 
 Before a step each sequence holds len(tokens) slots (the newest token's included, as for a plain decode step); after it
-len(tokens) + len(draws) - 1, and the blocks taken for rejected drafts are back at the front of the free queue
-(BlockManager.truncate): the pool is as a plain decode of the same tokens leaves it, no hash covering a rejected token.
+len(tokens) + len(draws) - 1, and the blocks taken for rejected drafts are back in the free queue where they were
+(BlockManager.truncate, last taken first): lengths, table sizes and free blocks are as a plain decode of the same tokens
+leaves them, no hash covering a rejected token. Which block ids each sequence holds may differ from plain decode's: rows
+cross block boundaries in another order, and a block one row rolls back stays free while a later row keeps its own.
 
 Why the output is plain decode's: row j of the step holds the model's logits after the tokens before it, so its draw is the
 token plain decode draws at that position; a draft is kept only while it equals that draw. Sampling draws from (seed,
@@ -67,16 +69,17 @@ class SpeculativeStep:
       rows.append([tokens[-1], *d, *[d[-1] if d else tokens[-1]] * (T - 1 - len(d))])   # a short draft padded: its rows are dropped
     logits = self.forward(seq_ids, rows)     # (B, T, vocab)
     out = []
-    for i, (sid, tokens, d) in enumerate(zip(seq_ids, token_lists, drafts)):
+    for i, (tokens, d) in enumerate(zip(token_lists, drafts)):
       kept = []
       for j in range(len(d) + 1):            # the model's draw at each drafted position, kept while the draft agrees
         draw = sample_batch(logits[i, j][None], [samplers[i]], [len(tokens) + j], [tokens + d[:j]])[0]
         kept.append(draw)
         if isinstance(draw, Exception) or j == len(d) or draw.token != d[j]: break
-      self.bm.truncate(sid, len(tokens) + len(kept) - 1)
       self.drafted += len(d)
       self.accepted += len(kept) - 1
       out.append(kept)
+    for sid, tokens, kept in reversed(list(zip(seq_ids, token_lists, out))):   # undone last taken first: the free queue's order
+      self.bm.truncate(sid, len(tokens) + len(kept) - 1)
     self.steps += len(seq_ids)
     return out
 
