@@ -39,7 +39,7 @@ class CoreFigures:
     if key not in self.matmul:
       have = ", ".join(f"{t}/{m}/{k}" for t, m, k in sorted(self.matmul)) or "none"
       raise ValueError(f"no per-core figure for the {kernel} kernel of {type_} at {rows_x} rows of x (have: {have}): "
-                       "measure it with `tinyhet bench bignode --formats`")
+                       "bench bignode measures only the kernels of the embedded SmolLM2 (Q4_1, Q8_0)")
     return self.matmul[key]
 
 @dataclass(frozen=True)
