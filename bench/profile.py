@@ -54,7 +54,7 @@ class _NoRun:
   @staticmethod
   def run(cmds, n=None): return False
 
-QMM = re.compile(r"qmatmul_(\w+?)_(\d+)_(\d+)_(\d+)_p(\d+)(_tiled)?(_int8k?)?$")
+QMM = re.compile(r"qmatmul_(\w+?)_(\d+)_(\d+)_(\d+)_p(\d+)(_tiled)?(_int8[kt]?|_bf16t)?$")
 ATTENTION = ("attention", "paged")
 
 def group(name: str, vocab: int) -> tuple[str, float]:
