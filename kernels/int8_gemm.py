@@ -203,8 +203,8 @@ INLINE void micro8(float *restrict out, const u8 *restrict wq, const float *rest
 
 /* rows n0..n0+nr of W, columns k0..k0+kc, asked of memory into L2 (the next panel's, while this one is multiplied). A step
    reads each matrix once, from memory, and a panel's 16 short row segments, fetched only when unpacked, stall it: measured
-   with a rotating set of matrices as large as a model (bench qmm --cold), this kernel took 1.45-1.85x the time of one matrix
-   read again and again without this, 1.15-1.3x with it (one panel ahead, not two; into L2, not L1; the bf16 kernel's panels,
+   with a rotating set of matrices as large as a model (bench qmm --cold), this kernel took far longer than on one matrix read
+   again and again without this, much of the gap closed with it (one panel ahead, not two; into L2, not L1; the bf16 kernel's panels,
    whole lines of 16 long row segments, and the float tiled kernel, bound by its arithmetic, gained nothing from it) */
 INLINE void prefetch_rows(const u8 *restrict w, int n0, int nr, int k0, int kc) {
   const size_t b0 = (size_t)(k0 / QB) * SBB, b1 = (size_t)((k0 + kc) / QB) * SBB;
