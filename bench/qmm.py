@@ -26,17 +26,26 @@ def direct(ggml_type: int, M: int, N: int, K: int, int8: bool, out: np.ndarray, 
   from tinygrad import Device
   from tinyhet.kernels import quant_matmul as qmm
   name, src = qmm.kernel_source(ggml_type, M, N, K, 1, tiled, int8=int8)
-  so = os.path.join(tmp, name + ".so")
   march = list(getattr(Device["MESH"].compiler, "args", None) or ["-march=native"])
-  subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", *march, "-x", "c", "-", "-o", so],
-                 input=src.encode(), check=True)
-  scratch = [np.zeros(n, np.uint8)] if (n := qmm.scratch_bytes(name, ggml_type, M, K)) else []
+
+  def build(name: str, src: str):
+    so = os.path.join(tmp, name + ".so")
+    subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", *march, "-x", "c", "-", "-o", so],
+                   input=src.encode(), check=True)
+    return getattr(ctypes.CDLL(so), name)
+  # the int8 and bf16 tiled kernels: x rounded first by its own kernel (timed with the product), into the buffer it reads
+  rounding = qmm.rounding_kernel(name, ggml_type, M, K, 1)
+  xr = [np.zeros(rounding[2], np.uint8)] if rounding else []
   ws = w if isinstance(w, list) else [w]   # a list: one matrix after another, each call the next (weights cold, as in a step)
-  keep = [np.ascontiguousarray(a) for a in (out, *ws, x, *scratch)]   # the arrays live as long as the call that writes and reads them
-  fn, ptr = getattr(ctypes.CDLL(so), name), [ctypes.c_void_p(a.ctypes.data) for a in keep]
+  keep = [np.ascontiguousarray(a) for a in (out, *ws, x, *xr)]   # the arrays live as long as the call that writes and reads them
+  fn, ptr = build(name, src), [ctypes.c_void_p(a.ctypes.data) for a in keep]
   assert keep[0] is out, "out must be a contiguous array"
-  calls = [[ptr[0], ptr[1 + i], *ptr[1 + len(ws):]] for i in range(len(ws))]
+  xin = ptr[-1] if rounding else ptr[1 + len(ws)]
+  calls = [[ptr[0], ptr[1 + i], xin] for i in range(len(ws))]
   turn = iter(range(1 << 62))
+  if rounding:
+    rfn, rargs = build(*rounding[:2]), (ptr[-1], ptr[1 + len(ws)], 0)
+    return lambda: (rfn(*rargs), fn(*calls[next(turn) % len(calls)], 0)) if keep else None
   return lambda: fn(*calls[next(turn) % len(calls)], 0) if keep else None
 
 def cpu_time(fn, n: int) -> float:
