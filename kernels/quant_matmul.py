@@ -18,10 +18,10 @@ with the rows r of W split into `parts` contiguous ranges, one per core_id:
 They reach tinygrad as custom kernels (Tensor.custom_kernel with a compiled PROGRAM), so they are scheduled, captured by
 TinyJit and run by the worker pool (runtime/cpu_pool.py) like any other kernel.
 The int8-activation mode (off by default): from INT8_TILED_MIN_M rows of x on, for any count, the int8 tiled kernel
-(kernels/int8_gemm.py: x rounded per 32, a u8 panel reused for every row of x); below it the K-quants swap the decode kernel's
-tile for kernels/kquant_int8.py's tile8k (x per super-block of 256), the 32-weight types keep the float decode kernel (their
-int8 decode tile, tile8, x per 32, runs only when asked for by tiled=False). BF16 weights in that mode: from BF16_TILED_MIN_M
-rows, kernels/bf16_gemm.py (x rounded to bfloat16, vdpbf16ps).
+(kernels/int8_gemm.py: x rounded per 32 once, by a kernel of its own, a u8 panel reused for every row of x); below it the
+K-quants swap the decode kernel's tile for kernels/kquant_int8.py's tile8k (x per super-block of 256), the 32-weight types
+keep the float decode kernel (their int8 decode tile, tile8, x per 32, runs only when asked for by tiled=False). BF16 weights
+in that mode: from BF16_TILED_MIN_M rows, kernels/bf16_gemm.py (x rounded to bfloat16, vdpbf16ps).
 """
 from __future__ import annotations
 import dataclasses, functools, math
