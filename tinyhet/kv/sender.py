@@ -1,7 +1,8 @@
 """A request's K, V on their way from the prefill device into the decode node's reserved blocks, one layer at a time, while
 the next layer computes. Both prefill clients use it: DecodeClient (tinyhet run, tinyhet.engine.prefill) and PrefillNode (the
-service). The prefill thread only queues, or, for a layer of at most INLINE_LAYER_BYTES (a short prompt), packs and posts it
-itself (LayerWriter.post: cheaper than waking the writer thread):
+service). The prefill thread only queues, or, for a layer of at most INLINE_LAYER_BYTES (a short prompt) not leaving through
+the staging ring, packs and posts it itself (LayerWriter.post: cheaper than waking the writer thread; a slow write then
+holds up the next layer):
 
   sender = KVSender(endpoint, peer, reservation, cfg, kv_dtype, buffers)
   sender.send(layer, k, v)     prefill thread, as each layer's K, V exist; never raises a write's failure
@@ -59,13 +60,14 @@ class LayerWriter:
     self.inlined = 0                                  # writes posted on the caller's thread
     self.thread: threading.Thread | None = None       # started by the first write that is queued
 
-  def post(self, layer: int, spans: list[Span], notify: int, fill=None):
+  def post(self, layer: int, spans: list[Span], notify: int, fill=None, may_inline: bool = True):
     """Write spans with notify once fill(), if given, has filled their bytes. Until a write has been queued, one of at
-    most inline_bytes is filled and posted here, on the caller's thread: waking the writer thread costs ~1 ms a layer on
-    two cores, more than packing and posting a short prompt's layer. The rest go to the writer thread, in order."""
+    most inline_bytes (and may_inline: not a staging copy, which overlaps a GPU's next layer) is filled and posted here,
+    on the caller's thread: waking the writer thread costs ~1 ms a layer on two cores, more than packing and posting a
+    short prompt's layer. The rest go to the writer thread, in order."""
     if self.error is not None: raise self.error
     self.settled[layer] = threading.Event()
-    if self.thread is None and sum(s.nbytes for s in spans) <= self.inline_bytes:
+    if may_inline and self.thread is None and sum(s.nbytes for s in spans) <= self.inline_bytes:
       self.inlined += 1
       return self._write(layer, spans, notify, fill)
     if self.thread is None:
@@ -120,7 +122,7 @@ def post_packed(writer: LayerWriter, layer: int, packed: Tensor, nbytes: int, sp
   except NotRegistered:
     if ring is not None:
       region = ring.take(layer, writer)
-      writer.post(layer, spans_from(region, 0), notify, start_copy(packed.uop.buffer, region, nbytes))
+      writer.post(layer, spans_from(region, 0), notify, start_copy(packed.uop.buffer, region, nbytes), may_inline=False)
       return packed
     packed = packed.to("MESH").realize()
     region, offset = region_of(packed.uop.buffer)
