@@ -10,7 +10,8 @@ suffix and sends the suffix's KV: the pulled tokens and bytes, and the pull's sh
 reads were in flight, post to the last layer read, over the turn's TTFT; the reads overlap the suffix's compute, so this
 is what the pull occupies, not only what it adds), come from the router's /metrics around each turn. Recomputed: the
 prompt's tokens a prefill computed (uncached ones, and cached ones the prefill node chose to compute again).
-A warm-up conversation (other tokens, same lengths) runs first in each configuration (tinygrad compiles per shape).
+A warm-up conversation (other tokens, same lengths) runs first in each configuration (tinygrad compiles per shape); the
+`both` node also builds every capture before it takes a request (TINYHET_WARM_UP=before).
 """
 from __future__ import annotations
 import argparse, http.client, json, os, secrets, sys, time
@@ -76,8 +77,9 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
   model_args = ["--model", args.model] if args.model else []
   procs = []
   try:
-    if both:
-      procs.append(Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args))
+    if both:   # every capture built before the node says it is up (its start line's warm_up_status): no request meets its warm-up
+      procs.append(Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args,
+                        env={"TINYHET_WARM_UP": "before"}))
       flags = ["--both", procs[0].info["address"]]
     else:
       # the decode node caches what the prefill node writes only as its trusted writer (tinyhet.config's trusted_writers)
@@ -93,7 +95,8 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
     if both:   # the same long prompt twice (after a warm-up with other tokens): the repeat prefills its last block's tokens only
       one = argparse.Namespace(**{**vars(args), "turns": 1})
       for _ in range(3): conversation(address, model, one, salt=4, vocab=vocab)    # the repeat twice: TinyJit captures on its 2nd call
-      return [conversation(address, model, one, salt=3, vocab=vocab)[0], conversation(address, model, one, salt=3, vocab=vocab)[0]]
+      warm_s = procs[0].info.get("warm_up_status", {}).get("seconds", 0.0)
+      return [{**conversation(address, model, one, salt=3, vocab=vocab)[0], "node_warm_up_s": warm_s} for _ in range(2)]
     conversation(address, model, args, salt=2, vocab=vocab)                 # warm-up: compiles and captures
     rows = conversation(address, model, args, salt=1, vocab=vocab)
     if not args.json: print(f"  cache {'on' if cache else 'off'}: done", file=sys.stderr, flush=True)
@@ -141,7 +144,8 @@ def table(out: dict) -> str:
   if out.get("both"):
     a, b = out["both"]
     same = "yes" if a["tokens"] == b["tokens"] else "NO"
-    lines.append(f"one --role both node, the same {a['prompt_tokens']}-token prompt twice: TTFT {a['ttft_s']:.3f} s, "
+    lines.append(f"one --role both node (after its {a.get('node_warm_up_s', 0):.0f} s warm-up), the same {a['prompt_tokens']}-token prompt twice: "
+                 f"TTFT {a['ttft_s']:.3f} s, "
                  f"then {b['ttft_s']:.3f} s "
                  f"({b['ttft_s'] / a['ttft_s']:.2f}x; {b['cached_tokens']} tokens cached; same tokens: {same})")
   for r in out.get("local") or []:

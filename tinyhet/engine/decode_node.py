@@ -34,13 +34,14 @@ from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_prompt, is_int
 from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
-from tinyhet.engine.forked_samples import generate_samples, prefill_group, with_forks
-from tinyhet.engine.grammar import constrain, prefetch
+from tinyhet.engine.batch_step import run_batch
+from tinyhet.engine.forked_samples import generate_samples, with_forks
+from tinyhet.engine.grammar import constrain
 from tinyhet.runtime.arena import Region
 from tinyhet.model.fingerprint import cache_key
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
-from tinyhet.model.sampling import Sampler, sample_batch
+from tinyhet.model.sampling import Sampler
 from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus
 from tinyhet.engine.token_queue import TICK, queued_tokens, token_item  # noqa: F401  (node_roles reads them here too)
 
@@ -347,48 +348,7 @@ class DecodeNode:
       if idle:                               # the warm-up's next capture, on this thread (tinygrad's), without the lock
         if not self.warm.step() and self.on_warm is not None: self.on_warm(self.warm.status())
         continue
-      for batch, piece in ([(decode, None)] if decode else []) + pieces:
-        # a grammar's masks, made on the grammar thread while the step runs (none for rows without one, or a chunk short of its end)
-        masks = None if piece and piece[1] < batch[0].num_tokens else prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch])
-        try:
-          if piece is None: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
-          elif (logits := prefill_group(self, batch, *piece)) is None:    # a chunk short of the prompt's end: nothing to sample yet
-            with self.cond:
-              if batch[0].extra.get("cancelled") and batch[0].status is SequenceStatus.RUNNING: self.scheduler.finish(batch[0])
-              else: batch[0].prefilled = piece[1]
-            continue
-        except Exception as e:                 # a failed step fails its sequences, not the node
-          logits = None
-          with self.cond: self.scheduler.steps_failed(batch, piece is not None)     # they cache nothing past what they stored
-          for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
-        if masks is not None: masks.result()
-        # the whole batch sampled at once, without the lock (reservations and notices go on meanwhile): the step's sequences
-        # keep their blocks and tokens until this thread postprocesses them
-        draws = None if logits is None else sample_batch(logits[:len(batch)], [s.extra["sampler"] for s in batch], [s.num_tokens for s in batch],
-                                                         [s.token_ids for s in batch])     # num_tokens: the new token's position
-        with self.cond:
-          for s in batch: s.prefilled = None   # a prompt's last chunk: it decodes from the next step on
-          live = [s for s in batch if not s.extra.get("cancelled")]
-          if logits is None: finished = list(live)
-          else:
-            new, failed = {}, []
-            for s in live:
-              d = draws[batch.index(s)]
-              if isinstance(d, ValueError):        # non-finite logits: that sequence fails, with the reason; the node goes on
-                s.extra["queue"].put(ValueError(f"sequence {s.seq_id} stopped: {d}"))
-                failed.append(s)
-              else: new[s.seq_id] = d
-              if s.extra.get("want_logits"): s.extra["last_logits"] = logits[batch.index(s)].copy()   # the logits behind the newest token
-            ok = [s for s in live if s.seq_id in new]
-            finished = self.scheduler.postprocess(ok, [new[s.seq_id].token for s in ok]) + failed
-            for s in ok:
-              d = new[s.seq_id]
-              s.extra["queue"].put(d.token if d.logprob is None else (d.token, d.logprob, d.top))
-              if (d.token in s.extra["stop_ids"] or self._hits_stop(s, d.token) or self.grammar_done(s)) and s not in finished: finished.append(s)
-          for s in batch:
-            if (s in finished or s.extra.get("cancelled")) and s.status is SequenceStatus.RUNNING: self.scheduler.finish(s)
-          for s in finished: s.extra["queue"].put(None)
-          self.cond.notify_all()
+      for batch, piece in ([(decode, None)] if decode else []) + pieces: run_batch(self, batch, piece)
       with self.cond: self.in_step = set()
 
   def _prefill(self, s: Sequence, first: int | None = None, end: int | None = None) -> np.ndarray | None:

@@ -10,7 +10,9 @@
   --role prefill the model on HET and a PrefillNode (tinyhet.service.prefill_node) answering prefill.run.
   --role both    a decode node and a PrefillNode over one copy of the model on MESH: prefill jobs run on the batching
                  loop's thread between its steps, and the router gives the node prefill or decode work from the queue
-                 lengths and free KV blocks its heartbeats report.
+                 lengths and free KV blocks its heartbeats report. A job keeps the node's decoding sequences at their pace
+                 (KeepPace): between its layers, once a step's prefill_budget of prompt tokens' work has run, one decode step,
+                 as the loop's own steps carry at most that many tokens of a prompt of its own (Scheduler.schedule_step).
 """
 from __future__ import annotations
 import queue
@@ -112,6 +114,21 @@ def decode_status(decode) -> dict:
           "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens,
           **({"warm_up": decode.warm.status()} if decode.warm is not None else {})}
 
+class KeepPace:
+  """A `both` node's prefill job spread over decode steps: called with the rows of each layer (or chunk of a layer) the job
+  has computed, it runs one decode step of the node's decoding sequences (batch_step.decode_only_step) once a step's budget
+  of prompt tokens has gone by (a layer of T rows is T / n_layers tokens of a whole prompt's work). The job's KV and first
+  token are the same (its computation is untouched); the decoding sequences' tokens too (their steps, only earlier)."""
+  def __init__(self, decode):
+    self.decode, self.owed, self.steps = decode, 0.0, 0
+
+  def __call__(self, rows: int) -> None:
+    from tinyhet.engine.batch_step import decode_only_step
+    self.owed += rows / self.decode.model.cfg.n_layers
+    if self.owed < self.decode.prefill_budget: return
+    self.owed = 0.0
+    if decode_only_step(self.decode): self.steps += 1
+
 class ServiceExtras:
   """Heartbeats and decode.submit on a decode node; with role `both`, a PrefillNode sharing its model, on its own thread."""
   def __init__(self, decode, role: str):
@@ -125,12 +142,14 @@ class ServiceExtras:
       # control requests go on meanwhile.
       self.prefill = PrefillNode(decode.model, decode.node, decode.model_id, on_job=lambda: self._wake(decode), fingerprint=decode.fingerprint)
       self.prefill.tokenizer = decode.tokenizer
+      self.prefill.pace = self.pace = KeepPace(decode)
       def prefill_first():                   # queued prefills before the next decode step; all of them while nothing decodes
         if self.prefill.jobs.qsize():
           self.prefill.run_one()
           while self.prefill.jobs.qsize() and not (decode.scheduler.running or decode.scheduler.waiting): self.prefill.run_one()
       decode.between_steps = prefill_first
-    heartbeat.install(decode.node.endpoint, role, lambda: {**decode_status(decode), **(self.prefill.status() if self.prefill else {})},
+    heartbeat.install(decode.node.endpoint, role, lambda: {**decode_status(decode), **(self.prefill.status() if self.prefill else {}),
+                                                           **({"paced_steps": self.pace.steps} if self.prefill else {})},
                       per_stream=lambda: CacheSummary(decode.cache.block_manager))
 
   @staticmethod

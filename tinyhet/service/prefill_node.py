@@ -71,6 +71,7 @@ class PrefillNode:
     # host memory the layers leave from, kept between jobs; a GPU's packed layers leave through config.staging_buffers of it
     self.buffers = SendBuffers(node, node.config.staging_buffers if staging_buffers is None else staging_buffers)
     self.tokenizer = None                        # the model's tokenizer (tinyhet node sets it): a request's grammar needs its vocabulary
+    self.pace = None                             # pace(tokens) as each layer of a job is computed (a `both` node's KeepPace)
     node.endpoint.handle("prefill.run", self._serve_run)
 
   def status(self) -> dict:
@@ -154,10 +155,13 @@ class PrefillNode:
       first = cached if cached and not pulled else 0      # the whole prompt computed again: the suffix's rows only
       kept.append((layer, k, v, first))
       sender.send(layer, k, v, first)
+      if self.pace is not None: self.pace(k.shape[0])
 
     def send_chunk(*piece) -> bool:     # a chunked prefill's blocks of a layer, as each chunk computes them (a pulled prefix's suffix too)
       if isinstance(sender.writer.error, CallerGone): raise sender.writer.error
-      return sender.send_chunk(*piece)
+      sent = sender.send_chunk(*piece)
+      if self.pace is not None: self.pace((piece[3] - piece[2]) * r["block_size"])   # (layer, pool, b0, b1, ...): the blocks' rows
+      return sent
 
     n, pull = len(job.prompt_ids), {}
     try:
