@@ -22,7 +22,7 @@ class DecodeClient:
     self.node, self.model = node, model
     self.ctl = ControlClient(node.endpoint, address)
     self.info = self.ctl.call("decode.info")
-    check_compatible(model.cfg, model_id, self.info, f"{self.ctl.peer} at {address}", fingerprint)
+    check_compatible(model.cfg, model_id, self.info, f"{self.ctl.peer} at {address}", fingerprint, node.config.kv_dtype)
     self.peer = node.endpoint.connect(address, transport)
     self.endpoint = node.endpoint            # what posts the layer writes (a benchmark may put a slower link in front of it)
     self.kv_dtype = kv_format(self.info["kv_dtype"])

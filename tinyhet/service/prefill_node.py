@@ -130,7 +130,7 @@ class PrefillNode:
       ctl = ControlClient(self.node.endpoint, address)
       try: info = ctl.call("decode.info", reply_timeout=10)
       finally: ctl.close()
-      check_compatible(self.model.cfg, self.model_id, info, f"at {address}", self.fingerprint)
+      check_compatible(self.model.cfg, self.model_id, info, f"at {address}", self.fingerprint, self.node.config.kv_dtype)
       self.decoders[address] = (self.node.endpoint.connect(address, self.transport), kv_format(info["kv_dtype"]))
     return self.decoders[address]
 
