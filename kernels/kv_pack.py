@@ -3,6 +3,7 @@ prefill node sends are exactly the bytes the decode node's blocks hold: packed b
 from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor, dtypes
+from tinygrad.device import Buffer
 from tinygrad.dtype import DType
 from tinyhet.kernels.kv_quant import decode_fp8, encode_fp8, is_8bit, is_q8, pack_q8_0_host, tile_len, unpack_q8_0_host
 
@@ -18,7 +19,7 @@ def pack_kv(k: Tensor, v: Tensor, block_size: int, dtype: DType | None = None) -
     out = np.zeros((nb, 2, KV, tile_len(dtype, block_size, D)), np.uint8)
     if is_q8(dtype): pack_q8_0_host(k.float().numpy(), v.float().numpy(), out)
     else: pack_kv_host(encode_fp8(k.float().numpy(), dtype), encode_fp8(v.float().numpy(), dtype), out)
-    return Tensor(out, device=k.device).bitcast(dtype)
+    return tensor_of_bytes(out, dtype, k.device)
   kp = k.cast(dtype).pad(((0, nb * block_size - T), None, None)).reshape(nb, block_size, KV, D)   # (nb, t, h, d)
   vp = v.cast(dtype).pad(((0, nb * block_size - T), None, None)).reshape(nb, block_size, KV, D)
   kt = kp.permute(0, 2, 3, 1).reshape(nb, KV, D * block_size)   # (nb, h, d, t)
@@ -30,7 +31,8 @@ def unpack_kv(blocks: Tensor, n_tokens: int, head_dim: int) -> tuple[Tensor, Ten
   dequantized on the host, float32."""
   if is_q8(blocks.dtype): return tuple(Tensor(x, device=blocks.device) for x in unpack_q8_0_host(blocks.numpy(), n_tokens, head_dim))
   if is_8bit(blocks.dtype):
-    k, v = unpack_kv(blocks.bitcast(dtypes.uint8), n_tokens, head_dim)
+    raw = np.frombuffer(bytes(blocks.contiguous().realize().uop.buffer.as_memoryview()), np.uint8).reshape(blocks.shape)   # no cast
+    k, v = unpack_kv(Tensor(raw), n_tokens, head_dim)
     return Tensor(decode_fp8(k.numpy(), blocks.dtype), device=blocks.device), Tensor(decode_fp8(v.numpy(), blocks.dtype), device=blocks.device)
   nb, _, KV, X = blocks.shape
   bs = X // head_dim
@@ -60,3 +62,11 @@ def pack_kv_host(k, v, out, q8: bool = False, fp8=None) -> None:
     if (r := rows - full * BS):
       np.reshape(out[full, 0], (KV, D, BS), copy=False)[:, :, :r] = k[full * BS:rows].transpose(1, 2, 0)
       np.reshape(out[full, 1], (KV, BS, D), copy=False)[:, :r] = v[full * BS:rows].transpose(1, 0, 2)
+
+def tensor_of_bytes(a, dtype: DType, device: str) -> Tensor:
+  """A realized tensor of dtype holding a's bytes as they are: tinygrad's bitcast to an fp8 dtype goes through float32
+  and flushes e4m3's subnormals, so an 8-bit pool's bytes are copied in, never cast."""
+  t = Tensor.empty(*a.shape, dtype=dtype, device=device)
+  data = memoryview(np.ascontiguousarray(a)).cast("B")
+  t.uop.buffer.ensure_allocated().copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
+  return t
