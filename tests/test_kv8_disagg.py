@@ -70,3 +70,12 @@ def test_config_rejects_an_unknown_kv_dtype():
   out = subprocess.run([sys.executable, "-c", "from tinyhet.config import load_config; load_config()"], capture_output=True, text=True,
                        env={**os.environ, "TINYHET_KV_DTYPE": "q4_0"})
   assert out.returncode != 0 and "kv_dtype" in out.stderr and "q8_0" in out.stderr
+
+def test_info_shows_tokens_per_gib_of_the_kv_dtype():
+  from tinyhet.model.model_files import embedded_model_path
+  out = subprocess.run([sys.executable, "-m", "tinyhet", "info", "--model", str(embedded_model_path()), "--json"], capture_output=True,
+                       text=True, env={**os.environ, "TINYHET_KV_DTYPE": "q8_0"}, timeout=300)
+  kv = json.loads(out.stdout)["kv"]
+  # SmolLM2-135M: 30 layers, 3 kv heads of 64; q8_0 34 bytes per 32 values
+  assert kv["kv_dtype"] == "q8_0" and kv["bytes_per_token"] == 2 * 30 * 3 * 64 * 34 / 32
+  assert kv["tokens_per_gib"] / kv["float16_tokens_per_gib"] >= 1.85
