@@ -1,4 +1,4 @@
-"""8-bit KV end to end: a decode node process holding its KV in q8_0 (or fp8), fed layer by layer over tcp and shm by a
+"""8-bit KV end to end: a decode node process holding its KV in q8_0 or fp8_e4m3, fed layer by layer over tcp and shm by a
 prefill on HET, gives the tokens of the single-device engine with the same KV dtype (`tinyhet run --no-disagg`'s), and a
 node whose kv_dtype differs from the decode node's is refused in one line naming both."""
 import dataclasses, json, os, subprocess, sys
@@ -34,35 +34,35 @@ def node_with(kv_dtype: str) -> LocalNode:
   node.endpoint.token = TOKEN
   return node
 
-@pytest.fixture(scope="module")
-def q8_decode():
+@pytest.fixture(scope="module", params=["q8_0", "fp8_e4m3"])
+def q8_decode(request):
   env = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_NODE": "kv8-decode", "TINYHET_ARENA_BYTES": "256M"}
-  proc = subprocess.Popen([sys.executable, "-c", DECODE_NODE.format(small=SMALL, kv="q8_0")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+  proc = subprocess.Popen([sys.executable, "-c", DECODE_NODE.format(small=SMALL, kv=request.param)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                           text=True, env=env)
   line = proc.stdout.readline()
   if not line: raise RuntimeError(f"decode node did not start (exit {proc.wait()})")
   cfg = small_config(**SMALL)
-  yield Llama(cfg, random_weights(cfg, device="HET", seed=7), "HET"), json.loads(line)["address"]
+  yield Llama(cfg, random_weights(cfg, device="HET", seed=7), "HET"), json.loads(line)["address"], request.param
   proc.stdin.close()
   proc.wait(30)
 
 @pytest.mark.parametrize("transport, prompt_len", [("tcp", 23), ("shm", 40)])
-def test_q8_0_disaggregated_equals_single_device_q8_0(q8_decode, transport, prompt_len):
-  model, address = q8_decode
+def test_8bit_disaggregated_equals_single_device_of_the_same_kv_dtype(q8_decode, transport, prompt_len):
+  model, address, kv = q8_decode
   prompt = [int(t) for t in np.random.default_rng(prompt_len).integers(0, SMALL["vocab_size"], prompt_len)]
-  engine = LocalEngine(model, 128, block_size=16, kv_dtype="q8_0")
+  engine = LocalEngine(model, 128, block_size=16, kv_dtype=kv)
   want, _ = engine.generate(prompt, 10)
-  client = DecodeClient(node_with("q8_0"), address, model, "kv8-random", transport)
+  client = DecodeClient(node_with(kv), address, model, "kv8-random", transport)
   try: got, stats = client.generate(prompt, 10)
   finally: client.close()
   assert stats.transport == transport and got == want
-  # the wire carried the 8-bit bytes: 34/64 of float16's per value, the tokens' blocks only
-  per_token = 2 * SMALL["n_layers"] * SMALL["n_kv_heads"] * (SMALL["dim"] // SMALL["n_heads"]) * 34 / 32
+  # the wire carried the 8-bit bytes (q8_0: 34/64 of float16's per value; fp8: one byte), the prompt's blocks only
+  per_token = 2 * SMALL["n_layers"] * SMALL["n_kv_heads"] * (SMALL["dim"] // SMALL["n_heads"]) * (34 / 32 if kv == "q8_0" else 1)
   assert stats.kv_bytes == -(-prompt_len // 16) * 16 * per_token
 
 def test_a_decode_node_of_another_kv_dtype_is_refused_in_one_line(q8_decode):
-  model, address = q8_decode
-  with pytest.raises(IncompatibleDecodeNode, match=r"keeps its KV in q8_0, this node in float16") as e:
+  model, address, kv = q8_decode
+  with pytest.raises(IncompatibleDecodeNode, match=rf"keeps its KV in {kv}, this node in float16") as e:
     DecodeClient(node_with("float16"), address, model, "kv8-random", "tcp")
   assert "\n" not in str(e.value)
 
