@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
   from tinyhet.kv.paged_cache import PagedKVCache
   from tinyhet.model.weights import embedded_model_path, load_model
   names, contexts = [d for d in args.dtypes.split(",") if d], [int(c) for c in args.contexts.split(",") if c]
-  for d in names: kv_format(d)
+  try:
+    for d in names: kv_format(d)
+  except ValueError as e: ap.error(str(e))
   longest = max([*contexts, args.ppl_tokens])
   model, tok = load_model(str(embedded_model_path()), device="MESH", max_context=longest + args.tokens + 16, quiet=True, packed=True)
   cfg, bs = model.cfg, 16
