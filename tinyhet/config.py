@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from tinyhet.runtime.settings import TRANSPORTS, problem as transport_problem  # noqa: F401  (TRANSPORTS: one definition, importable from here too)
 
 HET_BACKENDS = ("auto", "CUDA", "NV", "AMD", "METAL", "CL", "CPU", "PYTHON")   # PYTHON: tinygrad's emulator, for tests
-KV_DTYPES = ("float16", "float32", "bfloat16")
+KV_DTYPES = ("float16", "float32", "bfloat16", "q8_0", "fp8_e4m3", "fp8_e5m2")   # kernels/kv_quant.py: the formats
 WARM_UP_MODES = ("background", "before", "off")
 NUMA_MODES = ("off", "interleave", "replicate")   # replicate: the weights copied per node, each pool thread reading its node's
 

@@ -168,11 +168,11 @@ def main_prefill(args) -> int:
   model, tok, model_id = service_model.load(args.model, "HET", args.max_context, args.quiet, packed=not args.float_weights)
   prefill = PrefillNode(model, node, model_id, fingerprint=fingerprint(args.model, model.cfg, not args.float_weights))
   prefill.tokenizer = tok                  # a request's grammar masks the first token, drawn here
-  from tinygrad import dtypes
+  from tinyhet.kernels.kv_quant import kv_format
   from tinyhet.config import load_config
   from tinyhet.engine.warm_up import WarmUp
   cfg = load_config()
-  warm = None if cfg.warm_up == "off" else WarmUp.for_prefill(model, getattr(dtypes, cfg.kv_dtype))
+  warm = None if cfg.warm_up == "off" else WarmUp.for_prefill(model, kv_format(cfg.kv_dtype))
   if warm is not None and cfg.warm_up == "before":
     while warm.step(): pass
   heartbeat.install(node.endpoint, "prefill", lambda: {**prefill.status(), "max_context": model.cfg.max_context,

@@ -38,7 +38,7 @@ from tinyhet.engine.batch_step import run_batch
 from tinyhet.engine.forked_samples import generate_samples, with_forks
 from tinyhet.engine.grammar import constrain
 from tinyhet.runtime.arena import Region
-from tinyhet.model.fingerprint import cache_key
+from tinyhet.model.fingerprint import cache_key; from tinyhet.kernels.kv_quant import kv_name  # noqa: E702
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
 from tinyhet.model.sampling import Sampler
@@ -90,7 +90,7 @@ class DecodeNode:
       peak = bm.take_peak() if reset_peak is True else max(bm.peak_used, bm.num_used)
     return {"model": self.model_id, "fingerprint": self.fingerprint, "cache_key": bm.model_id, "kv_notice_format": NOTICE_FORMAT,
             "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
-            "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
+            "block_size": self.cache.block_size, "kv_dtype": kv_name(self.cache.kv_dtype), "block_bytes": self.cache.block_nbytes,
             "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(), "host": host_id(),
             # what a long-lived or misbehaving peer could make grow: the soak and fuzz tests watch these stay flat
             "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),

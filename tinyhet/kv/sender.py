@@ -26,6 +26,7 @@ from tinygrad.uop.ops import Ops
 from tinyhet.kv.notices import MAX_PIECES, notice_value
 from tinyhet.device.backend import NotRegistered, region_of
 from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
+from tinyhet.kernels.kv_quant import is_8bit, is_q8, np_storage, tile_len
 from tinyhet.runtime.arena import Region
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Span, Transfer
@@ -207,8 +208,9 @@ class KVSender:
     if self.host is None:
       cfg, nbytes = self.cfg, self.cfg.n_layers * self.layer_bytes
       self.host = self.buffers.host(nbytes)
-      self.stage = np.frombuffer(self.host.view(0, nbytes), np.dtype(self.kv_dtype.fmt)) \
-        .reshape(cfg.n_layers, len(self.blocks), 2, cfg.n_kv_heads, self.block_size * cfg.head_dim)    # the region may be larger (kept)
+      tile = tile_len(self.kv_dtype, self.block_size, cfg.head_dim)
+      self.stage = np.frombuffer(self.host.view(0, nbytes), np_storage(self.kv_dtype)) \
+        .reshape(cfg.n_layers, len(self.blocks), 2, cfg.n_kv_heads, tile)    # the region may be larger (kept)
     return self.host
 
   @property
@@ -231,10 +233,11 @@ class KVSender:
   def _hand_off(self, layer: int, k: Tensor, v: Tensor, first_row: int):
     if self.writer.error is not None: return
     notify = notice_value(self.seq_id, layer)
-    if self.kv_dtype.fmt is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
+    if np_storage(self.kv_dtype) is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
       self.keep.extend((k, v))              # K, V in host memory: the writer thread packs them into the host region
       self.writer.post(layer, self._spans(layer, self.host_stage(), layer * self.layer_bytes), notify,
-                       functools.partial(pack_kv_host, ka[first_row:], va[first_row:], self.stage[layer]))
+                       functools.partial(pack_kv_host, ka[first_row:], va[first_row:], self.stage[layer], is_q8(self.kv_dtype),
+                                         self.kv_dtype if is_8bit(self.kv_dtype) and not is_q8(self.kv_dtype) else None))
       return
     if first_row: k, v = k[first_row:].contiguous().realize(), v[first_row:].contiguous().realize()
     packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
@@ -268,7 +271,8 @@ class KVSender:
   def _can_send_from(self, pool: Tensor, n_pieces: int, b0: int) -> bool:
     cfg = self.cfg
     if b0 * self.block_size != self.cached or not 0 < n_pieces <= MAX_PIECES or pool.dtype != self.kv_dtype: return False
-    if tuple(pool.shape[1:]) != (2, cfg.n_kv_heads, self.block_size * cfg.head_dim) or pool.uop.base.op is not Ops.BUFFER: return False
+    if tuple(pool.shape[1:]) != (2, cfg.n_kv_heads, tile_len(self.kv_dtype, self.block_size, cfg.head_dim)): return False
+    if pool.uop.base.op is not Ops.BUFFER: return False
     try: region_of(pool.uop.base.buffer)
     except NotRegistered: return False
     return True

@@ -18,7 +18,8 @@ prefix is computed here and every layer sent again (its pools are dropped, its s
 from __future__ import annotations
 import queue, select, socket, sys, threading, time  # select.poll: select.select raises for a descriptor >= 1024
 from dataclasses import dataclass, field
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor
+from tinyhet.kernels.kv_quant import kv_format
 from tinyhet.kv.grants import check_grant
 from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
 from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible, check_prompt
@@ -130,8 +131,8 @@ class PrefillNode:
       ctl = ControlClient(self.node.endpoint, address)
       try: info = ctl.call("decode.info", reply_timeout=10)
       finally: ctl.close()
-      check_compatible(self.model.cfg, self.model_id, info, f"at {address}", self.fingerprint)
-      self.decoders[address] = (self.node.endpoint.connect(address, self.transport), getattr(dtypes, info["kv_dtype"]))
+      check_compatible(self.model.cfg, self.model_id, info, f"at {address}", self.fingerprint, self.node.config.kv_dtype)
+      self.decoders[address] = (self.node.endpoint.connect(address, self.transport), kv_format(info["kv_dtype"]))
     return self.decoders[address]
 
   def _prefill(self, job: Job) -> dict:
