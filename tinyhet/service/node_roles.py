@@ -45,6 +45,7 @@ def install_submit(decode) -> None:
       with decode.cond: decode.live_ids.difference_update(s.seq_id for s in seqs)
       raise
     seqs[0].forks = seqs[1:]               # one prefill: the others fork from it (tinyhet.engine.scheduler)
+    if decode.disk is not None: decode.disk.stage(prompt_ids, cache_salt)   # its blocks on disk read now, before the loop admits it
     with decode.cond:
       try: decode.scheduler.add(seqs[0])   # the batching loop prefills it when its blocks fit (first come, first served)
       except ValueError:
@@ -109,7 +110,7 @@ def decode_status(decode) -> dict:
           "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
           "max_context": decode.model.cfg.max_context, "cached_blocks": bm.num_cached, "prefix_queried_tokens": bm.queried_tokens,
           "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache,
-          "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens,
+          "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens, **(decode.disk.status() if decode.disk else {}),
           **({"warm_up": decode.warm.status()} if decode.warm is not None else {})}
 
 class ServiceExtras:
