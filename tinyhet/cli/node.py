@@ -24,9 +24,6 @@ def parse_args(argv):
                   "blocks and dequantize inside the matmul kernels, reading ~5x fewer bytes per token)")
   ap.add_argument("--no-prefix-cache", action="store_true", help="forget a finished sequence's KV blocks at once (default: keep its "
                   "full blocks cached until the pool needs them, and share them with requests whose prompt starts the same)")
-  ap.add_argument("--kv-disk", default=None, metavar="DIR", help="spill cached KV blocks evicted from RAM to this directory and "
-                  "read them back on a hit; kept across restarts (default: none, or TINYHET_KV_DISK)")
-  ap.add_argument("--kv-disk-size", default=None, metavar="SIZE", help="the disk tier's size at most, e.g. 512M, 200G (default 64G)")
   ap.add_argument("--kv-disk", default=None, help="a folder for the KV disk tier: cached blocks evicted from RAM are written there "
                   "and read back on a hit, across restarts (TINYHET_KV_DISK; default: none)")
   ap.add_argument("--kv-disk-size", default=None, help="the disk tier's bound, e.g. 200G (TINYHET_KV_DISK_SIZE; default 64G)")
@@ -104,11 +101,14 @@ def serve(args, stop: threading.Event) -> int:
   decode.tokenizer = tok                 # stop strings end sequences on the node
   if cfg.kv_disk and not args.no_prefix_cache:
     from tinyhet.kv.disk_tier import DiskTier
-    decode.disk = DiskTier(decode.cache, cfg.kv_disk, cfg.kv_disk_size)
+    try: decode.disk = DiskTier(decode.cache, cfg.kv_disk, cfg.kv_disk_size)
+    except (OSError, ValueError) as e:
+      print(f"tinyhet node: --kv-disk {cfg.kv_disk}: {getattr(e, 'strerror', None) or e}: give a folder this process may write",
+            file=sys.stderr)
+      return 2
     if not args.quiet: print(f"tinyhet node: {decode.disk.describe()}", file=sys.stderr, flush=True)
   from tinyhet.service.node_roles import ServiceExtras
   extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
-  if cfg.kv_disk and (tier := open_disk_tier(decode, cfg, args.quiet)) is None: return 2
   try:
     address = node.serve(host, int(port))
     say_guarantees(node, decode.trusted_writers, args.quiet or args.stdin_stop)   # a parent-owned node: its parent's config
@@ -131,19 +131,8 @@ def serve(args, stop: threading.Event) -> int:
     extras.close()
     decode.close()
     if decode.disk is not None: decode.disk.close()
-    if getattr(decode, "disk", None) is not None: tier.close()
     node.endpoint.close()
   return 0
-
-def open_disk_tier(decode, cfg, quiet: bool):
-  """The node's disk tier (tinyhet.engine.kv_disk), its line printed; None (the reason printed) when DIR cannot be used."""
-  from tinyhet.engine.kv_disk import attach_disk_tier
-  try: tier = attach_disk_tier(decode, cfg.kv_disk, cfg.kv_disk_size)
-  except OSError as e:
-    print(f"tinyhet node: --kv-disk {cfg.kv_disk}: {e.strerror or e}: give a directory this process may write", file=sys.stderr)
-    return None
-  if not quiet: print(f"tinyhet node: {tier.describe()}", file=sys.stderr, flush=True)
-  return tier
 
 def warm_report(quiet: bool):
   """on_warm for a node: one line on stderr once every capture is built (tinyhet.engine.warm_up)."""
