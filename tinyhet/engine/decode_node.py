@@ -94,8 +94,8 @@ class DecodeNode:
             "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
             "rejected_notices": self.rejected_notices, "prefix_cache": bm.prefix_cache, "cached_blocks": bm.num_cached, "submit": self.can_submit,
             "prefix_queried_tokens": bm.queried_tokens, "prefix_hit_tokens": bm.matched_tokens, "preemptions": self.scheduler.num_preemptions,
-            "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens, "peak_used_blocks": peak,
-            "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
+            "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens, **(self.disk.status() if self.disk else {}),
+            "peak_used_blocks": peak, "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
   def _serve_lookup(self, conn, prompt_ids: list[int], cache_salt: str = "") -> dict:
     """How many of these prompt tokens the prefix cache holds now for this salt (a request here would prefill only the rest)."""
