@@ -167,9 +167,20 @@ def main(argv=None) -> int:
   ap.add_argument("--local-only", action="store_true", help="only the single-device engine's rows (no cluster)")
   ap.add_argument("--transport", default=None, choices=["tcp", "shm", "auto"],
                   help="the nodes' KV transport (TINYHET_TRANSPORT; on one host auto picks shm, whose pull is a memcpy when posted)")
+  ap.add_argument("--kv-disk", default=None, metavar="DIR", help="instead: the decode node's disk tier in DIR (emptied first) on "
+                  "--conversations conversations and a small pool, then a SIGKILL and restart (bench/prefix_disk.py)")
+  ap.add_argument("--conversations", type=int, default=16, help="--kv-disk: conversations taking turns")
+  ap.add_argument("--disk-kv-memory", default="48M", help="--kv-disk: the decode node's RAM pool (small: it must evict)")
+  ap.add_argument("--kv-disk-size", default="4G", help="--kv-disk: the tier's bound")
   args = ap.parse_args(argv)
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))    # the nodes and the router it starts share it
   if args.transport: os.environ["TINYHET_TRANSPORT"] = args.transport
+  if args.kv_disk:
+    from tinyhet.bench.prefix_disk import disk_rows, disk_table
+    out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "system_tokens": args.system_tokens, "turns": args.turns,
+           "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens, "kv_memory": args.disk_kv_memory, **disk_rows(args)}
+    print(json.dumps(out) if args.json else disk_table(out))
+    return 0 if out["same_tokens"] else 1
   cluster = not args.local_only
   out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "transport": args.transport or "auto", "system_tokens": args.system_tokens,
          "turns": args.turns, "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens,

@@ -62,14 +62,13 @@ class DecodeNode:
     self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs, capacity=kv_blocks)
     self.pool_regions = [_pool_region(self.cache.pool_buffer(layer)) for layer in range(cfg.n_layers)]   # exposed per reservation
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
-    self.seq_ids = itertools.count(1)
+    self.seq_ids, self.stopped = itertools.count(1), False
     self.live_ids: set[int] = set()         # ids handed out and not yet detached: new_seq_id skips them when the counter wraps
     self.landed: dict[int, Landing] = {}    # seq_id -> the pieces of its layers whose notices arrived
     self.engine = DecodeEngine(model, self.cache)   # the jitted decode step; it holds PAD_SEQ's block
-    self.stopped = False
     self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
     self.limbo: dict[int, Sequence] = {}    # released before all layers landed while its writer may still copy (shm, verbs)
-    self.rejected_notices = 0
+    self.rejected_notices, self.disk = 0, None  # disk: the KV disk tier (tinyhet.kv.disk_tier), or None
     self.prefills = self.prefilled_tokens = 0   # prefills run here and the prompt tokens they computed (a prefix hit's are not)
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
@@ -96,13 +95,14 @@ class DecodeNode:
             "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
             "rejected_notices": self.rejected_notices, "prefix_cache": bm.prefix_cache, "cached_blocks": bm.num_cached, "submit": self.can_submit,
             "prefix_queried_tokens": bm.queried_tokens, "prefix_hit_tokens": bm.matched_tokens, "preemptions": self.scheduler.num_preemptions,
-            "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens, "peak_used_blocks": peak,
-            "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
+            "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens, **(self.disk.status() if self.disk else {}),
+            "peak_used_blocks": peak, "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
   def _serve_lookup(self, conn, prompt_ids: list[int], cache_salt: str = "") -> dict:
     """How many of these prompt tokens the prefix cache holds now for this salt (a request here would prefill only the rest)."""
     check_prompt(self.model.cfg, prompt_ids, 1)
-    with self.cond: return {"cached_tokens": len(self.cache.block_manager.match(prompt_ids, salt=cache_salt)) * self.cache.block_size}
+    with self.cond: n = len(self.cache.block_manager.match(prompt_ids, salt=cache_salt))
+    return {"cached_tokens": (n + (self.disk.chain(prompt_ids, cache_salt, n) if self.disk else 0)) * self.cache.block_size}
 
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, writer: str | None = None,
                      use_cache: bool = False, cache_salt: str = "", n: int = 1) -> dict:
@@ -124,6 +124,7 @@ class DecodeNode:
                           extra={"owner": owner, "writer": owner, "writes_done": True})
                  for _ in range(n - 1)]
     seq.extra["samples"] = list(seq.forks)
+    if use_cache and self.disk is not None: self.disk.stage(seq.token_ids, cache_salt)   # disk reads, outside the lock
     deadline = time.monotonic() + timeout
     with self.cond:
       try:
@@ -371,8 +372,7 @@ class DecodeNode:
     return logits[None]
 
   def close(self):
-    self.stopped = True
-    with self.cond: self.cond.notify_all()
+    with self.cond: self.stopped = self.cond.notify_all() or True
     self.notice_thread.join(timeout=5)
 
 def _pool_region(buf) -> Region:
