@@ -18,6 +18,8 @@ BENCHMARKS = {
   "profile": ("tinyhet.bench.profile", "where a prefill and a decode step spend their time, kernel by kernel (matmuls per shape, attention, rest)"),
   "latency": ("tinyhet.bench.latency", "what a request waits for: first requests after warm-up, a fresh process, decode under prefill load"),
   "logprobs": ("tinyhet.bench.logprobs", "a prompt's own logprobs (echo): its prefill against a plain one; loglikelihood load vs llama-cpp-python"),
+  "bignode": ("tinyhet.bench.bignode", "the CPU node model fitted at 1 thread, checked at 1 and 2, and its 2 x 96-core prediction"),
+  "kvquant": ("tinyhet.bench.kvquant", "the KV dtypes (q8_0, fp8, bfloat16) against float16 KV: greedy tokens, perplexity, capacity, speed"),
   "e2e": ("tinyhet.bench.e2e", "end to end: disaggregated against --no-disagg, decode against the memory-bandwidth bound"),
 }
 

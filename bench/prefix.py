@@ -10,7 +10,8 @@ suffix and sends the suffix's KV: the pulled tokens and bytes, and the pull's sh
 reads were in flight, post to the last layer read, over the turn's TTFT; the reads overlap the suffix's compute, so this
 is what the pull occupies, not only what it adds), come from the router's /metrics around each turn. Recomputed: the
 prompt's tokens a prefill computed (uncached ones, and cached ones the prefill node chose to compute again).
-A warm-up conversation (other tokens, same lengths) runs first in each configuration (tinygrad compiles per shape).
+A warm-up conversation (other tokens, same lengths) runs first in each configuration (tinygrad compiles per shape); the
+`both` node also builds every capture before it takes a request (TINYHET_WARM_UP=before).
 """
 from __future__ import annotations
 import argparse, http.client, json, os, secrets, sys, time
@@ -76,8 +77,9 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
   model_args = ["--model", args.model] if args.model else []
   procs = []
   try:
-    if both:
-      procs.append(Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args))
+    if both:   # every capture built before the node says it is up (its start line's warm_up_status): no request meets its warm-up
+      procs.append(Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args,
+                        env={"TINYHET_WARM_UP": "before"}))
       flags = ["--both", procs[0].info["address"]]
     else:
       # the decode node caches what the prefill node writes only as its trusted writer (tinyhet.config's trusted_writers)
@@ -93,7 +95,8 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
     if both:   # the same long prompt twice (after a warm-up with other tokens): the repeat prefills its last block's tokens only
       one = argparse.Namespace(**{**vars(args), "turns": 1})
       for _ in range(3): conversation(address, model, one, salt=4, vocab=vocab)    # the repeat twice: TinyJit captures on its 2nd call
-      return [conversation(address, model, one, salt=3, vocab=vocab)[0], conversation(address, model, one, salt=3, vocab=vocab)[0]]
+      warm_s = procs[0].info.get("warm_up_status", {}).get("seconds", 0.0)
+      return [{**conversation(address, model, one, salt=3, vocab=vocab)[0], "node_warm_up_s": warm_s} for _ in range(2)]
     conversation(address, model, args, salt=2, vocab=vocab)                 # warm-up: compiles and captures
     rows = conversation(address, model, args, salt=1, vocab=vocab)
     if not args.json: print(f"  cache {'on' if cache else 'off'}: done", file=sys.stderr, flush=True)
@@ -141,7 +144,8 @@ def table(out: dict) -> str:
   if out.get("both"):
     a, b = out["both"]
     same = "yes" if a["tokens"] == b["tokens"] else "NO"
-    lines.append(f"one --role both node, the same {a['prompt_tokens']}-token prompt twice: TTFT {a['ttft_s']:.3f} s, "
+    lines.append(f"one --role both node (after its {a.get('node_warm_up_s', 0):.0f} s warm-up), the same {a['prompt_tokens']}-token prompt twice: "
+                 f"TTFT {a['ttft_s']:.3f} s, "
                  f"then {b['ttft_s']:.3f} s "
                  f"({b['ttft_s'] / a['ttft_s']:.2f}x; {b['cached_tokens']} tokens cached; same tokens: {same})")
   for r in out.get("local") or []:
@@ -163,9 +167,20 @@ def main(argv=None) -> int:
   ap.add_argument("--local-only", action="store_true", help="only the single-device engine's rows (no cluster)")
   ap.add_argument("--transport", default=None, choices=["tcp", "shm", "auto"],
                   help="the nodes' KV transport (TINYHET_TRANSPORT; on one host auto picks shm, whose pull is a memcpy when posted)")
+  ap.add_argument("--kv-disk", default=None, metavar="DIR", help="instead: the decode node's disk tier in DIR (emptied first) on "
+                  "--conversations conversations and a small pool, then a SIGKILL and restart (bench/prefix_disk.py)")
+  ap.add_argument("--conversations", type=int, default=16, help="--kv-disk: conversations taking turns")
+  ap.add_argument("--disk-kv-memory", default="48M", help="--kv-disk: the decode node's RAM pool (small: it must evict)")
+  ap.add_argument("--kv-disk-size", default="4G", help="--kv-disk: the tier's bound")
   args = ap.parse_args(argv)
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))    # the nodes and the router it starts share it
   if args.transport: os.environ["TINYHET_TRANSPORT"] = args.transport
+  if args.kv_disk:
+    from tinyhet.bench.prefix_disk import disk_rows, disk_table
+    out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "system_tokens": args.system_tokens, "turns": args.turns,
+           "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens, "kv_memory": args.disk_kv_memory, **disk_rows(args)}
+    print(json.dumps(out) if args.json else disk_table(out))
+    return 0 if out["same_tokens"] else 1
   cluster = not args.local_only
   out = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "transport": args.transport or "auto", "system_tokens": args.system_tokens,
          "turns": args.turns, "turn_tokens": args.turn_tokens, "max_tokens": args.max_tokens,

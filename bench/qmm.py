@@ -26,15 +26,27 @@ def direct(ggml_type: int, M: int, N: int, K: int, int8: bool, out: np.ndarray, 
   from tinygrad import Device
   from tinyhet.kernels import quant_matmul as qmm
   name, src = qmm.kernel_source(ggml_type, M, N, K, 1, tiled, int8=int8)
-  so = os.path.join(tmp, name + ".so")
   march = list(getattr(Device["MESH"].compiler, "args", None) or ["-march=native"])
-  subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", *march, "-x", "c", "-", "-o", so],
-                 input=src.encode(), check=True)
-  scratch = [np.zeros(n, np.uint8)] if (n := qmm.scratch_bytes(name, ggml_type, M, K)) else []
-  keep = [np.ascontiguousarray(a) for a in (out, w, x, *scratch)]   # the arrays live as long as the call that writes and reads them
-  fn, args = getattr(ctypes.CDLL(so), name), [ctypes.c_void_p(a.ctypes.data) for a in keep]
+
+  def build(name: str, src: str):
+    so = os.path.join(tmp, name + ".so")
+    subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", *march, "-x", "c", "-", "-o", so],
+                   input=src.encode(), check=True)
+    return getattr(ctypes.CDLL(so), name)
+  # the int8 and bf16 tiled kernels: x rounded first by its own kernel (timed with the product), into the buffer it reads
+  rounding = qmm.rounding_kernel(name, ggml_type, M, K, 1)
+  xr = [np.zeros(rounding[2], np.uint8)] if rounding else []
+  ws = w if isinstance(w, list) else [w]   # a list: one matrix after another, each call the next (weights cold, as in a step)
+  keep = [np.ascontiguousarray(a) for a in (out, *ws, x, *xr)]   # the arrays live as long as the call that writes and reads them
+  fn, ptr = build(name, src), [ctypes.c_void_p(a.ctypes.data) for a in keep]
   assert keep[0] is out, "out must be a contiguous array"
-  return lambda: fn(*args, 0) if keep else None
+  xin = ptr[-1] if rounding else ptr[1 + len(ws)]
+  calls = [[ptr[0], ptr[1 + i], xin] for i in range(len(ws))]
+  turn = iter(range(1 << 62))
+  if rounding:
+    rfn, rargs = build(*rounding[:2]), (ptr[-1], ptr[1 + len(ws)], 0)
+    return lambda: (rfn(*rargs), fn(*calls[next(turn) % len(calls)], 0)) if keep else None
+  return lambda: fn(*calls[next(turn) % len(calls)], 0) if keep else None
 
 def cpu_time(fn, n: int) -> float:
   for _ in range(2): fn()
@@ -51,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                   "quant_matmul.INT8_TILED_MIN_M rows, beside the int8 decode kernel where one runs at that count)")
   ap.add_argument("--rounds", type=int, default=5, help="rounds in which the kernels and llama.cpp take turns; the least time of each")
   ap.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's ggml_mul_mat (llama-cpp-python not installed)")
+  ap.add_argument("--cold", type=float, default=0, help="MB: also the int8 kernel over a rotating set of copies of the matrix this "
+                  "large (a model's weights: each read once a step, from memory), beside the same kernel on one matrix (int8_cold_ms)")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   import tempfile
@@ -91,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
       int8_name = qmm.kernel_source(t, M, N, K, 1, int8=True)[0]
       if args.int8 and ("_int8" in int8_name or int8_name.endswith("_bf16t")):   # BF16: the mode's kernel rounds x to bfloat16
         fns["int8"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), raw, x, tmp)
+        if args.cold:
+          copies = [raw.copy() for _ in range(max(1, int(args.cold * 1e6 / raw.nbytes)))]
+          fns["int8_cold"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), copies, x, tmp)
       tiled8 = int8_name.endswith("_int8t")
       if args.int8 and tiled8 and "_int8" in qmm.kernel_source(t, M, N, K, 1, False, True)[0]:
         # the int8 decode kernel the tiled one replaced past INT8_TILED_MIN_M rows
@@ -110,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
       if "int8_ms" in r:
         vs = f", {r['ggml_ms'] / r['int8_ms']:.2f}x llama.cpp" if "ggml_ms" in r else ""
         r["int8_kernel"] = "tiled" if int8_name.endswith("_int8t") else "bf16 tiled" if int8_name.endswith("_bf16t") else "decode"
+        if "int8_cold_ms" in r: vs += f"; cold weights {r['int8_cold_ms']:.3f} ms, {r['int8_cold_ms'] / r['int8_ms']:.2f}x"
         if "int8_decode_ms" in r: vs += f", {r['int8_decode_ms'] / r['int8_ms']:.2f}x the int8 decode kernel ({r['int8_decode_ms']:.3f} ms)"
         if not args.json: print(f"{name:5} {M:4} rows: int8 {r['int8_kernel']} kernel {r['int8_ms']:8.3f} ms, {r['new_ms'] / r['int8_ms']:.2f}x "
                                 f"the float kernel{vs}")

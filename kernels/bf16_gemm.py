@@ -1,5 +1,6 @@
 """The reduced-precision mode's tiled kernel for BF16 weights (the int8 mode, TINYHET_INT8_ACTIVATIONS=1, from BF16_TILED_MIN_M
-rows of x): x ROUNDED TO BFLOAT16 (nearest even, once, into a scratch buffer as kernels/int8_gemm.py rounds x to int8), then
+rows of x): x ROUNDED TO BFLOAT16 (nearest even, once, by a kernel of its own before the product, as kernels/int8_gemm.py
+rounds x to int8: round_source), then
 `vdpbf16ps` (AVX512-BF16: 16 lanes, each the sum of two bf16 products added into float32) against a panel of 16 weight rows
 by KC columns copied once into the order it reads, [k/2][row][2], and reused for every row of x. The float path (the
 default) keeps x float32; this mode's result is the product with the rounded x (tests). Without AVX512-BF16 the same sums
@@ -8,13 +9,13 @@ by widening both halves of each pair to float32. C, included by kernels/quant_ma
 from __future__ import annotations
 from tinyhet.kernels import int8_gemm
 
-def scratch_bytes(M: int, K: int) -> int:
-  """Bytes of scratch one part uses: x as bfloat16, each row padded by 32 values."""
+def rounded_bytes(M: int, K: int) -> int:
+  """Bytes of x rounded (the rounding kernel's output, the product's third argument): x as bfloat16, each row padded by 32
+  values."""
   return M * (K + 32) * 2
 
 SOURCE = r"""
 #define XKB (K + 32)   /* bf16 values a row of x apart: not a multiple of 4 KiB */
-#define SCRB ((size_t)M * XKB * 2)
 #if defined(__AVX512F__)
 #define MRB 8
 #else
@@ -29,16 +30,6 @@ INLINE f32x16 dpbf16(f32x16 acc, u32x16 w, u32 xb) {
   __builtin_memcpy(&x0, &lo, 4); __builtin_memcpy(&x1, &hi, 4);
   return acc + (f32x16)(w << 16) * x0 + (f32x16)(w & 0xffff0000u) * x1;
 #endif
-}
-
-/* every row of x as bfloat16, rounded to nearest even */
-INLINE void round_xb(const float *restrict x, u16 *restrict xq) {
-  for (int i = 0; i < M; i++) for (int k = 0; k < K; k += 16) {
-    u32x16 b; __builtin_memcpy(&b, x + (size_t)i * K + k, 64);
-    b += 0x7fffu + ((b >> 16) & 1u);
-    const u16x16 h = __builtin_convertvector(b >> 16, u16x16);
-    __builtin_memcpy(xq + (size_t)i * XKB + k, &h, 32);
-  }
 }
 
 /* rows n0..n0+nr of W, columns k0..k0+kc, into wq[k/2][16][2]: per 32 columns two 16-row transposes of 8 dwords */
@@ -77,9 +68,9 @@ INLINE void microb(float *restrict out, const u8 *restrict wq, const u16 *restri
   }
 }
 
-INLINE void tiledb(float *restrict out, const u8 *restrict w, const float *restrict x, u8 *restrict scratch, int core_id, int r0, int r1) {
-  u16 *xq = (u16 *)(scratch + (size_t)core_id * SCRB);
-  round_xb(x, xq);
+/* xr: x rounded by the rounding kernel (round_source) */
+INLINE void tiledb(float *restrict out, const u8 *restrict w, const u8 *restrict xr, int r0, int r1) {
+  const u16 *xq = (const u16 *)xr;
   u8 wq[KC * 32] __attribute__((aligned(64)));
   for (int n0 = r0; n0 < r1; n0 += 16) {
     const int nr = r1 - n0 < 16 ? r1 - n0 : 16;
@@ -95,6 +86,37 @@ INLINE void tiledb(float *restrict out, const u8 *restrict w, const float *restr
   }
 }
 """
+
+# the rounding kernel: x (M, K) float32 -> x as bfloat16, a row XKB values apart; rows split in PARTS parts
+ROUND_SOURCE = r"""
+typedef unsigned short u16; typedef unsigned int u32; typedef unsigned long size_t;
+typedef u32 u32x16 __attribute__((vector_size(64))); typedef u16 u16x16 __attribute__((vector_size(32)));
+#define KERNEL __attribute__((no_builtin("memset"), no_builtin("memcpy")))
+#define INLINE static inline __attribute__((always_inline)) KERNEL
+#define M %(M)d
+#define K %(K)d
+#define XKB (K + 32)
+#define PARTS %(parts)d
+/* rows i0..i1 of x as bfloat16, rounded to nearest even */
+INLINE void round_xb(const float *restrict x, u16 *restrict xq, int i0, int i1) {
+  for (int i = i0; i < i1; i++) for (int k = 0; k < K; k += 16) {
+    u32x16 b; __builtin_memcpy(&b, x + (size_t)i * K + k, 64);
+    b += 0x7fffu + ((b >> 16) & 1u);
+    const u16x16 h = __builtin_convertvector(b >> 16, u16x16);
+    __builtin_memcpy(xq + (size_t)i * XKB + k, &h, 32);
+  }
+}
+
+KERNEL void %(name)s(u16 *restrict xr, const float *restrict x, int core_id) {
+  if (PARTS == 1) core_id = 0;   /* a one-part kernel is called without a core_id */
+  round_xb(x, xr, (int)((long)core_id * M / PARTS), (int)((long)(core_id + 1) * M / PARTS));
+}
+"""
+
+def round_source(M: int, K: int, parts: int) -> tuple[str, str]:
+  """(function name, C source) of the kernel that rounds x (M, K) to bfloat16 for the bf16 tiled kernel, in `parts` parts."""
+  name = f"round_x_bf16_{M}_{K}_p{parts}"
+  return name, ROUND_SOURCE % {"name": name, "M": M, "K": K, "parts": parts}
 
 def source() -> str:
   """The C of the bf16 tiled kernel (tiledb)."""

@@ -26,8 +26,9 @@ from tinygrad import Device, Tensor, dtypes
 from tinygrad.dtype import DType
 from tinygrad.runtime.ops_cpu import CPUProgram
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+from tinyhet.kernels.kv_quant import C_LOADS, SCATTER, block_size_of
 
-KV_CODES = {dtypes.float32: 0, dtypes.float16: 1, dtypes.bfloat16: 2}
+KV_CODES = {dtypes.float32: 0, dtypes.float16: 1, dtypes.bfloat16: 2, dtypes.int8: 3, dtypes.fp8e4m3: 4, dtypes.fp8e5m2: 5}   # int8: q8_0
 QR = 8      # prefill query rows per tile (x G heads = the vectors that share one K, V read)
 
 _SOURCE = r"""
@@ -60,15 +61,26 @@ typedef unsigned long size_t;
 #define SLACK 8.0f   /* how far (base 2) a score may pass the reference max before the max moves */
 #define AHEAD 4   /* blocks of prefetch distance (1, 2, 4 measured: 4 a few percent ahead, within the noise) */
 #define SCALE %(SCALE).9ef
+#define TX %(TX)d   /* a tile's length in pool elements (kernels/kv_quant.py: tile_len) */
 #if KVB == 0
 typedef float KVT;
-#else
+#elif KVB <= 2
 typedef unsigned short KVT;
+#else
+typedef unsigned char KVT;   /* 8-bit tiles, as bytes (q8_0: the int8 values, then the float16 scales) */
 #endif
+#if KVB >= 3
+typedef float CT;            /* 8-bit: each 16-token slice is dequantized into L1 buffers, K (D, 16) and V (16, D) float32 */
+#define KS 16
+#else
+typedef KVT CT;              /* the tiles are read in place, converted in the loops */
+#define KS BS
+#endif
+%(LOADS)s
 
 /* 16 KV elements -> 16 float32 */
-INLINE f32x16 ld(const KVT *p) {
-#if KVB == 0
+INLINE f32x16 ld(const CT *p) {
+#if KVB == 0 || KVB >= 3
   f32x16 v; __builtin_memcpy(&v, p, 64); return v;
 #elif KVB == 2
   u16x16 h; __builtin_memcpy(&h, p, 32);
@@ -108,13 +120,13 @@ INLINE float exp2s(float x) { return exp2v(splat(x))[0]; }
 
 /* s[u] = q[u] . K[:, t0:t0+16] for n query vectors (n a constant after inlining), K read and converted in the loop (kp: the
    tile's column t0); up to 4 vectors, two accumulators each (even and odd d), so at least 4 independent FMA chains */
-INLINE void scores(const int n, const KVT *restrict kp, const float *restrict q, f32x16 *restrict s) {
+INLINE void scores(const int n, const CT *restrict kp, const float *restrict q, f32x16 *restrict s) {
   const int two = n <= 4;
   f32x16 a[8], b[4];
   for (int u = 0; u < n; u++) a[u] = (f32x16){0};
   for (int u = 0; u < 4; u++) b[u] = (f32x16){0};
   for (int d = 0; d < D; d += 2) {
-    f32x16 k0 = ld(kp + d * BS), k1 = ld(kp + (d + 1) * BS);
+    f32x16 k0 = ld(kp + d * KS), k1 = ld(kp + (d + 1) * KS);
     for (int u = 0; u < n; u++) {
       a[u] += q[u * D + d] * k0;
       if (two) b[u & 3] += q[u * D + d + 1] * k1; else a[u] += q[u * D + d + 1] * k1;
@@ -124,7 +136,7 @@ INLINE void scores(const int n, const KVT *restrict kp, const float *restrict q,
 }
 /* o[u] += sum_t w[u][t] V[t] for n query vectors (vp: V row t0, rows D apart): all of o's vectors in registers where they
    fit (n * DV <= 16), else one column of DV at a time */
-INLINE void pv(const int n, const KVT *restrict vp, const float (*restrict w)[16], float *restrict o) {
+INLINE void pv(const int n, const CT *restrict vp, const float (*restrict w)[16], float *restrict o) {
   if (n * DV <= 16) {
     f32x16 a[16];
     for (int u = 0; u < n; u++) for (int dv = 0; dv < DV; dv++) __builtin_memcpy(&a[u * DV + dv], o + u * D + dv * 16, 64);
@@ -147,29 +159,77 @@ INLINE void pv(const int n, const KVT *restrict vp, const float (*restrict w)[16
   }
 }
 
+#if KVB >= 3
+/* one 16-token slice t0 of an 8-bit K tile -> kb (D, 16) float32; of a V tile -> vb (16, D), rows nv.. zero */
+INLINE void deq_k(const KVT *restrict kp, int t0, float *restrict kb) {
+#if KVB == 3
+  const unsigned short *sc = (const unsigned short *)(kp + BS * D);
+  for (int g = 0; g < D / 32; g++) {
+    f32x16 s = ld_h(sc + g * BS + t0);
+    for (int d = g * 32; d < g * 32 + 32; d++) {
+      f32x16 x = ld_i8((const signed char *)kp + d * BS + t0) * s;
+      __builtin_memcpy(kb + d * 16, &x, 64);
+    }
+  }
+#else
+  for (int d = 0; d < D; d++) {
+    f32x16 x = ld_fp8(kp + d * BS + t0, KVB == 4 ? 3 : 2, KVB == 4 ? 0x1p120f : 0x1p112f);
+    __builtin_memcpy(kb + d * 16, &x, 64);
+  }
+#endif
+}
+INLINE void deq_v(const KVT *restrict vp, int t0, int nv, float *restrict vb) {
+#if KVB == 3
+  const unsigned short *sc = (const unsigned short *)(vp + BS * D);
+  f32x16 s[D / 32];
+  for (int g = 0; g < D / 32; g++) s[g] = ld_h(sc + g * BS + t0);
+#endif
+  for (int t = 0; t < 16; t++)
+    for (int dv = 0; dv < DV; dv++) {
+      f32x16 x = (f32x16){0};
+#if KVB == 3
+      if (t < nv) x = ld_i8((const signed char *)vp + (t0 + t) * D + dv * 16) * s[dv / 2][t];
+#else
+      if (t < nv) x = ld_fp8(vp + (t0 + t) * D + dv * 16, KVB == 4 ? 3 : 2, KVB == 4 ? 7 : 15);
+#endif
+      __builtin_memcpy(vb + t * D + dv * 16, &x, 64);
+    }
+}
+#endif
+
 /* one block jb (kp, vp: its K and V tiles of one kv head) for the tile's nq vectors qs (scaled by SCALE); vector i sees
    tokens 0..len[i]-1; maxlen: the largest len. m, l, o: reference max (base 2), weight sums (16 lanes), weighted V sum per vector */
 INLINE void block(const KVT *restrict kp, const KVT *restrict vp, int jb, int nq, const float *restrict qs, const int *restrict len,
                   int maxlen, float *restrict m, f32x16 *restrict l, float *restrict o) {
   f32x16 s[NQ];
   float w[NQ][16];
+#if KVB >= 3
+  float kb[D * 16], vb[16 * D];
+#else
   KVT vtail[16 * D];
+#endif
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int t0 = 0; t0 < BS; t0 += 16) {
     int tok0 = jb * BS + t0;
     if (tok0 >= maxlen) break;
     int nv = maxlen - tok0 < 16 ? maxlen - tok0 : 16;
-    const KVT *vrows = vp + t0 * D;
+#if KVB >= 3
+    deq_k(kp, t0, kb);
+    deq_v(vp, t0, nv, vb);   /* V rows past the tile's longest length: zeros */
+    const CT *ks = kb, *vrows = vb;
+#else
+    const CT *ks = kp + t0, *vrows = vp + t0 * D;
     if (nv < 16) {   /* the last slice: V rows past the tile's longest length may hold stale bytes (NaN): zeros instead */
       for (int i = 0; i < 16 * D; i++) vtail[i] = i < nv * D ? vrows[i] : 0;
       vrows = vtail;
     }
+#endif
     for (int i = 0; i < nq; i += 8) {
       switch (nq - i < 8 ? nq - i : 8) {
-        case 8: scores(8, kp + t0, qs + i * D, s + i); break;   case 7: scores(7, kp + t0, qs + i * D, s + i); break;
-        case 6: scores(6, kp + t0, qs + i * D, s + i); break;   case 5: scores(5, kp + t0, qs + i * D, s + i); break;
-        case 4: scores(4, kp + t0, qs + i * D, s + i); break;   case 3: scores(3, kp + t0, qs + i * D, s + i); break;
-        case 2: scores(2, kp + t0, qs + i * D, s + i); break;   default: scores(1, kp + t0, qs + i * D, s + i); break;
+        case 8: scores(8, ks, qs + i * D, s + i); break;   case 7: scores(7, ks, qs + i * D, s + i); break;
+        case 6: scores(6, ks, qs + i * D, s + i); break;   case 5: scores(5, ks, qs + i * D, s + i); break;
+        case 4: scores(4, ks, qs + i * D, s + i); break;   case 3: scores(3, ks, qs + i * D, s + i); break;
+        case 2: scores(2, ks, qs + i * D, s + i); break;   default: scores(1, ks, qs + i * D, s + i); break;
       }
     }
     for (int i = 0; i < nq; i++) {
@@ -200,7 +260,7 @@ INLINE void block(const KVT *restrict kp, const KVT *restrict vp, int jb, int nq
   }
 }
 
-INLINE const KVT *tile(const KVT *pool, int blk, int kv, int kvh) { return pool + (((size_t)blk * 2 + kv) * KVH + kvh) * X; }
+INLINE const KVT *tile(const KVT *pool, int blk, int kv, int kvh) { return pool + (((size_t)blk * 2 + kv) * KVH + kvh) * TX; }
 INLINE int block_id(const int *bt, int jb) {
   int blk = bt[jb];
   return (unsigned)blk < (unsigned)NBLK ? blk : 0;    /* a bad id reads block 0, never outside the pool */
@@ -213,7 +273,7 @@ INLINE void attend(const KVT *restrict pool, const int *restrict bt, int kvh0, i
     int blk = block_id(bt, jb), nxt = jb + AHEAD < b1 ? block_id(bt, jb + AHEAD) : blk;
     for (int k = 0; k < nkv; k++) {
       const KVT *nk = tile(pool, nxt, 0, kvh0 + k), *nv = tile(pool, nxt, 1, kvh0 + k);
-      for (int c = 0; c < X * (int)sizeof(KVT); c += 64) { __builtin_prefetch((const char *)nk + c); __builtin_prefetch((const char *)nv + c); }
+      for (int c = 0; c < TX * (int)sizeof(KVT); c += 64) { __builtin_prefetch((const char *)nk + c); __builtin_prefetch((const char *)nv + c); }
       int i = k * nqh;
       block(tile(pool, blk, 0, kvh0 + k), tile(pool, blk, 1, kvh0 + k), jb, nqh, qs + i * D, len + i, maxlen, m + i, l + i, o + i * D);
     }
@@ -331,13 +391,16 @@ def cpu_compiled(device: str) -> bool:
   return isinstance(rt, type) and issubclass(rt, CPUProgram)
 
 def supported(device: str, kv_dtype: DType, head_dim: int, block_size: int) -> bool:
-  """Whether the C kernels take this case: a CPU device, a float32/float16/bfloat16 pool, head_dim and block_size multiples of 16."""
-  return kv_dtype in KV_CODES and head_dim % 16 == 0 and block_size % 16 == 0 and isinstance(device, str) and cpu_compiled(device)
+  """Whether the C kernels take this case: a CPU device, a pool of a KV format (kernels/kv_quant.py), head_dim and
+  block_size multiples of 16 (q8_0: head_dim of 32)."""
+  if kv_dtype not in KV_CODES or head_dim % (32 if kv_dtype == dtypes.int8 else 16) or block_size % 16: return False
+  return isinstance(device, str) and cpu_compiled(device)
 
 @functools.cache
 def _source(kind: str, **kw) -> tuple[str, str]:
   name = f"cpu_attention_{kind}_" + "_".join(f"{k}{v}" for k, v in sorted(kw.items()) if k != "SCALE").lower()
-  return name, (_MERGE if kind == "merge" else _SOURCE) % {**kw, "name": name}
+  template = {"merge": _MERGE, "scatter": SCATTER}.get(kind, _SOURCE)
+  return name, template % {**kw, "name": name, "LOADS": C_LOADS}
 
 def _program(name: str, src: str, parts: int, n_bufs: int):
   def program(*params: UOp) -> UOp:
@@ -358,11 +421,11 @@ def cpu_paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_l
   longest length are stored, as a chunked prefill's are)."""
   R, H, D = q.shape
   NB, _, KV, X = pool.shape
-  BS, cap, G = X // D, block_tables.shape[1], H // KV
+  BS, cap, G = block_size_of(pool.dtype, X, D), block_tables.shape[1], H // KV
   parts = max(1, threads)
   if prefill and not shared_table: raise ValueError("cpu_paged_attention: prefill tiles need rows sharing one block table")
   kw = dict(D=D, BS=BS, KVH=KV, G=G, R=R, CAP=cap, NBLK=NB, P=1 if prefill else splits, QR=QR if prefill else 0,
-            NQ=QR * G if prefill else H, PARTS=parts, SHARED=int(shared_table), KVB=KV_CODES[pool.dtype],
+            NQ=QR * G if prefill else H, PARTS=parts, SHARED=int(shared_table), KVB=KV_CODES[pool.dtype], TX=X,
             SCALE=math.log2(math.e) / math.sqrt(D))
   name, src = _source("prefill" if prefill else "decode", **kw)
   ins = [q.float().contiguous(), pool, block_tables.cast(dtypes.int32).contiguous(), context_lens.cast(dtypes.int32).contiguous()]
@@ -372,3 +435,14 @@ def cpu_paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_l
   if P == 1: return out
   mname, msrc = _source("merge", D=D, P=P, RH=R * H, PARTS=parts)
   return Tensor.empty(R, H, D, dtype=dtypes.float32, device=q.device).custom_kernel(out, fxn=_program(mname, msrc, parts, 2))[0]
+
+def cpu_scatter_8bit(pool: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
+  """kernels/paged_attention.py's kv_scatter into an 8-bit pool (kernels/kv_quant.py's tiles): each new token's K, V row
+  quantized in C (q8_0 per 32 values, as llama.cpp's quantize_row_q8_0_ref; fp8 value by value). One part (a decode
+  step's few rows). CPU devices only."""
+  R, KV, D = k.shape
+  NB, _, _, X = pool.shape
+  if not cpu_compiled(pool.device): raise ValueError(f"an 8-bit kv_dtype: the KV scatter is C for CPU devices, not {pool.device}")
+  name, src = _source("scatter", KVB=KV_CODES[pool.dtype], R=R, KVH=KV, D=D, BS=block_size_of(pool.dtype, X, D), CAP=block_tables.shape[1], NBLK=NB)
+  ins = [k.float().contiguous(), v.float().contiguous(), block_tables.cast(dtypes.int32).contiguous(), positions.cast(dtypes.int32).contiguous()]
+  return pool.custom_kernel(*ins, fxn=_program(name, src, 1, 5))[0]

@@ -13,9 +13,11 @@ The weights are the unsigned operand (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, Q5_0 0
 into m, which meets the sums of the rounded x, so it cancels exactly (as in quant_matmul's tile8); for the symmetric types
 (OFFSET) that correction is an integer instead, -OFF times the group's sum of x's quants, which starts the int32 sums.
 
-x's rounding needs every row of x before the first panel, more than a stack holds for a long prefill, so the kernel takes a
-scratch buffer (its fourth argument): each part rounds all of x into its own region (parts run side by side with no barrier
-between them; the rounding is ~1/20 of a part's work at 2 parts of a 576-row matrix, less for larger ones).
+x's rounding needs every row of x before the first panel, more than a stack holds for a long prefill, so it is a kernel of
+its own (round_source), launched before the product and split over the rows of x: it writes x's quants, scales and sums once
+into one buffer, which every part of the product reads as its third argument (before, each part rounded all of x into its own
+scratch: at 192 parts the rounding was done 192 times). The pool runs a step's kernels in order, each part of one finished
+before the next kernel starts, so no barrier is needed inside either kernel.
 """
 from __future__ import annotations
 from tinyhet.kernels.quant_blocks import Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0
@@ -63,8 +65,9 @@ def group(ggml_type: int) -> int:
   """Weights per scale group: Q6_K's scales cover 16, every other type's 32 (a half of a 32-weight sub-block shares its scale)."""
   return 16 if ggml_type == Q6_K else 32
 
-def scratch_bytes(ggml_type: int, M: int, K: int) -> int:
-  """Bytes of scratch one part uses: x's int8 quants, and per block of 32 its scale, per group its sum."""
+def rounded_bytes(ggml_type: int, M: int, K: int) -> int:
+  """Bytes of x rounded (the rounding kernel's output, the product's third argument): its int8 quants, and per block of 32
+  its scale, per group its sum."""
   return M * (K + 64) + 4 * M * (K // 32) + 4 * M * (K // group(ggml_type))
 
 TRANSPOSE = r"""
@@ -92,44 +95,12 @@ SOURCE = r"""
 #define MR8 4
 #endif
 #define XK (K + 64)   /* x's quants a row apart: not a multiple of 4 KiB, so the tile's rows of x do not share an L1 set */
-#define SCR ((size_t)M * XK + 4 * (size_t)M * (K / 32) + 4 * (size_t)M * NG)
 INLINE i32x16 dpbusd(i32x16 acc, u8x64 a, i8x64 b) {
 #if defined(__AVX512VNNI__)
   return __builtin_ia32_vpdpbusd512(acc, (i32x16)a, (i32x16)b);
 #else
   return acc + dot4(a, b);
 #endif
-}
-
-/* every row of x: xq its int8 quants (x's order), xd per block of 32 the scale max|x|/127, xs per group the sum of the rounded x
-   (with OFF: in its place, as an int, -OFF times the sum of the quants) */
-INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd, float *restrict xs) {
-  /* x inv rounded to float32 before its rounding to an integer (a fused multiply-add would round the exact product, and the
-     two differ where x inv lies within half a float32 step of a half-integer) */
-#pragma clang fp contract(off)
-  for (int i = 0; i < M; i++) for (int b = 0; b < K / 32; b++) {
-    const float *xb = x + (size_t)i * K + b * 32;
-    f32x16 lo = load16(xb), hi = load16(xb + 16);
-    float amax = 0.0f;
-    for (int l = 0; l < 16; l++) {
-      float a = lo[l] < 0 ? -lo[l] : lo[l], c = hi[l] < 0 ? -hi[l] : hi[l];
-      amax = a > amax ? a : amax; amax = c > amax ? c : amax;
-    }
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
-    /* round to nearest even: adding 1.5 * 2^23 puts the integer in the low mantissa bits */
-    i32x16 ql = (i32x16)(lo * inv + 12582912.0f) - 0x4B400000, qh = (i32x16)(hi * inv + 12582912.0f) - 0x4B400000;
-    i8x16 l8 = __builtin_convertvector(ql, i8x16), h8 = __builtin_convertvector(qh, i8x16);
-    __builtin_memcpy(xq + (size_t)i * XK + b * 32, &l8, 16); __builtin_memcpy(xq + (size_t)i * XK + b * 32 + 16, &h8, 16);
-    xd[(size_t)i * (K / 32) + b] = d;
-    float sl = hsum(__builtin_convertvector(ql, f32x16)), sh = hsum(__builtin_convertvector(qh, f32x16));
-    if (OFF) {
-      int *xo = (int *)xs + (size_t)i * NG;
-      if (G == 32) xo[b] = -OFF * (int)(sl + sh);
-      else { xo[2 * b] = -OFF * (int)sl; xo[2 * b + 1] = -OFF * (int)sh; }
-    }
-    else if (G == 32) xs[(size_t)i * NG + b] = (sl + sh) * d;
-    else { xs[(size_t)i * NG + 2 * b] = sl * d; xs[(size_t)i * NG + 2 * b + 1] = sh * d; }
-  }
 }
 
 %(krow)s
@@ -201,16 +172,27 @@ INLINE void micro8(float *restrict out, const u8 *restrict wq, const float *rest
   }
 }
 
-INLINE void tiled8(float *restrict out, const u8 *restrict w, const float *restrict x, u8 *restrict scratch, int core_id, int r0, int r1) {
-  i8 *xq = (i8 *)(scratch + (size_t)core_id * SCR);
-  float *xd = (float *)(xq + (size_t)M * XK), *xs = xd + (size_t)M * (K / 32);
-  round_x(x, xq, xd, xs);
+/* rows n0..n0+nr of W, columns k0..k0+kc, asked of memory into L2 (the next panel's, while this one is multiplied). A step
+   reads each matrix once, from memory, and a panel's 16 short row segments, fetched only when unpacked, stall it: measured
+   with a rotating set of matrices as large as a model (bench qmm --cold), this kernel took far longer than on one matrix read
+   again and again without this, much of the gap closed with it (one panel ahead, not two; into L2, not L1; the bf16 kernel's panels,
+   whole lines of 16 long row segments, and the float tiled kernel, bound by its arithmetic, gained nothing from it) */
+INLINE void prefetch_rows(const u8 *restrict w, int n0, int nr, int k0, int kc) {
+  const size_t b0 = (size_t)(k0 / QB) * SBB, b1 = (size_t)((k0 + kc) / QB) * SBB;
+  for (int n = 0; n < nr; n++) for (size_t b = b0; b < b1; b += 64) __builtin_prefetch(w + (size_t)(n0 + n) * ROWB + b, 0, 2);
+}
+
+/* xr: x rounded by the rounding kernel (round_source) */
+INLINE void tiled8(float *restrict out, const u8 *restrict w, const u8 *restrict xr, int r0, int r1) {
+  const i8 *xq = (const i8 *)xr;
+  const float *xd = (const float *)(xq + (size_t)M * XK), *xs = xd + (size_t)M * (K / 32);
   u8 wq[KC * NR8] __attribute__((aligned(64))); float ws[KC / G * NR8] __attribute__((aligned(64))), wm[KC / G * NR8] __attribute__((aligned(64)));
   for (int n0 = r0; n0 < r1; n0 += NR8) {
     const int nr = r1 - n0 < NR8 ? r1 - n0 : NR8;
     for (int k0 = 0; k0 < K; k0 += KC) {
       const int kc = K - k0 < KC ? K - k0 : KC;
       panel8(wq, ws, wm, w, n0, nr, k0, kc);
+      if (n0 + NR8 < r1) prefetch_rows(w, n0 + NR8, r1 - n0 - NR8 < NR8 ? r1 - n0 - NR8 : NR8, k0, kc);
       int m0 = 0;
       for (; m0 + MR8 <= M; m0 += MR8) micro8(out, wq, ws, wm, xq, xd, xs, m0, MR8, n0, nr, k0, kc);
       switch (M - m0) {
@@ -220,6 +202,72 @@ INLINE void tiled8(float *restrict out, const u8 *restrict w, const float *restr
   }
 }
 """
+
+# the rounding kernel: x (M, K) float32 -> one buffer of its int8 quants (a row XK apart), then per block of 32 the scale, then
+# per group the sum; rows split in PARTS parts (any count: a row is rounded the same way in any part)
+ROUND_SOURCE = r"""
+typedef unsigned char u8; typedef signed char i8; typedef unsigned long size_t;
+typedef float f32x16 __attribute__((vector_size(64))); typedef int i32x16 __attribute__((vector_size(64)));
+typedef signed char i8x16 __attribute__((vector_size(16)));
+#define KERNEL __attribute__((no_builtin("memset"), no_builtin("memcpy")))
+#define INLINE static inline __attribute__((always_inline)) KERNEL
+#define M %(M)d
+#define K %(K)d
+#define G %(G)d
+#define OFF %(OFF)d
+#define NG (K / G)
+#define XK (K + 64)
+#define PARTS %(parts)d
+INLINE float hsum(f32x16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; i++) s += v[i];
+  return s;
+}
+INLINE f32x16 load16(const float *p) { f32x16 v; __builtin_memcpy(&v, p, 64); return v; }
+/* rows i0..i1 of x: xq its int8 quants (x's order), xd per block of 32 the scale max|x|/127, xs per group the sum of the rounded x
+   (with OFF: in its place, as an int, -OFF times the sum of the quants) */
+INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd, float *restrict xs, int i0, int i1) {
+  /* x inv rounded to float32 before its rounding to an integer (a fused multiply-add would round the exact product, and the
+     two differ where x inv lies within half a float32 step of a half-integer) */
+#pragma clang fp contract(off)
+  for (int i = i0; i < i1; i++) for (int b = 0; b < K / 32; b++) {
+    const float *xb = x + (size_t)i * K + b * 32;
+    f32x16 lo = load16(xb), hi = load16(xb + 16);
+    float amax = 0.0f;
+    for (int l = 0; l < 16; l++) {
+      float a = lo[l] < 0 ? -lo[l] : lo[l], c = hi[l] < 0 ? -hi[l] : hi[l];
+      amax = a > amax ? a : amax; amax = c > amax ? c : amax;
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+    /* round to nearest even: adding 1.5 * 2^23 puts the integer in the low mantissa bits */
+    i32x16 ql = (i32x16)(lo * inv + 12582912.0f) - 0x4B400000, qh = (i32x16)(hi * inv + 12582912.0f) - 0x4B400000;
+    i8x16 l8 = __builtin_convertvector(ql, i8x16), h8 = __builtin_convertvector(qh, i8x16);
+    __builtin_memcpy(xq + (size_t)i * XK + b * 32, &l8, 16); __builtin_memcpy(xq + (size_t)i * XK + b * 32 + 16, &h8, 16);
+    xd[(size_t)i * (K / 32) + b] = d;
+    float sl = hsum(__builtin_convertvector(ql, f32x16)), sh = hsum(__builtin_convertvector(qh, f32x16));
+    if (OFF) {
+      int *xo = (int *)xs + (size_t)i * NG;
+      if (G == 32) xo[b] = -OFF * (int)(sl + sh);
+      else { xo[2 * b] = -OFF * (int)sl; xo[2 * b + 1] = -OFF * (int)sh; }
+    }
+    else if (G == 32) xs[(size_t)i * NG + b] = (sl + sh) * d;
+    else { xs[(size_t)i * NG + 2 * b] = sl * d; xs[(size_t)i * NG + 2 * b + 1] = sh * d; }
+  }
+}
+
+KERNEL void %(name)s(u8 *restrict xr, const float *restrict x, int core_id) {
+  if (PARTS == 1) core_id = 0;   /* a one-part kernel is called without a core_id */
+  i8 *xq = (i8 *)xr;
+  float *xd = (float *)(xq + (size_t)M * XK), *xs = xd + (size_t)M * (K / 32);
+  round_x(x, xq, xd, xs, (int)((long)core_id * M / PARTS), (int)((long)(core_id + 1) * M / PARTS));
+}
+"""
+
+def round_source(ggml_type: int, M: int, K: int, parts: int) -> tuple[str, str]:
+  """(function name, C source) of the kernel that rounds x (M, K) for the int8 tiled kernel of `ggml_type`, in `parts` parts."""
+  G, OFF = group(ggml_type), OFFSET.get(ggml_type, 0)
+  name = f"round_x_int8_g{G}_o{OFF}_{M}_{K}_p{parts}"
+  return name, ROUND_SOURCE % {"name": name, "M": M, "K": K, "G": G, "OFF": OFF, "parts": parts}
 
 def source(ggml_type: int) -> str:
   """The C of the int8 tiled kernel (tiled8) for `ggml_type`."""

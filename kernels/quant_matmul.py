@@ -18,10 +18,10 @@ with the rows r of W split into `parts` contiguous ranges, one per core_id:
 They reach tinygrad as custom kernels (Tensor.custom_kernel with a compiled PROGRAM), so they are scheduled, captured by
 TinyJit and run by the worker pool (runtime/cpu_pool.py) like any other kernel.
 The int8-activation mode (off by default): from INT8_TILED_MIN_M rows of x on, for any count, the int8 tiled kernel
-(kernels/int8_gemm.py: x rounded per 32, a u8 panel reused for every row of x); below it the K-quants swap the decode kernel's
-tile for kernels/kquant_int8.py's tile8k (x per super-block of 256), the 32-weight types keep the float decode kernel (their
-int8 decode tile, tile8, x per 32, runs only when asked for by tiled=False). BF16 weights in that mode: from BF16_TILED_MIN_M
-rows, kernels/bf16_gemm.py (x rounded to bfloat16, vdpbf16ps).
+(kernels/int8_gemm.py: x rounded per 32 once, by a kernel of its own, a u8 panel reused for every row of x); below it the
+K-quants swap the decode kernel's tile for kernels/kquant_int8.py's tile8k (x per super-block of 256), the 32-weight types
+keep the float decode kernel (their int8 decode tile, tile8, x per 32, runs only when asked for by tiled=False). BF16 weights
+in that mode: from BF16_TILED_MIN_M rows, kernels/bf16_gemm.py (x rounded to bfloat16, vdpbf16ps).
 """
 from __future__ import annotations
 import dataclasses, functools, math
@@ -30,6 +30,7 @@ from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
 from tinyhet.kernels.quant_blocks import BF16, DEQUANT, LAYOUT, NAMES, QUANTS, supported, supported_int8
 from tinyhet.kernels import bf16_gemm, int8_gemm, kquant_int8
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
+MIN_ROWS_PER_ROUNDING_PART = 8   # rows of x per part of the rounding kernel, at least (a row is a few microseconds' work)
 MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
 DECODE_MAX_M = 32        # rows of x up to which the decode kernel runs (measured crossover: 32-64 rows); past it, the tiled one
 KC = 512                 # columns of a dequantized panel (a multiple of every block size)
@@ -225,7 +226,6 @@ INLINE void tiled(float *restrict out, const u8 *restrict w, const float *restri
   }
 }
 
-
 #if INT8
 /* int8 activations (off by default): each block of 32 of x rounded to int8 with scale max|x|/127, as llama.cpp's q8 blocks;
    a weight sub-block's unsigned quants against them is an integer dot product (u8 x s8: vpdpbusd with AVX512-VNNI), scaled
@@ -321,13 +321,14 @@ INLINE void tile8(float *restrict out, const u8 *restrict w, const float *restri
 #define TILE tile
 #endif
 
-KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *restrict x, %(scratch)sint core_id) {
+/* the int8 and bf16 tiled kernels (INT8 3, 4): x here is x already rounded, the rounding kernel's output (rounding_source) */
+KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *restrict x, int core_id) {
   if (PARTS == 1) core_id = 0;   /* a one-part kernel is called without a core_id */
   int r0 = (int)((long)core_id * N / PARTS), r1 = (int)((long)(core_id + 1) * N / PARTS);
 #if INT8 == 3
-  tiled8(out, w, x, scratch, core_id, r0, r1); return;
+  tiled8(out, w, (const u8 *)x, r0, r1); return;
 #elif INT8 == 4
-  tiledb(out, w, x, scratch, core_id, r0, r1); return;
+  tiledb(out, w, (const u8 *)x, r0, r1); return;
 #endif
   if (TILED) { tiled(out, w, x, r0, r1); return; }
   /* weight rows in blocks of RB, every tile of x against one block before the next, so that a block is read from memory once
@@ -377,14 +378,26 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
                           "dequant": DEQUANT[ggml_type], "int8": int8,
                           "kint8": kquant_int8.source(ggml_type) if int8 == 2 else int8_gemm.source(ggml_type) if int8 == 3 else
                                    bf16_gemm.source() if int8 == 4 else "",
-                          "quants": QUANTS.get(ggml_type, ""), "scratch": "u8 *restrict scratch, " if int8 >= 3 else "",
+                          "quants": QUANTS.get(ggml_type, ""),
                           "i32": ", ".join(map(str, range(32))), "i64": ", ".join(map(str, range(64))),
                           **{f"l{k}": ", ".join(str(4 * i + k) for i in range(16)) for k in range(4)}}
 
-def scratch_bytes(name: str, ggml_type: int, M: int, K: int) -> int:
-  """Bytes per part of the kernel `name`'s fourth buffer (the int8 and bf16 tiled kernels: each part's rounded x); 0: none."""
-  if name.endswith("_int8t"): return int8_gemm.scratch_bytes(ggml_type, M, K)
-  return bf16_gemm.scratch_bytes(M, K) if name.endswith("_bf16t") else 0
+def rounding_kernel(name: str, ggml_type: int, M: int, K: int, parts: int) -> tuple[str, str, int] | None:
+  """(function name, C source, output bytes) of the kernel that rounds x once before the kernel `name` (the int8 and bf16
+  tiled kernels read x rounded as their third argument), split over x's rows in `parts` parts; None: `name` reads x itself."""
+  if name.endswith("_int8t"): return *int8_gemm.round_source(ggml_type, M, K, parts), int8_gemm.rounded_bytes(ggml_type, M, K)
+  return (*bf16_gemm.round_source(M, K, parts), bf16_gemm.rounded_bytes(M, K)) if name.endswith("_bf16t") else None
+
+def _program(name: str, src: str, parts: int, nbuf: int, outs: tuple[int, ...], ins: tuple[int, ...]):
+  """The custom kernel's PROGRAM for C function `name` of `src`: nbuf buffers, then (past one part) the part id (the pool's)."""
+  def program(*params: UOp) -> UOp:
+    core = UOp.variable("core_id", 0, parts - 1, dtypes.int, param=True) if parts > 1 else None
+    if core is not None: core = core.replace(arg=dataclasses.replace(core.arg, slot=nbuf))
+    sink = UOp.sink(*params, *([core] if core is not None else []), arg=KernelInfo(name=name))
+    info = ProgramInfo(name=name, global_size=(parts, 1, 1), vars=(core,) if core is not None else (), globals=tuple(range(nbuf)),
+                       outs=outs, ins=ins)
+    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=(*sink.src, sink)), UOp(Ops.SOURCE, arg=src)), arg=info)
+  return program
 
 def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, int], threads: int, tiled: bool | None = None,
                  int8: bool = False) -> Tensor:
@@ -399,18 +412,9 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
   xs = x.reshape(M, K).cast(dtypes.float32)
   xs = xs if xs.uop.has_buffer_identity(after_ok=True) else xs.contiguous()   # a kernel's output as it is: no copy
   out = Tensor.empty(M, N, dtype=dtypes.float32, device=x.device)
-  nscratch = scratch_bytes(name, ggml_type, M, K)
-  scratch = [Tensor.empty(parts * nscratch, dtype=dtypes.uint8, device=x.device)] if nscratch else []
-  nbuf = 3 + len(scratch)
-
-  def program(*params: UOp) -> UOp:
-    # the part id: the argument after the buffers (slot 3 or 4), filled in by the pool for each part
-    core = UOp.variable("core_id", 0, parts - 1, dtypes.int, param=True) if parts > 1 else None
-    if core is not None: core = core.replace(arg=dataclasses.replace(core.arg, slot=nbuf))
-    sink = UOp.sink(*params, *([core] if core is not None else []), arg=KernelInfo(name=name))
-    info = ProgramInfo(name=name, global_size=(parts, 1, 1), vars=(core,) if core is not None else (), globals=tuple(range(nbuf)),
-                       outs=(0, *range(3, nbuf)), ins=(1, 2))
-    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=(*sink.src, sink)), UOp(Ops.SOURCE, arg=src)), arg=info)
-
-  out = out.custom_kernel(blocks.contiguous(), xs, *scratch, fxn=program)[0]
+  rparts = max(1, min(threads, M // MIN_ROWS_PER_ROUNDING_PART))
+  if (rounding := rounding_kernel(name, ggml_type, M, K, rparts)) is not None:   # x rounded once, into what every part reads
+    xr = Tensor.empty(rounding[2], dtype=dtypes.uint8, device=x.device)
+    xs = xr.custom_kernel(xs, fxn=_program(*rounding[:2], rparts, 2, (0,), (1,)))[0]
+  out = out.custom_kernel(blocks.contiguous(), xs, fxn=_program(name, src, parts, 3, (0,), (1, 2)))[0]
   return out.reshape(*lead, N)

@@ -8,6 +8,9 @@ def test_kernel_names_group_by_kind():
   assert group("qmatmul_q8_0_1_49152_576_p2", 49152)[0].startswith("logits q8_0 1x49152x576")
   assert group("qmatmul_q6_k_16_576_1536_p2_int8k", 49152)[0] == "matmul q6_k 16x576x1536 p2_int8k"
   assert group("cpu_attention_prefill_bs16_cap32", 49152) == ("attention (C)", 0.0)
+  # the kernels that round x once before the int8 and bf16 tiled products: a group of their own, not tinygrad's
+  assert group("round_x_int8_g32_o8_16_576_p2", 49152) == ("rounding x int8 16x576 p2", 0.0)
+  assert group("round_x_bf16_512_2048_p1", 49152) == ("rounding x bf16 512x2048 p1", 0.0)
   assert group("r_3_256_128_2", 49152) == ("tinygrad r_3_256_128_2", 0.0)
 
 def test_profile_of_a_small_model_accounts_for_its_kernels():

@@ -25,7 +25,8 @@ def test_supported_cases():
   assert supported("CPU", dtypes.float16, 64, 16) and supported("CPU", dtypes.bfloat16, 128, 32)
   assert not supported("CPU", dtypes.float16, 64, 8)        # block size not a multiple of 16: the tinygrad kernel
   assert not supported("CPU", dtypes.float16, 72, 16)       # head_dim not a multiple of 16
-  assert not supported("CPU", dtypes.int8, 64, 16)
+  assert supported("CPU", dtypes.int8, 64, 16) and not supported("CPU", dtypes.int8, 48, 16)   # q8_0: head_dim a multiple of 32
+  assert not supported("CPU", dtypes.uint8, 64, 16)        # not a KV format
   assert not supported("PYTHON", dtypes.float16, 64, 16)    # not compiled C
   pool = Tensor.empty(2, 2, 1, 16 * D, dtype=dtypes.float16)
   assert uses_c("CPU", pool, D, 2) and uses_c("CPU", pool, D, 0) and not uses_c("CPU", pool, D, None)

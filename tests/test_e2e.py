@@ -149,9 +149,12 @@ def generate_with_a_held_write(client, prompt, hold_s: float):
   holder.join()
   return want, got, st
 
-def test_prefill_goes_on_while_a_layer_write_is_slow(small):
+def test_prefill_goes_on_while_a_layer_write_is_slow(small, monkeypatch):
   """A write that takes long (a real shm write, held back by its link's lock for HOLD seconds, as a big copy on a busy host
-  would be) does not stop prefill: layer 1 is computed before layer 0 has landed, and TTFT shows the wait for the write."""
+  would be) does not stop prefill: layer 1 is computed before layer 0 has landed, and TTFT shows the wait for the write.
+  That holds for layers the writer thread posts, those over INLINE_LAYER_BYTES (here: all of them)."""
+  import tinyhet.kv.sender as sender_mod
+  monkeypatch.setattr(sender_mod, "INLINE_LAYER_BYTES", 0)
   model, address = small
   prompt = list(range(1, 30))
   client = DecodeClient(local_node(), address, model, "small-random", "shm")

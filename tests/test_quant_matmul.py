@@ -224,19 +224,23 @@ def test_each_cpu_path_the_source_has(march, tmp_path):
   import ctypes, platform, subprocess
   if platform.machine() != "x86_64": pytest.skip("the -march names are x86's")
   rng = np.random.default_rng(len(march))
+  def build(name: str, src: str):
+    lib = tmp_path / f"{name}.so"
+    subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", *f"-march={march}".split(), "-x", "c", "-",
+                    "-o", str(lib)], input=src.encode(), check=True)
+    return getattr(ctypes.CDLL(str(lib)), name)
   for t, rows, int8 in [(Q4_K, 9, True), (Q5_K, 1, True), (Q6_K, 3, True), (Q8_0, 9, True), (Q4_K, 5, False), (F16, 1, False), (BF16, 40, False),
                         (Q4_K, 19, True), (Q6_K, 16, True), (Q5_0, 5, True), (BF16, 9, True)]:   # the last four: the tiled int8, bf16 kernels
     cols, out = cols_for(t) if not int8 else 512, 24
     name, src = qmm.kernel_source(t, rows, out, cols, 1, int8=int8)
-    lib = tmp_path / f"{name}.so"
-    subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", *f"-march={march}".split(), "-x", "c", "-",
-                    "-o", str(lib)], input=src.encode(), check=True)
     b = random_blocks(out, cols, t, rng)
     x = rng.standard_normal((rows, cols), dtype=np.float32)
-    got = np.zeros((rows, out), np.float32)
-    scratch = [np.zeros(n, np.uint8)] if (n := qmm.scratch_bytes(name, t, rows, cols)) else []
-    getattr(ctypes.CDLL(str(lib)), name)(*(ctypes.c_void_p(a.ctypes.data) for a in (got, b, x, *scratch)), 0)
-    xr = (rounded_to_bf16(x) if t == BF16 else rounded_to_int8(x, 32 if scratch else LAYOUT[t][0])) if int8 else x
+    got, xin = np.zeros((rows, out), np.float32), x
+    if (rounding := qmm.rounding_kernel(name, t, rows, cols, 1)) is not None:   # the tiled int8, bf16 kernels: x rounded first
+      xin = np.zeros(rounding[2], np.uint8)
+      build(*rounding[:2])(ctypes.c_void_p(xin.ctypes.data), ctypes.c_void_p(x.ctypes.data), 0)
+    build(name, src)(*(ctypes.c_void_p(a.ctypes.data) for a in (got, b, xin)), 0)
+    xr = (rounded_to_bf16(x) if t == BF16 else rounded_to_int8(x, 32 if rounding else LAYOUT[t][0])) if int8 else x
     want = xr.astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"{name} -march={march}")
 
@@ -263,8 +267,8 @@ def test_int8_tiled_kernel_is_the_exact_product_with_x_rounded_per_32(t):
 @settings(max_examples=6, deadline=None)
 @given(t=st.sampled_from(INT8_TYPES), rows=st.integers(16, 40), out=st.integers(48, 90), parts=st.sampled_from([2, 3]), seed=st.integers(0, 2**16))
 def test_int8_tiled_kernel_gives_the_same_bits_for_any_part_count(t, rows, out, parts, seed):
-  # each part rounds all of x into its own scratch region and sums each of its output rows in one order: the split changes
-  # which core computes a row, not its bits
+  # x is rounded once, by its own kernel (a row the same way in any of its parts), and each part of the product sums each of
+  # its output rows in one order: the split changes which core computes a row, not its bits
   rng = np.random.default_rng(seed)
   cols = LAYOUT[t][0] * (1 if LAYOUT[t][0] == 256 else 4)
   b, x = Tensor(random_blocks(out, cols, t, rng), device="MESH"), rng.standard_normal((rows, cols), dtype=np.float32)
@@ -287,3 +291,44 @@ def test_the_int8_mode_rounds_x_to_bf16_for_bf16_weights_in_batches_and_prefill(
     got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), BF16, (out, 544), parts, int8=True).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"{rows} rows, {out} out, {parts} parts")
     assert np.abs(got - x.astype(np.float64) @ w.T).max() > 1e-4 * np.abs(want).max()
+
+def rounded_buffer(x: np.ndarray, t: int) -> np.ndarray:
+  """The bytes the rounding kernel writes for x (int8_gemm.round_source, bf16_gemm.round_source), from numpy: for BF16 x as
+  bfloat16, a row K + 32 values apart; else x's int8 quants a row K + 64 apart, then per block of 32 the scale max|x|/127, then
+  per group (Q6_K 16, else 32) the sum of the rounded x (the symmetric types: -OFF times the sum of the quants, an int32)."""
+  from tinyhet.kernels.int8_gemm import OFFSET, group
+  M, K = x.shape
+  if t == BF16: return np.pad(rounded_to_bf16(x).view(np.uint32) >> 16, ((0, 0), (0, 32))).astype(np.uint16).view(np.uint8).ravel()
+  xb = x.reshape(M, -1, 32)
+  amax = np.abs(xb).max(-1, keepdims=True)
+  inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+  q, d = np.rint(xb * inv).astype(np.int32), (amax / np.float32(127)).astype(np.float32)
+  qsum = q.reshape(M, K // group(t), group(t)).sum(-1)
+  off = OFFSET.get(t, 0)
+  xs = (-off * qsum).astype(np.int32).view(np.uint8) if off else \
+    (qsum.astype(np.float32) * np.repeat(d[..., 0], 32 // group(t), 1)).astype(np.float32).view(np.uint8)
+  return np.concatenate([np.pad(q.reshape(M, K).astype(np.int8), ((0, 0), (0, 64))).view(np.uint8).ravel(), d.view(np.uint8).ravel(), xs.ravel()])
+
+@settings(max_examples=8, deadline=None)
+@given(t=st.sampled_from([*INT8_TYPES, BF16]), rows=st.integers(4, 40), parts=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_x_is_rounded_once_by_its_own_kernel_the_same_bits_for_any_part_count(t, rows, parts, seed, tmp_path_factory):
+  # the int8 and bf16 tiled kernels read x rounded by a kernel launched before them, its rows split in parts (more parts than
+  # rows too): its output, run part by part, is numpy's rounding bit for bit, and the product through tinygrad (both kernels,
+  # the pool's parts) has the same bits for any count of threads
+  import ctypes, subprocess
+  rng = np.random.default_rng(seed)
+  cols, out = 256 if LAYOUT[t][0] == 256 else 96 if t == BF16 else 128, 40
+  rows = max(rows, qmm.BF16_TILED_MIN_M if t == BF16 else qmm.INT8_TILED_MIN_M[LAYOUT[t][0]])   # the tiled kernel's rows
+  x = rng.standard_normal((rows, cols), dtype=np.float32) * rng.uniform(0.01, 100, (rows, 1)).astype(np.float32)
+  x[rows // 2, :32] = 0                                       # an all-zero block: scale 0
+  name = qmm.kernel_source(t, rows, out, cols, 1, int8=True)[0]
+  rname, src, nbytes = qmm.rounding_kernel(name, t, rows, cols, parts)
+  lib = tmp_path_factory.mktemp("round") / f"{rname}.so"
+  subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", "-march=native", "-x", "c", "-", "-o", str(lib)],
+                 input=src.encode(), check=True)
+  got = np.zeros(nbytes, np.uint8)
+  for p in range(parts): getattr(ctypes.CDLL(str(lib)), rname)(ctypes.c_void_p(got.ctypes.data), ctypes.c_void_p(x.ctypes.data), p)
+  np.testing.assert_array_equal(got, rounded_buffer(x, t))
+  b = Tensor(random_blocks(out, cols, t, rng), device="MESH")
+  one, split = (qmm.quant_matmul(Tensor(x, device="MESH"), b, t, (out, cols), p, int8=True).numpy() for p in (1, min(parts, 2)))
+  np.testing.assert_array_equal(one, split)

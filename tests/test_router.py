@@ -269,3 +269,32 @@ def test_kv_aware_routing_hashes_with_the_nodes_cache_key_and_the_tenants_salt()
   assert holder.cached_tokens(ids) == 0 and holder.cached_tokens(ids, "t2") == 0     # another tenant (or none) sees no hit
   assert c._admit(len(ids), 8, ids, salt="t1")[0] is holder
   assert c._admit(len(ids), 8, ids, salt="t2")[0] is other                          # no hit for it: the less loaded node
+
+def test_disk_hits_score_below_ram_hits_and_need_their_blocks():
+  """A node whose disk tier holds a prompt's blocks (its beat's disk summary) beats a node holding none, loses to one holding
+  them in RAM at equal load, and needs every block still (a restored block takes a free one); /metrics counts RAM and disk
+  hits and the disk bytes from the beats' figures."""
+  from tinyhet.kv.block_manager import block_hashes
+  from tinyhet.service.cache_view import DISK_WEIGHT
+  from tinyhet.service.metrics import Metrics
+  assert 0 < DISK_WEIGHT < 1
+  ids = list(range(1, 161))
+  ram, disk, cold = state("decode", running=1), state("decode", running=1), state("decode", running=1)
+  c = cluster(disk, cold, metrics=Metrics())
+  hashes = block_hashes(ids[:144], 16, "m")
+  c._beat(disk, {**disk.status, "disk_hashes": hashes[2:], "cached_hashes": hashes[:2], "disk_hit_tokens": 32, "prefix_hit_tokens": 80,
+                 "disk_written_bytes": 4096, "disk_read_bytes": 1024})
+  assert disk.cached_tokens(ids) == 32 and disk.overlap(ids) == 32 + DISK_WEIGHT * 112
+  node, blocks = c._admit(len(ids), 8, ids)
+  assert node is disk and blocks == 11 - 2                                 # the RAM hit's 2 blocks only are saved
+  c._release(node, blocks)
+  c.nodes[ram.address] = ram
+  c._beat(ram, {**ram.status, "cached_hashes": hashes})
+  assert c._admit(len(ids), 8, ids)[0] is ram
+  c._beat(disk, {**disk.status, "disk_hit_tokens": 48, "prefix_hit_tokens": 100, "disk_written_bytes": 8192, "disk_read_bytes": 1024})
+  page = c.metrics.exposition().decode()
+  for line in ("tinyhet:prefix_cache_disk_hits_total 48.0", "tinyhet:prefix_cache_ram_hits_total 52.0",
+               "tinyhet:kv_disk_written_bytes_total 8192.0", "tinyhet:kv_disk_read_bytes_total 1024.0"):
+    assert line in page, line
+  c._beat(disk, {**disk.status, "disk_hashes": "junk"})
+  assert disk.overlap(ids) == disk.cached_tokens(ids)

@@ -201,6 +201,8 @@ def run_stall_free(s: Scheduler, rng: random.Random, pending: list[Sequence], bu
     check_state(s)
     assert all(q in decode or q.num_preemptions > n for q, n in decoding)   # every decoding sequence steps, or was preempted
     assert sum(end - first for _, first, end in chunks) <= (budget if decode else max(budget, s.max_num_batched_tokens))
+    # with nothing decoding, a step ends at the first prompt it completes: no later chunk holds back that prompt's second token
+    if not decode: assert all(end < q.num_tokens for q, _, end in chunks[:-1])
     assert all(q.prefilled is None for q in decode) and len({id(q) for q, _, _ in chunks}) == len(chunks)
     for q in decode: assert s.bm.length(q.seq_id) == q.num_tokens
     finished_prompts = []
@@ -249,6 +251,14 @@ def test_a_long_prompt_is_spread_over_steps_while_decode_goes_on():
   idle = Scheduler(BlockManager(64, 4), max_num_seqs=4, max_num_batched_tokens=40)
   idle.add(Sequence(3, [3] * 50, 5))
   assert idle.schedule_step(16)[1] == [(idle.running[0], 0, 40)]     # nothing decodes: as much as a prefill batch takes
+  two = Scheduler(BlockManager(64, 4), max_num_seqs=4)
+  a, b = Sequence(4, [4] * 30, 5), Sequence(5, [5] * 30, 5)
+  two.add(a)
+  two.add(b)
+  assert two.schedule_step(16) == ([], [(a, 0, 30)])     # a whole, and b waits: b's prefill would stall a's second token
+  a.prefilled = None
+  two.postprocess([a], [9])
+  assert two.schedule_step(16) == ([a], [(b, 0, 16)])
 
 def test_forks_of_a_prompt_spread_over_steps_wait_for_its_last_chunk():
   """n > 1 under stall-free steps: the forks hold their places and blocks from admission, decode only once their

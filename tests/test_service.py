@@ -262,6 +262,32 @@ def test_both_node_prefills_for_a_decode_node(cluster, model, tiny_both):
     assert router.metric("tinyhet:node_requests_total", node=cluster["d2"].address, role="decode") > 0
   finally: router.stop()
 
+def test_both_nodes_prefill_jobs_keep_its_decoding_sequences_at_their_pace(cluster, model, tiny_both):
+  """While the `both` node decodes a request of its own, the decode node's prompts come to it as prefill jobs: between a
+  job's layers it steps its decoding sequence (KeepPace, paced_steps in its heartbeat), and every request still gets the
+  reference tokens (the job's prefill and the decoding sequence's steps are the same computations, in another order)."""
+  router = Router("--decode", cluster["d2"].address, "--both", tiny_both.address)
+  try:
+    router.wait_ready(nodes_up=2)
+    before = node_state(router, tiny_both).get("paced_steps", 0)
+    prompts, got, threads = {i: prompt(80 + i, 100) for i in range(5)}, {}, []
+    def one(i, n, on_chunk=None): got[i] = router.stream({"model": model[1], "prompt": prompts[i], "max_tokens": n, "temperature": 0}, on_chunk)
+    def jobs(ids):                   # the both node decodes its own now: the decode node's next prompts are prefill jobs there
+      if len(ids) == 1 and not threads[2:]:
+        threads.extend(threading.Thread(target=one, args=(i, 8)) for i in (2, 3, 4))
+        for t in threads[2:]: t.start()
+    threads.append(threading.Thread(target=one, args=(0, 140)))     # to the decode node (the larger pool), prefilled on the both node
+    threads[0].start()
+    threads.append(threading.Thread(target=one, args=(1, 80, jobs)))   # to the both node, the other one busy: decoded there
+    threads[1].start()
+    for t in threads[:2]: t.join(120)
+    for t in threads[2:]: t.join(120)
+    assert {i: got.get(i) for i in prompts} == {i: reference(model, prompts[i], 140 if i == 0 else 80 if i == 1 else 8) for i in prompts}
+    deadline = time.monotonic() + 10
+    while (paced := node_state(router, tiny_both).get("paced_steps", 0)) == before and time.monotonic() < deadline: time.sleep(0.1)
+    assert paced > before, "no decode step ran between the layers of a prefill job"
+  finally: router.stop()
+
 def node_state(router, proc) -> dict:
   return next(n for n in router.request("GET", "/ready")[2]["nodes"] if n["address"] == proc.address)
 

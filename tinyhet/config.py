@@ -11,7 +11,8 @@ File: the path in TINYHET_CONFIG, else ./tinyhet.toml if it exists. Keys are the
 Environment variables override the file: TINYHET_NODE, HET_BACKEND, TINYHET_ARENA_BYTES, TINYHET_HUGEPAGES, TINYHET_TRANSPORT, TINYHET_TOKEN,
 TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE,
 TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS, TINYHET_STAGING_BUFFERS, TINYHET_PREFILL_BUDGET,
-TINYHET_WARM_UP, TINYHET_KEY_FILE, TINYHET_PEER_KEYS ("name=hex,..."), TINYHET_TRUSTED_WRITERS ("name,name2"; empty: none), TINYHET_CLUSTER.
+TINYHET_WARM_UP, TINYHET_KEY_FILE, TINYHET_PEER_KEYS ("name=hex,..."), TINYHET_TRUSTED_WRITERS ("name,name2"; empty: none), TINYHET_CLUSTER,
+TINYHET_KV_DISK, TINYHET_KV_DISK_SIZE.
 
 Identity (tinyhet.runtime.identity): key_file is this node's Ed25519 private key (`tinyhet keygen --out F`); peer_keys binds
 node names to public keys, so a name is refused to every other key. cluster names a cluster file whose [nodes.NAME]
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from tinyhet.runtime.settings import TRANSPORTS, problem as transport_problem  # noqa: F401  (TRANSPORTS: one definition, importable from here too)
 
 HET_BACKENDS = ("auto", "CUDA", "NV", "AMD", "METAL", "CL", "CPU", "PYTHON")   # PYTHON: tinygrad's emulator, for tests
-KV_DTYPES = ("float16", "float32", "bfloat16")
+KV_DTYPES = ("float16", "float32", "bfloat16", "q8_0", "fp8_e4m3", "fp8_e5m2")   # kernels/kv_quant.py: the formats
 WARM_UP_MODES = ("background", "before", "off")
 NUMA_MODES = ("off", "interleave", "replicate")   # replicate: the weights copied per node, each pool thread reading its node's
 
@@ -60,6 +61,8 @@ class Config:
   cluster: str = ""                      # a cluster file: its nodes' public_key entries and prefill roles (see above)
   prefill_budget: int = 16               # prompt tokens a step prefills at most while sequences decode (stall-free; see Scheduler.schedule_step)
   warm_up: str = "background"            # background: a node builds every capture while idle | before: before it says ready | off
+  kv_disk: str = ""                      # a decode node's KV disk tier: the folder evicted cached blocks go to (tinyhet.kv.disk_tier); empty = none
+  kv_disk_size: int = 64 << 30           # the disk tier's bound: past it the oldest segment files are deleted
 
   def __post_init__(self): validate(self, "config")
 
@@ -120,6 +123,9 @@ def validate(cfg: Config, source: str):
     bad("trusted_writers", "must be a list of node names")
   if not isinstance(cfg.prefill_budget, int) or not 1 <= cfg.prefill_budget <= 65536: bad("prefill_budget", "must be between 1 and 65536 tokens")
   if cfg.warm_up not in WARM_UP_MODES: bad("warm_up", f"is not one of {', '.join(WARM_UP_MODES)}")
+  if not isinstance(cfg.kv_disk, str) or "\0" in cfg.kv_disk: bad("kv_disk", "must be a directory path")
+  if not isinstance(cfg.kv_disk_size, int) or isinstance(cfg.kv_disk_size, bool) or cfg.kv_disk_size < 1 << 20:
+    bad("kv_disk_size", "must be at least 1 MiB (e.g. 512M, 200G)")
 
 # field -> (environment variable, parser)
 _PARSERS = {
@@ -146,6 +152,8 @@ _PARSERS = {
   "cluster": ("TINYHET_CLUSTER", lambda v, w: str(v)),
   "prefill_budget": ("TINYHET_PREFILL_BUDGET", lambda v, w: _int(v, w)),
   "warm_up": ("TINYHET_WARM_UP", lambda v, w: str(v).lower()),
+  "kv_disk": ("TINYHET_KV_DISK", lambda v, w: str(v)),
+  "kv_disk_size": ("TINYHET_KV_DISK_SIZE", parse_bytes),
 }
 
 def parse_keys(text: str | dict, what: str) -> dict[str, str]:

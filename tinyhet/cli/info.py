@@ -1,5 +1,6 @@
 """`tinyhet info`: the configuration, the HET backend, the transports this machine can use (and why not), and arenas.
-`tinyhet info --model F`: what tinyhet reads from a model file or directory (architecture, config, tensors, tokenizer), no weights loaded."""
+`tinyhet info --model F`: what tinyhet reads from a model file or directory (architecture, config, tensors, tokenizer), no weights
+loaded, and how many tokens a GiB of KV pool holds in the configured kv_dtype (float16's beside it)."""
 import json, sys
 
 def main(argv=None) -> int:
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
 def model_info(path: str, as_json: bool) -> int:
   from tinyhet.model.weights import describe_model
   d = describe_model(path)
+  d["kv"] = kv_capacity(d["config"])
   if as_json:
     print(json.dumps(d))
     return 0
@@ -46,8 +48,25 @@ def model_info(path: str, as_json: bool) -> int:
   print(f"tensors     {d['tensors']}, {'/'.join(d['tensor_dtypes'])}")
   print(f"tokenizer   {d['tokenizer']}, {d['vocab_size']} tokens, chat template {'yes' if d['chat_template'] else 'no'}, stop ids {d['stop_ids']}")
   print("read        " + ", ".join(f"{k}={json.dumps(v)}" for k, v in d["config_used"].items() if not isinstance(v, list) or len(v) < 8))
+  kv = d["kv"]
+  if "problem" in kv: print(f"kv          {kv['problem']}")
+  else: print(f"kv          {kv['kv_dtype']}: {kv['bytes_per_token']} bytes a token, {kv['tokens_per_gib']} tokens per GiB of pool "
+        f"({kv['tokens_per_gib'] / kv['float16_tokens_per_gib']:.2f}x float16's {kv['float16_tokens_per_gib']})")
   if d.get("config_checked"): print("checked     " + ", ".join(f"{k}={json.dumps(v)}" for k, v in d["config_checked"].items()))
   if d.get("config_ignored"): print("ignored     " + ", ".join(d["config_ignored"]))
   return 0
+
+def kv_capacity(c: dict) -> dict:
+  """Tokens a GiB of KV pool holds (all layers, K and V, whole blocks) for the configured kv_dtype and block size, and float16's."""
+  from tinyhet.config import load_config
+  from tinyhet.kernels.kv_quant import kv_format
+  from tinyhet.kv.paged_cache import PagedKVCache
+  cfg = load_config()
+  def per_gib(name: str) -> tuple[float, int]:
+    per_block = PagedKVCache.bytes_per_block(c["n_layers"], c["n_kv_heads"], c["head_dim"], cfg.kv_block_size, kv_format(name))
+    return per_block / cfg.kv_block_size, (1 << 30) // per_block * cfg.kv_block_size
+  try: (bpt, tokens), (_, f16) = per_gib(cfg.kv_dtype), per_gib("float16")
+  except ValueError as e: return {"kv_dtype": cfg.kv_dtype, "block_size": cfg.kv_block_size, "problem": str(e)}
+  return {"kv_dtype": cfg.kv_dtype, "block_size": cfg.kv_block_size, "bytes_per_token": bpt, "tokens_per_gib": tokens, "float16_tokens_per_gib": f16}
 
 if __name__ == "__main__": sys.exit(main())

@@ -24,11 +24,16 @@ def parse_args(argv):
                   "blocks and dequantize inside the matmul kernels, reading ~5x fewer bytes per token)")
   ap.add_argument("--no-prefix-cache", action="store_true", help="forget a finished sequence's KV blocks at once (default: keep its "
                   "full blocks cached until the pool needs them, and share them with requests whose prompt starts the same)")
+  ap.add_argument("--kv-disk", default=None, help="a folder for the KV disk tier: cached blocks evicted from RAM are written there "
+                  "and read back on a hit, across restarts (TINYHET_KV_DISK; default: none)")
+  ap.add_argument("--kv-disk-size", default=None, help="the disk tier's bound, e.g. 200G (TINYHET_KV_DISK_SIZE; default 64G)")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns this node)")
   ap.add_argument("--quiet", action="store_true")
   args = ap.parse_args(argv)
   from tinyhet.config import ConfigError, parse_bytes
-  try: parse_bytes(args.kv_memory, "--kv-memory")
+  try:
+    parse_bytes(args.kv_memory, "--kv-memory")
+    if args.kv_disk_size is not None: args.kv_disk_size = parse_bytes(args.kv_disk_size, "--kv-disk-size")
   except ConfigError as e: ap.error(str(e))
   return args
 
@@ -82,7 +87,7 @@ def serve(args, stop: threading.Event) -> int:
   node, model, tok, model_id = start(args.model, kv_bytes, args.max_context, args.quiet, packed=not args.float_weights)
   from tinyhet.engine.decode_node import DecodeNode
   from tinyhet.kv.paged_cache import kv_blocks_for
-  cfg = load_config()
+  cfg = load_config(kv_disk=args.kv_disk, kv_disk_size=args.kv_disk_size)
   try: blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
   except ValueError as e:                    # the smallest pool depends on the model: known only once it is loaded
     print(f"tinyhet node: --kv-memory {args.kv_memory}: {e}: give a bigger --kv-memory", file=sys.stderr)
@@ -94,6 +99,14 @@ def serve(args, stop: threading.Event) -> int:
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids,
                       prefix_cache=not args.no_prefix_cache, fingerprint=fingerprint(args.model, model.cfg, not args.float_weights))
   decode.tokenizer = tok                 # stop strings end sequences on the node
+  if cfg.kv_disk and not args.no_prefix_cache:
+    from tinyhet.kv.disk_tier import DiskTier
+    try: decode.disk = DiskTier(decode.cache, cfg.kv_disk, cfg.kv_disk_size)
+    except (OSError, ValueError) as e:
+      print(f"tinyhet node: --kv-disk {cfg.kv_disk}: {getattr(e, 'strerror', None) or e}: give a folder this process may write",
+            file=sys.stderr)
+      return 2
+    if not args.quiet: print(f"tinyhet node: {decode.disk.describe()}", file=sys.stderr, flush=True)
   from tinyhet.service.node_roles import ServiceExtras
   extras = ServiceExtras(decode, args.role)     # heartbeats and decode.submit for the router; a prefill worker for --role both
   try:
@@ -110,12 +123,14 @@ def serve(args, stop: threading.Event) -> int:
     print(json.dumps({"address": address, "node": node.name, "model": model_id, "fingerprint": decode.fingerprint, "kv_blocks": blocks,
                       "block_size": cfg.kv_block_size, "trusted_writers": sorted(decode.trusted_writers),
                       "transports": node.endpoint.transports, "role": args.role, "warm_up": cfg.warm_up,
+                      **({"kv_disk": str(decode.disk.store.dir), "kv_disk_found_blocks": decode.disk.found_blocks} if decode.disk else {}),
                       **({"warm_up_status": decode.warm.status()} if cfg.warm_up == "before" else {})}), flush=True)
     decode.run(stop, warm_up=False)
   finally:
     stop.set()
     extras.close()
     decode.close()
+    if decode.disk is not None: decode.disk.close()
     node.endpoint.close()
   return 0
 
@@ -168,11 +183,11 @@ def main_prefill(args) -> int:
   model, tok, model_id = service_model.load(args.model, "HET", args.max_context, args.quiet, packed=not args.float_weights)
   prefill = PrefillNode(model, node, model_id, fingerprint=fingerprint(args.model, model.cfg, not args.float_weights))
   prefill.tokenizer = tok                  # a request's grammar masks the first token, drawn here
-  from tinygrad import dtypes
+  from tinyhet.kernels.kv_quant import kv_format
   from tinyhet.config import load_config
   from tinyhet.engine.warm_up import WarmUp
   cfg = load_config()
-  warm = None if cfg.warm_up == "off" else WarmUp.for_prefill(model, getattr(dtypes, cfg.kv_dtype))
+  warm = None if cfg.warm_up == "off" else WarmUp.for_prefill(model, kv_format(cfg.kv_dtype))
   if warm is not None and cfg.warm_up == "before":
     while warm.step(): pass
   heartbeat.install(node.endpoint, "prefill", lambda: {**prefill.status(), "max_context": model.cfg.max_context,

@@ -27,10 +27,11 @@ def check_salt(salt) -> None:
 
 SHAPE = ("n_layers", "n_kv_heads", "head_dim", "vocab_size", "dim")   # what a decode node's KV blocks and logits depend on
 
-def check_compatible(cfg, model_id: str, info: dict, where: str, fingerprint: str = "") -> None:
+def check_compatible(cfg, model_id: str, info: dict, where: str, fingerprint: str = "", kv_dtype: str = "") -> None:
   """A decode node's decode.info reply `info` is for this model (its shape, its id and its fingerprint where both have one:
   tinyhet.model.fingerprint, the weights' content and kernel mode, not a file name) and speaks this node's KV notice format
-  (tinyhet.kv.notices), else IncompatibleDecodeNode naming both."""
+  (tinyhet.kv.notices), and where kv_dtype is given (this node's configured one) holds its KV in that dtype, else
+  IncompatibleDecodeNode naming both."""
   mine = {k: getattr(cfg, k) for k in SHAPE}
   theirs = {k: info.get("config", {}).get(k) for k in SHAPE}
   if info.get("kv_notice_format", 1) != NOTICE_FORMAT:
@@ -43,3 +44,6 @@ def check_compatible(cfg, model_id: str, info: dict, where: str, fingerprint: st
     raise IncompatibleDecodeNode(f"decode node {where} serves {info.get('model') or 'a model'} of fingerprint {info['fingerprint']}, this node "
                                  f"{model_id or 'a model'} of fingerprint {fingerprint}: the same name but other weights or another kernel mode "
                                  "(--float-weights, TINYHET_INT8_ACTIVATIONS): start every node from the same model file with the same flags")
+  if kv_dtype and info.get("kv_dtype") and kv_dtype != info["kv_dtype"]:
+    raise IncompatibleDecodeNode(f"decode node {where} keeps its KV in {info['kv_dtype']}, this node in {kv_dtype}: start every node with the "
+                                 "same kv_dtype (TINYHET_KV_DTYPE or the config file)")

@@ -3,7 +3,7 @@ each layer's K, V written into them as soon as the layer exists (tinyhet.kv.send
 generates, and say what the transfer cost (GenerationStats, from tinyhet.engine.prefill.transfer_figures)."""
 from __future__ import annotations
 import time
-from tinygrad import dtypes
+from tinyhet.kernels.kv_quant import kv_format
 from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_compatible
 from tinyhet.engine.prefill import GenerationStats, busy_time, prefill_first_token, transfer_figures
@@ -22,10 +22,10 @@ class DecodeClient:
     self.node, self.model = node, model
     self.ctl = ControlClient(node.endpoint, address)
     self.info = self.ctl.call("decode.info")
-    check_compatible(model.cfg, model_id, self.info, f"{self.ctl.peer} at {address}", fingerprint)
+    check_compatible(model.cfg, model_id, self.info, f"{self.ctl.peer} at {address}", fingerprint, node.config.kv_dtype)
     self.peer = node.endpoint.connect(address, transport)
     self.endpoint = node.endpoint            # what posts the layer writes (a benchmark may put a slower link in front of it)
-    self.kv_dtype = getattr(dtypes, self.info["kv_dtype"])
+    self.kv_dtype = kv_format(self.info["kv_dtype"])
     # layers packed in device memory no transport sends from (a GPU) leave through staging_buffers buffers (tinyhet.device.gpu_staging);
     # 0 copies each one to host memory on the prefill thread (the synchronous baseline)
     self.buffers = SendBuffers(node, node.config.staging_buffers if staging_buffers is None else staging_buffers)

@@ -34,13 +34,14 @@ from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.device.memory import LocalNode
 from tinyhet.engine.checks import check_prompt, is_int
 from tinyhet.engine.decode_engine import DecodeEngine, decode_rate
-from tinyhet.engine.forked_samples import generate_samples, prefill_group, with_forks
-from tinyhet.engine.grammar import constrain, prefetch
+from tinyhet.engine.batch_step import run_batch
+from tinyhet.engine.forked_samples import generate_samples, with_forks
+from tinyhet.engine.grammar import constrain
 from tinyhet.runtime.arena import Region
-from tinyhet.model.fingerprint import cache_key
+from tinyhet.model.fingerprint import cache_key; from tinyhet.kernels.kv_quant import kv_name  # noqa: E702
 from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
-from tinyhet.model.sampling import Sampler, sample_batch
+from tinyhet.model.sampling import Sampler
 from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus
 from tinyhet.engine.token_queue import TICK, queued_tokens, token_item  # noqa: F401  (node_roles reads them here too)
 
@@ -61,14 +62,13 @@ class DecodeNode:
     self.scheduler = Scheduler(self.cache.block_manager, max_num_seqs=max_num_seqs, capacity=kv_blocks)
     self.pool_regions = [_pool_region(self.cache.pool_buffer(layer)) for layer in range(cfg.n_layers)]   # exposed per reservation
     self.cond = threading.Condition()       # guards the scheduler, its block manager and the sequences' states
-    self.seq_ids = itertools.count(1)
+    self.seq_ids, self.stopped = itertools.count(1), False
     self.live_ids: set[int] = set()         # ids handed out and not yet detached: new_seq_id skips them when the counter wraps
     self.landed: dict[int, Landing] = {}    # seq_id -> the pieces of its layers whose notices arrived
     self.engine = DecodeEngine(model, self.cache)   # the jitted decode step; it holds PAD_SEQ's block
-    self.stopped = False
     self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
     self.limbo: dict[int, Sequence] = {}    # released before all layers landed while its writer may still copy (shm, verbs)
-    self.rejected_notices = 0
+    self.rejected_notices, self.disk = 0, None  # disk: the KV disk tier (tinyhet.kv.disk_tier), or None
     self.prefills = self.prefilled_tokens = 0   # prefills run here and the prompt tokens they computed (a prefix hit's are not)
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
@@ -89,19 +89,20 @@ class DecodeNode:
       peak = bm.take_peak() if reset_peak is True else max(bm.peak_used, bm.num_used)
     return {"model": self.model_id, "fingerprint": self.fingerprint, "cache_key": bm.model_id, "kv_notice_format": NOTICE_FORMAT,
             "config": {k: v for k, v in asdict(c).items() if isinstance(v, (int, float, str, bool))},
-            "block_size": self.cache.block_size, "kv_dtype": self.cache.kv_dtype.name, "block_bytes": self.cache.block_nbytes,
+            "block_size": self.cache.block_size, "kv_dtype": kv_name(self.cache.kv_dtype), "block_bytes": self.cache.block_nbytes,
             "kv_blocks": bm.num_blocks - 1, "free_blocks": bm.num_free, "largest_fit": bm.largest_fit(), "host": host_id(),
             # what a long-lived or misbehaving peer could make grow: the soak and fuzz tests watch these stay flat
             "open_sequences": open_seqs, "held_for_writers": len(self.limbo), "exposed_regions": len(self.node.endpoint.exposed),
             "rejected_notices": self.rejected_notices, "prefix_cache": bm.prefix_cache, "cached_blocks": bm.num_cached, "submit": self.can_submit,
             "prefix_queried_tokens": bm.queried_tokens, "prefix_hit_tokens": bm.matched_tokens, "preemptions": self.scheduler.num_preemptions,
-            "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens, "peak_used_blocks": peak,
-            "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
+            "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens, **(self.disk.status() if self.disk else {}),
+            "peak_used_blocks": peak, "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
   def _serve_lookup(self, conn, prompt_ids: list[int], cache_salt: str = "") -> dict:
     """How many of these prompt tokens the prefix cache holds now for this salt (a request here would prefill only the rest)."""
     check_prompt(self.model.cfg, prompt_ids, 1)
-    with self.cond: return {"cached_tokens": len(self.cache.block_manager.match(prompt_ids, salt=cache_salt)) * self.cache.block_size}
+    with self.cond: n = len(self.cache.block_manager.match(prompt_ids, salt=cache_salt))
+    return {"cached_tokens": (n + (self.disk.chain(prompt_ids, cache_salt, n) if self.disk else 0)) * self.cache.block_size}
 
   def _serve_reserve(self, conn, prompt_ids: list[int], max_new_tokens: int, timeout: float = 60.0, writer: str | None = None,
                      use_cache: bool = False, cache_salt: str = "", n: int = 1) -> dict:
@@ -123,6 +124,7 @@ class DecodeNode:
                           extra={"owner": owner, "writer": owner, "writes_done": True})
                  for _ in range(n - 1)]
     seq.extra["samples"] = list(seq.forks)
+    if use_cache and self.disk is not None: self.disk.stage(seq.token_ids, cache_salt)   # disk reads, outside the lock
     deadline = time.monotonic() + timeout
     with self.cond:
       try:
@@ -347,48 +349,7 @@ class DecodeNode:
       if idle:                               # the warm-up's next capture, on this thread (tinygrad's), without the lock
         if not self.warm.step() and self.on_warm is not None: self.on_warm(self.warm.status())
         continue
-      for batch, piece in ([(decode, None)] if decode else []) + pieces:
-        # a grammar's masks, made on the grammar thread while the step runs (none for rows without one, or a chunk short of its end)
-        masks = None if piece and piece[1] < batch[0].num_tokens else prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch])
-        try:
-          if piece is None: logits = self.engine.step([s.seq_id for s in batch], [s.token_ids[-1] for s in batch], self.cond)
-          elif (logits := prefill_group(self, batch, *piece)) is None:    # a chunk short of the prompt's end: nothing to sample yet
-            with self.cond:
-              if batch[0].extra.get("cancelled") and batch[0].status is SequenceStatus.RUNNING: self.scheduler.finish(batch[0])
-              else: batch[0].prefilled = piece[1]
-            continue
-        except Exception as e:                 # a failed step fails its sequences, not the node
-          logits = None
-          with self.cond: self.scheduler.steps_failed(batch, piece is not None)     # they cache nothing past what they stored
-          for s in batch: s.extra["queue"].put(RuntimeError(f"decode step failed on {self.node.name}: {type(e).__name__}: {e}"))
-        if masks is not None: masks.result()
-        # the whole batch sampled at once, without the lock (reservations and notices go on meanwhile): the step's sequences
-        # keep their blocks and tokens until this thread postprocesses them
-        draws = None if logits is None else sample_batch(logits[:len(batch)], [s.extra["sampler"] for s in batch], [s.num_tokens for s in batch],
-                                                         [s.token_ids for s in batch])     # num_tokens: the new token's position
-        with self.cond:
-          for s in batch: s.prefilled = None   # a prompt's last chunk: it decodes from the next step on
-          live = [s for s in batch if not s.extra.get("cancelled")]
-          if logits is None: finished = list(live)
-          else:
-            new, failed = {}, []
-            for s in live:
-              d = draws[batch.index(s)]
-              if isinstance(d, ValueError):        # non-finite logits: that sequence fails, with the reason; the node goes on
-                s.extra["queue"].put(ValueError(f"sequence {s.seq_id} stopped: {d}"))
-                failed.append(s)
-              else: new[s.seq_id] = d
-              if s.extra.get("want_logits"): s.extra["last_logits"] = logits[batch.index(s)].copy()   # the logits behind the newest token
-            ok = [s for s in live if s.seq_id in new]
-            finished = self.scheduler.postprocess(ok, [new[s.seq_id].token for s in ok]) + failed
-            for s in ok:
-              d = new[s.seq_id]
-              s.extra["queue"].put(d.token if d.logprob is None else (d.token, d.logprob, d.top))
-              if (d.token in s.extra["stop_ids"] or self._hits_stop(s, d.token) or self.grammar_done(s)) and s not in finished: finished.append(s)
-          for s in batch:
-            if (s in finished or s.extra.get("cancelled")) and s.status is SequenceStatus.RUNNING: self.scheduler.finish(s)
-          for s in finished: s.extra["queue"].put(None)
-          self.cond.notify_all()
+      for batch, piece in ([(decode, None)] if decode else []) + pieces: run_batch(self, batch, piece)
       with self.cond: self.in_step = set()
 
   def _prefill(self, s: Sequence, first: int | None = None, end: int | None = None) -> np.ndarray | None:
@@ -411,8 +372,7 @@ class DecodeNode:
     return logits[None]
 
   def close(self):
-    self.stopped = True
-    with self.cond: self.cond.notify_all()
+    with self.cond: self.stopped = self.cond.notify_all() or True
     self.notice_thread.join(timeout=5)
 
 def _pool_region(buf) -> Region:

@@ -152,12 +152,35 @@ class Scheduler:
   def schedule_step(self, budget: int) -> tuple[list[Sequence], list[tuple[Sequence, int, int]]]:
     """A stall-free step (Sarathi-Serve's; vLLM's chunked prefill under max_num_batched_tokens): one new token slot for every
     decoding sequence, as schedule() gives them (preempting the newest when a slot needs a block), and prompt chunks of at most
-    `budget` tokens in all (max_num_batched_tokens while nothing decodes): the prompts under way first, then waiting
-    sequences admitted in order while their blocks fit.
+    `budget` tokens in all: the prompts under way first, then waiting sequences admitted in order while their blocks fit.
+    While nothing decodes, up to max_num_batched_tokens, but no chunk past the first that ends its prompt: that prompt
+    decodes from the next step on, and a chunk after it in this step would hold back its second token (a stall of a whole
+    prompt's prefill, the one these steps are there to prevent).
     Returns (decode batch, [(sequence, first token, end)]): the chunk's tokens are token_ids[first:end]; a prompt is done when
     its end is num_tokens (seq.prefilled holds the progress between steps; an admitted prompt starts after its cached prefix).
     A long prompt is spread over steps, so the decoding sequences get a token every step whatever arrives."""
     if budget < 1: raise ValueError(f"a step's prefill budget must be at least 1 token, got {budget}")
+    decode = self.decode_slots()
+    idle = not decode
+    if idle: budget = max(budget, self.max_num_batched_tokens)     # nothing decodes to keep pace with: a prompt whole
+    chunks: list[tuple[Sequence, int, int]] = []
+    def take(seq: Sequence) -> bool:          # seq's next chunk; False once the step is full
+      nonlocal budget
+      n = min(seq.num_tokens - seq.prefilled, budget)
+      chunks.append((seq, seq.prefilled, seq.prefilled + n))
+      budget -= n
+      return budget > 0 and not (idle and seq.prefilled + n == seq.num_tokens)
+    for seq in [s for s in self.running if s.prefilled is not None]:
+      if budget <= 0 or not take(seq): return decode, chunks
+    while budget > 0 and (seq := self._admit()):
+      self._fork(seq)                         # its forks run from now on, waiting (fork_of) for its prompt's last chunk
+      seq.prefilled = self.bm.cached_length(seq.seq_id)
+      if not take(seq): break
+    return decode, chunks
+
+  def decode_slots(self) -> list[Sequence]:
+    """A new token slot for every decoding sequence (its prompt's KV in place), as schedule() gives them: a slot that needs a
+    block preempts the newest running sequence. The sequences to decode this step; schedule_step's first half."""
     decode: list[Sequence] = []
     for seq in [s for s in self.running if s.prefilled is None and s.fork_of is None]:   # a fork decodes once its prompt's KV is in
       if seq.status is not SequenceStatus.RUNNING: continue            # preempted for an earlier sequence's slot
@@ -168,20 +191,7 @@ class Scheduler:
       else:
         self.bm.append_slot(seq.seq_id)
         decode.append(seq)
-    if not decode: budget = max(budget, self.max_num_batched_tokens)     # nothing decodes to keep pace with: prompts whole
-    chunks: list[tuple[Sequence, int, int]] = []
-    for seq in [s for s in self.running if s.prefilled is not None]:
-      if budget <= 0: break
-      n = min(seq.num_tokens - seq.prefilled, budget)
-      chunks.append((seq, seq.prefilled, seq.prefilled + n))
-      budget -= n
-    while budget > 0 and (seq := self._admit()):
-      self._fork(seq)                         # its forks run from now on, waiting (fork_of) for its prompt's last chunk
-      seq.prefilled = self.bm.cached_length(seq.seq_id)
-      n = min(seq.num_tokens - seq.prefilled, budget)
-      chunks.append((seq, seq.prefilled, seq.prefilled + n))
-      budget -= n
-    return decode, chunks
+    return decode
 
   def preempt(self, seq: Sequence) -> None:
     """Free seq's blocks (its full ones stay cached: its recompute may find them) and queue it first for recompute. Its

@@ -62,6 +62,9 @@ class BlockManager:
     self.tables: dict[int, list[int]] = {}
     self.lengths: dict[int, int] = {}
     self.reserved: set[int] = set()
+    # a lower tier (tinyhet.kv.disk_tier): evicted(block, hash) as a cached block is evicted, before it is reused;
+    # restore(hash) -> a function writing that hash's KV into a given block, or None: allocate's hit goes on through it
+    self.evicted = self.restore = None
 
   # ***** figures *****
 
@@ -136,6 +139,7 @@ class BlockManager:
       if self.ref_counts[b] == 0: del self.cached_free[b]
       self.ref_counts[b] += 1
       self.hash_block[h] = self.hash_block.pop(h := self.block_hash[b])   # newest last: what a heartbeat's summary shows
+    if self.restore is not None and token_ids is not None and self.prefix_cache: hit += self._restored(token_ids, n_tokens, len(hit), salt)
     self.tables[seq_id] = hit + self._take(self.blocks_needed(n_tokens) - len(hit), f"sequence {seq_id} ({n_tokens} tokens)")
     self.lengths[seq_id] = n_tokens
     if token_ids is not None and self.prefix_cache:
@@ -144,6 +148,22 @@ class BlockManager:
     self.hit_tokens[seq_id] = len(hit) * self.block_size
     if salt: self.salts[seq_id] = salt
     return self.tables[seq_id]
+
+  def _restored(self, token_ids, n_tokens: int, start: int, salt: str) -> list[int]:
+    """The blocks past a RAM hit of `start` blocks that the lower tier gives back (restore): each in a fresh block, written
+    and hashed there, so it counts as cached; a block of the chain still in RAM is shared as a hit is."""
+    out = []
+    for h in block_hashes(token_ids, self.block_size, self.model_id, (n_tokens - 1) // self.block_size, salt)[start:]:
+      if (b := self.hash_block.get(h)) is not None:    # a later block of the chain outlived an earlier one in RAM
+        if self.ref_counts[b] == 0: del self.cached_free[b]
+        self.ref_counts[b] += 1
+      elif (fill := self.restore(h)) is None: break
+      else:
+        b = self._take(1, f"a block restored for {n_tokens} tokens")[0]   # its fresh block: one the allocation counted anyway
+        fill(b)
+        self.block_hash[b], self.hash_block[h] = h, b
+      out.append(b)
+    return out
 
   def cached_length(self, seq_id: int) -> int:
     """Tokens at the start of the sequence that were cached when it was allocated (their KV need not be computed)."""
@@ -267,8 +287,9 @@ class BlockManager:
       if self.free_ids: b = self.free_ids.popleft()
       else:                                 # evict the least recently used cached block
         b, _ = self.cached_free.popitem(last=False)
-        del self.hash_block[self.block_hash.pop(b)]
+        del self.hash_block[h := self.block_hash.pop(b)]
         self.evictions += 1
+        if self.evicted is not None: self.evicted(b, h)   # its bytes are still there: nothing has written the block since
       ids.append(b)
     for b in ids: self.ref_counts[b] = 1
     self.peak_used = max(self.peak_used, self.num_used)

@@ -2,7 +2,8 @@
 model's KVCache protocol) over paged attention (kernels/paged_attention.py).
 
 Pool byte layout (per layer, one realized buffer that never moves): shape (num_blocks, 2, n_kv_heads, block_size * head_dim)
-in kv_dtype, so block b is the contiguous span [b * block_nbytes, (b + 1) * block_nbytes) holding its K tiles then its V tiles;
+in kv_dtype's pool dtype (kernels/kv_quant.py: an 8-bit format's tile is its bytes, q8_0's with its scales), so block b is
+the contiguous span [b * block_nbytes, (b + 1) * block_nbytes) holding its K tiles then its V tiles;
 inside, K is stored transposed per head ((head_dim, block_size)) and V row-major ((block_size, head_dim)). kernels/kv_pack.py
 packs a prefilled layer into exactly these bytes; block_spans gives where a sequence's blocks are (consecutive ids coalesce).
 
@@ -23,6 +24,8 @@ from tinygrad.dtype import DType
 from tinygrad.helpers import ceildiv
 from tinyhet.kv.block_manager import BlockManager
 from tinyhet.device.cpu_threads import pool_threads
+from tinyhet.kernels import cpu_attention
+from tinyhet.kernels.kv_quant import is_8bit, is_q8, kv_format, kv_name, tile_len
 from tinyhet.kernels.paged_attention import decode_splits, kv_scatter, max_blocks_var, paged_attention, uses_c
 
 SCRATCH_BYTES = 256 << 20   # attention keeps (rows, n_heads, splits, head_dim + 2) float32 partials, whatever the length: rows past this go in chunks
@@ -32,7 +35,7 @@ def create_pool(num_blocks: int, n_kv_heads: int, head_dim: int, block_size: int
   Every pool is made here, so the device that holds KV (MESH: registered memory) is chosen in one place. In registered host
   memory on a device whose kernels run on the worker pool, the zeroing is the pool's first touch (first_touch): block range
   t of the pool is written first by pool thread t, so its pages are on that thread's NUMA node."""
-  shape = (num_blocks, 2, n_kv_heads, block_size * head_dim)
+  shape = (num_blocks, 2, n_kv_heads, tile_len(dtype, block_size, head_dim))
   if (threads := pool_threads(device)) > 1:
     pool = Tensor.empty(*shape, dtype=dtype, device=device)
     pool.uop.buffer.ensure_allocated()
@@ -70,12 +73,15 @@ class PagedKVCache:
                kv_dtype: DType | str = dtypes.float16, device: str = "CPU", max_seq_len: int = 8192, prefix_cache: bool = False,
                model_id: str = ""):
     self.n_layers, self.n_kv_heads, self.head_dim, self.block_size = n_layers, n_kv_heads, head_dim, block_size
-    self.kv_dtype: DType = getattr(dtypes, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+    self.kv_dtype: DType = kv_format(kv_dtype)
+    if is_8bit(self.kv_dtype) and not cpu_attention.supported(device, self.kv_dtype, head_dim, block_size):
+      raise ValueError(f"kv_dtype {kv_name(self.kv_dtype)} needs the CPU C attention kernels (a CPU device, head_dim and block size "
+                       f"multiples of 16, q8_0's head_dim of 32): not {device}, head_dim {head_dim}, block {block_size}")
     self.max_seq_len = max_seq_len
     self.cap = ceildiv(max_seq_len, block_size)   # block-table width: the most blocks one sequence can hold
     self.block_manager = BlockManager(num_blocks, block_size, prefix_cache, model_id)   # prefix_cache: see BlockManager
     self.pools = [create_pool(num_blocks, n_kv_heads, head_dim, block_size, self.kv_dtype, device) for _ in range(n_layers)]
-    self.block_nbytes = 2 * n_kv_heads * block_size * head_dim * self.kv_dtype.itemsize
+    self.block_nbytes = self.bytes_per_block(1, n_kv_heads, head_dim, block_size, self.kv_dtype)
     self._tables: dict[int, Tensor] = {}     # decode batch size -> (B, cap) int32, rewritten in place each step (fixed buffers for TinyJit)
     self._inputs: dict[int, tuple[Tensor, Tensor]] = {}   # decode batch size -> its tokens and positions, (B, 1) int32, the same way
     self._max_blocks = max_blocks_var(self.cap)
@@ -84,7 +90,7 @@ class PagedKVCache:
   @staticmethod
   def bytes_per_block(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, kv_dtype: DType) -> int:
     """Bytes one block costs across all layers: size the pool as arena_bytes // this."""
-    return n_layers * 2 * n_kv_heads * block_size * head_dim * kv_dtype.itemsize
+    return n_layers * 2 * n_kv_heads * tile_len(kv_dtype, block_size, head_dim) * kv_dtype.itemsize
 
   # ***** the model's KVCache protocol *****
 
@@ -202,10 +208,11 @@ class PagedKVCache:
       if ka is None or va is None or pool is None:
         packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
         return self.write_sequence(seq_id, layer, packed.uop.buffer.as_memoryview()[:nbytes])
-      if blocks == list(range(blocks[0], blocks[0] + len(blocks))): pack_kv_host(ka, va, pool[blocks[0]:blocks[0] + len(blocks)])
+      fmt = dict(q8=is_q8(self.kv_dtype), fp8=self.kv_dtype if is_8bit(self.kv_dtype) and not is_q8(self.kv_dtype) else None)
+      if blocks == list(range(blocks[0], blocks[0] + len(blocks))): pack_kv_host(ka, va, pool[blocks[0]:blocks[0] + len(blocks)], **fmt)
       else:
         tmp = np.empty((len(blocks), *pool.shape[1:]), pool.dtype)
-        pack_kv_host(ka, va, tmp)
+        pack_kv_host(ka, va, tmp, **fmt)
         pool[blocks] = tmp
     return store
 
@@ -219,6 +226,6 @@ class PagedKVCache:
 
 def kv_blocks_for(cfg, block_size: int, kv_dtype: str, kv_bytes: int) -> int:
   """How many blocks a KV budget of kv_bytes holds (all layers, K and V)."""
-  per_block = PagedKVCache.bytes_per_block(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, getattr(dtypes, kv_dtype))
+  per_block = PagedKVCache.bytes_per_block(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, block_size, kv_format(kv_dtype))
   if kv_bytes < per_block: raise ValueError(f"a KV budget of {kv_bytes} bytes holds no block ({per_block} bytes each)")
   return kv_bytes // per_block

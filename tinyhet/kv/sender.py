@@ -1,6 +1,8 @@
 """A request's K, V on their way from the prefill device into the decode node's reserved blocks, one layer at a time, while
 the next layer computes. Both prefill clients use it: DecodeClient (tinyhet run, tinyhet.engine.prefill) and PrefillNode (the
-service). The prefill thread only queues:
+service). The prefill thread only queues, or, for a layer of at most INLINE_LAYER_BYTES (a short prompt) not leaving through
+the staging ring, packs and posts it itself (LayerWriter.post: cheaper than waking the writer thread; a slow write then
+holds up the next layer):
 
   sender = KVSender(endpoint, peer, reservation, cfg, kv_dtype, buffers)
   sender.send(layer, k, v)     prefill thread, as each layer's K, V exist; never raises a write's failure
@@ -24,6 +26,7 @@ from tinygrad.uop.ops import Ops
 from tinyhet.kv.notices import MAX_PIECES, notice_value
 from tinyhet.device.backend import NotRegistered, region_of
 from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
+from tinyhet.kernels.kv_quant import is_8bit, is_q8, np_storage, tile_len
 from tinyhet.runtime.arena import Region
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Span, Transfer
@@ -46,21 +49,31 @@ class LayerWriter:
   shm write is a memcpy by the posting thread; a small tcp write is sent by it): the prefill thread only queues.
   before_post(), if given, runs on the writer thread before each write is posted; what it raises fails the request there
   (the service's prefill node checks that its caller still holds the reservation)."""
-  def __init__(self, endpoint, peer, before_post=None):
+  def __init__(self, endpoint, peer, before_post=None, inline_bytes: int = 0):
     self.endpoint, self.peer, self.before_post = endpoint, peer, before_post
+    self.inline_bytes = inline_bytes                  # a write of at most this many bytes is posted by the caller (see post)
     self.cancelled = False                            # abort(): queued writes are dropped, not posted
     self.queue: queue.SimpleQueue = queue.SimpleQueue()
     self.transfers: dict[int, Transfer] = {}
     self.posted: dict[int, float] = {}
     self.settled: dict[int, threading.Event] = {}     # set once a layer's write is posted, or failed to be
     self.error: BaseException | None = None
-    self.thread = threading.Thread(target=self._loop, name="tinyhet-kv-writer", daemon=True)
-    self.thread.start()
+    self.inlined = 0                                  # writes posted on the caller's thread
+    self.thread: threading.Thread | None = None       # started by the first write that is queued
 
-  def post(self, layer: int, spans: list[Span], notify: int, fill=None):
-    """Write spans with notify once fill(), if given, has filled their bytes (runs on the writer thread)."""
+  def post(self, layer: int, spans: list[Span], notify: int, fill=None, may_inline: bool = True):
+    """Write spans with notify once fill(), if given, has filled their bytes. Until a write has been queued, one of at
+    most inline_bytes (and may_inline: not a staging copy, which overlaps a GPU's next layer) is filled and posted here,
+    on the caller's thread: waking the writer thread costs ~1 ms a layer on two cores, more than packing and posting a
+    short prompt's layer. The rest go to the writer thread, in order."""
     if self.error is not None: raise self.error
     self.settled[layer] = threading.Event()
+    if may_inline and self.thread is None and sum(s.nbytes for s in spans) <= self.inline_bytes:
+      self.inlined += 1
+      return self._write(layer, spans, notify, fill)
+    if self.thread is None:
+      self.thread = threading.Thread(target=self._loop, name="tinyhet-kv-writer", daemon=True)
+      self.thread.start()
     self.queue.put((layer, spans, notify, fill))
 
   def landed(self, layer: int) -> bool:
@@ -77,21 +90,23 @@ class LayerWriter:
     self.transfers[layer].wait(timeout)
 
   def _loop(self):
-    while (item := self.queue.get()) is not None:
-      layer, spans, notify, fill = item
-      try:
-        if self.error is not None or self.cancelled: continue    # a write failed: post nothing more, finish() raises it
-        if self.before_post is not None: self.before_post()
-        if fill is not None: fill()
-        self.posted[layer] = time.perf_counter()
-        self.transfers[layer] = self.endpoint.write(self.peer, spans, notify=notify)
-      except BaseException as e: self.error = e
-      finally: self.settled[layer].set()
+    while (item := self.queue.get()) is not None: self._write(*item)
+
+  def _write(self, layer, spans: list[Span], notify: int, fill):
+    try:
+      if self.error is not None or self.cancelled: return       # a write failed: post nothing more, finish() raises it
+      if self.before_post is not None: self.before_post()
+      if fill is not None: fill()
+      self.posted[layer] = time.perf_counter()
+      self.transfers[layer] = self.endpoint.write(self.peer, spans, notify=notify)
+    except BaseException as e: self.error = e
+    finally: self.settled[layer].set()
 
   def finish(self, timeout: float = 60.0, check: bool = True) -> dict[int, Transfer]:
     """Stop the thread once every queued write is posted, then wait for each write to land. Raises the first failure."""
-    self.queue.put(None)
-    self.thread.join(timeout)
+    if self.thread is not None:
+      self.queue.put(None)
+      self.thread.join(timeout)
     for t in self.transfers.values():
       try: t.wait(timeout)
       except Exception as e:
@@ -108,7 +123,7 @@ def post_packed(writer: LayerWriter, layer: int, packed: Tensor, nbytes: int, sp
   except NotRegistered:
     if ring is not None:
       region = ring.take(layer, writer)
-      writer.post(layer, spans_from(region, 0), notify, start_copy(packed.uop.buffer, region, nbytes))
+      writer.post(layer, spans_from(region, 0), notify, start_copy(packed.uop.buffer, region, nbytes), may_inline=False)
       return packed
     packed = packed.to("MESH").realize()
     region, offset = region_of(packed.uop.buffer)
@@ -153,6 +168,9 @@ class SendBuffers:
     self.host_region = None
     self._free_staging()
 
+INLINE_LAYER_BYTES = 256 * 1024   # a request's layers up to this size are packed and posted on the prefill thread (LayerWriter.post):
+                                  # SmolLM2's up to ~340 tokens; longer prompts keep the writer thread's overlap with the next layer
+
 def _layer(key) -> int: return key[0] if isinstance(key, tuple) else key   # a writer's key: a layer, or (layer, piece)
 
 class Pieces:
@@ -172,7 +190,7 @@ class KVSender:
     self.pools = [RegionDescriptor.from_hex(h) for h in r["pools"]]
     self.kv_dtype, self.buffers = kv_dtype, buffers
     self.layer_bytes = len(self.blocks) * self.block_bytes
-    self.writer = LayerWriter(endpoint, peer, before_post)
+    self.writer = LayerWriter(endpoint, peer, before_post, INLINE_LAYER_BYTES)
     # host region and stage: made on the first layer whose K, V are in host memory (HET on a CPU), never where the layers
     # are in device memory and leave through the staging ring (that region is n_layers x layer bytes: 10 GiB for 32K tokens of 70B)
     self.cfg, self.host, self.stage = cfg, None, None
@@ -190,8 +208,9 @@ class KVSender:
     if self.host is None:
       cfg, nbytes = self.cfg, self.cfg.n_layers * self.layer_bytes
       self.host = self.buffers.host(nbytes)
-      self.stage = np.frombuffer(self.host.view(0, nbytes), np.dtype(self.kv_dtype.fmt)) \
-        .reshape(cfg.n_layers, len(self.blocks), 2, cfg.n_kv_heads, self.block_size * cfg.head_dim)    # the region may be larger (kept)
+      tile = tile_len(self.kv_dtype, self.block_size, cfg.head_dim)
+      self.stage = np.frombuffer(self.host.view(0, nbytes), np_storage(self.kv_dtype)) \
+        .reshape(cfg.n_layers, len(self.blocks), 2, cfg.n_kv_heads, tile)    # the region may be larger (kept)
     return self.host
 
   @property
@@ -214,10 +233,11 @@ class KVSender:
   def _hand_off(self, layer: int, k: Tensor, v: Tensor, first_row: int):
     if self.writer.error is not None: return
     notify = notice_value(self.seq_id, layer)
-    if self.kv_dtype.fmt is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
+    if np_storage(self.kv_dtype) is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
       self.keep.extend((k, v))              # K, V in host memory: the writer thread packs them into the host region
       self.writer.post(layer, self._spans(layer, self.host_stage(), layer * self.layer_bytes), notify,
-                       functools.partial(pack_kv_host, ka[first_row:], va[first_row:], self.stage[layer]))
+                       functools.partial(pack_kv_host, ka[first_row:], va[first_row:], self.stage[layer], is_q8(self.kv_dtype),
+                                         self.kv_dtype if is_8bit(self.kv_dtype) and not is_q8(self.kv_dtype) else None))
       return
     if first_row: k, v = k[first_row:].contiguous().realize(), v[first_row:].contiguous().realize()
     packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
@@ -251,7 +271,8 @@ class KVSender:
   def _can_send_from(self, pool: Tensor, n_pieces: int, b0: int) -> bool:
     cfg = self.cfg
     if b0 * self.block_size != self.cached or not 0 < n_pieces <= MAX_PIECES or pool.dtype != self.kv_dtype: return False
-    if tuple(pool.shape[1:]) != (2, cfg.n_kv_heads, self.block_size * cfg.head_dim) or pool.uop.base.op is not Ops.BUFFER: return False
+    if tuple(pool.shape[1:]) != (2, cfg.n_kv_heads, tile_len(self.kv_dtype, self.block_size, cfg.head_dim)): return False
+    if pool.uop.base.op is not Ops.BUFFER: return False
     try: region_of(pool.uop.base.buffer)
     except NotRegistered: return False
     return True

@@ -29,6 +29,7 @@ from tinygrad.dtype import DType
 from tinygrad.helpers import ceildiv
 from tinyhet.device.cpu_threads import pool_threads
 from tinyhet.kernels.kv_pack import unpack_kv
+from tinyhet.kernels.kv_quant import block_size_of, is_8bit, tile_len
 from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_attention
 from tinyhet.model.layer_jit import FINISH, QKV, Replay, allocated, layer_from, layer_tensors, signature, write_into as _write
 
@@ -83,7 +84,8 @@ class ChunkJit:
     if names == QKV:
       def qkv(x, cos, sin, q_out, pool, table, pos, *weights):
         q, k, v = model._qkv(0, x, (cos, sin), layer_from(template, QKV, weights))
-        k, v = (t.cast(kv_dtype).reshape(C, cfg.n_kv_heads, cfg.head_dim) for t in (k, v))   # rounded as the decode node holds them
+        # rounded as the decode node holds them (an 8-bit pool: quantized by the scatter itself)
+        k, v = ((t if is_8bit(kv_dtype) else t.cast(kv_dtype)).reshape(C, cfg.n_kv_heads, cfg.head_dim) for t in (k, v))
         Tensor.realize(q_out.assign(q), kv_scatter(pool, k, v, table, pos))
       self.halves[key] = Replay(qkv)
     else:
@@ -108,7 +110,7 @@ def chunk_jit(model, C: int, nb: int, kv_dtype: DType, pool_shape: tuple[int, ..
 def prompt_pools(model, n_tokens: int, kv_dtype: DType, block_size: int = BLOCK) -> tuple[list[Tensor], int]:
   """Pools for a prompt's own K, V (one per layer, blocks 0..nb-1 in order) and nb."""
   cfg, nb = model.cfg, ceildiv(n_tokens, block_size)
-  shape = (nb, 2, cfg.n_kv_heads, block_size * cfg.head_dim)
+  shape = (nb, 2, cfg.n_kv_heads, tile_len(kv_dtype, block_size, cfg.head_dim))
   return [Tensor.zeros(*shape, dtype=kv_dtype, device=model.device).contiguous().realize() for _ in range(cfg.n_layers)], nb
 
 def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer=None, progress=None, n_valid: int | None = None,
@@ -137,9 +139,9 @@ def chunked_prefill(model, tokens: Tensor, chunk: int, kv_dtype: DType, on_layer
     if start: raise ValueError("chunked_prefill: start > 0 needs the pools holding the tokens before")
     pools, nb = prompt_pools(model, span, kv_dtype)
     table = list(range(nb))
-  elif table is None or len(table) * (pools[0].shape[3] // cfg.head_dim) < span:
+  elif table is None or len(table) * block_size_of(pools[0].dtype, pools[0].shape[3], cfg.head_dim) < span:
     raise ValueError(f"chunked_prefill: the block table must cover {span} positions")
-  nb, bs = len(table), pools[0].shape[3] // cfg.head_dim
+  nb, bs = len(table), block_size_of(pools[0].dtype, pools[0].shape[3], cfg.head_dim)
   if layer_from % bs or not 0 <= layer_from <= start:
     raise ValueError(f"chunked_prefill: layer_from must be a block boundary in 0..start, got {layer_from}")
   end = start + (n_valid if layer_from else T)                 # on_layer's K, V: positions layer_from..end-1

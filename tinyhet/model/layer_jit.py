@@ -26,6 +26,7 @@ from tinygrad.uop.ops import Ops
 from tinyhet.device.cpu_threads import pool_threads
 from tinyhet.kernels import cpu_attention
 from tinyhet.kernels.kv_pack import pack_kv
+from tinyhet.kernels.kv_quant import carrier, round_kv
 from tinyhet.kernels.paged_attention import paged_attention
 from tinyhet.model.layers import attention
 from tinyhet.model.packed import PackedWeight
@@ -131,7 +132,7 @@ class LayerJit:
     dev, threads = model.device, pool_threads(model.device)
     # on a CPU device attention runs in kernels/cpu_attention.py's prefill tiles (block table and lengths below); elsewhere
     # tinygrad's kernels over the (T, T) scores with this causal mask
-    self.tiled = (threads, *tiled_inputs(T, dev)) if threads and cpu_attention.supported(dev, kv_dtype, cfg.head_dim, BLOCK) else None
+    self.tiled = (threads, *tiled_inputs(T, dev)) if threads and cpu_attention.supported(dev, carrier(kv_dtype), cfg.head_dim, BLOCK) else None
     self.allowed = None if self.tiled else Tensor.ones(T, T, dtype=dtypes.bool, device=dev).tril().reshape(1, T, T).realize()
     self.halves: dict[tuple, Replay] = {}
     # the prompt's ends, captured too: each cost ~5-16 ms of tinygrad scheduling per prefill (~10% of 100 tokens' TTFT)
@@ -152,7 +153,7 @@ class LayerJit:
     if names == QKV:
       def qkv(x: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor, v_out: Tensor, *weights: Tensor):
         q, k, v = model._qkv(0, x, (cos, sin), layer_from(template, QKV, weights))
-        Tensor.realize(q_out.assign(q), k_out.assign(k.cast(kv_dtype).reshape(k_out.shape)), v_out.assign(v.cast(kv_dtype).reshape(v_out.shape)))
+        Tensor.realize(q_out.assign(q), *(o.assign(round_kv(t.reshape(o.shape), kv_dtype)) for o, t in ((k_out, k), (v_out, v))))
       self.halves[key] = Replay(qkv)
     else:
       def finish(x: Tensor, q: Tensor, k: Tensor, v: Tensor, x_out: Tensor, *weights: Tensor):
@@ -176,7 +177,7 @@ class LayerJit:
 
   def _new_kv(self) -> Tensor:
     cfg = self.model.cfg
-    return allocated(Tensor.empty(self.T, cfg.n_kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=self.model.device))
+    return allocated(Tensor.empty(self.T, cfg.n_kv_heads, cfg.head_dim, dtype=carrier(self.kv_dtype), device=self.model.device))
 
   def prefill(self, tokens: Tensor, on_layer, progress, n_valid: int, on_hidden=None) -> Tensor:
     """tokens (1, T) int32 -> logits (1, vocab) of row n_valid - 1, every layer through the captures (see run). The logits

@@ -10,7 +10,9 @@
   --role prefill the model on HET and a PrefillNode (tinyhet.service.prefill_node) answering prefill.run.
   --role both    a decode node and a PrefillNode over one copy of the model on MESH: prefill jobs run on the batching
                  loop's thread between its steps, and the router gives the node prefill or decode work from the queue
-                 lengths and free KV blocks its heartbeats report.
+                 lengths and free KV blocks its heartbeats report. A job keeps the node's decoding sequences at their pace
+                 (KeepPace): between its layers, once a step's prefill_budget of prompt tokens' work has run, one decode step,
+                 as the loop's own steps carry at most that many tokens of a prompt of its own (Scheduler.schedule_step).
 """
 from __future__ import annotations
 import queue
@@ -45,6 +47,7 @@ def install_submit(decode) -> None:
       with decode.cond: decode.live_ids.difference_update(s.seq_id for s in seqs)
       raise
     seqs[0].forks = seqs[1:]               # one prefill: the others fork from it (tinyhet.engine.scheduler)
+    if decode.disk is not None: decode.disk.stage(prompt_ids, cache_salt)   # its blocks on disk read now, before the loop admits it
     with decode.cond:
       try: decode.scheduler.add(seqs[0])   # the batching loop prefills it when its blocks fit (first come, first served)
       except ValueError:
@@ -83,22 +86,32 @@ class CacheSummary:
   """The block hashes of a node's prefix cache, for one heartbeat stream (KV-aware routing: the router walks a prompt's
   chain of hashes through them). Its first beat carries them all ("cached_hashes"), every later one what changed since
   the beat before ("cached_added", "cached_removed"): a stream's beats arrive in order and a new stream starts whole
-  again, so the router's set is the node's, however long a conversation's chain. Past SUMMARY_HASHES the newest only."""
-  def __init__(self, bm, limit: int = SUMMARY_HASHES):
-    self.bm, self.limit, self.sent = bm, limit, None
+  again, so the router's set is the node's, however long a conversation's chain. Past SUMMARY_HASHES the newest only.
+  kind "disk" with hashes (a function: the disk tier's hashes, newest last) is the same summary of its disk tier
+  ("disk_hashes", ...; tinyhet.service.cache_view)."""
+  def __init__(self, bm, limit: int = SUMMARY_HASHES, kind: str = "cached", hashes=None):
+    self.limit, self.sent, self.kind = limit, None, kind
+    self.hashes = hashes or (lambda: list(bm.hash_block))       # newest last (tinyhet.kv.block_manager)
 
   def _now(self) -> set[int] | None:
     for _ in range(5):       # read without the lock: another thread may change the map meanwhile (then read again)
-      try: return set(list(self.bm.hash_block)[-self.limit:])     # newest last (tinyhet.kv.block_manager)
+      try: return set(self.hashes()[-self.limit:])
       except RuntimeError: continue
     return None
 
   def __call__(self) -> dict:
     if (now := self._now()) is None: return {}            # this beat says nothing of the cache; the next one catches up
-    if self.sent is None or len(now ^ self.sent) > self.limit: out = {"cached_hashes": list(now)}
-    else: out = {"cached_added": list(now - self.sent), "cached_removed": list(self.sent - now)}
+    k = self.kind
+    if self.sent is None or len(now ^ self.sent) > self.limit: out = {f"{k}_hashes": list(now)}
+    else: out = {f"{k}_added": list(now - self.sent), f"{k}_removed": list(self.sent - now)}
     self.sent = now
     return out
+
+def cache_summaries(decode):
+  """One heartbeat stream's summaries: the RAM prefix cache's, and the disk tier's where the node has one."""
+  parts = [CacheSummary(decode.cache.block_manager)]
+  if decode.disk is not None: parts.append(CacheSummary(None, kind="disk", hashes=decode.disk.store.hashes))
+  return lambda: {k: v for part in parts for k, v in part().items()}
 
 def decode_status(decode) -> dict:
   # read without decode.cond: a `both` node's batching loop can hold it while it waits for the model (a long prefill), and a
@@ -109,8 +122,23 @@ def decode_status(decode) -> dict:
           "running": len(s.running), "waiting": len(s.waiting), "incoming": len(s.incoming), "max_seqs": s.max_num_seqs,
           "max_context": decode.model.cfg.max_context, "cached_blocks": bm.num_cached, "prefix_queried_tokens": bm.queried_tokens,
           "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache,
-          "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens,
+          "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens, **(decode.disk.status() if decode.disk else {}),
           **({"warm_up": decode.warm.status()} if decode.warm is not None else {})}
+
+class KeepPace:
+  """A `both` node's prefill job spread over decode steps: called with the rows of each layer (or chunk of a layer) the job
+  has computed, it runs one decode step of the node's decoding sequences (batch_step.decode_only_step) once a step's budget
+  of prompt tokens has gone by (a layer of T rows is T / n_layers tokens of a whole prompt's work). The job's KV and first
+  token are the same (its computation is untouched); the decoding sequences' tokens too (their steps, only earlier)."""
+  def __init__(self, decode):
+    self.decode, self.owed, self.steps = decode, 0.0, 0
+
+  def __call__(self, rows: int) -> None:
+    from tinyhet.engine.batch_step import decode_only_step
+    self.owed += rows / self.decode.model.cfg.n_layers
+    if self.owed < self.decode.prefill_budget: return
+    self.owed = 0.0
+    if decode_only_step(self.decode): self.steps += 1
 
 class ServiceExtras:
   """Heartbeats and decode.submit on a decode node; with role `both`, a PrefillNode sharing its model, on its own thread."""
@@ -125,13 +153,15 @@ class ServiceExtras:
       # control requests go on meanwhile.
       self.prefill = PrefillNode(decode.model, decode.node, decode.model_id, on_job=lambda: self._wake(decode), fingerprint=decode.fingerprint)
       self.prefill.tokenizer = decode.tokenizer
+      self.prefill.pace = self.pace = KeepPace(decode)
       def prefill_first():                   # queued prefills before the next decode step; all of them while nothing decodes
         if self.prefill.jobs.qsize():
           self.prefill.run_one()
           while self.prefill.jobs.qsize() and not (decode.scheduler.running or decode.scheduler.waiting): self.prefill.run_one()
       decode.between_steps = prefill_first
-    heartbeat.install(decode.node.endpoint, role, lambda: {**decode_status(decode), **(self.prefill.status() if self.prefill else {})},
-                      per_stream=lambda: CacheSummary(decode.cache.block_manager))
+    heartbeat.install(decode.node.endpoint, role, lambda: {**decode_status(decode), **(self.prefill.status() if self.prefill else {}),
+                                                           **({"paced_steps": self.pace.steps} if self.prefill else {})},
+                      per_stream=lambda: cache_summaries(decode))
 
   @staticmethod
   def _wake(decode):

@@ -18,7 +18,8 @@ prefix is computed here and every layer sent again (its pools are dropped, its s
 from __future__ import annotations
 import queue, select, socket, sys, threading, time  # select.poll: select.select raises for a descriptor >= 1024
 from dataclasses import dataclass, field
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor
+from tinyhet.kernels.kv_quant import kv_format
 from tinyhet.kv.grants import check_grant
 from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
 from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible, check_prompt
@@ -71,6 +72,7 @@ class PrefillNode:
     # host memory the layers leave from, kept between jobs; a GPU's packed layers leave through config.staging_buffers of it
     self.buffers = SendBuffers(node, node.config.staging_buffers if staging_buffers is None else staging_buffers)
     self.tokenizer = None                        # the model's tokenizer (tinyhet node sets it): a request's grammar needs its vocabulary
+    self.pace = None                             # pace(tokens) as each layer of a job is computed (a `both` node's KeepPace)
     node.endpoint.handle("prefill.run", self._serve_run)
 
   def status(self) -> dict:
@@ -129,8 +131,8 @@ class PrefillNode:
       ctl = ControlClient(self.node.endpoint, address)
       try: info = ctl.call("decode.info", reply_timeout=10)
       finally: ctl.close()
-      check_compatible(self.model.cfg, self.model_id, info, f"at {address}", self.fingerprint)
-      self.decoders[address] = (self.node.endpoint.connect(address, self.transport), getattr(dtypes, info["kv_dtype"]))
+      check_compatible(self.model.cfg, self.model_id, info, f"at {address}", self.fingerprint, self.node.config.kv_dtype)
+      self.decoders[address] = (self.node.endpoint.connect(address, self.transport), kv_format(info["kv_dtype"]))
     return self.decoders[address]
 
   def _prefill(self, job: Job) -> dict:
@@ -154,10 +156,13 @@ class PrefillNode:
       first = cached if cached and not pulled else 0      # the whole prompt computed again: the suffix's rows only
       kept.append((layer, k, v, first))
       sender.send(layer, k, v, first)
+      if self.pace is not None: self.pace(k.shape[0])
 
     def send_chunk(*piece) -> bool:     # a chunked prefill's blocks of a layer, as each chunk computes them (a pulled prefix's suffix too)
       if isinstance(sender.writer.error, CallerGone): raise sender.writer.error
-      return sender.send_chunk(*piece)
+      sent = sender.send_chunk(*piece)
+      if self.pace is not None: self.pace((piece[3] - piece[2]) * r["block_size"])   # (layer, pool, b0, b1, ...): the blocks' rows
+      return sent
 
     n, pull = len(job.prompt_ids), {}
     try:

@@ -21,8 +21,8 @@ connections (client gone, node lost) frees its reservation and sequence on the d
 from __future__ import annotations
 import itertools, secrets, threading, time
 from dataclasses import dataclass, field
-from tinyhet.kv.block_manager import block_hashes
 from tinyhet.service import heartbeat
+from tinyhet.service.cache_view import DISK_WEIGHT, SUMMARY_KEYS, cache_view, chain_tokens
 from tinyhet.runtime.control import ControlClient, ControlError
 
 MAX_ATTEMPTS = 5           # node losses one request survives
@@ -42,19 +42,6 @@ class _NodeLost(Exception):
     super().__init__(message)
     self.reason = reason
 
-CACHE_SUMMARY = ("cached_hashes", "cached_added", "cached_removed")   # a heartbeat's cache summary (node_roles.CacheSummary)
-
-def cache_view(view: set, beat: dict) -> set:
-  """A node's cached block hashes after one of its beats: the whole set, or the one before with what was added and removed
-  (a beat without a summary leaves it; a malformed one empties it: no summary is better than a wrong one)."""
-  def ints(key):
-    v = beat.get(key, [])
-    return {h for h in v if isinstance(h, int) and not isinstance(h, bool)} if isinstance(v, list) else None
-  if "cached_hashes" in beat: return ints("cached_hashes") or set()
-  added, removed = ints("cached_added"), ints("cached_removed")
-  if added is None or removed is None: return set()
-  return (view - removed) | added if added or removed else view
-
 @dataclass(eq=False)
 class Node:
   address: str
@@ -68,6 +55,7 @@ class Node:
   recent: list = field(default_factory=list)  # (monotonic time, blocks) of admissions the last heartbeat may not show yet
   clients: set = field(default_factory=set)   # requests' control connections to this node
   cached: set = field(default_factory=set)    # block hashes of its prefix cache, as its heartbeats tell them (_beat)
+  disk: set = field(default_factory=set)      # block hashes of its disk tier, likewise (tinyhet.service.cache_view)
   @property
   def can_decode(self) -> bool: return self.role in ("decode", "both")
   @property
@@ -77,13 +65,12 @@ class Node:
     s = self.status
     return min(s.get("free_blocks", 0) - sum(b for _, b in self.recent), s.get("kv_blocks", 0) - self.reserved_blocks)
   def cached_tokens(self, ids: list[int], salt: str = "") -> int:
-    """Prompt tokens this node's cache would give ids under this salt (its heartbeat's summary, hashed with its cache key)."""
-    if not self.cached or not ids: return 0
-    bs, n = self.status.get("block_size", 16), 0
-    for h in block_hashes(ids, bs, self.status.get("cache_key", self.status.get("model", "")), (len(ids) - 1) // bs, salt):
-      if h not in self.cached: break
-      n += bs
-    return n
+    """Prompt tokens this node's RAM cache would give ids under this salt (its heartbeat's summary, hashed with its cache key)."""
+    return chain_tokens(self.status, self.cached, set(), ids, salt)[0]
+  def overlap(self, ids: list[int], salt: str = "") -> float:
+    """The KV-aware score's cached tokens: RAM hits, and the disk tier's blocks after them at DISK_WEIGHT."""
+    ram, disk = chain_tokens(self.status, self.cached, self.disk, ids, salt)
+    return ram + DISK_WEIGHT * disk
   def decode_load(self) -> float:
     s = self.status
     return max(s.get("running", 0) + s.get("waiting", 0) + s.get("incoming", 0), self.assigned) / max(1, s.get("max_seqs", 1))
@@ -154,14 +141,15 @@ class Cluster:
         node.up, node.reason = False, (f"serves {beat.get('model')!r} (fingerprint {beat.get('fingerprint')}), this router {self.model_id!r} "
                                        f"({self.fingerprint}): start every node with the same --model file and flags")
       else: node.up, node.reason = True, ""
-      node.status = {k: v for k, v in beat.items() if k not in CACHE_SUMMARY}
-      node.cached = cache_view(node.cached, beat)
+      node.status = {k: v for k, v in beat.items() if k not in SUMMARY_KEYS}
+      node.cached, node.disk = cache_view(node.cached, beat), cache_view(node.disk, beat, "disk")
       shown = time.monotonic() - 2 * self.hb_interval      # a beat arriving now was made after these reservations landed
       node.recent = [(t, b) for t, b in node.recent if t > shown]
       self.cond.notify_all()
     if self.metrics is not None:
       self.metrics.node_up.labels(node.address, node.role).set(1 if node.up else 0)
       if node.can_decode and beat.get("kv_blocks"): self.metrics.kv_usage.labels(node.address).set(1 - beat["free_blocks"] / beat["kv_blocks"])
+      if node.can_decode: self.metrics.node_figures(node.address, beat)     # RAM and disk hits, disk bytes
 
   def _lost(self, node: Node, why: str, close_clients: bool = True):
     with self.cond:
@@ -219,7 +207,8 @@ class Cluster:
           hit = {n: n.cached_tokens(ids, salt) if ids else 0 for n in up}
           fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n]) + more]
           if fits:
-            node = min(fits, key=lambda n: (n.decode_load() - OVERLAP_WEIGHT * hit[n] / max(1, prompt_tokens), -n.free_blocks()))
+            score = {n: n.overlap(ids, salt) if ids else 0 for n in fits}
+            node = min(fits, key=lambda n: (n.decode_load() - OVERLAP_WEIGHT * score[n] / max(1, prompt_tokens), -n.free_blocks()))
             node.reserved_blocks += (need := node.blocks_for(tokens) - node.blocks_for(hit[node]) + more)
             node.recent.append((time.monotonic(), need))
             node.assigned += 1

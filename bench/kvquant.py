@@ -1,0 +1,79 @@
+"""tinyhet bench kvquant: the KV cache's dtypes (kernels/kv_quant.py) against float16 KV on the embedded SmolLM2, in one
+process, through `tinyhet run --no-disagg`'s engine (paged pool, the CPU C kernels reading the blocks as they are): greedy
+tokens equal out of N at each context (bench/prompts.py filler), the prefill's last-position logit max abs error, the
+perplexity of a fixed text (docs/*.md in name order, the first --ppl-tokens tokens), tokens held per GiB of pool, wire bytes
+per prompt token (whole blocks of every layer, as the prefill node sends them), decode tok/s at batch 1 and prefill time at
+the longest context (its second run: the first compiles). Decode at batch 16 is not measured here."""
+from __future__ import annotations
+import argparse, json, math, pathlib, sys, time
+
+DTYPES = ("float16", "q8_0", "fp8_e4m3", "fp8_e5m2", "bfloat16")
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+
+def fixed_text() -> str:
+  return "\n\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(prog="tinyhet bench kvquant", description=__doc__.split("\n\n")[0])
+  ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated kv_dtypes; float16 first is the baseline")
+  ap.add_argument("--contexts", default="1024,4096", help="prompt lengths (tokens) for the greedy comparison")
+  ap.add_argument("--tokens", type=int, default=32, help="greedy tokens generated per context")
+  ap.add_argument("--ppl-tokens", type=int, default=4096, help="tokens of the fixed text scored for perplexity (0: skip)")
+  ap.add_argument("--json", action="store_true")
+  args = ap.parse_args(argv)
+  import numpy as np
+  import tinyhet  # noqa: F401  (MESH)
+  from tinyhet.bench.prompts import filler_ids
+  from tinyhet.engine.local_engine import LocalEngine
+  from tinyhet.engine.prefill import prefill_logits
+  from tinyhet.engine.prompt_logprobs import prompt_logprobs
+  from tinyhet.kernels.kv_quant import kv_format
+  from tinyhet.kv.paged_cache import PagedKVCache
+  from tinyhet.model.weights import embedded_model_path, load_model
+  names, contexts = [d for d in args.dtypes.split(",") if d], [int(c) for c in args.contexts.split(",") if c]
+  try:
+    for d in names: kv_format(d)
+  except ValueError as e: ap.error(str(e))
+  longest = max([*contexts, args.ppl_tokens])
+  model, tok = load_model(str(embedded_model_path()), device="MESH", max_context=longest + args.tokens + 16, quiet=True, packed=True)
+  cfg, bs = model.cfg, 16
+  text_ids = tok.encode(fixed_text(), add_special=False)[:args.ppl_tokens] if args.ppl_tokens else []
+  if args.ppl_tokens and len(text_ids) < args.ppl_tokens: raise SystemExit(f"docs/*.md give {len(text_ids)} tokens, not {args.ppl_tokens}")
+  rows, base = [], {}
+  for name in names:
+    fmt = kv_format(name)
+    per_block = PagedKVCache.bytes_per_block(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, bs, fmt)
+    row = {"kv_dtype": name, "tokens_per_gib": (1 << 30) // per_block * bs, "wire_bytes_per_token": per_block / bs}
+    engine = LocalEngine(model, longest + args.tokens + 16, block_size=bs, kv_dtype=name)
+    for n in contexts:
+      ids = filler_ids(tok, n)
+      got, stats = engine.generate(ids, args.tokens)
+      logits = np.asarray(prefill_logits(model, ids, fmt)).reshape(-1)
+      if name == names[0]: base[n] = (got, logits)
+      row[f"same_tokens_{n}"] = sum(a == b for a, b in zip(got, base[n][0]))
+      row[f"logit_max_abs_err_{n}"] = float(np.abs(logits - base[n][1]).max())
+      if n == max(contexts):   # timed on a second run: the first one compiled this length's kernels
+        again, stats = engine.generate(ids, args.tokens)
+        row.update(prefill_s=stats["ttft_s"], decode_tok_s_b1=stats["decode_tok_s"], repeat_same=again == got)
+    if text_ids:
+      t0 = time.perf_counter()
+      lp = [e["logprob"] for e in prompt_logprobs(model, text_ids, 0, fmt)[1:]]
+      row.update(perplexity=math.exp(-sum(lp) / len(lp)), ppl_s=time.perf_counter() - t0)
+    rows.append(row)
+    if not args.json: print(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+  b = rows[0]
+  for r in rows:
+    r["capacity_x"] = r["tokens_per_gib"] / b["tokens_per_gib"]
+    r["wire_x"] = r["wire_bytes_per_token"] / b["wire_bytes_per_token"]
+    if "perplexity" in r: r["perplexity_x"] = r["perplexity"] / b["perplexity"]
+    if "prefill_s" in r: r.update(prefill_x=r["prefill_s"] / b["prefill_s"], decode_b1_x=r["decode_tok_s_b1"] / b["decode_tok_s_b1"])
+  out = {"model": "SmolLM2-135M-Instruct Q4_1", "baseline": names[0], "contexts": contexts, "tokens": args.tokens,
+         "ppl_tokens": len(text_ids), "rows": rows}
+  if args.json: print(json.dumps(out))
+  else:
+    cols = ["kv_dtype", *[f"same_tokens_{n}" for n in contexts], "perplexity_x", "capacity_x", "wire_x", "prefill_x", "decode_b1_x"]
+    print("  ".join(f"{c:>14}" for c in cols))
+    for r in rows: print("  ".join(f"{r.get(c, '-'):>14.4g}" if isinstance(r.get(c), float) else f"{r.get(c, '-')!s:>14}" for c in cols))
+  return 0
+
+if __name__ == "__main__": sys.exit(main())
