@@ -19,6 +19,7 @@ drawing the model's token with the position's draw and keeping the draft while t
 tokens are plain sampling's, token for token.
 """
 from __future__ import annotations
+import contextlib
 import numpy as np
 from tinygrad import Tensor, dtypes
 from tinyhet.device.cpu_threads import kernel_threads
@@ -55,38 +56,46 @@ class SpeculativeStep:
     while T > 1 and sum(self.bm.blocks_needed(len(t) + T - 1) - self.bm.blocks_needed(len(t)) for t in token_lists) > free: T -= 1
     return [d[:T - 1] for d in out]
 
-  def step(self, seq_ids: list[int], token_lists: list[list[int]], samplers: list, k: int, limits: list[int] | None = None) -> list[list]:
-    """Per sequence the Draws of its new tokens (1 + its accepted drafts). limits: tokens each may still take."""
+  def step(self, seq_ids: list[int], token_lists: list[list[int]], samplers: list, k: int, limits: list[int] | None = None,
+           stops: list[set] | None = None, lock=None) -> list[list]:
+    """Per sequence the Draws of its new tokens (1 + its accepted drafts). limits: tokens each may still take. stops: each
+    sequence's stop ids, after which nothing more is kept (cut before the rollback). lock: held while the block manager
+    and the step's block tables are touched (the decode node's, whose other threads change them)."""
     limits = limits or [k + 1] * len(seq_ids)
-    drafts = self.drafts(token_lists, k, limits)
-    T = 1 + max(len(d) for d in drafts)
+    with lock if lock is not None else contextlib.nullcontext():
+      drafts = self.drafts(token_lists, k, limits)
+      T = 1 + max(len(d) for d in drafts)
+      if T > 1:
+        rows = []
+        for sid, tokens, d in zip(seq_ids, token_lists, drafts):
+          for _ in range(T - 1): self.bm.append_slot(sid)
+          rows.append([tokens[-1], *d, *[d[-1] if d else tokens[-1]] * (T - 1 - len(d))])   # a short draft padded: its rows are dropped
+        positions = self.cache.begin_step(seq_ids, T)
     if T == 1:                                # nothing drafted: a plain decode step
-      logits = self.engine.step(seq_ids, [t[-1] for t in token_lists])
+      self.steps += len(seq_ids)
+      logits = self.engine.step(seq_ids, [t[-1] for t in token_lists], lock)
       return [[d] for d in sample_batch(logits, samplers, [len(t) for t in token_lists], token_lists)]
-    rows = []
-    for sid, tokens, d in zip(seq_ids, token_lists, drafts):
-      for _ in range(T - 1): self.bm.append_slot(sid)
-      rows.append([tokens[-1], *d, *[d[-1] if d else tokens[-1]] * (T - 1 - len(d))])   # a short draft padded: its rows are dropped
-    logits = self.forward(seq_ids, rows)     # (B, T, vocab)
+    logits = self.forward(rows, positions)     # (B, T, vocab)
     out = []
     for i, (tokens, d) in enumerate(zip(token_lists, drafts)):
       kept = []
       for j in range(len(d) + 1):            # the model's draw at each drafted position, kept while the draft agrees
         draw = sample_batch(logits[i, j][None], [samplers[i]], [len(tokens) + j], [tokens + d[:j]])[0]
         kept.append(draw)
-        if isinstance(draw, Exception) or j == len(d) or draw.token != d[j]: break
+        if isinstance(draw, Exception) or j == len(d) or draw.token != d[j] or (stops and draw.token in stops[i]): break
       self.drafted += len(d)
       self.accepted += len(kept) - 1
       out.append(kept)
-    for sid, tokens, kept in reversed(list(zip(seq_ids, token_lists, out))):   # undone last taken first: the free queue's order
-      self.bm.truncate(sid, len(tokens) + len(kept) - 1)
+    with lock if lock is not None else contextlib.nullcontext():
+      for sid, tokens, kept in reversed(list(zip(seq_ids, token_lists, out))):   # undone last taken first: the free queue's order
+        self.bm.truncate(sid, len(tokens) + len(kept) - 1)
     self.steps += len(seq_ids)
     return out
 
-  def forward(self, seq_ids: list[int], rows: list[list[int]]) -> np.ndarray:
-    """Logits (B, T, vocab) of every row's T tokens, whose slots the block manager holds (the last T of each sequence)."""
+  def forward(self, rows: list[list[int]], positions: np.ndarray) -> np.ndarray:
+    """Logits (B, T, vocab) of every row's T tokens, whose slots the block manager holds (the last T of each sequence;
+    positions: the cache's begin_step for them)."""
     B, T = len(rows), len(rows[0])
-    positions = self.cache.begin_step(seq_ids, T)
     dev = self.cache.pools[0].device
     with kernel_threads(self.engine.model.device):
       toks = Tensor(np.array(rows, dtype=np.int32), dtype=dtypes.int32, device=dev)
