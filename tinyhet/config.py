@@ -12,7 +12,7 @@ Environment variables override the file: TINYHET_NODE, HET_BACKEND, TINYHET_AREN
 TINYHET_PEERS ("name=host:port,name2=host:port"), TINYHET_TCP_STREAMS, TINYHET_KV_BLOCK_SIZE, TINYHET_KV_DTYPE,
 TINYHET_RDMA_DEVICE, TINYHET_RDMA_PORT, TINYHET_RDMA_GID_INDEX, TINYHET_CPU_THREADS, TINYHET_STAGING_BUFFERS, TINYHET_PREFILL_BUDGET,
 TINYHET_WARM_UP, TINYHET_KEY_FILE, TINYHET_PEER_KEYS ("name=hex,..."), TINYHET_TRUSTED_WRITERS ("name,name2"; empty: none), TINYHET_CLUSTER,
-TINYHET_KV_DISK, TINYHET_KV_DISK_SIZE.
+TINYHET_KV_DISK, TINYHET_KV_DISK_SIZE, TINYHET_SPECULATIVE.
 
 Identity (tinyhet.runtime.identity): key_file is this node's Ed25519 private key (`tinyhet keygen --out F`); peer_keys binds
 node names to public keys, so a name is refused to every other key. cluster names a cluster file whose [nodes.NAME]
@@ -63,6 +63,7 @@ class Config:
   warm_up: str = "background"            # background: a node builds every capture while idle | before: before it says ready | off
   kv_disk: str = ""                      # a decode node's KV disk tier: the folder evicted cached blocks go to (tinyhet.kv.disk_tier); empty = none
   kv_disk_size: int = 64 << 30           # the disk tier's bound: past it the oldest segment files are deleted
+  speculative: str = "off"              # a decode node's default for requests that do not say: off | ngram (docs/speculative.md)
 
   def __post_init__(self): validate(self, "config")
 
@@ -124,6 +125,7 @@ def validate(cfg: Config, source: str):
   if not isinstance(cfg.prefill_budget, int) or not 1 <= cfg.prefill_budget <= 65536: bad("prefill_budget", "must be between 1 and 65536 tokens")
   if cfg.warm_up not in WARM_UP_MODES: bad("warm_up", f"is not one of {', '.join(WARM_UP_MODES)}")
   if not isinstance(cfg.kv_disk, str) or "\0" in cfg.kv_disk: bad("kv_disk", "must be a directory path")
+  if cfg.speculative not in ("off", "ngram"): bad("speculative", "is not one of off, ngram")
   if not isinstance(cfg.kv_disk_size, int) or isinstance(cfg.kv_disk_size, bool) or cfg.kv_disk_size < 1 << 20:
     bad("kv_disk_size", "must be at least 1 MiB (e.g. 512M, 200G)")
 
@@ -154,6 +156,7 @@ _PARSERS = {
   "warm_up": ("TINYHET_WARM_UP", lambda v, w: str(v).lower()),
   "kv_disk": ("TINYHET_KV_DISK", lambda v, w: str(v)),
   "kv_disk_size": ("TINYHET_KV_DISK_SIZE", parse_bytes),
+  "speculative": ("TINYHET_SPECULATIVE", lambda v, w: str(v).lower()),
 }
 
 def parse_keys(text: str | dict, what: str) -> dict[str, str]:

@@ -26,6 +26,8 @@ def parse_args(argv):
                   "full blocks cached until the pool needs them, and share them with requests whose prompt starts the same)")
   ap.add_argument("--kv-disk", default=None, help="a folder for the KV disk tier: cached blocks evicted from RAM are written there "
                   "and read back on a hit, across restarts (TINYHET_KV_DISK; default: none)")
+  ap.add_argument("--speculative", default=None, choices=("off", "ngram"),
+                  help="speculative decoding for requests that do not set it (TINYHET_SPECULATIVE; default off; docs/speculative.md)")
   ap.add_argument("--kv-disk-size", default=None, help="the disk tier's bound, e.g. 200G (TINYHET_KV_DISK_SIZE; default 64G)")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns this node)")
   ap.add_argument("--quiet", action="store_true")
@@ -87,7 +89,7 @@ def serve(args, stop: threading.Event) -> int:
   node, model, tok, model_id = start(args.model, kv_bytes, args.max_context, args.quiet, packed=not args.float_weights)
   from tinyhet.engine.decode_node import DecodeNode
   from tinyhet.kv.paged_cache import kv_blocks_for
-  cfg = load_config(kv_disk=args.kv_disk, kv_disk_size=args.kv_disk_size)
+  cfg = load_config(kv_disk=args.kv_disk, kv_disk_size=args.kv_disk_size, speculative=args.speculative)
   try: blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
   except ValueError as e:                    # the smallest pool depends on the model: known only once it is loaded
     print(f"tinyhet node: --kv-memory {args.kv_memory}: {e}: give a bigger --kv-memory", file=sys.stderr)
@@ -99,6 +101,7 @@ def serve(args, stop: threading.Event) -> int:
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids,
                       prefix_cache=not args.no_prefix_cache, fingerprint=fingerprint(args.model, model.cfg, not args.float_weights))
   decode.tokenizer = tok                 # stop strings end sequences on the node
+  decode.speculative = {"mode": cfg.speculative, "k": 4}     # the default of requests without a speculative field
   if cfg.kv_disk and not args.no_prefix_cache:
     from tinyhet.kv.disk_tier import DiskTier
     try: decode.disk = DiskTier(decode.cache, cfg.kv_disk, cfg.kv_disk_size)

@@ -8,11 +8,13 @@ from __future__ import annotations
 from tinyhet.engine.forked_samples import prefill_group
 from tinyhet.engine.grammar import prefetch
 from tinyhet.engine.scheduler import SequenceStatus
+from tinyhet.engine.speculative_rows import run_speculative
 from tinyhet.model.sampling import sample_batch
 
 def run_batch(node, batch: list, piece: tuple[int, int] | None) -> None:
   """batch: the decoding sequences (piece None), or a prompt's sequence and its forks with its chunk (first, end). The
   caller holds the batch's sequences in node.in_step (their blocks are not freed while it runs)."""
+  if piece is None and not (batch := run_speculative(node, batch)): return    # the rows that asked for it: tinyhet.engine.speculative_rows
   # a grammar's masks, made on the grammar thread while the step runs (none for rows without one, or a chunk short of its end)
   masks = None if piece and piece[1] < batch[0].num_tokens else prefetch([s.extra["sampler"] for s in batch], [s.token_ids for s in batch])
   try:

@@ -194,6 +194,23 @@ class BlockManager:
     self.lengths[seq_id] = n + 1
     return self.tables[seq_id][-1], n % self.block_size
 
+  def truncate(self, seq_id: int, n_tokens: int) -> list[int]:
+    """Shorten a committed sequence to n_tokens slots (speculative decoding's rejected drafts, tinyhet.engine.speculative):
+    the blocks past them go back to the front of the free queue in the order they were taken, so the pool is as if they had
+    never been taken. Only blocks with no hash and no other holder may be dropped. Returns the blocks freed."""
+    self._committed(seq_id, "truncate")
+    if not 0 <= n_tokens <= self.lengths[seq_id]: raise ValueError(f"sequence {seq_id}: cannot truncate {self.lengths[seq_id]} tokens to {n_tokens}")
+    table, keep = self.tables[seq_id], self.blocks_needed(n_tokens)
+    dropped = table[keep:]
+    if any(self.ref_counts[b] != 1 or b in self.block_hash for b in dropped):
+      raise ValueError(f"sequence {seq_id}: a block past {n_tokens} tokens is shared or cached")
+    for b in reversed(dropped):
+      self.ref_counts[b] = 0
+      self.free_ids.appendleft(b)
+    del table[keep:]
+    self.lengths[seq_id] = n_tokens
+    return dropped
+
   def deallocate(self, seq_id: int, token_ids=None) -> None:
     """Free a finished or preempted sequence: its blocks go back to the pool once no other sequence shares them. With
     token_ids (the tokens whose KV it stores, at least), its full blocks stay cached (cache_blocks) until the pool needs them."""

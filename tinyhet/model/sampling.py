@@ -38,6 +38,10 @@ OPTIONS = {
   "min_tokens_ids": ((), lambda v: isinstance(v, (list, tuple)) and len(v) <= 1024 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                                                          for t in v), "a list of at most 1024 token ids"),
   # llguidance grammar text (tinyhet.engine.grammar): the node that samples builds its Constraint, which masks every draw
+  # speculative decoding on the decode node (tinyhet.engine.speculative.check_speculative gives the precise error)
+  "speculative": (None, lambda v: v is None or (isinstance(v, dict) and set(v) <= {"mode", "k"} and v.get("mode", "ngram") in ("off", "ngram")
+                  and isinstance(v.get("k", 4), int) and not isinstance(v.get("k", 4), bool) and 1 <= v.get("k", 4) <= 8),
+                  'null or an object like {"mode": "ngram", "k": 4} (mode off or ngram, k in 1..8)'),
   "grammar": (None, lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 1 << 20), "null or a grammar text of at most 1 MiB"),
 }
 
@@ -82,6 +86,7 @@ class Sampler:
     self.bias = {int(k): float(b) for k, b in (o["logit_bias"] or {}).items()}
     self.min_tokens, self.min_tokens_ids = o["min_tokens"], tuple(o["min_tokens_ids"])
     if self.min_tokens and self.output_from is None: raise ValueError("min_tokens needs output_from (where the output starts)")
+    self.speculative = o["speculative"]     # None: the decode node's default (tinyhet.engine.speculative_rows)
     self.grammar, self.constraint = o["grammar"], None     # the constraint: tinyhet.engine.grammar.constrain sets it on the node
 
   def holds_back_stops(self, position: int) -> bool:

@@ -17,7 +17,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "n", "stream", 
           "logit_bias", "logprobs", "user", "metadata", "top_k", "min_p", "repetition_penalty", "return_token_ids", "best_of", "use_beam_search",
           "prompt_logprobs", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
           "guided_whitespace_pattern", "structural_tag", "structured_outputs", "cache_salt", "ignore_eos", "min_tokens", "stop_token_ids",
-          "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens"}
+          "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
+          "speculative"}    # tinyhet's own: speculative decoding on the decode node (docs/speculative.md)
 CHAT = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                  "audio", "modalities", "prediction", "add_generation_prompt", "safety_identifier"}
 COMPLETION = COMMON | {"prompt", "echo", "suffix", "tools", "tool_choice"}     # tools: api_schema says they are for chat

@@ -1,6 +1,7 @@
 """Checking OpenAI request bodies: each field's type and range, the model's name and the context's length. A bad body
 raises ApiError (HTTP 4xx) whose message says which field to change and how; nothing else is raised for any JSON value."""
 from __future__ import annotations
+from tinyhet.engine.speculative import check_speculative
 from tinyhet.model.request_rules import MAX_STOP_CHARS, MAX_STOPS, check_generation, check_stop
 from tinyhet.service.api_error import ApiError
 from tinyhet.service.api_fields import check_fields, completion_prompts, extra_sampling, sample_count
@@ -81,6 +82,9 @@ def _common(body, tok, model_id: str, max_context: int | None, prompt_ids: list[
     if echo and logprobs is not None: options["prompt_logprobs"] = logprobs      # the prompt's own, from the prefill's logits
   extra = extra_sampling(body, tuple(getattr(tok, "stop_ids", ())), n_vocab)
   options.update(extra.pop("sampling_extra"))
+  if body.get("speculative") is not None:
+    try: options["speculative"] = check_speculative(body["speculative"])
+    except ValueError as e: raise ApiError(str(e), "speculative") from None
   node_rules(body, temperature, top_p, seed, {**options, "output_from": len(prompt_ids)}, stop)
   return {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "temperature": float(temperature), "top_p": float(top_p), "seed": seed,
           "stream": bool(stream), "include_usage": bool(opts and opts.get("include_usage")), "stop": stop, "chat": chat,

@@ -123,6 +123,7 @@ def decode_status(decode) -> dict:
           "max_context": decode.model.cfg.max_context, "cached_blocks": bm.num_cached, "prefix_queried_tokens": bm.queried_tokens,
           "prefix_hit_tokens": bm.matched_tokens, "preemptions": s.num_preemptions, "prefix_cache": bm.prefix_cache,
           "prefills": decode.prefills, "prefilled_tokens": decode.prefilled_tokens, **(decode.disk.status() if decode.disk else {}),
+          "spec_drafted_tokens": decode.spec.drafted if decode.spec else 0, "spec_accepted_tokens": decode.spec.accepted if decode.spec else 0,
           **({"warm_up": decode.warm.status()} if decode.warm is not None else {})}
 
 class KeepPace:

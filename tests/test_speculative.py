@@ -1,0 +1,84 @@
+"""Speculative decoding (tinyhet.engine.speculative): over a random tiny model, greedy and sampled tokens equal plain
+decode's for random prompts, batches and k, and the pool ends as plain decode leaves it (lengths, table sizes, free blocks; each step
+puts rejected drafts' blocks back in the free queue where they were)."""
+import pytest
+from hypothesis import HealthCheck, example, given, settings, strategies as st
+from tinygrad import Tensor, dtypes
+from tinyhet.engine.decode_engine import DecodeEngine
+from tinyhet.engine.ngram_draft import ngram_draft
+from tinyhet.engine.speculative import SpeculativeStep, check_speculative
+from tinyhet.kv.paged_cache import PagedKVCache
+from tinyhet.model import llama as model
+from tinyhet.model.sampling import Sampler, sample_batch
+
+CFG = model.small_config(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=32, max_context=256)
+
+@pytest.fixture(scope="module")
+def llama(): return model.Llama(CFG, model.random_weights(CFG, seed=1))
+
+def run(llama, prompts, new, k, temperature=0.0):
+  """Tokens of each prompt (plain decode: k = 0), and the block manager after."""
+  cache = PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256)
+  engine, bm = DecodeEngine(llama, cache), cache.block_manager
+  spec = SpeculativeStep(engine)
+  toks = [list(p) for p in prompts]
+  samplers = [Sampler(temperature, 1.0, seed=7 + i) for i in range(len(prompts))]
+  for i, p in enumerate(prompts):
+    bm.allocate(i, len(p))
+    logits = llama.forward(Tensor([p], dtype=dtypes.int32), Tensor(cache.begin_step([i], len(p))), cache).numpy()
+    toks[i].append(sample_batch(logits, [samplers[i]], [len(p)], [p])[0].token)
+  ids = list(range(len(prompts)))
+  while any(len(t) - len(p) < new for t, p in zip(toks, prompts)):
+    live = [i for i in ids if len(toks[i]) - len(prompts[i]) < new]
+    for i in live: bm.append_slot(i)
+    limits = [new - (len(toks[i]) - len(prompts[i])) for i in live]
+    if k:
+      before, held = list(bm.free_ids), held_blocks(bm)
+      draws = spec.step(live, [toks[i] for i in live], [samplers[i] for i in live], k, limits)
+      taken = held_blocks(bm) - held        # rejected drafts' blocks are back in their places in the free queue
+      assert list(bm.free_ids) == [b for b in before if b not in taken]
+    else:
+      logits = engine.step(live, [toks[i][-1] for i in live])
+      draws = [[d] for d in sample_batch(logits, [samplers[i] for i in live], [len(toks[i]) for i in live], [toks[i] for i in live])]
+    for i, ds in zip(live, draws):
+      toks[i] += [d.token for d in ds]
+      assert bm.length(i) == len(toks[i]) - 1
+  bm.check()
+  return [t[len(p):] for t, p in zip(toks, prompts)], bm, spec
+
+def held_blocks(bm): return {b for t in bm.tables.values() for b in t}
+
+def state(bm):
+  """What speculative decoding leaves as plain decode does: each sequence's length and table size and the number of free
+  blocks (bm.check: none leaked). Which blocks are held may differ: a step of several tokens a row crosses block boundaries
+  in another order across the batch, and a block one row rejects stays free while the next row keeps its own."""
+  return ({s: len(t) for s, t in bm.tables.items()}, dict(bm.lengths), len(bm.free_ids))
+
+prompt = st.lists(st.integers(0, 5), min_size=3, max_size=30)     # a small alphabet: n-grams recur, drafts are made
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(prompt, min_size=1, max_size=3), k=st.integers(1, 8), new=st.integers(1, 20))
+@example(prompts=[[0, 2, 0, 0, 2, 2, 5, 1, 3], [2, 1, 0, 4, 0, 4, 1, 4, 3, 1, 5, 4, 4, 0, 3, 1, 2, 0, 1, 4, 5]], k=7, new=11)
+@example(prompts=[[2, 2, 0, 2, 2, 3, 1, 3, 3, 1], [4, 3, 0, 5, 4, 1, 0, 5, 0, 4, 2, 3, 1, 5, 0, 2, 5, 1, 2], [0, 1, 3, 3, 1, 2, 3, 0, 3, 5, 2]],
+         k=7, new=10)                        # both rows roll a block back in one step; rows cross block boundaries out of order
+def test_greedy_equals_plain_and_the_pool_ends_as_plain(llama, prompts, k, new):
+  plain, bm_plain, _ = run(llama, prompts, new, 0)
+  fast, bm_fast, spec = run(llama, prompts, new, k)
+  assert fast == [t[:new] for t in plain] and all(len(t) == new for t in fast)
+  assert state(bm_fast) == state(bm_plain)
+
+def test_sampled_equals_plain_sampling_and_drafts_are_taken(llama):
+  prompts = [[1, 2, 3, 4] * 6, [5, 1, 5, 2] * 4]
+  plain, _, _ = run(llama, prompts, 24, 0, temperature=0.8)
+  fast, _, spec = run(llama, prompts, 24, 4, temperature=0.8)
+  assert fast == plain and spec.drafted > 0
+
+def test_ngram_draft():
+  assert ngram_draft([1, 2, 3, 9, 9, 1, 2, 3], 3) == [9, 9, 1]
+  assert ngram_draft([4, 5, 6, 7], 2) == []
+  assert ngram_draft([7, 1, 8, 1], 4) == [8, 1]           # the 1-gram when no longer tail recurs
+
+@pytest.mark.parametrize("bad", [{"mode": "eagle"}, {"k": 0}, {"k": 9}, {"k": True}, "ngram", {"mode": "ngram", "depth": 2}])
+def test_bad_speculative_fields_are_refused(bad):
+  with pytest.raises(ValueError, match="speculative"): check_speculative(bad)
+  assert check_speculative({"mode": "ngram", "k": 8}) == {"mode": "ngram", "k": 8}

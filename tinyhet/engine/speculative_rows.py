@@ -1,0 +1,56 @@
+"""The decode node's rows that decode speculatively (docs/speculative.md): those whose request asked for it, or whose node
+default is on (DecodeNode.speculative, `tinyhet node --speculative`), run one tinyhet.engine.speculative.SpeculativeStep
+of their own before the plain step of the rest (tinyhet.engine.batch_step.run_batch). A row with a grammar, logprobs,
+returned logits or stop strings decodes plainly. The accepted tokens are cut at the row's stop ids and max_tokens before
+the rollback, then each one is streamed as a plain step's token would be.
+"""
+from __future__ import annotations
+from tinyhet.engine.scheduler import SequenceStatus
+from tinyhet.engine.speculative import SpeculativeStep, check_speculative
+
+def speculative_k(node, seq) -> int:
+  """How many tokens to draft for seq a step (0: it decodes plainly)."""
+  s = seq.extra["sampler"]
+  if s.constraint is not None or s.logprobs is not None or seq.extra.get("want_logits") or seq.extra.get("stop_strings"): return 0
+  spec = check_speculative(s.speculative if s.speculative is not None else node.speculative)
+  return spec["k"] if spec["mode"] == "ngram" else 0
+
+def run_speculative(node, batch: list) -> list:
+  """Step batch's speculative rows (the caller holds them in node.in_step); the rows left for the plain step."""
+  ks = {s.seq_id: speculative_k(node, s) for s in batch if not s.extra.get("cancelled")}
+  rows = [s for s in batch if ks.get(s.seq_id)]
+  if not rows: return batch
+  if node.spec is None: node.spec = SpeculativeStep(node.engine)
+  eos = node.scheduler.eos
+  try:
+    out = node.spec.step([s.seq_id for s in rows], [list(s.token_ids) for s in rows], [s.extra["sampler"] for s in rows],
+                         max(ks[s.seq_id] for s in rows), [s.max_new_tokens - s.num_generated for s in rows],
+                         [s.extra["stop_ids"] | ({eos} if eos is not None else set()) for s in rows], node.cond)
+  except Exception as e:                 # a failed step fails its sequences, not the node
+    with node.cond:
+      node.scheduler.steps_failed(rows, False)
+      for s in rows: s.extra["queue"].put(RuntimeError(f"decode step failed on {node.node.name}: {type(e).__name__}: {e}"))
+      for s in rows: s.extra["queue"].put(None)
+      node.cond.notify_all()
+    return [s for s in batch if s not in rows]
+  with node.cond:
+    finished = []
+    for s, draws in zip(rows, out):
+      if s.extra.get("cancelled"):
+        finished.append(s)
+        continue
+      for d in draws:
+        if isinstance(d, ValueError):        # non-finite logits: that sequence fails, with the reason
+          s.extra["queue"].put(ValueError(f"sequence {s.seq_id} stopped: {d}"))
+          finished.append(s)
+          break
+        done = node.scheduler.postprocess([s], [d.token])
+        s.extra["queue"].put(d.token)
+        if done or d.token in s.extra["stop_ids"]:
+          finished.append(s)
+          break
+    for s in finished:
+      if s.status is SequenceStatus.RUNNING: node.scheduler.finish(s)
+      s.extra["queue"].put(None)
+    node.cond.notify_all()
+  return [s for s in batch if s not in rows]
