@@ -31,9 +31,10 @@ def unpack_kv(blocks: Tensor, n_tokens: int, head_dim: int) -> tuple[Tensor, Ten
   dequantized on the host, float32."""
   if is_q8(blocks.dtype): return tuple(Tensor(x, device=blocks.device) for x in unpack_q8_0_host(blocks.numpy(), n_tokens, head_dim))
   if is_coded(blocks.dtype):
-    raw = np.frombuffer(bytes(blocks.contiguous().realize().uop.buffer.as_memoryview()), np_storage(blocks.dtype)).reshape(blocks.shape)   # no cast
-    k, v = unpack_kv(Tensor(raw), n_tokens, head_dim)
-    return Tensor(decode(k.numpy(), blocks.dtype), device=blocks.device), Tensor(decode(v.numpy(), blocks.dtype), device=blocks.device)
+    plain = np.int16 if blocks.dtype.itemsize == 2 else np.uint8   # the same bytes under a dtype that is not a coded format
+    raw = np.frombuffer(bytes(blocks.contiguous().realize().uop.buffer.as_memoryview()), plain).reshape(blocks.shape)   # no cast
+    k, v = (decode(np.ascontiguousarray(x.numpy()).view(np_storage(blocks.dtype)), blocks.dtype) for x in unpack_kv(Tensor(raw), n_tokens, head_dim))
+    return Tensor(k, device=blocks.device), Tensor(v, device=blocks.device)
   nb, _, KV, X = blocks.shape
   bs = X // head_dim
   k = blocks[:, 0].reshape(nb, KV, head_dim, bs).permute(0, 3, 1, 2).reshape(nb * bs, KV, head_dim)[:n_tokens]
