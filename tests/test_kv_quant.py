@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 from tinygrad import Tensor, dtypes
 from tinyhet.config import ConfigError, load_config
 from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host, tensor_of_bytes, unpack_kv
-from tinyhet.kernels.kv_quant import FP8, code_of, decode_bf16, decode_fp8, dequantize_q8_0, encode_bf16, encode_fp8, is_q8, np_storage, quantize_q8_0, round_kv, \
-  tile_len
+from tinyhet.kernels.kv_quant import FP8, code_of, decode_bf16, decode_fp8, dequantize_q8_0, encode_bf16, encode_fp8, is_q8, np_storage, \
+  quantize_q8_0, round_kv, tile_len
 from tinyhet.kernels.paged_attention import kv_scatter, paged_attention
 
 EIGHT = [dtypes.int8, dtypes.fp8e4m3, dtypes.fp8e5m2]
@@ -75,7 +75,8 @@ def test_scatter_matches_packer(fmt):
 @given(st.sampled_from(CODED), st.integers(1, 3), st.integers(1, 70), st.sampled_from([1, 3]), st.integers(0, 10**6))
 def test_attention_over_coded_blocks(fmt, rows, longest, G, seed):
   rng, KV, D, BS, NB = np.random.default_rng(seed), 2, 64, 16, 8
-  pool = np.frombuffer(rng.integers(0, 256, NB * 2 * KV * tile_len(fmt, BS, D) * fmt.itemsize, dtype=np.uint8).tobytes(), np.uint8)  # stale bytes everywhere
+  nbytes = NB * 2 * KV * tile_len(fmt, BS, D) * fmt.itemsize
+  pool = np.frombuffer(rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes(), np.uint8)  # stale bytes everywhere
   k = rng.standard_normal((NB * BS, KV, D)).astype(np.float32)
   v = rng.standard_normal((NB * BS, KV, D)).astype(np.float32)
   packed = np.frombuffer(bytes(pack_kv(Tensor(k), Tensor(v), BS, fmt).uop.buffer.as_memoryview()), np.uint8).reshape(NB, 2, KV, -1)
