@@ -28,7 +28,8 @@ from tinygrad.runtime.ops_cpu import CPUProgram
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
 from tinyhet.kernels.kv_quant import C_LOADS, SCATTER, block_size_of
 
-KV_CODES = {dtypes.float32: 0, dtypes.float16: 1, dtypes.bfloat16: 2, dtypes.int8: 3, dtypes.fp8e4m3: 4, dtypes.fp8e5m2: 5}   # int8: q8_0
+# int8: q8_0; uint16: bfloat16 bits (kernels/kv_quant.py)
+KV_CODES = {dtypes.float32: 0, dtypes.float16: 1, dtypes.uint16: 2, dtypes.int8: 3, dtypes.fp8e4m3: 4, dtypes.fp8e5m2: 5}
 QR = 8      # prefill query rows per tile (x G heads = the vectors that share one K, V read)
 
 _SOURCE = r"""
@@ -436,13 +437,14 @@ def cpu_paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_l
   mname, msrc = _source("merge", D=D, P=P, RH=R * H, PARTS=parts)
   return Tensor.empty(R, H, D, dtype=dtypes.float32, device=q.device).custom_kernel(out, fxn=_program(mname, msrc, parts, 2))[0]
 
-def cpu_scatter_8bit(pool: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
-  """kernels/paged_attention.py's kv_scatter into an 8-bit pool (kernels/kv_quant.py's tiles): each new token's K, V row
-  quantized in C (q8_0 per 32 values, as llama.cpp's quantize_row_q8_0_ref; fp8 value by value). One part (a decode
+def cpu_scatter_coded(pool: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
+  """kernels/paged_attention.py's kv_scatter into a coded pool (8-bit or bfloat16 bits, kernels/kv_quant.py's tiles): each
+  new token's K, V row encoded in C (q8_0 per 32 values, as llama.cpp's quantize_row_q8_0_ref; fp8 and bfloat16 value by
+  value, bfloat16 rounded to nearest even). One part (a decode
   step's few rows). CPU devices only."""
   R, KV, D = k.shape
   NB, _, _, X = pool.shape
-  if not cpu_compiled(pool.device): raise ValueError(f"an 8-bit kv_dtype: the KV scatter is C for CPU devices, not {pool.device}")
+  if not cpu_compiled(pool.device): raise ValueError(f"an 8-bit or bfloat16 kv_dtype: the KV scatter is C for CPU devices, not {pool.device}")
   name, src = _source("scatter", KVB=KV_CODES[pool.dtype], R=R, KVH=KV, D=D, BS=block_size_of(pool.dtype, X, D), CAP=block_tables.shape[1], NBLK=NB)
   ins = [k.float().contiguous(), v.float().contiguous(), block_tables.cast(dtypes.int32).contiguous(), positions.cast(dtypes.int32).contiguous()]
   return pool.custom_kernel(*ins, fxn=_program(name, src, 1, 5))[0]

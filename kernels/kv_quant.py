@@ -3,7 +3,12 @@ references, the tinygrad round trip a prefill attends with, the C the CPU kernel
 pools (tinyhet/kv/paged_cache.py), the packers (kernels/kv_pack.py), the C kernels (kernels/cpu_attention.py) all ask here.
 
 Formats (config.kv_dtype) and the pool dtype that stands for each (a pool's dtype names its format):
-  float32, float16, bfloat16    the values                                  4, 2, 2 bytes a value
+  float32, float16              the values                                  4, 2 bytes a value
+  bfloat16                      dtypes.uint16: the values' bfloat16 bits (the top half of their float32, rounded to
+                                nearest even), never a tinygrad bfloat16 tensor: tinygrad's CPU renderer declares those
+                                `__bf16`, which clang < 17 rejects on x86 ("__bf16 is not supported on this target"). The
+                                C kernels widen them by a 16-bit shift, as tinyhet/model/bf16_weight.py does for weights.
+                                                                            2 bytes a value
   fp8_e4m3, fp8_e5m2            dtypes.fp8e4m3 / fp8e5m2: the OCP 8-bit floats, round to nearest even, saturating (a value
                                 past 448 / 57344 is stored as +-448 / +-57344); per-tensor scale 1.0 (SGLang's default
                                 without calibration): K, V are stored as they are. e4m3: 3 mantissa bits, normal from
@@ -23,7 +28,7 @@ import numpy as np
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
 
-FORMATS: dict[str, DType] = {"float16": dtypes.float16, "float32": dtypes.float32, "bfloat16": dtypes.bfloat16,
+FORMATS: dict[str, DType] = {"float16": dtypes.float16, "float32": dtypes.float32, "bfloat16": dtypes.uint16,
                              "q8_0": dtypes.int8, "fp8_e4m3": dtypes.fp8e4m3, "fp8_e5m2": dtypes.fp8e5m2}
 Q8 = 32        # values per q8_0 scale
 FP8 = {dtypes.fp8e4m3: (4, 3, 7, 448.0), dtypes.fp8e5m2: (5, 2, 15, 57344.0)}   # exponent bits, mantissa bits, bias, largest
@@ -42,6 +47,14 @@ def kv_name(fmt: DType) -> str:
 
 def is_q8(fmt: DType) -> bool: return fmt == dtypes.int8
 def is_8bit(fmt: DType) -> bool: return fmt in (dtypes.int8, dtypes.fp8e4m3, dtypes.fp8e5m2)
+def is_bf16(fmt: DType) -> bool: return fmt == dtypes.uint16
+def is_coded(fmt: DType) -> bool:
+  """Whether tinyhet encodes this format's bytes itself (the 8-bit ones, bfloat16's bits): written by the C scatter and the
+  host packers from float32, never by a tinygrad cast."""
+  return is_8bit(fmt) or is_bf16(fmt)
+def code_of(fmt: DType) -> DType | None:
+  """The value-by-value code a host packer applies (fp8, bfloat16 bits), or None (a float pool, or q8_0: per 32 values)."""
+  return fmt if is_coded(fmt) and not is_q8(fmt) else None
 
 def tile_len(fmt: DType, block_size: int, head_dim: int) -> int:
   """A tile's length in pool elements: block_size * head_dim values, q8_0's scales after them."""
@@ -59,13 +72,13 @@ def row_bytes(fmt: DType, head_dim: int) -> float:
   return head_dim * (Q8 + 2) / Q8 if is_q8(fmt) else head_dim * fmt.itemsize
 
 def carrier(fmt: DType) -> DType:
-  """The dtype a prefill's K, V are handed out in (on_layer): the format's own, float32 for the 8-bit ones (values on
+  """The dtype a prefill's K, V are handed out in (on_layer): the format's own, float32 for the coded ones (values on
   their grid: a q8_0 float16 scale times an int8 needs 19 bits; fp8 is encoded here, not by tinygrad's cast, which
   flushes e4m3's subnormals to zero)."""
-  return dtypes.float32 if is_8bit(fmt) else fmt
+  return dtypes.float32 if is_coded(fmt) else fmt
 
 def np_storage(fmt: DType):
-  """The numpy dtype a pool's elements are read as on the host (fp8: their bytes), or None (bfloat16: numpy has none)."""
+  """The numpy dtype a pool's elements are read as on the host (fp8: their bytes; bfloat16: its bits, uint16), or None."""
   if fmt.fmt is not None: return np.dtype(fmt.fmt)
   return np.dtype(np.uint8) if is_8bit(fmt) else None
 
@@ -74,6 +87,7 @@ def np_storage(fmt: DType):
 def round_kv(x: Tensor, fmt: DType) -> Tensor:
   """x (..., head_dim) float as the pool will hold it, in carrier(fmt): a cast, or for q8_0 quantized per 32 values and
   expanded back (float32), so the prefill attends to the numbers the decode node will read."""
+  if is_bf16(fmt): return bf16_to_float(round_to_bf16(x))
   if not is_8bit(fmt): return x.cast(fmt)
   if not is_q8(fmt): return _on_grid(x.float(), *FP8[fmt][1:])
   shape = x.shape
@@ -81,6 +95,15 @@ def round_kv(x: Tensor, fmt: DType) -> Tensor:
   d = g.abs().max(-1, keepdim=True) / 127.0
   q = (g * (d > 0).where(1.0 / d, 0.0)).round()
   return (q * _on_grid(d, 10, 15, 65504.0)).reshape(shape)   # the scale as float16 holds it (a cast there is folded away)
+
+def round_to_bf16(x: Tensor) -> Tensor:
+  """float Tensor -> uint16 bfloat16 bits, round to nearest even, by integer ops on its float32 bits (no bfloat16 type)."""
+  u = x.float().bitcast(dtypes.uint32)
+  return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).cast(dtypes.uint16)
+
+def bf16_to_float(bits: Tensor) -> Tensor:
+  """uint16 bfloat16 bits -> float32, exact: a 16-bit shift."""
+  return (bits.cast(dtypes.uint32) << 16).bitcast(dtypes.float32)
 
 def _on_grid(x: Tensor, M: int, bias: int, top: float) -> Tensor:
   # x rounded (half to even, saturating) to a float format of M mantissa bits and this bias, in float32: |x| to the step
@@ -141,7 +164,23 @@ def unpack_q8_0_host(blocks: np.ndarray, n_tokens: int, head_dim: int) -> tuple[
     out.append(dequantize_q8_0(np.ascontiguousarray(q), d).reshape(nb * BS, KV, D)[:n_tokens])
   return out[0], out[1]
 
-# ***** numpy references: fp8 *****
+# ***** numpy references: bfloat16 bits, fp8 *****
+
+def encode_bf16(x: np.ndarray) -> np.ndarray:
+  """float values -> their bfloat16 bits (uint16), round to nearest even (torch's and llama.cpp's rounding)."""
+  u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+def decode_bf16(b: np.ndarray) -> np.ndarray:
+  """bfloat16 bits -> float32 values (exact)."""
+  return (np.asarray(b, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+def encode(x: np.ndarray, fmt: DType) -> np.ndarray:
+  """code_of(fmt)'s encoding of float values: fp8 bytes or bfloat16 bits."""
+  return encode_bf16(x) if is_bf16(fmt) else encode_fp8(x, fmt)
+
+def decode(b: np.ndarray, fmt: DType) -> np.ndarray:
+  return decode_bf16(b) if is_bf16(fmt) else decode_fp8(b, fmt)
 
 def encode_fp8(x: np.ndarray, fmt: DType) -> np.ndarray:
   """float values -> their fp8 bytes (uint8): round to nearest even, saturating at the largest finite value; float64 math."""
@@ -221,7 +260,7 @@ static inline unsigned char to_fp8(float x, int M, int bias, float top) {
   return s | (unsigned char)((b >> (23 - M)) - ((unsigned)(127 - bias) << M));
 }
 /* K, V (R, KVH, D) float32 of R tokens into their slots: token r at position pos[r] of block table row r; q8_0: quantized
-   per 32 values (d = amax / 127, q = roundf(x / d): llama.cpp's quantize_row_q8_0_ref); fp8: encoded value by value */
+   per 32 values (d = amax / 127, q = roundf(x / d): llama.cpp's quantize_row_q8_0_ref); fp8, bfloat16: value by value */
 KERNEL void %(name)s(signed char *restrict pool, const float *restrict k, const float *restrict v, const int *restrict bt,
                      const int *restrict pos) {
   for (int r = 0; r < R; r++) {
@@ -231,6 +270,15 @@ KERNEL void %(name)s(signed char *restrict pool, const float *restrict k, const 
     for (int kv = 0; kv < 2; kv++)
       for (int h = 0; h < KVH; h++) {
         const float *x = (kv ? v : k) + ((size_t)r * KVH + h) * D;
+#if KVB == 2
+        unsigned short *bits = (unsigned short *)pool + (((size_t)blk * 2 + kv) * KVH + h) * X;
+        for (int dd = 0; dd < D; dd++) {   /* bfloat16: the float32 bits' top half, rounded to nearest even */
+          unsigned b; __builtin_memcpy(&b, x + dd, 4);
+          unsigned short q = (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+          if (kv) bits[t * D + dd] = q; else bits[dd * BS + t] = q;
+        }
+        continue;
+#endif
         signed char *tile = pool + (((size_t)blk * 2 + kv) * KVH + h) * X;
 #if KVB != 3
         for (int dd = 0; dd < D; dd++) {

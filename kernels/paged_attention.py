@@ -52,7 +52,7 @@ from tinygrad.dtype import AddrSpace
 from tinygrad.helpers import NUM_CPU_THREADS
 from tinygrad.uop.ops import AxisType, KernelInfo
 from tinyhet.kernels import cpu_attention
-from tinyhet.kernels.kv_quant import block_size_of, is_8bit, is_q8
+from tinyhet.kernels.kv_quant import block_size_of, is_coded, is_q8
 
 NEG = -1e30   # the score of a masked slot and the start of a running max: finite, so exp(NEG - NEG) is 1, not NaN
 MAX_BLOCKS_VAR = "kv_max_blocks"  # the Variable that bounds the block loop: the longest row's number of blocks
@@ -95,7 +95,7 @@ def kv_scatter(pool: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, positio
   token p of row r lands in block block_tables[r, p // block_size], slot p % block_size. Writes only those R * 2 * n_kv *
   head_dim elements (cast to the pool dtype), never the rest of the pool. Returns the pool after the write."""
   R, KV, D = k.shape
-  if is_8bit(pool.dtype): return cpu_attention.cpu_scatter_8bit(pool, k, v, block_tables, positions)
+  if is_coded(pool.dtype): return cpu_attention.cpu_scatter_coded(pool, k, v, block_tables, positions)
   BS = pool.shape[3] // D
 
   def kernel(pool: UOp, k: UOp, v: UOp, bt: UOp, pos: UOp) -> UOp:
@@ -130,8 +130,8 @@ def paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens:
   K, V below the tile's longest row are stored: a chunk's own tokens scattered first), and splits is ignored."""
   R, H, D = q.shape
   _, _, KV, X = pool.shape
-  if is_8bit(pool.dtype) and not uses_c(q.device, pool, D, threads):
-    raise ValueError(f"paged_attention: an 8-bit pool ({pool.dtype}) is read by the CPU C kernels only (device {q.device})")
+  if is_coded(pool.dtype) and not uses_c(q.device, pool, D, threads):
+    raise ValueError(f"paged_attention: an 8-bit or bfloat16-bits pool ({pool.dtype}) is read by the CPU C kernels only (device {q.device})")
   if not is_q8(pool.dtype) and (H % KV or X % D):
     raise ValueError(f"paged_attention: n_heads {H} must be a multiple of n_kv_heads {KV}, pool tile {X} of head_dim {D}")
   BS, cap, g = block_size_of(pool.dtype, X, D), block_tables.shape[1], H // KV

@@ -1,4 +1,5 @@
-"""8-bit KV end to end: a decode node process holding its KV in q8_0 or fp8_e4m3, fed layer by layer over tcp and shm by a
+"""8-bit and bfloat16 KV end to end: a decode node process holding its KV in q8_0, fp8_e4m3 or bfloat16 (its bits, never a
+tinygrad bfloat16 tensor: clang < 17 has no __bf16), fed layer by layer over tcp and shm by a
 prefill on HET, gives the tokens of the single-device engine with the same KV dtype (`tinyhet run --no-disagg`'s), and a
 node whose kv_dtype differs from the decode node's is refused in one line naming both."""
 import dataclasses, json, os, subprocess, sys
@@ -34,7 +35,7 @@ def node_with(kv_dtype: str) -> LocalNode:
   node.endpoint.token = TOKEN
   return node
 
-@pytest.fixture(scope="module", params=["q8_0", "fp8_e4m3"])
+@pytest.fixture(scope="module", params=["q8_0", "fp8_e4m3", "bfloat16"])
 def q8_decode(request):
   env = {**os.environ, "TINYHET_TOKEN": TOKEN, "TINYHET_NODE": "kv8-decode", "TINYHET_ARENA_BYTES": "256M"}
   proc = subprocess.Popen([sys.executable, "-c", DECODE_NODE.format(small=SMALL, kv=request.param)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -56,8 +57,8 @@ def test_8bit_disaggregated_equals_single_device_of_the_same_kv_dtype(q8_decode,
   try: got, stats = client.generate(prompt, 10)
   finally: client.close()
   assert stats.transport == transport and got == want
-  # the wire carried the 8-bit bytes (q8_0: 34/64 of float16's per value; fp8: one byte), the prompt's blocks only
-  per_token = 2 * SMALL["n_layers"] * SMALL["n_kv_heads"] * (SMALL["dim"] // SMALL["n_heads"]) * (34 / 32 if kv == "q8_0" else 1)
+  # the wire carried the pool's bytes (q8_0: 34/64 of float16's per value; fp8: one byte; bfloat16: two), the prompt's blocks only
+  per_token = 2 * SMALL["n_layers"] * SMALL["n_kv_heads"] * (SMALL["dim"] // SMALL["n_heads"]) * {"q8_0": 34 / 32, "bfloat16": 2}.get(kv, 1)
   assert stats.kv_bytes == -(-prompt_len // 16) * 16 * per_token
 
 def test_a_decode_node_of_another_kv_dtype_is_refused_in_one_line(q8_decode):

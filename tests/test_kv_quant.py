@@ -1,21 +1,24 @@
-"""The KV cache's 8-bit formats (kernels/kv_quant.py): quantize / dequantize against float64 references, the C scatter
-against the numpy packer, the C attention kernels over 8-bit pools against a float64 attention over the dequantized values."""
+"""The KV cache's 8-bit and bfloat16 formats (kernels/kv_quant.py): quantize / dequantize against float64 references, the C scatter
+against the numpy packer, the C attention kernels over 8-bit and bfloat16 pools against a float64 attention over the dequantized values."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from tinygrad import Tensor, dtypes
 from tinyhet.config import ConfigError, load_config
 from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host, tensor_of_bytes, unpack_kv
-from tinyhet.kernels.kv_quant import FP8, decode_fp8, dequantize_q8_0, encode_fp8, is_q8, quantize_q8_0, round_kv, tile_len
+from tinyhet.kernels.kv_quant import FP8, code_of, decode_bf16, decode_fp8, dequantize_q8_0, encode_bf16, encode_fp8, is_q8, np_storage, \
+  quantize_q8_0, round_kv, tile_len
 from tinyhet.kernels.paged_attention import kv_scatter, paged_attention
 
 EIGHT = [dtypes.int8, dtypes.fp8e4m3, dtypes.fp8e5m2]
+CODED = [*EIGHT, dtypes.uint16]   # and bfloat16, held as its bits
 floats = st.floats(-1e4, 1e4, allow_nan=False, width=32) | st.sampled_from([0.0, -0.0, 1e-9, -1e-9, 448.0, 1e4])
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(floats, min_size=32, max_size=32))
 def test_q8_0_error_bound(xs):
-  x = np.array(xs, np.float32)
+  x = np.zeros(64, np.float32)
+  x[:len(xs)] = xs   # one shape: one kernel
   q, d = quantize_q8_0(x)
   y = dequantize_q8_0(q, d).astype(np.float64)
   amax = np.abs(x.astype(np.float64)).max()
@@ -33,14 +36,28 @@ def test_fp8_nearest_and_saturating(xs, fmt):
   best = np.abs(np.clip(x, -FP8[fmt][3], FP8[fmt][3])[:, None] - grid[None]).min(1)
   assert np.allclose(np.abs(np.clip(x, -FP8[fmt][3], FP8[fmt][3]) - y), best, rtol=0, atol=1e-12)
 
-@pytest.mark.parametrize("fmt", EIGHT)
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-2.0 ** 127, 2.0 ** 127, allow_nan=False, width=32) | st.sampled_from([0.0, -0.0, 1e-40, -3e-39, 1.00390625, 1.01171875]),
+                min_size=1, max_size=64))
+def test_bfloat16_round_trip_is_nearest_even(xs):
+  # float64 reference: x to the step of its binade (7 mantissa bits; float32's subnormal steps below 2^-126), half to even
+  x = np.zeros(64, np.float32)
+  x[:len(xs)] = xs   # one shape: one kernel
+  a = np.abs(x.astype(np.float64))
+  step = 2.0 ** (np.maximum(np.floor(np.log2(np.where(a > 0, a, 1.0))), -126) - 7)
+  want = np.rint(x.astype(np.float64) / step) * step
+  host = decode_bf16(encode_bf16(x))
+  assert np.array_equal(host.astype(np.float64), want)
+  assert np.array_equal(round_kv(Tensor(x), dtypes.uint16).numpy(), host)   # the tinygrad bit ops round as numpy does
+
+@pytest.mark.parametrize("fmt", CODED)
 def test_round_kv_is_what_the_pool_holds(fmt):
   x = (np.random.default_rng(1).standard_normal((20, 2, 64)) * np.exp(np.random.default_rng(2).uniform(-9, 5, (20, 2, 64)))).astype(np.float32)
   r = round_kv(Tensor(x), fmt).numpy()
   k, _ = unpack_kv(pack_kv(Tensor(r), Tensor(r), 16, fmt), 20, 64)
   assert np.array_equal(k.numpy(), r)   # the prefill attends to exactly the decode node's numbers
 
-@pytest.mark.parametrize("fmt", EIGHT)
+@pytest.mark.parametrize("fmt", CODED)
 def test_scatter_matches_packer(fmt):
   rng, KV, D, BS = np.random.default_rng(3), 2, 64, 16
   pool = Tensor.zeros(3, 2, KV, tile_len(fmt, BS, D), dtype=fmt).contiguous().realize()
@@ -48,17 +65,18 @@ def test_scatter_matches_packer(fmt):
   k = (rng.standard_normal((3, KV, D)) * np.exp(rng.uniform(-8, 6, (3, KV, D)))).astype(np.float32)
   got = np.frombuffer(bytes(kv_scatter(pool, Tensor(k), Tensor(-2 * k), Tensor(table), Tensor(pos)).realize().uop.buffer.as_memoryview()), np.uint8)
   got = got.reshape(*pool.shape[:3], -1)
-  full = np.zeros((48, KV, D), np.float32)
-  full[pos] = k
+  full, full_v = np.zeros((48, KV, D), np.float32), np.zeros((48, KV, D), np.float32)   # +0.0 in the empty slots (bfloat16 keeps -0.0's sign)
+  full[pos], full_v[pos] = k, -2 * k
   want = np.zeros_like(got)
-  pack_kv_host(full, -2 * full, want, q8=is_q8(fmt), fp8=None if is_q8(fmt) else fmt)
+  pack_kv_host(full, full_v, want.view(np_storage(fmt)), q8=is_q8(fmt), code=code_of(fmt))
   assert np.array_equal(got, want[[2, 1, 0]])
 
 @settings(max_examples=12, deadline=None)
-@given(st.sampled_from(EIGHT), st.integers(1, 3), st.integers(1, 70), st.sampled_from([1, 3]), st.integers(0, 10**6))
-def test_attention_over_8bit_blocks(fmt, rows, longest, G, seed):
+@given(st.sampled_from(CODED), st.integers(1, 3), st.integers(1, 70), st.sampled_from([1, 3]), st.integers(0, 10**6))
+def test_attention_over_coded_blocks(fmt, rows, longest, G, seed):
   rng, KV, D, BS, NB = np.random.default_rng(seed), 2, 64, 16, 8
-  pool = np.frombuffer(rng.integers(0, 256, NB * 2 * KV * tile_len(fmt, BS, D), dtype=np.uint8).tobytes(), np.uint8)  # stale bytes everywhere
+  nbytes = NB * 2 * KV * tile_len(fmt, BS, D) * fmt.itemsize
+  pool = np.frombuffer(rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes(), np.uint8)  # stale bytes everywhere
   k = rng.standard_normal((NB * BS, KV, D)).astype(np.float32)
   v = rng.standard_normal((NB * BS, KV, D)).astype(np.float32)
   packed = np.frombuffer(bytes(pack_kv(Tensor(k), Tensor(v), BS, fmt).uop.buffer.as_memoryview()), np.uint8).reshape(NB, 2, KV, -1)
@@ -69,7 +87,7 @@ def test_attention_over_8bit_blocks(fmt, rows, longest, G, seed):
   kd, vd = (x.float().numpy().astype(np.float64) for x in unpack_kv(pack_kv(Tensor(k), Tensor(v), BS, fmt), NB * BS, D))
   q = rng.standard_normal((rows, KV * G, D)).astype(np.float32)
   table = Tensor(np.tile(order.astype(np.int32), (rows, 1)))
-  out = paged_attention(Tensor(q), tensor_of_bytes(pool, fmt, 'CPU'), table, Tensor(lens), NB, threads=1).numpy()
+  out = paged_attention(Tensor(q), tensor_of_bytes(pool.view(np_storage(fmt)), fmt, 'CPU'), table, Tensor(lens), NB, threads=1).numpy()
   for r in range(rows):
     n = lens[r]
     kk, vv = np.repeat(kd[:n], G, axis=1), np.repeat(vd[:n], G, axis=1)

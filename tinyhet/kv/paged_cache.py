@@ -25,7 +25,7 @@ from tinygrad.helpers import ceildiv
 from tinyhet.kv.block_manager import BlockManager
 from tinyhet.device.cpu_threads import pool_threads
 from tinyhet.kernels import cpu_attention
-from tinyhet.kernels.kv_quant import is_8bit, is_q8, kv_format, kv_name, tile_len
+from tinyhet.kernels.kv_quant import code_of, is_coded, is_q8, kv_format, kv_name, tile_len
 from tinyhet.kernels.paged_attention import decode_splits, kv_scatter, max_blocks_var, paged_attention, uses_c
 
 SCRATCH_BYTES = 256 << 20   # attention keeps (rows, n_heads, splits, head_dim + 2) float32 partials, whatever the length: rows past this go in chunks
@@ -74,7 +74,7 @@ class PagedKVCache:
                model_id: str = ""):
     self.n_layers, self.n_kv_heads, self.head_dim, self.block_size = n_layers, n_kv_heads, head_dim, block_size
     self.kv_dtype: DType = kv_format(kv_dtype)
-    if is_8bit(self.kv_dtype) and not cpu_attention.supported(device, self.kv_dtype, head_dim, block_size):
+    if is_coded(self.kv_dtype) and not cpu_attention.supported(device, self.kv_dtype, head_dim, block_size):
       raise ValueError(f"kv_dtype {kv_name(self.kv_dtype)} needs the CPU C attention kernels (a CPU device, head_dim and block size "
                        f"multiples of 16, q8_0's head_dim of 32): not {device}, head_dim {head_dim}, block {block_size}")
     self.max_seq_len = max_seq_len
@@ -208,7 +208,7 @@ class PagedKVCache:
       if ka is None or va is None or pool is None:
         packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
         return self.write_sequence(seq_id, layer, packed.uop.buffer.as_memoryview()[:nbytes])
-      fmt = dict(q8=is_q8(self.kv_dtype), fp8=self.kv_dtype if is_8bit(self.kv_dtype) and not is_q8(self.kv_dtype) else None)
+      fmt = dict(q8=is_q8(self.kv_dtype), code=code_of(self.kv_dtype))
       if blocks == list(range(blocks[0], blocks[0] + len(blocks))): pack_kv_host(ka, va, pool[blocks[0]:blocks[0] + len(blocks)], **fmt)
       else:
         tmp = np.empty((len(blocks), *pool.shape[1:]), pool.dtype)

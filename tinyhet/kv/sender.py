@@ -26,7 +26,7 @@ from tinygrad.uop.ops import Ops
 from tinyhet.kv.notices import MAX_PIECES, notice_value
 from tinyhet.device.backend import NotRegistered, region_of
 from tinyhet.kernels.kv_pack import pack_kv, pack_kv_host
-from tinyhet.kernels.kv_quant import is_8bit, is_q8, np_storage, tile_len
+from tinyhet.kernels.kv_quant import code_of, is_q8, np_storage, tile_len
 from tinyhet.runtime.arena import Region
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Span, Transfer
@@ -237,7 +237,7 @@ class KVSender:
       self.keep.extend((k, v))              # K, V in host memory: the writer thread packs them into the host region
       self.writer.post(layer, self._spans(layer, self.host_stage(), layer * self.layer_bytes), notify,
                        functools.partial(pack_kv_host, ka[first_row:], va[first_row:], self.stage[layer], is_q8(self.kv_dtype),
-                                         self.kv_dtype if is_8bit(self.kv_dtype) and not is_q8(self.kv_dtype) else None))
+                                         code_of(self.kv_dtype)))
       return
     if first_row: k, v = k[first_row:].contiguous().realize(), v[first_row:].contiguous().realize()
     packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()

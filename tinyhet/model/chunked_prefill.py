@@ -29,7 +29,7 @@ from tinygrad.dtype import DType
 from tinygrad.helpers import ceildiv
 from tinyhet.device.cpu_threads import pool_threads
 from tinyhet.kernels.kv_pack import unpack_kv
-from tinyhet.kernels.kv_quant import block_size_of, is_8bit, tile_len
+from tinyhet.kernels.kv_quant import block_size_of, is_coded, tile_len
 from tinyhet.kernels.paged_attention import kv_scatter, max_blocks_var, paged_attention
 from tinyhet.model.layer_jit import FINISH, QKV, Replay, allocated, layer_from, layer_tensors, signature, write_into as _write
 
@@ -84,8 +84,8 @@ class ChunkJit:
     if names == QKV:
       def qkv(x, cos, sin, q_out, pool, table, pos, *weights):
         q, k, v = model._qkv(0, x, (cos, sin), layer_from(template, QKV, weights))
-        # rounded as the decode node holds them (an 8-bit pool: quantized by the scatter itself)
-        k, v = ((t if is_8bit(kv_dtype) else t.cast(kv_dtype)).reshape(C, cfg.n_kv_heads, cfg.head_dim) for t in (k, v))
+        # rounded as the decode node holds them (an 8-bit or bfloat16 pool: encoded by the scatter itself)
+        k, v = ((t if is_coded(kv_dtype) else t.cast(kv_dtype)).reshape(C, cfg.n_kv_heads, cfg.head_dim) for t in (k, v))
         Tensor.realize(q_out.assign(q), kv_scatter(pool, k, v, table, pos))
       self.halves[key] = Replay(qkv)
     else:

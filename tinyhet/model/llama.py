@@ -303,10 +303,11 @@ class Llama:
     x, rope = self.embed(tokens.to(self.device)).realize(), self.rope(positions)   # (1, T, dim)
     # attention through a dense cache of the prompt even when the caller keeps none: tinygrad's kernels for that form ran
     # ~1.4x faster here than a causal mask over the (T, T) scores (measured at T=1024 on the CPU)
-    if cache is None: cache = DenseKVCache(self.cfg, 1, T, kv_dtype, self.device)
+    from tinyhet.kernels.kv_quant import carrier, round_kv   # a coded format (8-bit, bfloat16 bits): its values in float32
+    if cache is None: cache = DenseKVCache(self.cfg, 1, T, carrier(kv_dtype), self.device)
     for l in range(self.cfg.n_layers):
       q, k, v = self._qkv(l, x, rope)
-      k, v = k.cast(kv_dtype).realize(), v.cast(kv_dtype).realize()         # (1, T, KVH, D), what the decode node will hold
+      k, v = round_kv(k, kv_dtype).realize(), round_kv(v, kv_dtype).realize()   # (1, T, KVH, D), what the decode node will hold
       if on_layer is not None: on_layer(l, k[0], v[0])
       att = cache.update_and_attend(l, q, k.float(), v.float(), positions)
       x = self._finish_layer(l, x, att).realize()
