@@ -25,7 +25,9 @@ class Node:
     if cli:     # the command a user runs: 1 KiB a block (2 layers of 4 tokens), so --kv-memory gives `blocks` blocks
       argv = ["-m", "tinyhet", "node", "--role", "decode", "--listen", "127.0.0.1:0", "--quiet", "--stdin-stop", "--model", RANDOM,
               "--kv-memory", f"{blocks}K", "--kv-disk", disk, "--kv-disk-size", "64M"]
-    else: argv = ["-c", DECODE_NODE.format(small=SMALL, blocks=blocks, bs=4).replace("print(json.dumps(", TIER.format(disk=disk) + "print(json.dumps(")]
+    else:
+      script = DECODE_NODE.format(small=SMALL, blocks=blocks, bs=4)
+      argv = ["-c", script.replace("print(json.dumps(", TIER.format(disk=disk) + "print(json.dumps(")]
     self.proc = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     line = self.proc.stdout.readline()
     if not line: raise RuntimeError(f"decode node did not start (exit {self.proc.wait()})")
@@ -85,12 +87,12 @@ def test_a_real_node_restarted_on_its_folder_hits(tmp_path):
       for p in PROMPTS: first.greedy(p)
     info = first.wait_info(lambda i: i["disk_blocks"] >= 5)
     assert info["disk_hit_tokens"] > 0 and info["kv_blocks"] <= 24, info
-    want, _ = first.greedy(PROMPTS[0][:21] + [9])      # a prompt of the first one's blocks, once more
+    want, _ = first.greedy([*PROMPTS[0][:21], 9])      # a prompt of the first one's blocks, once more
   finally: first.close(kill=True)
   again = Node(str(tmp_path), cli=True)
   try:
     assert again.info()["cache_key"] == info["cache_key"]     # the same fingerprint in another process: the same folder
-    got, cached = again.greedy(PROMPTS[0][:21] + [9])
+    got, cached = again.greedy([*PROMPTS[0][:21], 9])
     assert cached >= 4, f"the restarted node found none of the prompt's blocks on disk ({again.info()})"
     assert got == want and again.info()["disk_hit_tokens"] == cached
   finally: again.close()
