@@ -140,12 +140,17 @@ def test_kill_9_mid_write_keeps_what_was_written(tmp_path):
   assert all(s.get(h) == payload(h) for h in s.hashes())
   s.close()
 
-def test_evicted_blocks_come_back_into_fresh_blocks(tmp_path):
-  """On a real pool: a block evicted from RAM is spilled, staged and restored with the same bytes, and counts as cached."""
+@pytest.mark.parametrize("device_usage", [1, 0])
+def test_evicted_blocks_come_back_into_fresh_blocks(tmp_path, device_usage):
+  """On a real pool: a block evicted from RAM is spilled, staged and restored with the same bytes, and counts as cached.
+  device_usage 0: while another thread compiles a kernel (tinygrad switches its process-wide ALLOW_DEVICE_USAGE off then),
+  as in a `tinyhet node` whose warm-up captures while requests are admitted: the spill and the restore must not sync."""
   import numpy as np
+  from tinygrad.helpers import Context
   from tinyhet.kv.disk_tier import DiskTier
   from tinyhet.kv.paged_cache import PagedKVCache
-  cache = PagedKVCache(2, 1, 4, num_blocks=4, block_size=4, prefix_cache=True, model_id="model-a/float16", max_seq_len=64)
+  import tinyhet  # noqa: F401  (MESH: a node's pool, whose sync goes through tinygrad's runtime device)
+  cache = PagedKVCache(2, 1, 4, num_blocks=4, block_size=4, prefix_cache=True, model_id="model-a/float16", max_seq_len=64, device="MESH")
   tier = DiskTier(cache, tmp_path, 1 << 20)
   bm, rng = cache.block_manager, np.random.default_rng(0)
   a = list(range(1, 10))                         # 9 tokens: 2 full blocks cached
@@ -155,12 +160,13 @@ def test_evicted_blocks_come_back_into_fresh_blocks(tmp_path):
     for layer in range(2): cache.write_block_bytes(layer, b, blocks.setdefault((layer, b), rng.bytes(cache.block_nbytes)))
   want = [[blocks[(layer, b)] for layer in range(2)] for b in bm.block_table(1)[:2]]
   bm.deallocate(1, a)
-  bm.allocate(2, 16, list(range(100, 116)))      # another prompt takes every block: a's two are evicted and spilled
+  with Context(ALLOW_DEVICE_USAGE=device_usage):
+    bm.allocate(2, 16, list(range(100, 116)))    # another prompt takes every block: a's two are evicted and spilled
   tier.store.flush()
   assert tier.store.status()["disk_blocks"] == 2 and bm.num_cached == 0
   bm.deallocate(2)
   assert tier.chain(a) == 2 and tier.stage(a) == 2
-  bm.allocate(3, len(a), a)
+  with Context(ALLOW_DEVICE_USAGE=device_usage): bm.allocate(3, len(a), a)
   assert bm.cached_length(3) == 8 and tier.status()["disk_hit_tokens"] == 8
   got = [[cache.read_block_bytes(layer, b) for layer in range(2)] for b in bm.block_table(3)[:2]]
   assert got == want

@@ -41,8 +41,10 @@ class DiskTier:
   def evicted(self, block: int, h: int) -> None:
     """A cached block is about to be reused: its bytes to the disk, if the writer has room for them."""
     if h in self.store or not self.store.has_room(): return
+    # sync=False: the block is free and full, no queued kernel writes it; a synchronize here would assert tinygrad's
+    # process-wide ALLOW_DEVICE_USAGE, off while another thread compiles a capture (the spill and the allocation failed)
     nb, data = self.cache.block_nbytes, bytearray(self.record_bytes)
-    for layer in range(self.cache.n_layers): data[layer * nb:(layer + 1) * nb] = self.cache.read_block_bytes(layer, block)
+    for layer in range(self.cache.n_layers): data[layer * nb:(layer + 1) * nb] = self.cache.read_block_bytes(layer, block, sync=False)
     self.store.put(h, data)
 
   def chain(self, prompt_ids, salt: str = "", start: int = 0) -> int:
@@ -77,7 +79,7 @@ class DiskTier:
     if data is None: return None
     def fill(block: int):
       nb, view = self.cache.block_nbytes, memoryview(data)
-      for layer in range(self.cache.n_layers): self.cache.write_block_bytes(layer, block, view[layer * nb:(layer + 1) * nb])
+      for layer in range(self.cache.n_layers): self.cache.write_block_bytes(layer, block, view[layer * nb:(layer + 1) * nb], sync=False)
       self.restored_tokens += self.bm.block_size
     return fill
 

@@ -53,18 +53,20 @@ def first_touch(pool: Tensor, threads: int) -> list[int] | None:
   except NotRegistered: return None
   return cpu_pool().touch(region.addr + offset, pool.uop.base.buffer.nbytes, threads)
 
-def _host_view(buf: Buffer) -> memoryview | None:
-  # zero-copy view of a host-memory buffer (CPU, MESH); None where the device needs a copy
-  return buf.as_memoryview(force_zero_copy=True) if hasattr(buf.allocator, "_as_buffer") else None
+def _host_view(buf: Buffer, sync: bool = True) -> memoryview | None:
+  # zero-copy view of a host-memory buffer (CPU, MESH); None where the device needs a copy. sync=False: no wait for the
+  # device's queue (tinygrad's synchronize asserts its ALLOW_DEVICE_USAGE flag, which is process-wide: a capture compiling
+  # on another thread switches it off), for bytes no queued kernel touches
+  return buf.as_memoryview(force_zero_copy=True, no_sync=not sync) if hasattr(buf.allocator, "_as_buffer") else None
 
-def _write(buf: Buffer, offset: int, data: bytes | memoryview) -> None:
+def _write(buf: Buffer, offset: int, data: bytes | memoryview, sync: bool = True) -> None:
   data = memoryview(data).cast("B")
   if offset < 0 or offset + len(data) > buf.nbytes: raise IndexError(f"write of {len(data)} bytes at {offset} outside a {buf.nbytes}-byte buffer")
-  if (mv := _host_view(buf)) is not None: mv[offset:offset + len(data)] = data
+  if (mv := _host_view(buf, sync)) is not None: mv[offset:offset + len(data)] = data
   else: buf.view(len(data), dtypes.uint8, offset).ensure_allocated().copy_from(Buffer("PYTHON", len(data), dtypes.uint8, opaque=data))
 
-def _read(buf: Buffer, offset: int, nbytes: int) -> bytes:
-  if (mv := _host_view(buf)) is not None: return bytes(mv[offset:offset + nbytes])
+def _read(buf: Buffer, offset: int, nbytes: int, sync: bool = True) -> bytes:
+  if (mv := _host_view(buf, sync)) is not None: return bytes(mv[offset:offset + nbytes])
   return bytes(buf.view(nbytes, dtypes.uint8, offset).ensure_allocated().as_memoryview())
 
 class PagedKVCache:
@@ -178,13 +180,14 @@ class PagedKVCache:
       else: spans.append((off, self.block_nbytes))
     return spans
 
-  def write_block_bytes(self, layer: int, block_id: int, data: bytes | memoryview) -> None:
-    """Overwrite one block of a layer with block_nbytes bytes in the pool layout (what a transport write does)."""
+  def write_block_bytes(self, layer: int, block_id: int, data: bytes | memoryview, sync: bool = True) -> None:
+    """Overwrite one block of a layer with block_nbytes bytes in the pool layout (what a transport write does). sync=False
+    (a free block no queued kernel reads or writes): no wait for the device, safe on any thread."""
     if len(memoryview(data).cast("B")) != self.block_nbytes: raise ValueError(f"a block is {self.block_nbytes} bytes, got {len(data)}")
-    _write(self.pool_buffer(layer), block_id * self.block_nbytes, data)
+    _write(self.pool_buffer(layer), block_id * self.block_nbytes, data, sync)
 
-  def read_block_bytes(self, layer: int, block_id: int) -> bytes:
-    return _read(self.pool_buffer(layer), block_id * self.block_nbytes, self.block_nbytes)
+  def read_block_bytes(self, layer: int, block_id: int, sync: bool = True) -> bytes:
+    return _read(self.pool_buffer(layer), block_id * self.block_nbytes, self.block_nbytes, sync)
 
   def write_sequence(self, seq_id: int, layer: int, packed: bytes | memoryview) -> None:
     """Write a sequence's packed layer (kernels.kv_pack.pack_kv bytes) into its blocks, span by span."""
