@@ -122,7 +122,8 @@ def proof(token: str, nonce_hex: str, role: str, node: str) -> str:
   return hmac.new(token.encode(), f"{PROTOCOL}|{role}|{node}|{nonce_hex}".encode(), hashlib.sha256).hexdigest()
 
 def check_proof(token: str, nonce_hex: str, role: str, node: str, given) -> bool:
-  return isinstance(given, str) and hmac.compare_digest(proof(token, nonce_hex, role, node), given)
+  # as bytes: compare_digest refuses a str with non-ASCII characters (TypeError), and a peer chooses what it sends
+  return isinstance(given, str) and hmac.compare_digest(proof(token, nonce_hex, role, node).encode(), given.encode("utf-8", "surrogatepass"))
 
 def new_nonce() -> str: return os.urandom(16).hex()
 
