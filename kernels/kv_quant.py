@@ -205,11 +205,14 @@ def decode_fp8(b: np.ndarray, fmt: DType) -> np.ndarray:
 C_LOADS = r"""
 typedef unsigned char u8x16 __attribute__((vector_size(16)));
 typedef signed char i8x16 __attribute__((vector_size(16)));
+/* 2^n for n in float32's normal range, built from its bits: clang leaves ldexpf(x, n) a call into libm, and tinygrad's
+   loader links such a call by a 32-bit PC-relative offset, which fails where the kernel's image lies over 2 GiB from libm */
+static inline float pow2f(int n) { unsigned b = (unsigned)(n + 127) << 23; float f; __builtin_memcpy(&f, &b, 4); return f; }
 /* the loads build float32 bits in integers (normals: exponent rebased, mantissa shifted under float32's; subnormals: the
    mantissa converted and scaled), never a float32 subnormal, which the kernels' flags flush to zero */
 INLINE f32x16 ld_small(u32x16 em, int mbits, int bias) {   /* em: exponent and mantissa bits of a (1 + E + M)-bit float */
   u32x16 normal = (em << (23 - mbits)) + ((unsigned)(127 - bias) << 23);
-  f32x16 sub = __builtin_convertvector(em, f32x16) * __builtin_ldexpf(1.0f, 1 - bias - mbits);
+  f32x16 sub = __builtin_convertvector(em, f32x16) * pow2f(1 - bias - mbits);
   u32x16 is_sub = (u32x16)(em < (1u << mbits)), is_zero = (u32x16)(em == 0u);
   return (f32x16)(((u32x16)sub & is_sub) | (normal & ~is_sub & ~is_zero));
 }
@@ -250,11 +253,14 @@ static inline unsigned short f2h(float f) {   /* float32 -> float16, round to ne
   a += 0xfffu + ((a >> 13) & 1u);
   return s | (unsigned short)((a - 0x38000000u) >> 13);
 }
+/* 2^n for n in float32's normal range, built from its bits: clang leaves ldexpf(x, n) a call into libm, and tinygrad's
+   loader links such a call by a 32-bit PC-relative offset, which fails where the kernel's image lies over 2 GiB from libm */
+static inline float pow2f(int n) { unsigned b = (unsigned)(n + 127) << 23; float f; __builtin_memcpy(&f, &b, 4); return f; }
 /* float32 -> fp8 (M mantissa bits, bias): round to nearest even, saturating at top */
 static inline unsigned char to_fp8(float x, int M, int bias, float top) {
   unsigned s = x < 0.0f ? 0x80u : 0u;
   float a = __builtin_fminf(__builtin_fabsf(x), top);
-  if (a < __builtin_ldexpf(1.0f, 1 - bias)) return s | (unsigned char)__builtin_rintf(__builtin_ldexpf(a, bias - 1 + M));
+  if (a < pow2f(1 - bias)) return s | (unsigned char)__builtin_rintf(a * pow2f(bias - 1 + M));
   unsigned b; __builtin_memcpy(&b, &a, 4);
   b += (1u << (22 - M)) - 1u + ((b >> (23 - M)) & 1u);
   return s | (unsigned char)((b >> (23 - M)) - ((unsigned)(127 - bias) << M));
