@@ -87,7 +87,7 @@ def test_block_bytes_through_a_device_copy_match_the_zero_copy_view(monkeypatch)
   cache, _ = random_cache(np.random.default_rng(5), [20])
   block, neighbour = cache.block_manager.block_table(0)[:2]
   direct, before = cache.read_block_bytes(1, block), cache.read_block_bytes(1, neighbour)
-  monkeypatch.setattr(kv_cache, "_host_view", lambda buf: None)      # a device without host-visible memory: copies instead
+  monkeypatch.setattr(kv_cache, "_host_view", lambda buf, sync=True: None)      # a device without host-visible memory: copies instead
   assert cache.read_block_bytes(1, block) == direct
   new = np.random.default_rng(6).integers(0, 256, cache.block_nbytes, dtype=np.uint8).tobytes()
   cache.write_block_bytes(1, block, new)
