@@ -14,24 +14,14 @@ that wants bytes.
 from __future__ import annotations
 import numpy as np
 from tinygrad import Tensor, dtypes
+from tinyhet.kernels.kv_quant import bf16_to_float, encode_bf16, round_to_bf16  # noqa: F401  (one definition: the KV's bfloat16 too)
 from tinyhet.model.packed import PackedWeight
 
 BF16 = 30   # GGML_TYPE_BF16
 
-def bf16_to_float(bits: Tensor) -> Tensor:
-  """uint16 bfloat16 bits -> float32, exact, lazy."""
-  return (bits.cast(dtypes.uint32) << 16).bitcast(dtypes.float32)
-
 def float_to_bf16_bits(x) -> np.ndarray:
   """numpy float32 -> uint16 bfloat16 bits, rounded to nearest even (as torch and llama.cpp round); NaN stays NaN."""
-  u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-  rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-  return np.where(np.isnan(np.asarray(x, np.float32)), np.uint16(0x7FC0), rounded)
-
-def round_to_bf16(x: Tensor) -> Tensor:
-  """float32 Tensor -> uint16 bfloat16 bits, rounded to nearest even (NaN not handled: for generated weights), lazy."""
-  u = x.float().bitcast(dtypes.uint32)
-  return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).cast(dtypes.uint16)
+  return np.where(np.isnan(np.asarray(x, np.float32)), np.uint16(0x7FC0), encode_bf16(x))
 
 class BF16Weight(PackedWeight):
   """A matrix of bfloat16 weights: `blocks` is a uint16 Tensor (rows, cols) of their bits."""
