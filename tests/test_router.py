@@ -33,6 +33,17 @@ def test_router_counts_its_own_reservations_before_heartbeats_do():
   c._admit(100)                                   # 7 of 10 blocks, not yet in any heartbeat
   with pytest.raises(Overloaded, match="stayed full"): c._admit(100)
 
+def test_a_pool_that_holds_the_whole_answer_first():
+  """A small idle pool (12 blocks) and a busier large one: 100 + 140 tokens (15 blocks) go to the large one, never to be cut
+  short with 'length' on the small one; 100 + 80 go to the idle small one; a request no pool holds whole goes by load."""
+  small, large = state("both", kv_blocks=12, free_blocks=12, max_seqs=4), state("decode", running=1, max_seqs=16)
+  c = cluster(small, large)
+  for new, where in ((140, large), (80, small), (100_000, small)):
+    node, blocks = c._admit(100, new)
+    assert node is where, (new, node.address)
+    c._release(node, blocks)
+    node.recent.clear()
+
 def test_bounded_queue_then_503():
   a = state("decode", free_blocks=0)
   c = cluster(a, max_queue=2, queue_timeout=5)

@@ -269,15 +269,18 @@ def test_both_nodes_prefill_jobs_keep_its_decoding_sequences_at_their_pace(clust
   router = Router("--decode", cluster["d2"].address, "--both", tiny_both.address)
   try:
     router.wait_ready(nodes_up=2)
+    idle_nodes(router, cluster["d2"], tiny_both)     # the last test's sequences gone from both heartbeats: the loads start equal
     before = node_state(router, tiny_both).get("paced_steps", 0)
-    prompts, got, threads = {i: prompt(80 + i, 100) for i in range(5)}, {}, []
+    prompts, got, threads, streaming = {i: prompt(80 + i, 100) for i in range(5)}, {}, [], threading.Event()
     def one(i, n, on_chunk=None): got[i] = router.stream({"model": model[1], "prompt": prompts[i], "max_tokens": n, "temperature": 0}, on_chunk)
     def jobs(ids):                   # the both node decodes its own now: the decode node's next prompts are prefill jobs there
       if len(ids) == 1 and not threads[2:]:
         threads.extend(threading.Thread(target=one, args=(i, 8)) for i in (2, 3, 4))
         for t in threads[2:]: t.start()
-    threads.append(threading.Thread(target=one, args=(0, 140)))     # to the decode node (the larger pool), prefilled on the both node
+    # 100 + 140 tokens: only the decode node's pool holds them whole (the both node's holds 192): decoded there, prefilled on the both node
+    threads.append(threading.Thread(target=one, args=(0, 140, lambda ids: streaming.set())))
     threads[0].start()
+    assert streaming.wait(120), "the first request never streamed"
     threads.append(threading.Thread(target=one, args=(1, 80, jobs)))   # to the both node, the other one busy: decoded there
     threads[1].start()
     for t in threads[:2]: t.join(120)
@@ -290,6 +293,13 @@ def test_both_nodes_prefill_jobs_keep_its_decoding_sequences_at_their_pace(clust
 
 def node_state(router, proc) -> dict:
   return next(n for n in router.request("GET", "/ready")[2]["nodes"] if n["address"] == proc.address)
+
+def idle_nodes(router, *procs, timeout: float = 30.0):
+  """Wait until the router's view of each node (its heartbeat) shows no sequence running, waiting or incoming."""
+  deadline = time.monotonic() + timeout
+  while any(node_state(router, p).get(k, 0) for p in procs for k in ("running", "waiting", "incoming")):
+    assert time.monotonic() < deadline, "the nodes still report sequences from an earlier test"
+    time.sleep(0.05)
 
 def test_client_disconnect_frees_the_sequence(cluster, model):
   router = cluster["router"]

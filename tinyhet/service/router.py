@@ -193,8 +193,10 @@ class Cluster:
     """A decode-capable node with room for the prompt and a little headroom (admission by need: a sequence grows a block at
     a time, and a full pool evicts cached blocks, then preempts), and the blocks now counted there for the request (release
     them after). Without room anywhere the request waits in the queue, unless max_queue requests wait already; a prompt no
-    pool holds is a BadRequest. KV-aware: with the prompt's ids, a node whose prefix cache holds more of it scores better
-    (Dynamo's overlap score: the cached share of the prompt against the decode load), and needs its blocks less the hit.
+    pool holds is a BadRequest. Where some node's whole pool holds the prompt and every token asked for, only such nodes
+    take the request (it waits for one rather than being cut short on a smaller pool). KV-aware: with the prompt's ids, a
+    node whose prefix cache holds more of it scores better (Dynamo's overlap score: the cached share of the prompt against
+    the decode load), and needs its blocks less the hit.
     Cancelled once `cancelled` is set. samples: n samples of the prompt (they share its blocks; one more block each, and room
     for them in the node's batch). A request no node could ever hold is a BadRequest."""
     tokens, more = prompt_tokens + min(new_tokens, HEADROOM_TOKENS), samples - 1
@@ -204,8 +206,10 @@ class Cluster:
         while True:
           if cancelled is not None and cancelled.is_set(): raise Cancelled()
           up = [n for n in self.nodes.values() if n.up and n.can_decode]
-          hit = {n: n.cached_tokens(ids, salt) if ids else 0 for n in up}
-          fits = [n for n in up if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n]) + more]
+          # a pool that holds the whole answer, where one exists: a smaller one would cut it short with 'length'
+          whole = [n for n in up if n.blocks_for(prompt_tokens + new_tokens) + more <= n.status.get("kv_blocks", 0)] or up
+          hit = {n: n.cached_tokens(ids, salt) if ids else 0 for n in whole}
+          fits = [n for n in whole if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n]) + more]
           if fits:
             score = {n: n.overlap(ids, salt) if ids else 0 for n in fits}
             node = min(fits, key=lambda n: (n.decode_load() - OVERLAP_WEIGHT * score[n] / max(1, prompt_tokens), -n.free_blocks()))
