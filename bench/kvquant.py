@@ -2,8 +2,14 @@
 process, through `tinyhet run --no-disagg`'s engine (paged pool, the CPU C kernels reading the blocks as they are): greedy
 tokens equal out of N at each context (bench/prompts.py filler), the prefill's last-position logit max abs error, the
 perplexity of a fixed text (docs/*.md in name order, the first --ppl-tokens tokens), tokens held per GiB of pool, wire bytes
-per prompt token (whole blocks of every layer, as the prefill node sends them), decode tok/s at batch 1 and prefill time at
-the longest context (its second run: the first compiles). Decode at batch 16 is not measured here."""
+per prompt token (whole blocks of every layer, as the prefill node sends them), and at the longest context the prefill time
+(its second run, the first compiles; it includes packing each layer's K, V into the pool's format, the quantization) and
+aggregate decode tok/s at each of --batches.
+
+The batches decode with the decode node's step (engine/decode_engine.py) over B sequences at that context, each holding its
+own copy of the prompt's KV (the prefill's blocks copied byte for byte, so every row reads its own memory, as unrelated
+requests do); timed over --tokens steps after the step's capture (3 steps). Every figure has its ratio to the first dtype's
+(float16) at the same batch."""
 from __future__ import annotations
 import argparse, json, math, pathlib, sys, time
 
@@ -13,11 +19,37 @@ DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 def fixed_text() -> str:
   return "\n\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
 
+def batch_decode_tok_s(engine, src: int, batch: int, steps: int) -> float:
+  """Tokens/s of `batch` sequences decoding together at src's context (src's KV copied into each of the others' blocks,
+  layer by layer as bytes), over `steps` steps after 3 untimed ones (TinyJit: run, capture, replay). The copies are freed
+  after; src stays, cut back to its context (the next batch starts where this one did)."""
+  cache, bm = engine.cache, engine.cache.block_manager
+  n, first = bm.length(src), src + 1
+  ids = [src, *range(first, first + batch - 1)]
+  for s in ids[1:]: bm.allocate(s, n)
+  try:
+    for layer in range(cache.n_layers):
+      data = b"".join(cache.read_block_bytes(layer, b) for b in bm.block_table(src))
+      for s in ids[1:]: cache.write_sequence(s, layer, data)
+    tokens = [1] * batch
+    def one():
+      nonlocal tokens
+      for s in ids: bm.append_slot(s)
+      tokens = [int(t) for t in engine.engine.step(ids, tokens).argmax(-1)]
+    for _ in range(3): one()
+    t0 = time.perf_counter()
+    for _ in range(steps): one()
+    return batch * steps / (time.perf_counter() - t0)
+  finally:
+    for s in ids[1:]: bm.deallocate(s)
+    bm.truncate(src, n)
+
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="tinyhet bench kvquant", description=__doc__.split("\n\n")[0])
   ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated kv_dtypes; float16 first is the baseline")
   ap.add_argument("--contexts", default="1024,4096", help="prompt lengths (tokens) for the greedy comparison")
-  ap.add_argument("--tokens", type=int, default=32, help="greedy tokens generated per context")
+  ap.add_argument("--tokens", type=int, default=32, help="greedy tokens generated per context, and decode steps timed per batch")
+  ap.add_argument("--batches", default="1,16", help="decode batches timed at the longest context (comma list)")
   ap.add_argument("--ppl-tokens", type=int, default=4096, help="tokens of the fixed text scored for perplexity (0: skip)")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
@@ -33,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
   names, contexts = [d for d in args.dtypes.split(",") if d], [int(c) for c in args.contexts.split(",") if c]
   try:
     for d in names: kv_format(d)
+    batches = [int(b) for b in args.batches.split(",") if b]
   except ValueError as e: ap.error(str(e))
+  if not names or not contexts or not batches or min(batches) < 1 or min(contexts) < 1 or args.tokens < 1:
+    ap.error("--dtypes, --contexts and --batches need at least one entry, every context, batch and --tokens at least 1")
   longest = max([*contexts, args.ppl_tokens])
   model, tok = load_model(str(embedded_model_path()), device="MESH", max_context=longest + args.tokens + 16, quiet=True, packed=True)
   cfg, bs = model.cfg, 16
@@ -44,17 +79,26 @@ def main(argv: list[str] | None = None) -> int:
     fmt = kv_format(name)
     per_block = PagedKVCache.bytes_per_block(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, bs, fmt)
     row = {"kv_dtype": name, "tokens_per_gib": (1 << 30) // per_block * bs, "wire_bytes_per_token": per_block / bs}
-    engine = LocalEngine(model, longest + args.tokens + 16, block_size=bs, kv_dtype=name)
+    per_seq = max(contexts) + args.tokens + 2 * bs      # a batch row: the context, 3 + --tokens steps, whole blocks
+    engine = LocalEngine(model, per_seq * (max(batches) + 1), block_size=bs, kv_dtype=name)   # + 1: the timed run's, beside the batch's
     for n in contexts:
       ids = filler_ids(tok, n)
       got, stats = engine.generate(ids, args.tokens)
-      logits = np.asarray(prefill_logits(model, ids, fmt)).reshape(-1)
+      src = None
+      if n == max(contexts):     # this prefill's blocks are the batches' KV
+        src = 1 << 30            # past the engine's own sequence ids
+        engine.cache.block_manager.allocate(src, n)
+      store = engine.cache.layer_storer(src) if src is not None else None
+      logits = np.asarray(prefill_logits(model, ids, fmt, on_layer=store)).reshape(-1)
       if name == names[0]: base[n] = (got, logits)
       row[f"same_tokens_{n}"] = sum(a == b for a, b in zip(got, base[n][0]))
       row[f"logit_max_abs_err_{n}"] = float(np.abs(logits - base[n][1]).max())
       if n == max(contexts):   # timed on a second run: the first one compiled this length's kernels
         again, stats = engine.generate(ids, args.tokens)
-        row.update(prefill_s=stats["ttft_s"], decode_tok_s_b1=stats["decode_tok_s"], repeat_same=again == got)
+        row.update(prefill_s=stats["ttft_s"], repeat_same=again == got)
+        for B in batches: row[f"decode_tok_s_b{B}"] = batch_decode_tok_s(engine, src, B, args.tokens)
+        engine.cache.block_manager.deallocate(src)
+    del engine
     if text_ids:
       t0 = time.perf_counter()
       lp = [e["logprob"] for e in prompt_logprobs(model, text_ids, 0, fmt)[1:]]
@@ -66,12 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     r["capacity_x"] = r["tokens_per_gib"] / b["tokens_per_gib"]
     r["wire_x"] = r["wire_bytes_per_token"] / b["wire_bytes_per_token"]
     if "perplexity" in r: r["perplexity_x"] = r["perplexity"] / b["perplexity"]
-    if "prefill_s" in r: r.update(prefill_x=r["prefill_s"] / b["prefill_s"], decode_b1_x=r["decode_tok_s_b1"] / b["decode_tok_s_b1"])
-  out = {"model": "SmolLM2-135M-Instruct Q4_1", "baseline": names[0], "contexts": contexts, "tokens": args.tokens,
+    if "prefill_s" in r:
+      r["prefill_x"] = r["prefill_s"] / b["prefill_s"]
+      for B in batches: r[f"decode_b{B}_x"] = r[f"decode_tok_s_b{B}"] / b[f"decode_tok_s_b{B}"]
+  out = {"model": "SmolLM2-135M-Instruct Q4_1", "baseline": names[0], "contexts": contexts, "batches": batches, "tokens": args.tokens,
          "ppl_tokens": len(text_ids), "rows": rows}
   if args.json: print(json.dumps(out))
   else:
-    cols = ["kv_dtype", *[f"same_tokens_{n}" for n in contexts], "perplexity_x", "capacity_x", "wire_x", "prefill_x", "decode_b1_x"]
+    cols = ["kv_dtype", *[f"same_tokens_{n}" for n in contexts], "perplexity_x", "capacity_x", "wire_x", "prefill_x",
+            *[f"decode_b{B}_x" for B in batches]]
     print("  ".join(f"{c:>14}" for c in cols))
     for r in rows: print("  ".join(f"{r.get(c, '-'):>14.4g}" if isinstance(r.get(c), float) else f"{r.get(c, '-')!s:>14}" for c in cols))
   return 0

@@ -22,10 +22,12 @@ class LocalDecodeNode:
     # its one writer is this process: bound to this process's key, and trusted (its KV may be cached: tinyhet.runtime.identity)
     from tinyhet.device.memory import local_node
     me = local_node()
+    # args.kv_dtype, where given, is the node's (its Config kv_dtype; bench e2e starts one node per dtype), else this process's
+    kv_dtype = {"TINYHET_KV_DTYPE": args.kv_dtype} if getattr(args, "kv_dtype", None) else {}
     keys = ",".join(x for x in (os.environ.get("TINYHET_PEER_KEYS", ""), f"{me.name}={me.endpoint.identity.public}") if x)
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0,
                                  env={"TINYHET_WARM_UP": "off", **os.environ, "TINYHET_NODE": "decode-local", "TINYHET_PARENT_PID": str(os.getpid()),
-                                      "TINYHET_PEER_KEYS": keys, "TINYHET_TRUSTED_WRITERS": me.name})
+                                      "TINYHET_PEER_KEYS": keys, "TINYHET_TRUSTED_WRITERS": me.name, **kv_dtype})
     self.ready, self.info, self.errors = threading.Event(), None, []
     threading.Thread(target=self._stdout, daemon=True, name="tinyhet-decode-stdout").start()
     self.stderr_reader = threading.Thread(target=self._stderr, args=(args.quiet,), daemon=True, name="tinyhet-decode-stderr")

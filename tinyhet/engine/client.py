@@ -18,11 +18,13 @@ LOCAL_SUFFIX_SHARE = 0.25   # as the router's: a decode node holding all but thi
 class DecodeClient:
   """A prefill node's handle on one decode node: checks the model matches, then runs requests against it."""
   def __init__(self, node: LocalNode, address: str, model: Llama, model_id: str = "", transport: str | None = None,
-               staging_buffers: int | None = None, fingerprint: str = ""):
+               staging_buffers: int | None = None, fingerprint: str = "", kv_dtype: str | None = None):
+    """kv_dtype: the KV dtype this side packs and expects the decode node to hold (default: this node's configured one); a
+    decode node of another one is refused. A benchmark driving decode nodes of several dtypes from one process names each."""
     self.node, self.model = node, model
     self.ctl = ControlClient(node.endpoint, address)
     self.info = self.ctl.call("decode.info")
-    check_compatible(model.cfg, model_id, self.info, f"{self.ctl.peer} at {address}", fingerprint, node.config.kv_dtype)
+    check_compatible(model.cfg, model_id, self.info, f"{self.ctl.peer} at {address}", fingerprint, kv_dtype or node.config.kv_dtype)
     self.peer = node.endpoint.connect(address, transport)
     self.endpoint = node.endpoint            # what posts the layer writes (a benchmark may put a slower link in front of it)
     self.kv_dtype = kv_format(self.info["kv_dtype"])
