@@ -312,6 +312,14 @@ def test_decode_node_refuses_another_model(small):
   from tinyhet.engine.checks import IncompatibleDecodeNode
   with pytest.raises(IncompatibleDecodeNode, match="same --model"): DecodeClient(local_node(), address, other, "other", "tcp")
 
+def test_a_client_naming_another_kv_dtype_is_refused(small):
+  """DecodeClient(kv_dtype=...) (bench e2e --kv-dtypes names each node's) against a float16 decode node: one line naming both."""
+  model, address = small
+  from tinyhet.engine.checks import IncompatibleDecodeNode
+  with pytest.raises(IncompatibleDecodeNode, match="keeps its KV in float16, this node in q8_0"):
+    DecodeClient(local_node(), address, model, "small-random", "tcp", kv_dtype="q8_0")
+  DecodeClient(local_node(), address, model, "small-random", "tcp", kv_dtype="float16").close()
+
 def test_bad_requests_get_clear_errors(small):
   model, address = small
   from tinyhet.runtime.control import ControlClient, ControlError
