@@ -11,7 +11,7 @@ own copy of the prompt's KV (the prefill's blocks copied byte for byte, so every
 requests do); timed over --tokens steps after the step's capture (3 steps). Every figure has its ratio to the first dtype's
 (float16) at the same batch."""
 from __future__ import annotations
-import argparse, json, math, pathlib, sys, time
+import argparse, gc, json, math, pathlib, sys, time
 
 DTYPES = ("float16", "q8_0", "fp8_e4m3", "fp8_e5m2", "bfloat16")
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         row.update(prefill_s=stats["ttft_s"], repeat_same=again == got)
         for B in batches: row[f"decode_tok_s_b{B}"] = batch_decode_tok_s(engine, src, B, args.tokens)
         engine.cache.block_manager.deallocate(src)
-    del engine
+    del engine; gc.collect()      # its pools back to the arena now (its step capture holds a reference cycle)
     if text_ids:
       t0 = time.perf_counter()
       lp = [e["logprob"] for e in prompt_logprobs(model, text_ids, 0, fmt)[1:]]
