@@ -43,6 +43,9 @@ def block_hashes(token_ids, block_size: int, model_id: str = "", n_blocks: int |
     out.append(int.from_bytes(prev, "little"))
   return out
 
+HASH_LATER = "hash later"   # a restore's fill that returns it: the block is the sequence's, hashed by adopt once its bytes are in
+_FAILED = object()
+
 class PoolFull(RuntimeError):
   """Not enough free blocks. The scheduler avoids it by asking can_allocate / may_append first."""
 
@@ -160,16 +163,26 @@ class BlockManager:
       if (b := self.hash_block.get(h)) is not None:    # a later block of the chain outlived an earlier one in RAM
         if self.ref_counts[b] == 0: del self.cached_free[b]
         self.ref_counts[b] += 1
-      elif (fill := self._hook(self.restore, "restore", h)) is None: break
+      elif (fill := self._hook(self.restore, "restore", h)) is None or fill is _FAILED: break
       else:
         b = self._take(1, f"a block restored for {n_tokens} tokens")[0]   # its fresh block: one the allocation counted anyway
-        if self._hook(fill, "restore", b, ok=True) is None:   # a failed copy: the block back, unhashed; the rest is computed
+        if (got := self._hook(fill, "restore", b)) is _FAILED:   # a failed copy: the block back, unhashed; the rest is computed
           self.ref_counts[b] = 0
           self.free_ids.appendleft(b)
           break
-        self.block_hash[b], self.hash_block[h] = h, b
+        if got != HASH_LATER: self.block_hash[b], self.hash_block[h] = h, b
       out.append(b)
     return out
+
+  def adopt(self, seq_id: int, pairs) -> int:
+    """Hash a sequence's restored blocks whose fill said HASH_LATER, now that their bytes are in: pairs of (block, hash).
+    A block the sequence no longer holds, or a hash another block took meanwhile, is skipped. Returns the blocks hashed."""
+    table, n = set(self.tables.get(seq_id, ())), 0
+    for b, h in pairs:
+      if b in table and b not in self.block_hash and h not in self.hash_block:
+        self.block_hash[b], self.hash_block[h] = h, b
+        n += 1
+    return n
 
   def cached_length(self, seq_id: int) -> int:
     """Tokens at the start of the sequence that were cached when it was allocated (their KV need not be computed)."""
@@ -302,16 +315,14 @@ class BlockManager:
     self.peak_used = max(self.peak_used, self.num_used)
     return ids
 
-  def _hook(self, fn, what: str, *args, ok=None):
-    """fn(*args) for a lower tier; where it raises, None (ok where it returns nothing): the spill or the restore is dropped,
-    logged the first time, counted in tier_errors. The pool's bookkeeping never depends on a tier's success."""
-    try:
-      out = fn(*args)
-      return ok if ok is not None else out
+  def _hook(self, fn, what: str, *args):
+    """fn(*args) for a lower tier; where it raises, _FAILED: the spill or the restore is dropped, logged the first time,
+    counted in tier_errors. The pool's bookkeeping never depends on a tier's success."""
+    try: return fn(*args)
     except Exception as e:
       self.tier_errors += 1
       if self.tier_errors == 1: self.log(f"the KV tier's {what} failed ({type(e).__name__}: {e}); dropped, the pool goes on (counted in tier_errors)")
-      return None
+      return _FAILED
 
   def take_peak(self) -> int:
     """The most blocks used at once since the last call; the count starts again from now."""
