@@ -17,6 +17,8 @@ A sequence arrives in three steps, each a control request (tinyhet.runtime.contr
                    (seed, position) only, so the stream goes on where it began) -> once every layer's notice has
                    arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
                    (or the client leaving) stops it; however it ends, the sequence and its descriptors are gone after.
+  decode.restored  (a disk hit, the reservation's `restoring`) for its writer: waits until a layer of the prefix's blocks is read
+                   back from the disk tier (tinyhet.kv.disk_restore), so the writer pulls each layer as soon as it is in.
   decode.release   give the sequence up (also done when the prefill node's connection closes). Blocks are reused only once
                    no write into them can still land: at once over tcp (descriptors withdrawn, landing frames drained),
                    over shm/verbs when every layer landed, the writer says its writes are done, or its connections close.
