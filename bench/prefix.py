@@ -38,6 +38,9 @@ def stream_turn(address: str, body: dict) -> tuple[float, list[int], dict]:
   c.close()
   return ttft, ids, usage
 
+DEFAULTS = {"system_tokens": 1500, "turn_tokens": 60, "turns": 8, "max_tokens": 32}
+DISK_DEFAULTS = {"system_tokens": 64, "turn_tokens": 16, "turns": 8, "max_tokens": 4}   # --kv-disk: sized for ~5 minutes (main)
+
 PULL_METRICS = ("kv_pulled_tokens", "kv_pulled_bytes", "kv_pull_seconds", "kv_pull_wait_seconds", "prefix_cache_recomputed_tokens")
 
 def pull_counters(address: str) -> dict[str, float]:
@@ -158,10 +161,12 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="tinyhet bench prefix", description=__doc__.splitlines()[0])
   ap.add_argument("--json", action="store_true")
   ap.add_argument("--model", default=None, help="a model every node loads (default: the embedded SmolLM2)")
-  ap.add_argument("--system-tokens", type=int, default=1500)
-  ap.add_argument("--turn-tokens", type=int, default=60)
-  ap.add_argument("--turns", type=int, default=8)
-  ap.add_argument("--max-tokens", type=int, default=32)
+  # defaults: 1500 / 60 / 8 / 32; with --kv-disk 64 / 16 / 8 / 4 (DISK_DEFAULTS: 16 conversations x 8 turns, twice, plus a
+  # restart, in about 5 minutes with the embedded SmolLM2 on a quiet 2-core machine)
+  ap.add_argument("--system-tokens", type=int, default=None)
+  ap.add_argument("--turn-tokens", type=int, default=None)
+  ap.add_argument("--turns", type=int, default=None)
+  ap.add_argument("--max-tokens", type=int, default=None)
   ap.add_argument("--kv-memory", default="256M")
   ap.add_argument("--no-both", action="store_true", help="skip the `both` node's repeated prompt")
   ap.add_argument("--local-only", action="store_true", help="only the single-device engine's rows (no cluster)")
@@ -170,9 +175,12 @@ def main(argv=None) -> int:
   ap.add_argument("--kv-disk", default=None, metavar="DIR", help="instead: the decode node's disk tier in DIR (emptied first) on "
                   "--conversations conversations and a small pool, then a SIGKILL and restart (bench/prefix_disk.py)")
   ap.add_argument("--conversations", type=int, default=16, help="--kv-disk: conversations taking turns")
-  ap.add_argument("--disk-kv-memory", default="48M", help="--kv-disk: the decode node's RAM pool (small: it must evict)")
+  ap.add_argument("--disk-kv-memory", default="8M", help="--kv-disk: the decode node's RAM pool (small: it must evict; 8M holds "
+                  "22 SmolLM2 blocks, 352 tokens, of the 16 conversations' ~2,400)")
   ap.add_argument("--kv-disk-size", default="4G", help="--kv-disk: the tier's bound")
   args = ap.parse_args(argv)
+  for k, v in (DISK_DEFAULTS if args.kv_disk else DEFAULTS).items():
+    if getattr(args, k) is None: setattr(args, k, v)
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))    # the nodes and the router it starts share it
   if args.transport: os.environ["TINYHET_TRANSPORT"] = args.transport
   if args.kv_disk:

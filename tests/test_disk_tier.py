@@ -185,3 +185,50 @@ def test_on_tmpfs():
     s.flush()
     assert s.get(7) == payload(7)    # O_DIRECT where this kernel's tmpfs takes it (6.6+), buffered where it refuses it
     s.close()
+
+def _failing_bm(spill_fails: bool, restore_fails: bool):
+  from tinyhet.kv.block_manager import BlockManager
+  bm, logged = BlockManager(4, 4, prefix_cache=True, model_id="m"), []
+  bm.log = logged.append
+  def evicted(b, h):
+    if spill_fails: raise OSError(28, "No space left on device")
+  def restore(h):
+    def fill(b):
+      if restore_fails: raise RuntimeError("a copy into the pool failed")
+    return fill
+  bm.evicted, bm.restore = evicted, restore
+  return bm, logged
+
+def test_a_spill_that_raises_costs_no_block():
+  """BlockManager._take: the eviction hook raising (a disk tier's copy failing) drops that spill only; the block is the
+  allocation's, every other block stays accounted, and the next allocation still finds the whole pool."""
+  bm, logged = _failing_bm(spill_fails=True, restore_fails=False)
+  bm.restore = None
+  a = list(range(1, 17))
+  bm.allocate(1, 16, a)
+  bm.deallocate(1, a)                             # 4 cached free blocks
+  assert bm.allocate(2, 16, list(range(100, 116))) and bm.num_free == 0   # evicts all 4: every spill raises
+  bm.check()
+  bm.deallocate(2)
+  assert bm.num_free == 4 and bm.tier_errors == 4 and len(logged) == 1
+  bm.allocate(3, 16, list(range(200, 216)))
+  bm.check()
+
+@settings(max_examples=40, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 16)), max_size=30), spill_fails=st.booleans(), restore_fails=st.booleans())
+def test_failing_tier_hooks_never_leak_a_block(ops, spill_fails, restore_fails):
+  """Whatever the tier's hooks do, every block is free or held (check()) and a freed pool is whole again."""
+  bm, _ = _failing_bm(spill_fails, restore_fails)
+  live = {}
+  for i, (prompt, n) in enumerate(ops):
+    ids = [prompt * 50 + j for j in range(n)]
+    if live and (i % 3 == 2 or not bm.can_allocate(n, ids)):
+      sid = next(iter(live))
+      bm.deallocate(sid, live.pop(sid))
+    if bm.can_allocate(n, ids):
+      bm.allocate(i, n, ids)
+      live[i] = ids
+    bm.check()
+  for sid, ids in live.items(): bm.deallocate(sid, ids)
+  bm.check()
+  assert bm.num_free == bm.num_blocks

@@ -32,7 +32,8 @@ class Node:
     line = self.proc.stdout.readline()
     if not line: raise RuntimeError(f"decode node did not start (exit {self.proc.wait()})")
     self.ep = Endpoint("disk-client", token=TOKEN, config=load_config(env={}))
-    self.ctl = ControlClient(self.ep, json.loads(line)["address"])
+    self.address = json.loads(line)["address"]
+    self.ctl = ControlClient(self.ep, self.address)
 
   def greedy(self, prompt) -> tuple[list[int], int]:
     """The prompt's 6 greedy tokens and its cached_tokens."""

@@ -17,6 +17,8 @@ A sequence arrives in three steps, each a control request (tinyhet.runtime.contr
                    (seed, position) only, so the stream goes on where it began) -> once every layer's notice has
                    arrived the sequence joins the running batch; its tokens stream back as they are decoded. A cancel
                    (or the client leaving) stops it; however it ends, the sequence and its descriptors are gone after.
+  decode.restored  (a disk hit, the reservation's `restoring`) for its writer: waits until a layer of the prefix's blocks is read
+                   back from the disk tier (tinyhet.kv.disk_restore), so the writer pulls each layer as soon as it is in.
   decode.release   give the sequence up (also done when the prefill node's connection closes). Blocks are reused only once
                    no write into them can still land: at once over tcp (descriptors withdrawn, landing frames drained),
                    over shm/verbs when every layer landed, the writer says its writes are done, or its connections close.
@@ -77,7 +79,7 @@ class DecodeNode:
     self.prefill_budget = node.config.prefill_budget if prefill_budget is None else prefill_budget   # per step while decoding
     self.warm, self.on_warm = None, None    # a WarmUp (engine/warm_up.py) run() builds from while idle; on_warm(status) once it is over
     ep = node.endpoint
-    for name in ("info", "reserve", "generate", "release", "lookup"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
+    for name in ("info", "reserve", "generate", "release", "lookup", "restored"): ep.handle(f"decode.{name}", getattr(self, f"_serve_{name}"))
     self.notice_thread = threading.Thread(target=self._notices, name="tinyhet-decode-notices", daemon=True)
     self.notice_thread.start()
 
@@ -125,12 +127,12 @@ class DecodeNode:
                           extra={"owner": owner, "writer": owner, "writes_done": True})
                  for _ in range(n - 1)]
     seq.extra["samples"] = list(seq.forks)
-    if use_cache and self.disk is not None: self.disk.stage(seq.token_ids, cache_salt)   # disk reads, outside the lock
-    deadline = time.monotonic() + timeout
+    deadline, tier = time.monotonic() + timeout, self.disk if use_cache else None
     with self.cond:
       try:
         self.scheduler.check_fits(seq)
-        while not self.scheduler.reserve_incoming(seq, use_cache):   # admission waits for blocks (or a free batch slot)
+        # a disk hit's blocks are taken unfilled: the tier's reader fills them layer by layer while the writer pulls and prefills
+        while not self._reserve_incoming(seq, use_cache, tier):   # admission waits for blocks (or a free batch slot)
           if (left := deadline - time.monotonic()) <= 0:
             raise TimeoutError(f"the KV pool stayed full for {timeout} s ({self.cache.block_manager.num_free} blocks free, "
                                f"{self.cache.block_manager.blocks_needed(seq.num_tokens)} needed)")
@@ -153,8 +155,26 @@ class DecodeNode:
     seq.extra["descs"] = descs + reads
     for s in [seq] + seq.extra["samples"]: self._attach(conn, s)
     reply = {"seq_id": seq.seq_id, "blocks": blocks, "pools": [d.to_hex() for d in descs], "block_bytes": bb, "block_size": self.cache.block_size,
-             "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads]}
+             "cached_tokens": cached, "prefix_blocks": prefix, "read_pools": [d.to_hex() for d in reads],
+             **({"restoring": True} if "restore" in seq.extra else {})}   # pull each layer after decode.restored says it is in
     return {**reply, "grant": sign_grant(ep.identity, ep.name, owner, reply, seq.token_ids)}
+
+  def _reserve_incoming(self, seq: Sequence, use_cache: bool, tier) -> bool:
+    if tier is None: return self.scheduler.reserve_incoming(seq, use_cache)
+    with tier.planned() as plan:
+      if not self.scheduler.reserve_incoming(seq, use_cache): return False
+    if plan: seq.extra["restore"] = tier.start(plan)
+    return True
+
+  def _serve_restored(self, conn, seq_id: int, layer: int, timeout: float = 60.0) -> dict:
+    """For the sequence's writer: wait until layer `layer` of its disk hit's blocks is read back (tinyhet.kv.disk_restore),
+    so its pull of that layer reads the bytes; the reply's `layers`: how many are in. The last layer's answer waits for the
+    checksums; a block that fails them fails this call (and the sequence: decode.generate refuses it)."""
+    _check_timeout(timeout)
+    with self.cond: seq = self.scheduler.incoming.get(seq_id) if is_int(seq_id) else None
+    if seq is None or seq.extra.get("owner") != conn.peer or "restore" not in seq.extra or not is_int(layer):
+      raise ValueError(f"sequence {seq_id} has no disk hit being read back for this peer")
+    return {"layers": seq.extra["restore"].wait_layer(layer, timeout)}
 
   def _serve_generate(self, conn, seq_id: int, first_token: int, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                       stop_ids: list[int] | None = None, timeout: float = 60.0, return_logits: bool = False, options: dict | None = None,
@@ -189,8 +209,10 @@ class DecodeNode:
           n = len(self.landed.get(seq.seq_id, ()))
           raise TimeoutError(f"sequence {seq.seq_id}: KV of {n} of {self.model.cfg.n_layers} layers arrived within {timeout} s")
         yield None
+      yield from self.wait_restore(seq, deadline, timeout)
       t_ready = time.perf_counter()
       with self.cond:
+        self.commit_restore(seq)
         del self.landed[seq.seq_id]
         first = seq.extra["first_token"]
         done = self.scheduler.commit_incoming(seq, first) or first in seq.extra["stop_ids"] or self._hits_stop(seq, first) or self.grammar_done(seq)
@@ -211,6 +233,19 @@ class DecodeNode:
              **({"logits": last.tolist()} if last is not None else {})}
     finally:
       self._detach(conn.state.get("seqs", {}), seq)
+
+  def wait_restore(self, seq: Sequence, deadline: float, timeout: float):
+    """A disk hit's read back (tinyhet.kv.disk_restore) done and checked before a token is decoded: None while it runs
+    (a stream's tick); raises where a block failed its check (the router starts the request over)."""
+    if (job := seq.extra.get("restore")) is None: return
+    while not job.finished.wait(TICK):
+      if time.monotonic() >= deadline: raise TimeoutError(f"sequence {seq.seq_id}: its disk hit was not read back within {timeout} s")
+      yield None
+    if job.failed: raise RuntimeError(f"sequence {seq.seq_id}: {job.failed}; start the request over")
+
+  def commit_restore(self, seq: Sequence) -> None:
+    """Under the lock, as the sequence joins the batch: its read-back blocks take their hashes (shared from now on)."""
+    if (job := seq.extra.get("restore")) is not None: self.disk.committed(seq.seq_id, job)
 
   def _serve_release(self, conn, seq_id: int, writes_done: bool = False) -> dict:
     """Give a reserved sequence up. writes_done: the caller waited for every write it posted, so the blocks can be reused
@@ -274,6 +309,7 @@ class DecodeNode:
     """The sequence leaves the node. Its descriptors go first (tcp: no byte lands after that); its blocks go back to the
     pool unless a writer that the node cannot fence (shm, verbs) may still be copying into them."""
     for d in seq.extra.pop("descs", ()): self.node.endpoint.withdraw(d)
+    if (job := seq.extra.get("restore")) is not None: job.cancel()   # no read-back write lands in its blocks after this
     with self.cond:
       if seq.status is SequenceStatus.INCOMING:
         landed = len(self.landed.get(seq.seq_id, ()))

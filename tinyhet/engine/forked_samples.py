@@ -78,8 +78,10 @@ def _stream(node, conn, seqs: list[Sequence], shared: queue.SimpleQueue, timeout
         raise TimeoutError(f"sequence {head.seq_id}: KV of {len(node.landed.get(head.seq_id, ()))} of {node.model.cfg.n_layers} layers "
                            f"arrived within {timeout} s")
       yield None
+    yield from node.wait_restore(head, deadline, timeout)      # a disk hit read back and checked (tinyhet.kv.disk_restore)
     left = set()
     with node.cond:
+      node.commit_restore(head)
       del node.landed[head.seq_id]
       for i, s in enumerate(seqs):
         if s.status is not SequenceStatus.INCOMING: continue          # a sample its client let go of already

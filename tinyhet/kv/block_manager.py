@@ -27,7 +27,7 @@ cached ones are evicted, oldest first. A block with a refcount is never evicted,
 written (invariant 4).
 """
 from __future__ import annotations
-import hashlib
+import hashlib, sys
 from collections import OrderedDict, deque
 
 def block_hashes(token_ids, block_size: int, model_id: str = "", n_blocks: int | None = None, salt: str = "") -> list[int]:
@@ -42,6 +42,9 @@ def block_hashes(token_ids, block_size: int, model_id: str = "", n_blocks: int |
     prev = h.digest()
     out.append(int.from_bytes(prev, "little"))
   return out
+
+HASH_LATER = "hash later"   # a restore's fill that returns it: the block is the sequence's, hashed by adopt once its bytes are in
+_FAILED = object()
 
 class PoolFull(RuntimeError):
   """Not enough free blocks. The scheduler avoids it by asking can_allocate / may_append first."""
@@ -63,8 +66,11 @@ class BlockManager:
     self.lengths: dict[int, int] = {}
     self.reserved: set[int] = set()
     # a lower tier (tinyhet.kv.disk_tier): evicted(block, hash) as a cached block is evicted, before it is reused;
-    # restore(hash) -> a function writing that hash's KV into a given block, or None: allocate's hit goes on through it
+    # restore(hash) -> a function writing that hash's KV into a given block, or None: allocate's hit goes on through it.
+    # Neither may cost the pool a block: a hook that raises is logged (the first time) and counted, the block stays accounted
     self.evicted = self.restore = None
+    self.tier_errors = 0
+    self.log = lambda msg: print(f"tinyhet node: {msg}", file=sys.stderr, flush=True)
 
   # ***** figures *****
 
@@ -157,13 +163,26 @@ class BlockManager:
       if (b := self.hash_block.get(h)) is not None:    # a later block of the chain outlived an earlier one in RAM
         if self.ref_counts[b] == 0: del self.cached_free[b]
         self.ref_counts[b] += 1
-      elif (fill := self.restore(h)) is None: break
+      elif (fill := self._hook(self.restore, "restore", h)) is None or fill is _FAILED: break
       else:
         b = self._take(1, f"a block restored for {n_tokens} tokens")[0]   # its fresh block: one the allocation counted anyway
-        fill(b)
-        self.block_hash[b], self.hash_block[h] = h, b
+        if (got := self._hook(fill, "restore", b)) is _FAILED:   # a failed copy: the block back, unhashed; the rest is computed
+          self.ref_counts[b] = 0
+          self.free_ids.appendleft(b)
+          break
+        if got != HASH_LATER: self.block_hash[b], self.hash_block[h] = h, b
       out.append(b)
     return out
+
+  def adopt(self, seq_id: int, pairs) -> int:
+    """Hash a sequence's restored blocks whose fill said HASH_LATER, now that their bytes are in: pairs of (block, hash).
+    A block the sequence no longer holds, or a hash another block took meanwhile, is skipped. Returns the blocks hashed."""
+    table, n = set(self.tables.get(seq_id, ())), 0
+    for b, h in pairs:
+      if b in table and b not in self.block_hash and h not in self.hash_block:
+        self.block_hash[b], self.hash_block[h] = h, b
+        n += 1
+    return n
 
   def cached_length(self, seq_id: int) -> int:
     """Tokens at the start of the sequence that were cached when it was allocated (their KV need not be computed)."""
@@ -289,11 +308,21 @@ class BlockManager:
         b, _ = self.cached_free.popitem(last=False)
         del self.hash_block[h := self.block_hash.pop(b)]
         self.evictions += 1
-        if self.evicted is not None: self.evicted(b, h)   # its bytes are still there: nothing has written the block since
+        # its bytes are still there (nothing wrote the block since); a hook that raises costs the spill, never the block
+        if self.evicted is not None: self._hook(self.evicted, "spill", b, h)
       ids.append(b)
     for b in ids: self.ref_counts[b] = 1
     self.peak_used = max(self.peak_used, self.num_used)
     return ids
+
+  def _hook(self, fn, what: str, *args):
+    """fn(*args) for a lower tier; where it raises, _FAILED: the spill or the restore is dropped, logged the first time,
+    counted in tier_errors. The pool's bookkeeping never depends on a tier's success."""
+    try: return fn(*args)
+    except Exception as e:
+      self.tier_errors += 1
+      if self.tier_errors == 1: self.log(f"the KV tier's {what} failed ({type(e).__name__}: {e}); dropped, the pool goes on (counted in tier_errors)")
+      return _FAILED
 
   def take_peak(self) -> int:
     """The most blocks used at once since the last call; the count starts again from now."""

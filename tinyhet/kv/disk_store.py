@@ -35,8 +35,12 @@ FULL_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 def key_digest(key: str) -> bytes: return hashlib.blake2b(key.encode(), digest_size=16, person=b"tinyhet-kvdisk").digest()
 
+def checksum_start(kd: bytes, h: int):
+  """A record's checksum before its bytes: update it with them (in pieces, in order: tinyhet.kv.disk_restore), then digest."""
+  return hashlib.blake2b(kd + h.to_bytes(8, "little"), digest_size=16)
+
 def checksum(kd: bytes, h: int, data) -> bytes:
-  c = hashlib.blake2b(kd + h.to_bytes(8, "little"), digest_size=16)
+  c = checksum_start(kd, h)
   c.update(data)
   return c.digest()
 
@@ -115,6 +119,10 @@ class DiskStore:
         return None
       self.read_bytes += e.length
     return bytes(data)
+
+  def count_read(self, nbytes: int) -> None:
+    """Bytes read back elsewhere (a restore's layer by layer reads, tinyhet.kv.disk_restore), for the figures."""
+    with self.lock: self.read_bytes += nbytes
 
   def flush(self) -> None:
     """Wait until everything queued so far is written (or dropped)."""

@@ -3,23 +3,35 @@ cache are written to a DiskStore (tinyhet.kv.disk_store) and read back into fres
 there, so they count as cached (usage cached_tokens) and are never computed again.
 
   tier = DiskTier(cache, root, size_bytes)        # keyed by the pool's cache key (fingerprint, KV dtype) and block size
-  tier.stage(prompt_ids, salt)                    # on a request's thread, before admission: the disk reads, into RAM
+  tier.stage(prompt_ids, salt)                    # decode.submit, before admission: the disk reads, into RAM
   (admission: BlockManager.allocate asks restore(hash) for each block past its RAM hit; a staged one is copied in)
+  with tier.planned() as plan: <reserve>          # decode.reserve: the disk chain's blocks taken, unfilled, into plan
+  job = tier.start(plan)                          # then filled layer by layer on the reader thread (tinyhet.kv.disk_restore)
 
 The three moments of a block:
   eviction  BlockManager._take calls evicted(block, hash) before the block is reused: its bytes are copied out of the pool,
             every layer's (PagedKVCache.read_block_bytes: whatever the KV dtype) into one record, and queued for the writer
             thread; a full queue drops the spill (the copy is skipped too). The step never waits for a disk.
-  stage     decode.reserve and decode.submit read the prompt's blocks past its RAM hit from disk on the request's thread,
-            outside the node's lock, while the batching loop goes on: a bounded set of staged records (STAGED_BYTES).
-  restore   at admission, under the lock: a staged record is copied into a fresh block (write_block_bytes per layer) that
-            takes the hash; what was not staged (or was dropped as bad) ends the hit there, and the rest is computed.
-Nothing here changes a token: a restored block holds the bytes that block held when it was evicted, checked by checksum.
+  restore   two ways, by who prefills the suffix:
+            decode.submit (this node prefills it): stage reads the prompt's blocks past its RAM hit on the request's thread,
+            outside the node's lock, while the batching loop goes on (a bounded set of staged records, STAGED_BYTES); at
+            admission, under the lock, a staged record is copied into a fresh block that takes the hash; what was not staged
+            (or was dropped as bad) ends the hit there, and the rest is computed. The read overlaps other requests' steps,
+            not this request's own prefill (the batching loop's prefill does not wait layer by layer).
+            decode.reserve (a prefill node prefills it): every block of the chain the index holds is taken, unfilled and
+            unhashed (HASH_LATER), and counted in the reply's cached_tokens; the reply goes out at once and the reader thread
+            fills the blocks layer by layer (tinyhet.kv.disk_restore) while the prefill node pulls each layer as it is in
+            and prefills the suffix: the read overlaps the pull and the suffix's compute. The blocks take their hashes when
+            the sequence is committed (decode.generate), after every checksum passed.
+Nothing here changes a token: a restored block holds the bytes that block held when it was evicted, checked by checksum
+before a token is decoded from them.
 """
 from __future__ import annotations
 from collections import OrderedDict
-import threading
-from tinyhet.kv.block_manager import block_hashes
+from contextlib import contextmanager
+import queue, threading
+from tinyhet.kv.block_manager import HASH_LATER, block_hashes
+from tinyhet.kv.disk_restore import RestoreJob
 from tinyhet.kv.disk_store import DiskStore
 
 STAGED_BYTES = 256 << 20    # records read ahead for admission at most; the oldest go first
@@ -33,6 +45,10 @@ class DiskTier:
     self.staged: OrderedDict[int, bytes] = OrderedDict()
     self.lock = threading.Lock()
     self.restored_tokens = 0
+    self.plan: list | None = None                # while a reservation allocates (planned): the blocks it takes unfilled
+    self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+    self.reader = threading.Thread(target=self._read_jobs, name="tinyhet-kv-disk-reader", daemon=True)
+    self.reader.start()
     self.bm.evicted, self.bm.restore = self.evicted, self.restore
 
   @property
@@ -73,8 +89,35 @@ class DiskTier:
       n += 1
     return n
 
+  @contextmanager
+  def planned(self):
+    """Around a reservation's allocation (under the node's lock): blocks the index holds are taken unfilled; yields their
+    (block, hash, entry) list, filled in as the allocation goes."""
+    self.plan = plan = []
+    try: yield plan
+    finally: self.plan = None
+
+  def start(self, plan: list) -> RestoreJob:
+    """Queue a reservation's planned blocks for the reader thread."""
+    job = RestoreJob(self.cache, self.store, plan)
+    self.jobs.put(job)
+    return job
+
+  def committed(self, seq_id: int, job: RestoreJob) -> None:
+    """The sequence's restore checked out and it joins the batch (under the node's lock): its blocks take their hashes."""
+    self.bm.adopt(seq_id, [(b, h) for b, h, _ in job.pairs])
+    self.restored_tokens += job.tokens
+
+  def _read_jobs(self):
+    while (job := self.jobs.get()) is not None: job.run()
+
   def restore(self, h: int):
-    """For BlockManager.allocate: a function writing the staged record of hash h into a block, or None."""
+    """For BlockManager.allocate: a function writing the staged record of hash h into a block, or None. While planned: a
+    function taking the block for the reader thread, for any hash the index holds."""
+    if (plan := self.plan) is not None:
+      with self.store.lock: e = self.store.index.get(h)
+      if e is None or e.length != self.record_bytes: return None
+      return lambda block: plan.append((block, h, e)) or HASH_LATER
     with self.lock: data = self.staged.pop(h, None)
     if data is None: return None
     def fill(block: int):
@@ -85,13 +128,16 @@ class DiskTier:
 
   def status(self) -> dict:
     """The tier's figures for heartbeats and decode.info (RAM hits: prefix_hit_tokens less disk_hit_tokens)."""
-    return {**self.store.status(), "disk_hit_tokens": self.restored_tokens}
+    return {**self.store.status(), "disk_hit_tokens": self.restored_tokens, "disk_tier_errors": self.bm.tier_errors}
 
   def describe(self) -> str:
     return (f"KV disk tier {self.store.dir} ({self.store.disk_bytes() / 2**30:.2f} of {self.store.size_bytes / 2**30:.2f} GiB, "
             f"{self.store.mode}): {self.found_blocks} blocks found")
 
-  def close(self) -> None: self.store.close()
+  def close(self) -> None:
+    self.jobs.put(None)
+    self.reader.join(timeout=30)
+    self.store.close()
 
   def _hashes(self, prompt_ids, salt: str) -> list[int]:
     bs = self.bm.block_size

@@ -7,8 +7,9 @@ But the writer is told what to write by whoever calls prefill.run, with a reserv
 token holder could pass a reservation of another request (to write its own prompt's KV into that request's blocks,
 or to pull that request's cached prefix), or its own reservation with another prompt (so the KV in the blocks is not
 the KV of the tokens the decode node reserved them for). The grant closes that: the decode node signs what it granted
-(itself, the writer, the sequence, every descriptor's region id, the blocks, the cached tokens and a digest of the
-prompt ids), and the writer checks the signature with the key the decode node proved at its handshake, against the
+(itself, the writer, the sequence, every descriptor's region id, the blocks, the cached tokens, a digest of the
+prompt ids, and whether the prefix is still being read back from disk: pulled before then, it would be other bytes),
+and the writer checks the signature with the key the decode node proved at its handshake, against the
 prompt it was asked to prefill and its own name, before a byte is written.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ def grant_text(decode: str, writer: str, reservation: dict, prompt_ids: list[int
     blocks = "|".join(",".join(str(int(b)) for b in reservation[k]) for k in ("prefix_blocks", "blocks") if k in reservation)
   except (KeyError, TypeError, ValueError) as e: raise ValueError(f"the reservation is not decode.reserve's reply: {e}") from None
   return (f"tinyhet-grant|1|{decode}|{writer}|{reservation['seq_id']}|{','.join(map(str, regions))}|{blocks}|"
-          f"{reservation.get('cached_tokens', 0)}|{prompt_digest(prompt_ids)}")
+          f"{reservation.get('cached_tokens', 0)}|{prompt_digest(prompt_ids)}" + ("|restoring" if reservation.get("restoring") else ""))
 
 def sign_grant(identity: Identity, decode: str, writer: str, reservation: dict, prompt_ids: list[int]) -> str:
   return identity.sign(grant_text(decode, writer, reservation, prompt_ids))

@@ -9,6 +9,11 @@ overlaps the compute of the layers before it. The reads go through the read gran
   pull.finish()                                           # every read done: the figures (bytes, seconds in flight, stall)
   pull.abort()                                            # a failed prefill: wait out every read, free the host staging
 
+A prefix the decode node is still reading back from its disk tier (the reservation's `restoring`, tinyhet.kv.disk_restore)
+comes with a gate: gate(l) returns once layer l of those blocks is in the decode node's pool (decode.restored). Then a
+thread of the pull posts layer l's read as soon as gate(l) returns, in layer order, and wait(l) waits for that post too:
+the disk read of the later layers overlaps the pull and the compute of the earlier ones.
+
 A read that fails raises PullFailed from wait(l) (the prefill node then computes the prefix itself, tinyhet.service.prefill_node);
 the pools it was filling are not handed to another job (tinyhet.engine.prefill.pull_pools).
 
@@ -20,7 +25,7 @@ less than computing the prefix again at the prefill rate (both measured on this 
 decode nodes, its pulls, its prefills); until both are measured, pull.
 """
 from __future__ import annotations
-import time
+import threading, time
 from tinygrad import Tensor, dtypes
 from tinygrad.device import Buffer
 from tinyhet.device.backend import NotRegistered, region_of
@@ -40,7 +45,7 @@ def pull_spec(reservation: dict) -> tuple[list[int], list[RegionDescriptor]]:
   return blocks, [RegionDescriptor.from_hex(h) for h in pools]
 
 class PrefixPull:
-  def __init__(self, node, peer, reservation: dict, pools: list[Tensor]):
+  def __init__(self, node, peer, reservation: dict, pools: list[Tensor], gate=None):
     blocks, descs = pull_spec(reservation)
     if len(descs) != len(pools): raise ValueError(f"the reservation has read descriptors for {len(descs)} layers, the prefill {len(pools)}")
     bb = self.block_bytes = reservation["block_bytes"]
@@ -49,21 +54,49 @@ class PrefixPull:
     self.host: Region | None = None
     self.t0 = time.perf_counter()
     self.transfers, self.waited, self.copied = [], 0.0, set()
+    self.posted, self.error, self.poster = threading.Condition(), None, None
+    self.spans = []
+    for l, pool in enumerate(pools):
+      try: region, off = region_of(pool.uop.buffer)            # the pool is registered host memory: read straight into it
+      except NotRegistered:
+        if self.host is None: self.host = node.arena("MESH").alloc(len(pools) * self.nbytes, align=4096)
+        region, off = self.host, l * self.nbytes
+      self.spans.append([Span(region, off + i * bb, descs[l], b * bb, bb) for i, b in enumerate(blocks)])
+    if gate is not None:
+      self.poster = threading.Thread(target=self._post_gated, args=(node, peer, gate), name="tinyhet-pull-gate", daemon=True)
+      self.poster.start()
+      return
     try:
-      for l, pool in enumerate(pools):
-        try: region, off = region_of(pool.uop.buffer)          # the pool is registered host memory: read straight into it
-        except NotRegistered:
-          if self.host is None: self.host = node.arena("MESH").alloc(len(pools) * self.nbytes, align=4096)
-          region, off = self.host, l * self.nbytes
-        spans = [Span(region, off + i * bb, descs[l], b * bb, bb) for i, b in enumerate(blocks)]
-        self.transfers.append(node.endpoint.read(peer, spans))
+      for spans in self.spans: self.transfers.append(node.endpoint.read(peer, spans))
     except Exception as e:                 # the reads posted so far end before the caller forgets the pools
       self.abort()
       raise PullFailed(f"the pull of a cached prefix could not be posted: {type(e).__name__}: {e}") from e
 
+  def _post_gated(self, node, peer, gate):
+    try:
+      for l, spans in enumerate(self.spans):
+        gate(l)
+        if self.error is not None: return   # abort(): nothing more is posted
+        t = node.endpoint.read(peer, spans)
+        with self.posted:
+          self.transfers.append(t)
+          self.posted.notify_all()
+    except Exception as e:
+      with self.posted:
+        self.error = e
+        self.posted.notify_all()
+
+  def _transfer(self, layer: int, timeout: float):
+    if self.poster is None: return self.transfers[layer]
+    with self.posted:
+      if not self.posted.wait_for(lambda: len(self.transfers) > layer or self.error is not None, timeout):
+        raise TimeoutError(f"layer {layer} of the prefix was not read back from the decode node's disk within {timeout} s")
+      if len(self.transfers) > layer: return self.transfers[layer]
+      raise self.error
+
   def wait(self, layer: int, timeout: float = 60.0):
     t = time.perf_counter()
-    try: self.transfers[layer].wait(timeout)
+    try: self._transfer(layer, timeout).wait(timeout)
     except Exception as e: raise PullFailed(f"the pull of layer {layer}'s cached prefix failed: {type(e).__name__}: {e}") from e
     if self.host is not None and layer not in self.copied:    # landed in host memory: into the device pool's first blocks
       data = self.host.view(layer * self.nbytes, self.nbytes)
@@ -74,6 +107,7 @@ class PrefixPull:
 
   def finish(self, timeout: float = 60.0) -> dict:
     """Wait for every read (a failed prefill must not free pools a read may still fill); the pull's figures."""
+    if self.poster is not None: self.poster.join(timeout)
     for t in self.transfers: t.wait(timeout)
     end = max((t.finished for t in self.transfers), default=self.t0)
     if self.host is not None: self.host.free()
@@ -84,7 +118,11 @@ class PrefixPull:
     """Wait for every read to end, landed or failed; then the host staging is freed. False where a read did not end within
     timeout: its staging is kept (a late byte must land in memory nobody else was given), and the caller drops the pools."""
     settled = True
-    for t in self.transfers:
+    if self.poster is not None:
+      with self.posted: self.error = self.error or PullFailed("aborted")   # its gate returns within its timeout; nothing posted after
+      self.poster.join(timeout)
+      settled = not self.poster.is_alive()
+    for t in list(self.transfers):
       try: t.wait(timeout)
       except TimeoutError: settled = False
       except Exception: pass               # failed: it writes nothing more
@@ -92,6 +130,25 @@ class PrefixPull:
       self.host.free()
       self.host = None
     return settled
+
+class RestoreGate:
+  """PrefixPull's gate for a prefix the decode node reads back from disk: gate(l) returns once layer l is in its pool
+  (decode.restored, asked on a control connection of its own, opened at the first call); raises where the read-back
+  failed or the sequence left (the pull fails: PullFailed)."""
+  def __init__(self, endpoint, address: str, seq_id: int, timeout: float = 60.0):
+    self.endpoint, self.address, self.seq_id, self.timeout = endpoint, address, seq_id, timeout
+    self.ctl, self.have = None, 0
+
+  def __call__(self, layer: int) -> None:
+    if self.have > layer: return
+    from tinyhet.runtime.control import ControlClient
+    if self.ctl is None: self.ctl = ControlClient(self.endpoint, self.address)
+    self.have = int(self.ctl.call("decode.restored", reply_timeout=self.timeout + 10, seq_id=self.seq_id, layer=layer,
+                                  timeout=self.timeout)["layers"])
+
+  def close(self) -> None:
+    if self.ctl is not None: self.ctl.close()
+    self.ctl = None
 
 class PullCost:
   """Measured rates, kept as running averages: the link's (bytes/s of this node's writes and pulls) and the prefill's

@@ -25,7 +25,7 @@ from tinyhet.kv.sender import KVSender, Pieces, SendBuffers
 from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible, check_prompt
 from tinyhet.engine.prefill import busy_time, prefill_first_token, prefill_pulled_logits
 from tinyhet.engine.prompt_logprobs import PromptLogprobs
-from tinyhet.kv.pull import PrefixPull, PullCost, PullFailed, pull_spec
+from tinyhet.kv.pull import PrefixPull, PullCost, PullFailed, RestoreGate, pull_spec
 from tinyhet.runtime.control import ControlClient
 from tinyhet.runtime.transport import TransportError
 from tinyhet.model.sampling import Sampler
@@ -165,11 +165,13 @@ class PrefillNode:
       return sent
 
     n, pull = len(job.prompt_ids), {}
+    # a prefix the decode node is still reading back from its disk tier: each layer pulled once decode.restored says it is in
+    gate = RestoreGate(self.node.endpoint, job.decode, r["seq_id"]) if r.get("restoring") else None
     try:
       if pulled:
         try:
           logits, pull = prefill_pulled_logits(self.model, job.prompt_ids, cached, r["block_size"], kv_dtype,
-                                               lambda pools: PrefixPull(self.node, peer, r, pools), send_layer, send_chunk)
+                                               lambda pools: PrefixPull(self.node, peer, r, pools, gate), send_layer, send_chunk)
           self.cost.saw_transfer(pull["pulled_bytes"], pull["pull_s"])
         except PullFailed as e:   # its pools are dropped and its reads ended: compute the prefix here, and send every layer again
           print(f"tinyhet: prefill node {self.node.name}: {e}; computing the prefix instead", file=sys.stderr, flush=True)
@@ -195,6 +197,8 @@ class PrefillNode:
       sender.abort()                            # kept layers and staging buffers outlive the writes that read them
       if isinstance(e, TransportError) and (old := self.decoders.pop(job.decode, None)): old[0].close()   # a broken link: a new one next job
       raise
+    finally:
+      if gate is not None: gate.close()
     kv_bytes, transfer_s = sum(t.nbytes for t in transfers.values()), busy_time([(t.started, t.finished) for t in transfers.values()])
     self.cost.saw_transfer(kv_bytes, transfer_s)
     last = max(t.finished for t in transfers.values())
