@@ -4,9 +4,10 @@
              router: one 4-token request (the process's first of all: connections, threads), then the first request at each
              of N random prompt lengths, then a second request of each length (other tokens: no prefix-cache hit). Per
              length the TTFT of both and their ratio; the node's warm-up time and captures.
-  fresh      a long prompt in a fresh `tinyhet run` (--keep-alive 0; run twice, so tinygrad's kernel cache on disk is warm
-             for the second) against the same prompt in the resident process (--keep-alive: a second run served by the
-             process the first one left): TTFT of each and the ratio.
+  fresh      a long prompt (--run-tokens, default 7,876) in a fresh `tinyhet run` (--keep-alive 0; run twice, so tinygrad's
+             caches on disk, kernels and generated programs, are warm for the second) against a prompt of the same length in
+             the resident process (--keep-alive: a second run served by the process the first one left, in a run directory
+             of its own): TTFT of each and the ratio.
   load       the `both` node at each concurrency with prompts of random lengths (default 100-2,000 tokens): TPOT p50 and p99
              (the gaps between a request's streamed tokens) and requests/s.
 
@@ -46,24 +47,32 @@ def part_first(args, rng) -> dict:
   return {"node_start_s": started_s, "warm_up": procs[0].info.get("warm_up_status", {}), "opening_ttft_s": opening, "rows": rows,
           "worst_ratio": max(r["ratio"] for r in rows)}
 
-def run_ttft(args, prompt: str, keep_alive: str) -> dict:
+def run_ttft(args, prompt: str, keep_alive: str, env: dict) -> dict:
   cmd = [sys.executable, "-m", "tinyhet", "run", "--json", "--raw", "--quiet", "--max-tokens", "2", "--keep-alive", keep_alive,
          *(["--model", args.model] if args.model else []), prompt]
-  p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+  p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
   if p.returncode != 0: raise RuntimeError(f"tinyhet run failed ({p.returncode}): {p.stderr.strip()[-300:]}")
   out = json.loads(p.stdout.strip().splitlines()[-1])
   return {"ttft_s": out["ttft_s"], "prompt_tokens": len(out["prompt_ids"])}
 
 def part_fresh(args) -> dict:
+  """Four `tinyhet run`s of one prompt length: a fresh process that fills tinygrad's caches on disk (kernels, generated
+  programs: tinyhet.device.program_cache), the fresh process measured, a run that starts a resident process (it captures
+  there), and the run that process serves measured. The resident process lives in a run directory of its own (its
+  XDG_CACHE_HOME), so its `--stop` stops no one else's; tinygrad's cache stays the user's (CACHEDB)."""
+  import tempfile
+  from tinygrad.helpers import CACHEDB
   from tinyhet.bench.prompts import FILLER
   # ~4.9 characters a SmolLM2 token of this text; each run's own first words, so no run finds another's blocks in a prefix cache
   prompt = lambda k: f"Run {k}. " + (FILLER * (1 + args.run_tokens // 20))[:int(args.run_tokens * 4.9)]
-  run_ttft(args, prompt(0), "0")                                       # fills tinygrad's kernel cache on disk
-  fresh = run_ttft(args, prompt(1), "0")
-  try:
-    run_ttft(args, prompt(2), "10m")                                   # starts the resident process and compiles there
-    resident = run_ttft(args, prompt(3), "10m")
-  finally: subprocess.run([sys.executable, "-m", "tinyhet", "run", "--stop"], capture_output=True, timeout=120)
+  with tempfile.TemporaryDirectory(prefix="tinyhet-bench-fresh-") as home:
+    env = {**os.environ, "XDG_CACHE_HOME": home, "CACHEDB": CACHEDB}
+    run_ttft(args, prompt(0), "0", env)                                  # fills tinygrad's caches on disk
+    fresh = run_ttft(args, prompt(1), "0", env)
+    try:
+      run_ttft(args, prompt(2), "10m", env)                              # starts the resident process and captures there
+      resident = run_ttft(args, prompt(3), "10m", env)
+    finally: subprocess.run([sys.executable, "-m", "tinyhet", "run", "--stop"], capture_output=True, timeout=120, env=env)
   return {"prompt_tokens": fresh["prompt_tokens"], "fresh_ttft_s": fresh["ttft_s"], "resident_ttft_s": resident["ttft_s"],
           "ratio": fresh["ttft_s"] / resident["ttft_s"] if resident["ttft_s"] else 0.0}
 

@@ -20,6 +20,9 @@ from tinyhet.device.memory import local_node
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.spans import SpanAllocator
 from tinyhet.runtime.arena import Region
+from tinyhet.device import program_cache
+
+program_cache.install()   # generated kernel code kept across processes (tinyhet.device.program_cache)
 
 GPU_BACKENDS = ("CUDA", "NV", "AMD", "METAL", "CL")
 GPU_ALIGN = 256

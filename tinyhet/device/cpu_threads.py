@@ -13,7 +13,7 @@ The thread count is TINYHET_CPU_THREADS (config cpu_threads); 0, the default, me
 goes to C in one call).
 """
 from __future__ import annotations
-import functools, os, time
+import functools, hashlib, os, time
 from tinygrad import Context
 from tinygrad.engine.jit import GraphRunner
 from tinygrad.runtime.ops_cpu import CPUProgram
@@ -136,9 +136,24 @@ def more_parts(k, split_k, ops_per_part: int = 128 << 10):
 def wide_thread_split() -> None:
   """Install more_parts around tinygrad's hand_coded_optimizations (postrange imports it by name when it optimizes a kernel,
   so the module attribute is the hook); once per process."""
+  import inspect
   from tinygrad.codegen.opt import heuristic
+  from tinygrad.engine import worker
   original = heuristic.hand_coded_optimizations
   def hand_coded_optimizations(k):
     before = k.copy()
     return more_parts(before, original(k))
+  # its version, part of a program's key in the disk cache of generated programs (tinyhet.device.program_cache)
+  hand_coded_optimizations.tinyhet_hook = hashlib.sha256(inspect.getsource(more_parts).encode()).hexdigest()[:16]
   heuristic.hand_coded_optimizations = hand_coded_optimizations
+  # tinygrad generates the code of a list of kernels in a pool of spawned processes, which import tinygrad alone: without
+  # this their kernels split as tinygrad's heuristic does (24 threads: 16 parts), only the ones generated here as above
+  if worker._init_worker is not compile_worker_init:
+    worker._tinygrad_init_worker, worker._init_worker = worker._init_worker, compile_worker_init
+    worker.terminate_worker_pool()          # one started before: its workers lack the hook
+
+def compile_worker_init() -> None:
+  """The initializer of tinygrad's code-generation worker processes: tinygrad's own, then the hook (wide_thread_split)."""
+  from tinygrad.engine import worker
+  wide_thread_split()                     # in this new process: the hook, and worker._tinygrad_init_worker set
+  worker._tinygrad_init_worker()

@@ -11,8 +11,9 @@ and the chunk captures a cached prefix's suffix runs at over the KV pool. tinygr
 sqlite connection bound to it), so the node builds them on its batching thread, one per call, while it has nothing else to
 do: a request that comes meanwhile waits at most for the one capture under way, and runs at the smallest ready bucket that
 holds it (pick) until its own is built; only one that no ready bucket holds builds its own (counted in `cold`). The kernels
-themselves persist across processes in tinygrad's disk cache (CACHELEVEL, CACHEDB; default ~/.cache/tinygrad/cache.db), so a
-restarted node compiles nothing and pays only the scheduling.
+themselves persist across processes in tinygrad's disk cache (CACHELEVEL, CACHEDB; default ~/.cache/tinygrad/cache.db), and so
+do their generated programs (tinyhet.device.program_cache), so a restarted node compiles and generates nothing and pays only
+the scheduling and the captures.
 """
 from __future__ import annotations
 import time
