@@ -20,6 +20,7 @@ BENCHMARKS = {
   "logprobs": ("tinyhet.bench.logprobs", "a prompt's own logprobs (echo): its prefill against a plain one; loglikelihood load vs llama-cpp-python"),
   "bignode": ("tinyhet.bench.bignode", "the CPU node model fitted at 1 thread, checked at 1 and 2, and its 2 x 96-core prediction"),
   "kvquant": ("tinyhet.bench.kvquant", "the KV dtypes (q8_0, fp8, bfloat16) against float16 KV: greedy tokens, perplexity, capacity, speed"),
+  "spec": ("tinyhet.bench.spec", "speculative decoding (ngram) vs plain decode, copy-heavy and chat prompts: tok/s, accept length, same tokens"),
   "e2e": ("tinyhet.bench.e2e", "end to end: disaggregated against --no-disagg, decode against the memory-bandwidth bound"),
 }
 

@@ -72,6 +72,26 @@ def test_fork_copies_the_partial_block_in_every_layer():
     src, dst = cache.block_manager.block_table(0)[1], cache.block_manager.block_table(1)[1]
     assert src != dst and cache.read_block_bytes(layer, src) == cache.read_block_bytes(layer, dst)
 
+def test_several_tokens_a_sequence_as_decode_rows_attend_causally():
+  """begin_step's counts (speculative decoding's verify step): sequence i's counts[i] new tokens are rows of a decode step
+  (T = 1), each attending to its sequence's tokens up to its own position, the earlier rows' K, V of this step among them."""
+  rng = np.random.default_rng(3)
+  cache, kv = random_cache(rng, [11, 5])
+  counts = [3, 1]
+  for sid, c in enumerate(counts):
+    for _ in range(c): cache.block_manager.append_slot(sid)
+  pos = cache.begin_step([0, 1], 1, counts)
+  assert pos.tolist() == [[11], [12], [13], [5]]
+  q = rng.standard_normal((4, 1, H, D)).astype(np.float32)
+  k, v = rng.standard_normal((4, 1, N_KV, D)).astype(np.float32), rng.standard_normal((4, 1, N_KV, D)).astype(np.float32)
+  out = cache.update_and_attend(0, Tensor(q), Tensor(k), Tensor(v), Tensor(pos)).numpy()
+  for r, (sid, first) in enumerate([(0, 0), (0, 0), (0, 0), (1, 3)]):
+    kk = np.concatenate([kv[sid, 0][0], k[first:r + 1, 0].astype(np.float16)])
+    vv = np.concatenate([kv[sid, 0][1], v[first:r + 1, 0].astype(np.float16)])
+    np.testing.assert_allclose(out[r, 0], dense_reference(q[r, 0], kk, vv), atol=2e-5, rtol=1e-4)
+  with pytest.raises(ValueError, match="sequence 1 holds fewer than n_tokens=7"): cache.begin_step([0, 1], 1, [1, 7])
+  with pytest.raises(ValueError, match="counts takes n_tokens=1"): cache.begin_step([0, 1], 2, [1, 1])
+
 def test_begin_step_is_required_and_checked():
   cache, _ = random_cache(np.random.default_rng(4), [5])
   q = Tensor.zeros(1, 1, H, D).contiguous()

@@ -1,14 +1,16 @@
 """Speculative decoding (tinyhet.engine.speculative): over a random tiny model, greedy and sampled tokens equal plain
 decode's for random prompts, batches and k, and the pool ends as plain decode leaves it (lengths, table sizes, free blocks; each step
-puts rejected drafts' blocks back in the free queue where they were)."""
+puts rejected drafts' blocks back in the free queue where they were); the verify step replays the plain decode step's
+captures (no capture of its own once the batch buckets are captured)."""
 import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 from tinygrad import Tensor, dtypes
-from tinyhet.engine.decode_engine import DecodeEngine
+from tinyhet.engine.decode_engine import BATCH_BUCKETS, DecodeEngine
 from tinyhet.engine.ngram_draft import ngram_draft
 from tinyhet.engine.speculative import SpeculativeStep, check_speculative
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.model import llama as model
+from tinyhet.model.layer_jit import Replay
 from tinyhet.model.sampling import Sampler, sample_batch
 
 CFG = model.small_config(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=32, max_context=256)
@@ -16,10 +18,13 @@ CFG = model.small_config(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim
 @pytest.fixture(scope="module")
 def llama(): return model.Llama(CFG, model.random_weights(CFG, seed=1))
 
-def run(llama, prompts, new, k, temperature=0.0):
-  """Tokens of each prompt (plain decode: k = 0), and the block manager after."""
-  cache = PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256)
-  engine, bm = DecodeEngine(llama, cache), cache.block_manager
+def run(llama, prompts, new, k, temperature=0.0, engine=None):
+  """Tokens of each prompt (plain decode: k = 0), and the block manager after. engine: a DecodeEngine to decode with
+  (default: a fresh one), whose pool holds no sequence 0..len(prompts)-1."""
+  if engine is None:
+    cache = PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256)
+    engine = DecodeEngine(llama, cache)
+  cache, bm = engine.cache, engine.cache.block_manager
   spec = SpeculativeStep(engine)
   toks = [list(p) for p in prompts]
   samplers = [Sampler(temperature, 1.0, seed=7 + i) for i in range(len(prompts))]
@@ -72,6 +77,37 @@ def test_sampled_equals_plain_sampling_and_drafts_are_taken(llama):
   plain, _, _ = run(llama, prompts, 24, 0, temperature=0.8)
   fast, _, spec = run(llama, prompts, 24, 4, temperature=0.8)
   assert fast == plain and spec.drafted > 0
+
+def test_verify_replays_the_plain_decode_captures(llama):
+  """Over a few shapes (batch, k), with one engine whose buckets up to 8 rows are captured: the speculative tokens equal
+  plain decode's, drafts are verified, and every verify ran as the engine's captured plain step of its rows (no capture
+  made, every engine step a replay, some of them verify steps)."""
+  cache = PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256)
+  engine = DecodeEngine(llama, cache)
+  engine.warm_up([b for b in BATCH_BUCKETS if b <= 8])
+  captured, buckets = Replay.captures, set(engine.steps)
+  assert all(r.jit.captured is not None for r in engine.steps.values())
+  calls = {"step": 0, "verify": 0, "replay": 0}
+  step = engine.step
+  def counted_step(*args, counts=None, **kw):          # the engine's own step, counted
+    calls["step"] += 1
+    calls["verify"] += counts is not None
+    return step(*args, counts=counts, **kw)
+  def counted(replay):
+    def call(*args, **kw):
+      calls["replay"] += 1
+      return replay(*args, **kw)
+    return call
+  engine.step, engine.steps = counted_step, {B: counted(r) for B, r in engine.steps.items()}
+  loop, other = [3, 1, 4, 1, 5, 2, 6] * 3, [2, 7, 2, 7, 9] * 4 + [2]      # one prompt length: its prefill compiles once
+  for prompts, k in (([loop], 1), ([loop], 4), ([loop, other], 3), ([loop[2:] + loop[:2], other, loop[5:] + loop[:5]], 1)):
+    got = {}
+    for mode in (0, k):
+      got[mode], bm, spec = run(llama, prompts, 12, mode, engine=engine)
+      for i in range(len(prompts)): bm.deallocate(i)
+    assert got[k] == got[0] and spec.drafted > 0 and spec.accepted > 0, (prompts, k)
+  assert Replay.captures == captured and set(engine.steps) == buckets
+  assert calls["replay"] == calls["step"] and calls["verify"] > 0, calls
 
 def test_ngram_draft():
   assert ngram_draft([1, 2, 3, 9, 9, 1, 2, 3], 3) == [9, 9, 1]

@@ -2,12 +2,14 @@
 
   engine = DecodeEngine(model, cache)          # the cache holds one block more than its sequences: PAD_SEQ's
   logits = engine.step(seq_ids, tokens)        # (len(seq_ids), vocab) float32; each sequence's slot for the token is held already
+  logits = engine.step(seq_ids, tokens, counts=counts)   # counts[i] tokens of seq_ids[i], a row each (speculative's verify step)
 
 A step pads the batch to its bucket (BATCH_BUCKETS) with rows of PAD_SEQ, a one-token sequence whose single block takes
 the padding rows' K, V writes; sets the step's block tables (cache.begin_step); writes tokens and positions into the
 cache's fixed input buffers (cache.step_inputs); and replays the TinyJit capture of that bucket (one per bucket, the block
 count a bound Variable, so one capture serves every context length). The decode node (decode_node.py), the single-device
-engine (local_engine.py) and `tinyhet bench decode` all decode through this class.
+engine (local_engine.py) and `tinyhet bench decode` all decode through this class, and speculative decoding's verify step
+(speculative.py) too: its k + 1 tokens a sequence are rows of a decode step, so it replays the captures of plain decode.
 """
 from __future__ import annotations
 import contextlib
@@ -38,17 +40,21 @@ class DecodeEngine:
     self.steps: dict[int, Replay] = {}      # batch bucket -> its capture
     cache.block_manager.allocate(PAD_SEQ, 1)
 
-  def step(self, seq_ids: list[int], tokens: list[int], lock=None, bucket: int | None = None) -> np.ndarray:
-    """Logits (len(seq_ids), vocab) float32 of one decode step: tokens[i] is sequence seq_ids[i]'s newest token, whose slot
+  def step(self, seq_ids: list[int], tokens: list[int], lock=None, bucket: int | None = None, counts: list[int] | None = None) -> np.ndarray:
+    """Logits (len(tokens), vocab) float32 of one decode step: tokens[i] is sequence seq_ids[i]'s newest token, whose slot
     the block manager holds already (Scheduler.schedule, or append_slot). lock: held while the step's block tables are read
     (the block manager's owner may change them from other threads); the forward itself runs without it. bucket: the batch to
-    run at (default: batch_bucket's, or while the model warms up the smallest ready one that holds it: tinyhet.engine.warm_up)."""
-    n = len(seq_ids)
-    if n == 0 or n != len(tokens): raise ValueError(f"a decode step takes one token per sequence: {n} sequences, {len(tokens)} tokens")
+    run at (default: batch_bucket's, or while the model warms up the smallest ready one that holds it: tinyhet.engine.warm_up).
+    counts: several tokens a sequence, one row each (speculative decoding's verify step): sequence seq_ids[i] has the
+    counts[i] tokens after those of the sequences before it, its last counts[i] slots (cache.begin_step's counts). The step
+    is the plain decode step of len(tokens) rows, padded to its bucket and replayed from the same capture."""
+    n = len(tokens)
+    if counts is None and n != len(seq_ids) or counts is not None and (len(counts) != len(seq_ids) or sum(counts) != n) or n == 0:
+      raise ValueError(f"a decode step takes one token per row: {len(seq_ids)} sequences, {n} tokens, counts {counts}")
     B = bucket or batch_bucket(n)
     if bucket is None and (warm := getattr(self.model, "warm", None)) is not None: B = warm.pick("decode", B)
     with lock if lock is not None else contextlib.nullcontext():
-      positions = self.cache.begin_step(list(seq_ids) + [PAD_SEQ] * (B - n), 1)
+      positions = self.cache.begin_step(list(seq_ids) + [PAD_SEQ] * (B - n), 1, None if counts is None else list(counts) + [1] * (B - n))
     with kernel_threads(self.model.device):
       toks, pos = self.cache.step_inputs(np.array(list(tokens) + [0] * (B - n), dtype=np.int32).reshape(B, 1), positions)
       # replayed straight from its capture once made (layer_jit.Replay: TinyJit's own call re-derives every input's view, ~1.3 ms

@@ -17,12 +17,14 @@ position) (tinyhet.model.sampling), so the same holds at any temperature: for a 
 drawing the model's token with the position's draw and keeping the draft while they agree is the standard rejection rule
 (kept with probability p(x); on a rejection the token drawn is from p restricted to tokens != x, renormalized), and the
 tokens are plain sampling's, token for token.
+
+The verify step is plain decode's own: a sequence's newest token and its draft are rows of one DecodeEngine.step (its
+counts), padded to a batch bucket and replayed from that bucket's TinyJit capture, so a step of B sequences with drafts of
+d tokens costs a plain decode step of B * (d + 1) rows (the weights read once, each row's attention over its own context),
+with no tinygrad scheduling on the way.
 """
 from __future__ import annotations
 import contextlib
-import numpy as np
-from tinygrad import Tensor, dtypes
-from tinyhet.device.cpu_threads import kernel_threads
 from tinyhet.engine.ngram_draft import ngram_draft
 from tinyhet.model.sampling import sample_batch
 
@@ -50,54 +52,46 @@ class SpeculativeStep:
     its limit (tokens it may still take, less the one every step gives)."""
     out, free = [], len(self.bm.free_ids)
     for tokens, limit in zip(token_lists, limits):
-      d = ngram_draft(tokens, min(k, max(0, limit - 1), self.cache.max_seq_len - len(tokens)))
-      out.append(d)
-    T = 1 + max(len(d) for d in out)
-    while T > 1 and sum(self.bm.blocks_needed(len(t) + T - 1) - self.bm.blocks_needed(len(t)) for t in token_lists) > free: T -= 1
-    return [d[:T - 1] for d in out]
+      out.append(ngram_draft(tokens, min(k, max(0, limit - 1), self.cache.max_seq_len - len(tokens))))
+    def blocks(n: int) -> int:         # new blocks the drafts cut to n tokens take
+      return sum(self.bm.blocks_needed(len(t) + min(len(d), n)) - self.bm.blocks_needed(len(t)) for t, d in zip(token_lists, out))
+    n = max(len(d) for d in out)
+    while n > 0 and blocks(n) > free: n -= 1
+    return [d[:n] for d in out]
 
   def step(self, seq_ids: list[int], token_lists: list[list[int]], samplers: list, k: int, limits: list[int] | None = None,
            stops: list[set] | None = None, lock=None) -> list[list]:
     """Per sequence the Draws of its new tokens (1 + its accepted drafts). limits: tokens each may still take. stops: each
     sequence's stop ids, after which nothing more is kept (cut before the rollback). lock: held while the block manager
-    and the step's block tables are touched (the decode node's, whose other threads change them)."""
+    and the step's block tables are touched (the decode node's, whose other threads change them).
+    The verify step is a decode step (DecodeEngine.step with counts) whose rows are each sequence's newest token and its
+    draft: the jitted, bucketed step of plain decode, replayed from its capture, each row of a sequence attending to the
+    slots before its own (the rows before it store theirs in the same step). A sequence takes slots for its own draft
+    only: rows of a shorter draft are not padded."""
     limits = limits or [k + 1] * len(seq_ids)
     with lock if lock is not None else contextlib.nullcontext():
       drafts = self.drafts(token_lists, k, limits)
-      T = 1 + max(len(d) for d in drafts)
-      if T > 1:
-        rows = []
-        for sid, tokens, d in zip(seq_ids, token_lists, drafts):
-          for _ in range(T - 1): self.bm.append_slot(sid)
-          rows.append([tokens[-1], *d, *[d[-1] if d else tokens[-1]] * (T - 1 - len(d))])   # a short draft padded: its rows are dropped
-        positions = self.cache.begin_step(seq_ids, T)
-    if T == 1:                                # nothing drafted: a plain decode step
-      self.steps += len(seq_ids)
+      for sid, d in zip(seq_ids, drafts):
+        for _ in d: self.bm.append_slot(sid)
+    counts = [1 + len(d) for d in drafts]
+    self.steps += len(seq_ids)
+    if sum(counts) == len(seq_ids):            # nothing drafted: a plain decode step
       logits = self.engine.step(seq_ids, [t[-1] for t in token_lists], lock)
       return [[d] for d in sample_batch(logits, samplers, [len(t) for t in token_lists], token_lists)]
-    logits = self.forward(rows, positions)     # (B, T, vocab)
-    out = []
+    rows = [tok for tokens, d in zip(token_lists, drafts) for tok in (tokens[-1], *d)]
+    logits = self.engine.step(seq_ids, rows, lock, counts=counts)      # (sum(counts), vocab)
+    out, first = [], 0
     for i, (tokens, d) in enumerate(zip(token_lists, drafts)):
       kept = []
       for j in range(len(d) + 1):            # the model's draw at each drafted position, kept while the draft agrees
-        draw = sample_batch(logits[i, j][None], [samplers[i]], [len(tokens) + j], [tokens + d[:j]])[0]
+        draw = sample_batch(logits[first + j][None], [samplers[i]], [len(tokens) + j], [tokens + d[:j]])[0]
         kept.append(draw)
         if isinstance(draw, Exception) or j == len(d) or draw.token != d[j] or (stops and draw.token in stops[i]): break
+      first += counts[i]
       self.drafted += len(d)
       self.accepted += len(kept) - 1
       out.append(kept)
     with lock if lock is not None else contextlib.nullcontext():
       for sid, tokens, kept in reversed(list(zip(seq_ids, token_lists, out))):   # undone last taken first: the free queue's order
         self.bm.truncate(sid, len(tokens) + len(kept) - 1)
-    self.steps += len(seq_ids)
     return out
-
-  def forward(self, rows: list[list[int]], positions: np.ndarray) -> np.ndarray:
-    """Logits (B, T, vocab) of every row's T tokens, whose slots the block manager holds (the last T of each sequence;
-    positions: the cache's begin_step for them)."""
-    B, T = len(rows), len(rows[0])
-    dev = self.cache.pools[0].device
-    with kernel_threads(self.engine.model.device):
-      toks = Tensor(np.array(rows, dtype=np.int32), dtype=dtypes.int32, device=dev)
-      pos = Tensor(positions.astype(np.int32), dtype=dtypes.int32, device=dev)
-      return self.engine.model.forward(toks, pos, self.cache, all_rows=True).realize().numpy().reshape(B, T, -1)

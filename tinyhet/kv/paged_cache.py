@@ -96,30 +96,43 @@ class PagedKVCache:
 
   # ***** the model's KVCache protocol *****
 
-  def begin_step(self, seq_ids: Sequence[int], n_tokens: int = 1) -> np.ndarray:
+  def begin_step(self, seq_ids: Sequence[int], n_tokens: int = 1, counts: Sequence[int] | None = None) -> np.ndarray:
     """Set the batch of the next forward: row b of q/k/v/positions is seq_ids[b], each with n_tokens new tokens whose slots
     the block manager already holds (Scheduler.schedule, or allocate / append_slot): the last n_tokens of each sequence.
     Returns those positions, (B, n_tokens) int32, the positions to give the model. A position outside a sequence's blocks
-    would be stored in another sequence's block: pass these."""
+    would be stored in another sequence's block: pass these.
+    counts: several new tokens of a sequence as a decode step (n_tokens 1) of one row each, speculative decoding's verify
+    step (tinyhet.engine.speculative): sequence seq_ids[i] takes counts[i] consecutive rows, its last counts[i] slots in
+    order, and the positions returned are (sum(counts), 1). Such a step's tables are the fixed buffer of its row count, as
+    a plain decode step of that many rows has, so it replays that step's TinyJit capture; each row attends to its own
+    position's prefix, which holds the K, V the sequence's earlier rows store in the same step (a layer's writes come
+    before its reads)."""
     tables = [self.block_manager.block_table(s) for s in seq_ids]
     if not tables: raise ValueError("begin_step: empty batch")
     ends = np.array([self.block_manager.length(s) for s in seq_ids], dtype=np.int32)
-    if (ends < n_tokens).any(): raise ValueError(f"begin_step: sequence {seq_ids[int(np.argmin(ends))]} holds fewer than n_tokens={n_tokens} tokens")
+    if counts is not None and (n_tokens != 1 or len(counts) != len(tables) or min(counts) < 1):
+      raise ValueError(f"begin_step: counts takes n_tokens=1 and one count of at least 1 per sequence, got {list(counts)[:8]}")
+    need = np.full(len(tables), n_tokens, dtype=np.int32) if counts is None else np.asarray(counts, dtype=np.int32)
+    if (short := ends < need).any():
+      i = int(np.argmax(short))
+      raise ValueError(f"begin_step: sequence {seq_ids[i]} holds fewer than n_tokens={int(need[i])} tokens")
     if (longest := max(len(t) for t in tables)) > self.cap:
       raise ValueError(f"begin_step: a sequence holds {longest} blocks, more than max_seq_len {self.max_seq_len} allows; "
                        "make the cache with a larger max_seq_len")
     rows = np.zeros((len(tables), self.cap), dtype=np.int32)   # padding entries point at block 0: read, then masked
     for i, t in enumerate(tables): rows[i, :len(t)] = t
-    rows = np.repeat(rows, n_tokens, axis=0)
+    rows = np.repeat(rows, need, axis=0)
     buf = self._tables.get(len(rows)) if n_tokens == 1 else None
     if buf is None:
       buf = Tensor.zeros(len(rows), self.cap, dtype=dtypes.int32, device=self.pools[0].device).contiguous().realize()
-      # kept only for decode steps (one row per sequence: as many sizes as batch sizes), which TinyJit replays from fixed
+      # kept only for decode steps (one row per token: as many sizes as batch buckets), which TinyJit replays from fixed
       # buffers; a recompute's rows are its length, which preemptions make unbounded, and it is not jitted
       if n_tokens == 1: self._tables[len(rows)] = buf
     _write(buf.uop.buffer, 0, rows.tobytes())
-    self._step = (len(tables), n_tokens, buf, self._max_blocks.bind(longest))
-    return ends[:, None] - n_tokens + np.arange(n_tokens, dtype=np.int32)[None]
+    self._step = (len(rows) // n_tokens, n_tokens, buf, self._max_blocks.bind(longest))
+    if counts is None: return ends[:, None] - n_tokens + np.arange(n_tokens, dtype=np.int32)[None]
+    first = np.repeat(np.cumsum(need) - need, need)             # each row's sequence's first row
+    return (np.repeat(ends - need, need) + np.arange(len(rows), dtype=np.int32) - first).astype(np.int32)[:, None]
 
   def step_inputs(self, tokens, positions) -> tuple[Tensor, Tensor]:
     """A decode step's tokens and positions, (B, 1) int32 each, as Tensors on the pool's device: written in place into

@@ -1,0 +1,107 @@
+"""tinyhet bench spec: speculative decoding (docs/speculative.md) against plain decode, through the decode node's engine
+(paged KV, the jitted bucketed decode step, SpeculativeStep's verify replaying it) on MESH, in one process: for each task
+and batch, each mode decodes the same prompts greedily, --new-tokens tokens a row (no stop ids: every row the same count).
+
+  copy   rewrite a ~400-token passage with a small edit (bench/spec_prompts.py): the answer quotes the prompt
+  chat   free chat prompts: little to quote
+
+A row: decode tokens/s of the whole batch (the tokens after each row's first, which its prefill gives, over the decode
+time), accept_len (tokens a sequence gains per speculative step: accepted drafts / steps + 1; 1.0 for off) and
+tokens_equal (its greedy tokens equal mode off's). Every batch bucket up to B * (k + 1) rows is captured first, and each
+row is decoded twice, the second run timed (the first compiles its prompts' prefill). The `draft` mode (a smaller draft model) is not built."""
+from __future__ import annotations
+import argparse, json, sys, time
+
+MODES = ("off", "ngram")
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(prog="tinyhet bench spec", description=__doc__.split("\n\n")[0])
+  ap.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct); "
+                  "random:... for a quick check")
+  ap.add_argument("--k", type=int, default=4, help="tokens drafted a step, 1..8 (default 4)")
+  ap.add_argument("--batch", default="1,16", help="comma-separated batch sizes (default 1,16)")
+  ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
+  ap.add_argument("--tasks", default="copy,chat", help="comma-separated tasks: copy, chat")
+  ap.add_argument("--max-prompt", type=int, default=0, help="cut each prompt to its last N tokens (0: whole; for quick checks)")
+  ap.add_argument("--json", action="store_true")
+  args = ap.parse_args(argv)
+  from tinyhet.bench.spec_prompts import TASKS
+  from tinyhet.engine.speculative import MAX_K
+  batches, tasks = [int(b) for b in args.batch.split(",") if b], [t for t in args.tasks.split(",") if t]
+  if not 1 <= args.k <= MAX_K: ap.error(f"--k must be in 1..{MAX_K}")
+  if not batches or min(batches) < 1 or args.new_tokens < 2: ap.error("--batch sizes must be positive and --new-tokens at least 2")
+  if (bad := [t for t in tasks if t not in TASKS]): ap.error(f"unknown task {bad[0]!r}: known ones are {', '.join(TASKS)}")
+  import tinyhet  # noqa: F401  (MESH)
+  from tinyhet.engine.decode_engine import BATCH_BUCKETS, batch_bucket
+  from tinyhet.model.spec import load, model_id
+  model, tok, name = load(args.model, "MESH", quiet=True, packed=True)
+  prompts = {t: [cut(tok.encode_chat([{"role": "user", "content": p}]), args.max_prompt) for p in TASKS[t]] for t in tasks}
+  longest = max(len(p) for ps in prompts.values() for p in ps)
+  if longest + args.new_tokens + args.k > model.cfg.max_context:
+    raise SystemExit(f"tinyhet bench spec: prompts of {longest} tokens + {args.new_tokens} new tokens exceed the model's context "
+                     f"({model.cfg.max_context}): pass fewer --new-tokens or --max-prompt")
+  engine = make_engine(model, max(batches), longest + args.new_tokens + args.k)
+  rows = []
+  for task in tasks:
+    for B in batches:
+      ids = [prompts[task][i % len(prompts[task])] for i in range(B)]
+      base = None
+      # every bucket a step of this batch may run at captured first (a bucket met once in a run would capture in the timed one)
+      engine.warm_up([b for b in BATCH_BUCKETS if b <= batch_bucket(B * (args.k + 1))])
+      for mode in MODES:
+        decode(engine, ids, args.new_tokens, mode, args.k)        # untimed: the prompts' prefill compiles
+        toks, rate, accept = decode(engine, ids, args.new_tokens, mode, args.k)
+        base = toks if mode == "off" else base
+        rows.append({"task": task, "mode": mode, "batch": B, "decode_tok_s": rate, "accept_len": accept, "tokens_equal": toks == base})
+        if not args.json: print(f"{task} {mode} batch {B}: {rate:.2f} tok/s, accept length {accept:.2f}", file=sys.stderr, flush=True)
+  out = {"model": model_id(args.model) if args.model else name, "k": args.k, "new_tokens": args.new_tokens, "rows": rows}
+  print(json.dumps(out) if args.json else table(out))
+  return 0
+
+def cut(ids: list[int], n: int) -> list[int]: return ids[-n:] if n else ids
+
+def make_engine(model, max_batch: int, seq_tokens: int):
+  """A decode engine whose pool holds max_batch sequences of seq_tokens (and PAD_SEQ's block)."""
+  from tinyhet.engine.decode_engine import DecodeEngine
+  from tinyhet.kv.paged_cache import PagedKVCache
+  cfg, bs = model.cfg, 16
+  cache = PagedKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_batch * -(-seq_tokens // bs) + 1, bs, device=model.device,
+                       max_seq_len=cfg.max_context)
+  return DecodeEngine(model, cache)
+
+def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int) -> tuple[list[list[int]], float, float]:
+  """Greedy decode of every prompt to `new` tokens in one batch: (tokens, decode tokens/s, accept length)."""
+  from tinyhet.engine.prefill import prefill_first_token
+  from tinyhet.engine.speculative import SpeculativeStep
+  from tinyhet.model.sampling import Sampler, sample_batch
+  cache, bm = engine.cache, engine.cache.block_manager
+  spec, samplers, toks = SpeculativeStep(engine), [Sampler(0.0) for _ in prompts], [list(p) for p in prompts]
+  try:
+    for sid, p in enumerate(prompts):
+      bm.allocate(sid, len(p))
+      toks[sid].append(prefill_first_token(engine.model, p, samplers[sid], cache.kv_dtype, cache.layer_storer(sid))[0])
+    t0 = time.perf_counter()
+    while (live := [i for i, p in enumerate(prompts) if len(toks[i]) - len(p) < new]):
+      for i in live: bm.append_slot(i)
+      if mode == "off":
+        logits = engine.step(live, [toks[i][-1] for i in live])
+        draws = [[d] for d in sample_batch(logits, [samplers[i] for i in live], [len(toks[i]) for i in live], [toks[i] for i in live])]
+      else: draws = spec.step(live, [toks[i] for i in live], [samplers[i] for i in live], k, [new - (len(toks[i]) - len(prompts[i])) for i in live])
+      for i, ds in zip(live, draws): toks[i] += [d.token for d in ds]
+    elapsed = time.perf_counter() - t0
+  finally:
+    for sid in range(len(prompts)):
+      if sid in bm: bm.deallocate(sid)
+  accept = (spec.accepted + spec.steps) / spec.steps if spec.steps else 1.0
+  return [t[len(p):] for t, p in zip(toks, prompts)], len(prompts) * (new - 1) / elapsed, accept
+
+def table(out: dict) -> str:
+  lines = [f"tinyhet bench spec: {out['model']}, k {out['k']}, {out['new_tokens']} new tokens a row, greedy",
+           f"{'task':<6}{'mode':<7}{'batch':>6}{'decode tok/s':>14}{'accept len':>12}{'x off':>8}  tokens equal"]
+  off = {(r["task"], r["batch"]): r["decode_tok_s"] for r in out["rows"] if r["mode"] == "off"}
+  for r in out["rows"]:
+    x = r["decode_tok_s"] / off[r["task"], r["batch"]] if off.get((r["task"], r["batch"])) else float("nan")
+    lines.append(f"{r['task']:<6}{r['mode']:<7}{r['batch']:>6}{r['decode_tok_s']:>14.2f}{r['accept_len']:>12.2f}{x:>8.2f}  {r['tokens_equal']}")
+  return "\n".join(lines)
+
+if __name__ == "__main__": sys.exit(main())
