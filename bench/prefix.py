@@ -43,14 +43,14 @@ DISK_DEFAULTS = {"system_tokens": 64, "turn_tokens": 16, "turns": 8, "max_tokens
 
 PULL_METRICS = ("kv_pulled_tokens", "kv_pulled_bytes", "kv_pull_seconds", "kv_pull_wait_seconds", "prefix_cache_recomputed_tokens")
 
-def pull_counters(address: str) -> dict[str, float]:
-  """The router's pull counters (tinyhet:<name>_total) now."""
+def pull_counters(address: str, names: tuple = PULL_METRICS) -> dict[str, float]:
+  """The router's counters `names` (tinyhet:<name>_total; default: the pull's) now."""
   host, port = address.rsplit(":", 1)
   c = http.client.HTTPConnection(host, int(port), timeout=60)
   c.request("GET", "/metrics")
   text = c.getresponse().read().decode()
   c.close()
-  out = dict.fromkeys(PULL_METRICS, 0.0)
+  out = dict.fromkeys(names, 0.0)
   for line in text.splitlines():
     name = line.split(" ", 1)[0].removeprefix("tinyhet:").removesuffix("_total")
     if name in out: out[name] = float(line.rsplit(" ", 1)[1])

@@ -58,17 +58,8 @@ DISK_METRICS = ("prefix_cache_disk_hits", "kv_disk_written_bytes", "kv_disk_read
 
 def disk_counters(address: str) -> dict[str, float]:
   """The router's disk tier counters (tinyhet:<name>_total) now."""
-  import http.client
-  host, port = address.rsplit(":", 1)
-  c = http.client.HTTPConnection(host, int(port), timeout=60)
-  c.request("GET", "/metrics")
-  text = c.getresponse().read().decode()
-  c.close()
-  out = dict.fromkeys(DISK_METRICS, 0.0)
-  for line in text.splitlines():
-    name = line.split(" ", 1)[0].removeprefix("tinyhet:").removesuffix("_total")
-    if name in out: out[name] = float(line.rsplit(" ", 1)[1])
-  return out
+  from tinyhet.bench.prefix import pull_counters
+  return pull_counters(address, DISK_METRICS)
 
 def disk_rows(args) -> dict:
   """The three runs (without the tier, with it, after a SIGKILL and restart with it); returns their figures."""
