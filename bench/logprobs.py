@@ -8,8 +8,10 @@ loglikelihood requests), in one run:
   loglikelihood requests (prompts of random lengths --min-len..--max-len, `echo`, `logprobs` 1, `max_tokens` 1, greedy),
   --batch of them in flight at a time, as `local-completions` sends them with batch_size > 1; requests/s, after a warm-up
   pass over the same lengths with other tokens;
-- the baseline, llama-cpp-python's `create_completion(echo=True, logprobs=1)` over the same prompts on the same GGUF
-  (`make bench-setup` installs it; without it the row says so), one request at a time (its Llama object serves one).
+- the baseline, llama-cpp-python over the same prompts on the same GGUF (`make bench-setup` installs it; without it the
+  row says so), one request at a time (its Llama object serves one): what its `create_completion(echo=True, logprobs=1)`
+  computes (an evaluation with logits_all, every position's log-softmax), called directly, since that echo path refuses
+  token ids.
 """
 from __future__ import annotations
 import argparse, http.client, json, os, secrets, sys, threading, time
@@ -92,11 +94,21 @@ def llama_cpp_rate(args, lengths: list[int], vocab: int) -> dict:
   path = str(args.model or embedded_model_path())
   llm = llama_cpp.Llama(model_path=path, n_ctx=max(lengths) + 8, logits_all=True, verbose=False)
   salt = secrets.randbits(32)
+  def score(ids: list[int]) -> np.ndarray:
+    """What create_completion(echo=True, logprobs=1) computes for a prompt, from the same logits_all evaluation: every
+    position's log-softmax, the prompt token's logprob and the top-1 (its echo path takes text only: a list of ids fails
+    in llama-cpp-python 0.3's _create_completion, `prompt + text_str`)."""
+    llm.reset()
+    llm.eval(ids)
+    logits = np.asarray(llm.scores[:len(ids)], dtype=np.float32)
+    lp = logits - logits.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    top = lp.argmax(-1)
+    return np.stack([lp[np.arange(len(ids) - 1), ids[1:]], lp[np.arange(len(ids) - 1), top[:-1]]])
   def run(s: int) -> float:
     t0 = time.perf_counter()
     for i, n in enumerate(lengths):
-      out = llm.create_completion(prompt=ids_of(n, s, i, vocab), max_tokens=1, temperature=0, logprobs=1, echo=True)
-      if len(out["choices"][0]["logprobs"]["token_logprobs"]) < n: raise RuntimeError("llama-cpp-python returned fewer logprobs than tokens")
+      if score(ids_of(n, s, i, vocab)).shape[1] != n - 1: raise RuntimeError("llama-cpp-python returned fewer logits than tokens")
     return time.perf_counter() - t0
   run(salt)
   wall = run(salt + 1)
