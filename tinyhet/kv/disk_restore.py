@@ -17,7 +17,7 @@ decode node commits the sequence its restored blocks have no hash, so no other s
 """
 from __future__ import annotations
 import os, threading
-from tinyhet.kv.disk_store import HEADER, HEADER_BYTES, checksum_start
+from tinyhet.kv.disk_store import HEADER_BYTES, checksum_start
 
 class RestoreFailed(RuntimeError):
   """A block read back from the disk tier did not check out: the sequence's prefix cannot be trusted."""
@@ -72,7 +72,7 @@ class RestoreJob:
         if self.cancelled: return
         if layer == 0:                          # the header first: a foreign or torn record never reaches the pool
           raw = os.pread(fds[e.segment], HEADER_BYTES + nb, e.offset)
-          if len(raw) < HEADER_BYTES or HEADER.unpack_from(raw) != (b"TKV1", store.kd, h, e.length, e.checksum):
+          if not store.header_ok(raw, h, e):
             return self._fail(f"block {h:016x} on disk has another header than its index entry (torn or foreign)", h, e)
           data = raw[HEADER_BYTES:]
         else: data = os.pread(fds[e.segment], nb, e.offset + HEADER_BYTES + layer * nb)
@@ -88,13 +88,7 @@ class RestoreJob:
         self.cond.notify_all()
 
   def _fail(self, why: str, h: int | None = None, e=None):
-    if h is not None: store_drop(self.store, h, e)
+    if h is not None: self.store.drop_bad(h, e)
     with self.cond:
       self.failed = why
       self.cond.notify_all()
-
-def store_drop(store, h: int, e) -> None:
-  """A bad record out of the store's index (a later chain ends before it)."""
-  with store.lock:
-    if store.index.get(h) == e: del store.index[h]
-    store.dropped_bad += 1

@@ -110,15 +110,21 @@ class DiskStore:
       finally: os.close(fd)
     except OSError: raw = b""                    # its segment was deleted meanwhile (the size bound), or unreadable
     data = memoryview(raw)[HEADER_BYTES:]
-    ok = len(raw) == HEADER_BYTES + e.length and HEADER.unpack_from(raw) == (b"TKV1", self.kd, h, e.length, e.checksum) \
-      and checksum(self.kd, h, data) == e.checksum
-    with self.lock:
-      if not ok:
-        if self.index.get(h) == e: del self.index[h]
-        self.dropped_bad += 1
-        return None
-      self.read_bytes += e.length
+    if not (len(raw) == HEADER_BYTES + e.length and self.header_ok(raw, h, e) and checksum(self.kd, h, data) == e.checksum):
+      self.drop_bad(h, e)
+      return None
+    self.count_read(e.length)
     return bytes(data)
+
+  def header_ok(self, raw, h: int, e) -> bool:
+    """Whether raw begins with the header h's index entry e was written with (a torn or foreign record's does not)."""
+    return len(raw) >= HEADER_BYTES and HEADER.unpack_from(raw) == (b"TKV1", self.kd, h, e.length, e.checksum)
+
+  def drop_bad(self, h: int, e) -> None:
+    """A record that failed its check out of the index (a later chain ends before it), counted in disk_bad_blocks."""
+    with self.lock:
+      if self.index.get(h) == e: del self.index[h]
+      self.dropped_bad += 1
 
   def count_read(self, nbytes: int) -> None:
     """Bytes read back elsewhere (a restore's layer by layer reads, tinyhet.kv.disk_restore), for the figures."""
