@@ -77,6 +77,34 @@ def test_a_cached_prefix_suffix_in_captured_chunks_gives_the_uncached_tokens_and
     assert all(cache.read_block_bytes(0, b) == data for b, data in marks.items())
   finally: llama.prefill_chunk = 0
 
+def test_pieces_of_a_prompt_spread_over_steps_run_the_output_head_at_its_last_piece_only(llama):
+  # a decode node's stall-free steps prefill a prompt in pieces (prefill_sequence_logits(first, end)): a piece short of the
+  # prompt's end samples nothing, so it computes no logits (the output head of one row was ~6% of a 16-token SmolLM2 chunk);
+  # the last piece's logits are the unchunked prefill's
+  from tinyhet.engine.local_engine import LocalEngine
+  from tinyhet.engine.prefill import prefill_sequence_logits
+  from tinyhet.model.chunked_prefill import ChunkJit
+  llama.prefill_chunk = 32
+  heads, call = [], ChunkJit.__init__
+  def counted(self, *a, **kw):              # every ChunkJit made now counts its output head's replays
+    call(self, *a, **kw)
+    logits = self.logits
+    self.logits = lambda *x: heads.append(self.C) or logits(*x)
+  ChunkJit.__init__ = counted
+  llama.__dict__.pop("_chunk_jits", None)
+  try:
+    engine = LocalEngine(llama, 256, block_size=8)
+    ids, bm = ids_of(70, 11), engine.cache.block_manager
+    bm.allocate(997, len(ids))
+    pieces = [(0, 16), (16, 29), (29, 61), (61, 70)]
+    got = [prefill_sequence_logits(llama, engine.cache, 997, ids, a, b) for a, b in pieces]
+    assert got[:-1] == [None] * 3 and heads == [16], f"output heads run at chunks of {heads}"   # the last piece's (9 tokens at 16)
+    np.testing.assert_allclose(got[-1], dense(llama, ids)[0][0], rtol=1e-3, atol=1e-4)
+  finally:
+    ChunkJit.__init__ = call
+    llama.__dict__.pop("_chunk_jits", None)
+    llama.prefill_chunk = 0
+
 def test_the_local_engine_caches_nothing_past_what_a_failed_request_stored(llama):
   """LocalEngine's prefix cache after a failure: a prefill that fails after its first layer caches none of the prompt; a
   decode step that fails caches only the blocks whose every slot was stored (a 15-token prompt: the slot the step was to

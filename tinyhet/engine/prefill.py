@@ -121,7 +121,7 @@ def transfer_figures(stats: GenerationStats, t0: float, t_first: float, computed
   stats.timeline = [LayerTimes(l, computed[l] - t0, posted[l] - t0, landed[l] - t0) for l in sorted(landed)]
 
 def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int], start: int, end: int | None = None,
-                          on_hidden=None) -> np.ndarray:
+                          on_hidden=None) -> np.ndarray | None:
   """Prefill token_ids[start:] of a sequence whose first `start` tokens' K, V are in its paged-cache blocks already (a prefix
   cache hit, or a recompute's): captured chunk prefills (tinyhet.model.chunked_prefill) continuing from the K, V in the
   cache's pools, the suffix's K, V written into the sequence's own blocks, its last chunk at the shortest captured length
@@ -129,7 +129,8 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   slots for it; the last chunk's pads past its blocks land in PAD_SEQ's block (the decode engine's scratch block). One
   capture per chunk length serves every sequence: the table is as wide as the longest sequence's. The logits (vocab,) of
   its last token. end: only token_ids[start:end] (one chunk of a prompt spread over steps, start 0 included: tinyhet.engine.
-  scheduler.Scheduler.schedule_step), the logits of token end - 1. on_hidden: the suffix's last-layer rows (chunked_prefill's)."""
+  scheduler.Scheduler.schedule_step); short of the sequence's last token no logits are computed (None): nothing is sampled
+  there. on_hidden: the suffix's last-layer rows (chunked_prefill's)."""
   from tinyhet.device.cpu_threads import kernel_threads
   from tinyhet.engine.decode_engine import PAD_SEQ
   from tinyhet.model.chunked_prefill import chunked_prefill
@@ -145,9 +146,11 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   width = cache.cap + -(-chunk // cache.block_size)           # the longest sequence's blocks and a chunk's pads past them
   table = bm.block_table(seq_id)
   table = table + bm.block_table(PAD_SEQ)[:1] * (width - len(table))
+  last = end is None or end == len(token_ids)
   with kernel_threads(model.device):
-    return chunked_prefill(model, np.array([token_ids[start:end]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
-                           start=start, buckets=suffix_buckets(model, chunk), on_hidden=on_hidden).numpy()[0]
+    logits = chunked_prefill(model, np.array([token_ids[start:end]], np.int32), chunk, cache.kv_dtype, pools=cache.pools, table=table,
+                             start=start, buckets=suffix_buckets(model, chunk), on_hidden=on_hidden, want_logits=last)
+  return logits.numpy()[0] if last else None
 
 def prefill_sequence_logits(model: Llama, cache, seq_id: int, token_ids: list[int], first: int | None = None, end: int | None = None,
                             on_hidden=None):
