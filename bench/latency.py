@@ -9,7 +9,12 @@
              the resident process (--keep-alive: a second run served by the process the first one left, in a run directory
              of its own): TTFT of each and the ratio.
   load       the `both` node at each concurrency with prompts of random lengths (default 100-2,000 tokens): TPOT p50 and p99
-             (the gaps between a request's streamed tokens) and requests/s.
+             (the gaps between a request's streamed tokens) and requests/s. The node's prefill_budget is the environment's
+             (TINYHET_PREFILL_BUDGET=128 tinyhet bench latency ... runs the node with 128).
+  pieces     in this process, on a decode node's KV cache: a prompt of --piece-tokens prefilled whole against the same prompt
+             in the pieces a stall-free step gives it (each --budgets size), and the decode step of 1 and 4 sequences at that
+             context: each budget's cost per prompt token against the whole prompt's, and its step (a piece beside a batch-4
+             decode step) against the batch-4 step alone. What a budget costs in requests/s and in TPOT, without a server.
 
 With --json one JSON object. --quick: the small random model, short prompts, one concurrency level (checks that it runs).
 """
@@ -104,6 +109,39 @@ def part_load(args, rng) -> dict:
     for p in procs[::-1]: p.stop()
   return {"prompt_tokens": [args.load_min, args.load_max], "max_tokens": args.max_tokens, "rows": rows}
 
+def part_pieces(args) -> dict:
+  from tinyhet.cli.node import start
+  from tinyhet.engine.local_engine import LocalEngine
+  from tinyhet.engine.prefill import prefill_sequence_logits
+  T, budgets = args.piece_tokens, [int(b) for b in args.budgets.split(",")]
+  _, model, _, _ = start(args.model, 0, None, True)
+  engine = LocalEngine(model, (T + 16) * (len(budgets) + 6))   # the whole prompt, 5 decoding, one a budget
+  bm, seq = engine.cache.block_manager, iter(range(1, 1 << 30))
+  def best(fn, reps: int = 3) -> float:           # the least of reps runs after one that builds its captures
+    fn()
+    return min(timed(fn) for _ in range(reps))
+  def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+  def prompt() -> tuple[int, list[int]]:
+    bm.allocate(s := next(seq), T)
+    return s, prompt_ids(300, s, T)
+  s, ids = prompt()
+  whole = best(lambda: prefill_sequence_logits(model, engine.cache, s, ids)) / T
+  rows = []
+  decodes = {}
+  for B in (1, 4):
+    seqs = [prompt()[0] for _ in range(B)]
+    for q in seqs: bm.append_slot(q)
+    decodes[B] = best(lambda: engine.engine.step(seqs, [1] * B), 5)
+  for C in budgets:
+    s, ids = prompt()
+    per = best(lambda: [prefill_sequence_logits(model, engine.cache, s, ids, a, min(a + C, T)) for a in range(0, T, C)], 1) / T
+    rows.append({"budget": C, "ms_per_token": per * 1e3, "vs_whole": per / whole, "step_ms": (decodes[4] + C * per) * 1e3,
+                 "step_vs_decode": (decodes[4] + C * per) / decodes[4]})
+  return {"prompt_tokens": T, "whole_ms_per_token": whole * 1e3, "decode_ms": {str(b): t * 1e3 for b, t in decodes.items()}, "rows": rows}
+
 def table(out: dict) -> str:
   lines = [f"model {out['model']}"]
   if (f := out.get("first")):
@@ -120,6 +158,12 @@ def table(out: dict) -> str:
               f"{'conc.':>6}{'req/s':>8}{'TPOT p50':>10}{'TPOT p99':>10}{'p99/p50':>9}"]
     lines += [f"{x['concurrency']:>6}{x['requests_s']:>8.2f}{x['tpot_p50_s'] * 1e3:>8.1f}ms{x['tpot_p99_s'] * 1e3:>8.1f}ms"
               f"{x['tpot_p99_s'] / x['tpot_p50_s'] if x['tpot_p50_s'] else 0:>8.2f}x" for x in ld["rows"]]
+  if (pc := out.get("pieces")):
+    lines += ["", f"a {pc['prompt_tokens']}-token prompt whole: {pc['whole_ms_per_token']:.3f} ms a token; decode step of 1: "
+              f"{pc['decode_ms']['1']:.1f} ms, of 4: {pc['decode_ms']['4']:.1f} ms",
+              f"{'budget':>7}{'ms/token':>10}{'vs whole':>10}{'step':>10}{'vs decode':>10}"]
+    lines += [f"{r['budget']:>7}{r['ms_per_token']:>10.3f}{r['vs_whole']:>9.2f}x{r['step_ms']:>8.1f}ms{r['step_vs_decode']:>9.2f}x"
+              for r in pc["rows"]]
   return "\n".join(lines)
 
 def main(argv=None) -> int:
@@ -127,7 +171,7 @@ def main(argv=None) -> int:
   ap.add_argument("--json", action="store_true")
   ap.add_argument("--quick", action="store_true", help="the small random model, short prompts, concurrency 1 and 4, no `tinyhet run` part")
   ap.add_argument("--model", default=None, help="a model every process loads (default: the embedded SmolLM2)")
-  ap.add_argument("--parts", default="first,fresh,load", help="comma list of first, fresh, load (default: all)")
+  ap.add_argument("--parts", default="first,fresh,load", help="comma list of first, fresh, load, pieces (default: first,fresh,load)")
   ap.add_argument("--lengths", type=int, default=10, help="random prompt lengths of the first-request part (default 10)")
   ap.add_argument("--min-len", type=int, default=10)
   ap.add_argument("--max-len", type=int, default=4000)
@@ -139,12 +183,15 @@ def main(argv=None) -> int:
   ap.add_argument("--max-tokens", type=int, default=32, help="new tokens per load request (default 32)")
   ap.add_argument("--kv-memory", default="512M")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--piece-tokens", type=int, default=1000, help="the pieces part's prompt length (default 1000)")
+  ap.add_argument("--budgets", default="16,32,64,128,256", help="the pieces part's prefill budgets (default 16,32,64,128,256)")
   args = ap.parse_args(argv)
   parts = set(args.parts.split(","))
-  if bad := parts - {"first", "fresh", "load"}: ap.error(f"--parts: unknown {', '.join(sorted(bad))}")
+  if bad := parts - {"first", "fresh", "load", "pieces"}: ap.error(f"--parts: unknown {', '.join(sorted(bad))}")
   if args.quick:
     args.model = args.model or "random:max_context=512"
     args.max_len, args.load_min, args.load_max, args.concurrency, args.requests = 400, 20, 200, "1,4", 4
+    args.piece_tokens, args.budgets = min(args.piece_tokens, 200), "16,64"
     parts.discard("fresh")           # `tinyhet run` loads a model file
   args.concurrency = [int(x) for x in args.concurrency.split(",")]
   os.environ.setdefault("TINYHET_TOKEN", secrets.token_hex(16))      # the processes started here share it
@@ -154,6 +201,7 @@ def main(argv=None) -> int:
   if "first" in parts: out["first"] = part_first(args, rng)
   if "fresh" in parts: out["fresh"] = part_fresh(args)
   if "load" in parts: out["load"] = part_load(args, rng)
+  if "pieces" in parts: out["pieces"] = part_pieces(args)
   print(json.dumps(out) if args.json else table(out))
   return 0
 

@@ -14,3 +14,14 @@ def test_the_fresh_part_reports_both_ttfts_and_their_ratio_and_leaves_no_residen
   # the resident process it started lived in its own run directory, and is gone: none runs this test's model now
   ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
   assert not any("--resident-serve" in line and str(FIXTURE) in line for line in ps.splitlines()), ps
+
+def test_the_pieces_part_prices_each_budget_against_the_whole_prompt_and_the_decode_step():
+  # in-process, the small random model (--quick): a 200-token prompt whole and in pieces of 16 and 64 tokens, decode steps of 1 and 4
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TINYHET_")}
+  cmd = [sys.executable, "-m", "tinyhet", "bench", "latency", "--quick", "--parts", "pieces", "--json"]
+  r = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True).stdout.splitlines()[-1])["pieces"]
+  assert r["prompt_tokens"] == 200 and r["whole_ms_per_token"] > 0 and set(r["decode_ms"]) == {"1", "4"}
+  assert [x["budget"] for x in r["rows"]] == [16, 64]
+  for x in r["rows"]:
+    assert abs(x["vs_whole"] - x["ms_per_token"] / r["whole_ms_per_token"]) < 1e-9
+    assert abs(x["step_ms"] - (r["decode_ms"]["4"] + x["budget"] * x["ms_per_token"])) < 1e-6 and x["step_vs_decode"] > 1
