@@ -12,8 +12,9 @@ tinygrad's CPU compiler targets), both computing
 with the rows r of W split into `parts` contiguous ranges, one per core_id:
 - decode (M <= DECODE_MAX_M): each weight row's blocks are dequantized in registers (kernels/quant_blocks.py: 32 weights as
   two 16-lane vectors) and multiplied into up to 8 rows of x at once; the weights stream from memory once per 8 rows of x.
-- tiled (prefill, big batches): a panel of NR weight rows by KC columns is dequantized once into a float32 tile on the
-  stack (k-major, in the micro-kernel's order: 64 KiB, in L2) and reused for every row of x, MR rows at a time by an
+- tiled (prefill, batches past one decode tile): a panel of NR weight rows by KC columns is dequantized once into a float32 tile on the
+  stack (k-major, in the micro-kernel's order: 64 KiB, in L2; 16 rows' sub-blocks transposed in registers, a vector store
+  a column) and reused for every row of x, MR rows at a time by an
   outer-product micro-kernel (MR x NR accumulators in registers, no horizontal sums). No float copy of the matrix exists.
 They reach tinygrad as custom kernels (Tensor.custom_kernel with a compiled PROGRAM), so they are scheduled, captured by
 TinyJit and run by the worker pool (runtime/cpu_pool.py) like any other kernel.
@@ -32,7 +33,11 @@ from tinyhet.kernels import bf16_gemm, int8_gemm, kquant_int8
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
 MIN_ROWS_PER_ROUNDING_PART = 8   # rows of x per part of the rounding kernel, at least (a row is a few microseconds' work)
 MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
-DECODE_MAX_M = 32        # rows of x up to which the decode kernel runs (measured crossover: 32-64 rows); past it, the tiled one
+# rows of x up to which the decode kernel runs; past it, the tiled one. Measured (bench qmm's direct call, one core; Q4_1, Q8_0
+# 1536 x 576, Q4_K, Q6_K, Q5_0, F16 1536 x 768): the tiled kernel 1.2-1.6x slower at 4-6 rows, 0.7-0.9x the time at 8, ~0.5x
+# at 16, ~0.35x at 32-48; Q4_K 4096 x 4096: 0.59x at 8 rows, 0.35x at 16 (the crossover was 32-64 rows while the panel was
+# stored one float at a time)
+DECODE_MAX_M = 7
 KC = 512                 # columns of a dequantized panel (a multiple of every block size)
 KQ8_MAX_M = 256          # rows of x up to which the K-quants' int8 decode kernel may run in the int8 mode
 # rows of x from which the int8 mode takes its tiled kernel (kernels/int8_gemm.py), for any count past it, by weights per block:
@@ -163,27 +168,43 @@ INLINE void tile(float *restrict out, const u8 *restrict w, const float *restric
   }
 }
 
+/* v[i][j] -> v[j][i]: a 16 x 16 transpose in registers, four rounds of shuffles (round s swaps the off-diagonal s x s blocks) */
+INLINE void transpose16f(f32x16 *restrict v) {
+  f32x16 a, b;
+%(transpose)s
+}
+/* 16 weight rows' 32 weights of one sub-block (row i: lo[i], hi[i]) into the panel's columns kb..kb+31, rows 16h..16h+15:
+   transposed in registers, one vector store a column (32 scalar stores a row, strided by the panel's width, cost the
+   tiled kernel ~0.8 ms of a 1536 x 576 Q4_1 product at any row count: a 64-row chunk's products ran at the decode kernel's rate) */
+INLINE void put16(float *restrict wf, f32x16 *restrict lo, f32x16 *restrict hi, int kb, int h) {
+  transpose16f(lo);
+  transpose16f(hi);
+  for (int k = 0; k < 16; k++) { store16(wf + (size_t)(kb + k) * NR + 16 * h, lo[k]); store16(wf + (size_t)(kb + 16 + k) * NR + 16 * h, hi[k]); }
+}
+
 /* tiled: rows n0..n0+nr of W, columns k0..k0+kc, dequantized once into wf[k][NR] (k-major: the micro-kernel reads the
    panel's NR weights at one k as two vectors); rows past nr are zeros */
 INLINE void panel(float *restrict wf, const u8 *restrict w, int n0, int nr, int k0, int kc) {
-  for (int n = 0; n < NR; n++) {
-    if (n >= nr) { for (int k = 0; k < kc; k++) wf[k * NR + n] = 0.0f; continue; }
-    const u8 *wr = w + (size_t)(n0 + n) * ROWB;
+  for (int h = 0; h < NR / 16; h++) {
     int g = k0 / 32 / NSTEP, g1 = (k0 + kc) / 32 / NSTEP;
     for (; g < g1; g++) {
 #pragma clang loop unroll(full)
       for (int jj = 0; jj < NSTEP; jj++) {
-        f32x16 lo, hi;
-        dq(wr, g, jj, &lo, &hi);
-        float *p = wf + (size_t)((g * NSTEP + jj) * 32 - k0) * NR + n;
-        for (int i = 0; i < 16; i++) { p[i * NR] = lo[i]; p[(16 + i) * NR] = hi[i]; }
+        f32x16 lo[16], hi[16];
+        for (int i = 0; i < 16; i++) {
+          if (16 * h + i < nr) dq(w + (size_t)(n0 + 16 * h + i) * ROWB, g, jj, &lo[i], &hi[i]);
+          else { lo[i] = (f32x16){0}; hi[i] = (f32x16){0}; }
+        }
+        put16(wf, lo, hi, (g * NSTEP + jj) * 32 - k0, h);
       }
     }
     if ((k0 + kc) / 32 %% NSTEP) {   /* an odd last block of a 32-weight type */
-      f32x16 lo, hi;
-      dequant(wr + (size_t)((k0 + kc) / 32 - 1) * SBB, 0, &lo, &hi);
-      float *p = wf + (size_t)(kc - 32) * NR + n;
-      for (int i = 0; i < 16; i++) { p[i * NR] = lo[i]; p[(16 + i) * NR] = hi[i]; }
+      f32x16 lo[16], hi[16];
+      for (int i = 0; i < 16; i++) {
+        if (16 * h + i < nr) dequant(w + (size_t)(n0 + 16 * h + i) * ROWB + (size_t)((k0 + kc) / 32 - 1) * SBB, 0, &lo[i], &hi[i]);
+        else { lo[i] = (f32x16){0}; hi[i] = (f32x16){0}; }
+      }
+      put16(wf, lo, hi, kc - 32, h);
     }
   }
 }
@@ -345,6 +366,17 @@ KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *res
 }
 """
 
+def _transpose16() -> str:
+  """transpose16f's body: round s (1, 2, 4, 8) pairs rows i and i + s (bit s of i clear); lane j of the new row i is row i's
+  where bit s of j is clear, else row i + s's lane j - s; of the new row i + s, row i's lane j + s, else row i + s's lane j."""
+  lines = []
+  for s in (1, 2, 4, 8):
+    lo = ", ".join(str(16 + j - s if j & s else j) for j in range(16))
+    hi = ", ".join(str(16 + j if j & s else j + s) for j in range(16))
+    for i in (i for i in range(16) if not i & s):
+      lines.append(f"  a = v[{i}]; b = v[{i + s}]; v[{i}] = __builtin_shufflevector(a, b, {lo}); v[{i + s}] = __builtin_shufflevector(a, b, {hi});")
+  return "\n".join(lines)
+
 def kernel_parts(rows: int, threads: int) -> int:
   """How many parts the weight rows are split in: every thread, unless that leaves a part fewer than MIN_ROWS_PER_PART rows."""
   return max(1, min(threads, rows // MIN_ROWS_PER_PART))
@@ -378,7 +410,7 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
                           "dequant": DEQUANT[ggml_type], "int8": int8,
                           "kint8": kquant_int8.source(ggml_type) if int8 == 2 else int8_gemm.source(ggml_type) if int8 == 3 else
                                    bf16_gemm.source() if int8 == 4 else "",
-                          "quants": QUANTS.get(ggml_type, ""),
+                          "quants": QUANTS.get(ggml_type, ""), "transpose": _transpose16(),
                           "i32": ", ".join(map(str, range(32))), "i64": ", ".join(map(str, range(64))),
                           **{f"l{k}": ", ".join(str(4 * i + k) for i in range(16)) for k in range(4)}}
 

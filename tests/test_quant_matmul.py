@@ -46,6 +46,20 @@ def test_decode_and_tiled_kernels_agree_for_a_batch_either_could_take(t):
   got_tiled, _ = product(t, 20, 48, cols_for(t), 1, seed=3, tiled=True)
   for got in (got_decode, got_tiled): np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
+@settings(max_examples=8, deadline=None)
+@given(t=st.sampled_from(TYPES), rows=st.integers(qmm.DECODE_MAX_M + 1, 39), out=st.sampled_from([17, 40, 70]))
+def test_past_one_decode_tile_a_row_gets_the_same_bits_in_any_batch(t, rows, out):
+  # the tiled kernel from DECODE_MAX_M + 1 rows on (its panel transposed in registers made it the faster one there): each
+  # row's sums run in one order whatever the other rows, so a prompt's rows in a 16-token chunk of a stall-free step get
+  # the bits they get in the whole prompt's 512-row product; and they are the dequantized product's
+  got, want = product(t, 40, out, cols_for(t), 1, seed=rows)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  rng = np.random.default_rng(rows)
+  b = random_blocks(out, cols_for(t), t, rng)
+  x = rng.standard_normal((40, cols_for(t)), dtype=np.float32)
+  part = qmm.quant_matmul(Tensor(x[:rows], device="MESH"), Tensor(b, device="MESH"), t, (out, cols_for(t)), 1).numpy()
+  np.testing.assert_array_equal(part, got[:rows])
+
 @settings(max_examples=10, deadline=None)
 @given(t=st.sampled_from(TYPES), rows=st.sampled_from([1, 3, 8, 33]), out=st.sampled_from([1, 17, 50]), parts=st.sampled_from([1, 2, 3]),
        seed=st.integers(0, 2**16))
