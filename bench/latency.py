@@ -8,8 +8,9 @@
              caches on disk, kernels and generated programs, are warm for the second) against a prompt of the same length in
              the resident process (--keep-alive: a second run served by the process the first one left, in a run directory
              of its own): TTFT of each and the ratio.
-  load       the `both` node at each concurrency with prompts of random lengths (default 100-2,000 tokens): TPOT p50 and p99
-             (the gaps between a request's streamed tokens) and requests/s. The node's prefill_budget is the environment's
+  load       the `both` node at each concurrency with prompts of random lengths (default 100-2,000 tokens; every round the
+             same prompts, the first max(--requests, 2 x concurrency) of one draw): TPOT p50 and p99 (the gaps between a
+             request's streamed tokens) and requests/s. The node's prefill_budget is the environment's
              (TINYHET_PREFILL_BUDGET=128 tinyhet bench latency ... runs the node with 128).
   pieces     in this process, on a decode node's KV cache: a prompt of --piece-tokens prefilled whole against the same prompt
              in the pieces a stall-free step gives it (each --budgets size), and the decode step of 1 and 4 sequences at that
@@ -98,13 +99,18 @@ def load_round(address: str, model: str, concurrency: int, lengths: list[int], m
   return {"concurrency": concurrency, "requests": len(results), "requests_s": len(results) / wall, "tpot_p50_s": float(np.percentile(gaps, 50)),
           "tpot_p99_s": float(np.percentile(gaps, 99)), "tpot_samples": len(gaps)}
 
+def round_lengths(rng, lo: int, hi: int, requests: int, concurrency: list[int]) -> dict[int, list[int]]:
+  """Each load round's prompt lengths: the first max(requests, 2c) of one draw, so requests/s at one concurrency against
+  another compares the same work (drawn per round, concurrency 1's 16 prompts averaged 832 tokens and concurrency 4's
+  1,115 at seed 3). Each round's tokens are its own (salt 100 + c): no prefix-cache hit across rounds."""
+  draw = [int(x) for x in rng.integers(lo, hi + 1, max(requests, 2 * max(concurrency)))]
+  return {c: draw[:max(requests, 2 * c)] for c in concurrency}
+
 def part_load(args, rng) -> dict:
   procs, address, model = start_both(args, "before")
   try:
-    rows = []
-    for c in args.concurrency:
-      n = max(args.requests, 2 * c)
-      rows.append(load_round(address, model, c, [int(x) for x in rng.integers(args.load_min, args.load_max + 1, n)], args.max_tokens, salt=100 + c))
+    lengths = round_lengths(rng, args.load_min, args.load_max, args.requests, args.concurrency)
+    rows = [load_round(address, model, c, lengths[c], args.max_tokens, salt=100 + c) for c in args.concurrency]
   finally:
     for p in procs[::-1]: p.stop()
   return {"prompt_tokens": [args.load_min, args.load_max], "max_tokens": args.max_tokens, "rows": rows}

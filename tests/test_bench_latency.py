@@ -25,3 +25,11 @@ def test_the_pieces_part_prices_each_budget_against_the_whole_prompt_and_the_dec
   for x in r["rows"]:
     assert abs(x["vs_whole"] - x["ms_per_token"] / r["whole_ms_per_token"]) < 1e-9
     assert abs(x["step_ms"] - (r["decode_ms"]["4"] + x["budget"] * x["ms_per_token"])) < 1e-6 and x["step_vs_decode"] > 1
+
+def test_every_load_round_runs_a_prefix_of_one_draw_of_prompt_lengths():
+  # requests/s at concurrency 4 against 1 compares the same prompts' lengths (the first 16 of one draw), not two draws
+  import numpy as np
+  from bench.latency import round_lengths
+  r = round_lengths(np.random.default_rng(3), 100, 2000, 16, [1, 4, 16])
+  assert len(r[1]) == len(r[4]) == 16 and len(r[16]) == 32 and r[1] == r[4] == r[16][:16]
+  assert all(100 <= n <= 2000 for n in r[16])
