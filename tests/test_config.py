@@ -81,7 +81,7 @@ def test_config_and_transport_settings_agree_on_every_value(name, value):
   assert outcome(lambda: Config(**{name: value})) == outcome(lambda: TransportSettings(**{name: value}))
 
 def test_warm_up_and_prefill_budget():
-  assert load_config(env={}).warm_up == "background" and load_config(env={}).prefill_budget == 16
+  assert load_config(env={}).warm_up == "background" and load_config(env={}).prefill_budget == 128
   assert load_config(env={"TINYHET_WARM_UP": "Before", "TINYHET_PREFILL_BUDGET": "64"}) == Config(warm_up="before", prefill_budget=64)
   with pytest.raises(ConfigError, match="TINYHET_WARM_UP: warm_up = 'later' is not one of background, before, off"):
     load_config(env={"TINYHET_WARM_UP": "later"})

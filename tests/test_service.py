@@ -216,8 +216,9 @@ def test_32_concurrent_streams_match_single_process(cluster, model):
 
 @pytest.fixture(scope="module")
 def tiny_both():
-  """A `--role both` node with a KV pool of 12 blocks (192 tokens)."""
-  both = node("both", "--kv-memory", "48K", "--max-seqs", "4")
+  """A `--role both` node with a KV pool of 12 blocks (192 tokens), a prefill budget of 16 (the default 128 is more than a
+  test prompt: no decode step would fall inside a prefill job)."""
+  both = node("both", "--kv-memory", "48K", "--max-seqs", "4", env={"TINYHET_PREFILL_BUDGET": "16"})   # a 100-token job: 6 paced steps
   yield both
   both.stop()
 

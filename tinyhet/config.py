@@ -59,7 +59,15 @@ class Config:
   peer_keys: dict[str, str] = field(default_factory=dict)   # node name -> public key (hex): the name is refused to any other key
   trusted_writers: tuple[str, ...] | None = None   # peers whose written KV a decode node may cache; None = the cluster file's prefill nodes
   cluster: str = ""                      # a cluster file: its nodes' public_key entries and prefill roles (see above)
-  prefill_budget: int = 16               # prompt tokens a step prefills at most while sequences decode (stall-free; see Scheduler.schedule_step)
+  prefill_budget: int = 128              # prompt tokens a step prefills at most while sequences decode (stall-free; see Scheduler.schedule_step)
+  # 128: the budget that held both of `bench latency --parts load`'s targets (TPOT p99 <= 2x p50 at concurrency 1, 4, 16;
+  # requests/s at 4 >= at 1) in a model: the real Scheduler driven closed-loop (16 and 32 requests, prompts of 100-2,000
+  # tokens, 32 out) with SmolLM2 Q4_1's measured one-thread piece costs (shared cores: ratios only, not a result). At 128 it
+  # held on 17 of 20 length draws (the bench's seed 0: c4/c1 1.04, p99/p50 1.55 at c4, 1.35 at c16); at 16 requests/s at 4
+  # was 0.72-0.77x concurrency 1's (a 16-token piece costs 3.55 ms a token against 1.57 whole); at 96, 5 of 20 (c4/c1
+  # 0.95-1.00); past 128 the pieces pad to the 192 bucket, and at 192 the prefill queue drains between prompts, so half of
+  # concurrency 4's steps are decode alone and its TPOT p99/p50 is 12-14 (3 of 20). The price: TPOT p50 at concurrency 4 is
+  # ~3x budget 16's (a 128-token piece rides every step). A quiet run of the bench decides (docs/serving.md).
   warm_up: str = "background"            # background: a node builds every capture while idle | before: before it says ready | off
   kv_disk: str = ""                      # a decode node's KV disk tier: the folder evicted cached blocks go to (tinyhet.kv.disk_tier); empty = none
   kv_disk_size: int = 64 << 30           # the disk tier's bound: past it the oldest segment files are deleted
