@@ -43,6 +43,14 @@ class _NodeLost(Exception):
     self.reason = reason
 
 @dataclass(eq=False)
+class Admission:
+  """One request's blocks on a node as this router counts them (Cluster._admit), and how long the node's own figures may
+  miss them: until one made after they landed there (_beat, _ask), and never once the request has ended (_release)."""
+  blocks: int
+  at: float = field(default_factory=time.monotonic)    # admitted
+  landed: float | None = None                          # when the node surely held them: decode.reserve answered, or a token came
+
+@dataclass(eq=False)
 class Node:
   address: str
   role: str                                   # prefill | decode | both
@@ -52,7 +60,11 @@ class Node:
   reserved_blocks: int = 0                    # KV blocks this router's requests were admitted with here (prompt + headroom)
   inflight_tokens: int = 0                    # prompt tokens this router sent here to prefill, not yet answered
   assigned: int = 0                           # this router's requests decoding here (heartbeats lag; this does not)
-  recent: list = field(default_factory=list)  # (monotonic time, blocks) of admissions the last heartbeat may not show yet
+  recent: list = field(default_factory=list)  # Admissions the node's last figures may not show yet
+  changed: bool = False                       # one of this router's requests here landed or ended since the node's figures
+  asking: bool = False                        # a node.status call to it is in flight (Cluster._ask)
+  no_status: bool = False                     # it does not serve node.status (an older node): its heartbeats only
+  status_client: object = None                # the ControlClient _ask reuses
   clients: set = field(default_factory=set)   # requests' control connections to this node
   cached: set = field(default_factory=set)    # block hashes of its prefix cache, as its heartbeats tell them (_beat)
   disk: set = field(default_factory=set)      # block hashes of its disk tier, likewise (tinyhet.service.cache_view)
@@ -63,7 +75,7 @@ class Node:
   def blocks_for(self, tokens: int) -> int: return -(-tokens // self.status.get("block_size", 16))
   def free_blocks(self) -> int:
     s = self.status
-    return min(s.get("free_blocks", 0) - sum(b for _, b in self.recent), s.get("kv_blocks", 0) - self.reserved_blocks)
+    return min(s.get("free_blocks", 0) - sum(a.blocks for a in self.recent), s.get("kv_blocks", 0) - self.reserved_blocks)
   def cached_tokens(self, ids: list[int], salt: str = "") -> int:
     """Prompt tokens this node's RAM cache would give ids under this salt (its heartbeat's summary, hashed with its cache key)."""
     return chain_tokens(self.status, self.cached, set(), ids, salt)[0]
@@ -141,10 +153,11 @@ class Cluster:
         node.up, node.reason = False, (f"serves {beat.get('model')!r} (fingerprint {beat.get('fingerprint')}), this router {self.model_id!r} "
                                        f"({self.fingerprint}): start every node with the same --model file and flags")
       else: node.up, node.reason = True, ""
-      node.status = {k: v for k, v in beat.items() if k not in SUMMARY_KEYS}
+      # a beat made before the figures an _ask brought (the same node's clock) is older news: its liveness and cache only
+      if not beat.get("time", 0) < node.status.get("time", 0): node.status = {k: v for k, v in beat.items() if k not in SUMMARY_KEYS}
       node.cached, node.disk = cache_view(node.cached, beat), cache_view(node.disk, beat, "disk")
       shown = time.monotonic() - 2 * self.hb_interval      # a beat arriving now was made after these reservations landed
-      node.recent = [(t, b) for t, b in node.recent if t > shown]
+      node.recent = [a for a in node.recent if a.at > shown]
       self.cond.notify_all()
     if self.metrics is not None:
       self.metrics.node_up.labels(node.address, node.role).set(1 if node.up else 0)
@@ -198,7 +211,11 @@ class Cluster:
     node whose prefix cache holds more of it scores better (Dynamo's overlap score: the cached share of the prompt against
     the decode load), and needs its blocks less the hit.
     Cancelled once `cancelled` is set. samples: n samples of the prompt (they share its blocks; one more block each, and room
-    for them in the node's batch). A request no node could ever hold is a BadRequest."""
+    for them in the node's batch). A request no node could ever hold is a BadRequest.
+    Where only the node's figures stand in the way (this router's own count has room there) and one of this router's
+    requests there landed or ended since they were made, the node is asked for its figures now (_ask): a request waits
+    for an event (a release, a beat, an answer), never for the next beat to show what has already happened.
+    Returns (node, its Admission): hand it to _landed once the node holds the blocks, and to _release after."""
     tokens, more = prompt_tokens + min(new_tokens, HEADROOM_TOKENS), samples - 1
     with self.cond:
       deadline, queued = time.monotonic() + self.queue_timeout, False
@@ -209,14 +226,23 @@ class Cluster:
           # a pool that holds the whole answer, where one exists: a smaller one would cut it short with 'length'
           whole = [n for n in up if n.blocks_for(prompt_tokens + new_tokens) + more <= n.status.get("kv_blocks", 0)] or up
           hit = {n: n.cached_tokens(ids, salt) if ids else 0 for n in whole}
-          fits = [n for n in whole if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n]) + more]
+          need = {n: n.blocks_for(tokens) - n.blocks_for(hit[n]) + more for n in whole}
+          fits = [n for n in whole if n.free_blocks() >= need[n]]
+          if not fits and self.endpoint is not None and (stale := [n for n in whole if n.changed and not n.asking and not n.no_status
+                                                                   and n.status.get("kv_blocks", 0) - n.reserved_blocks >= need[n]]):
+            for n in stale: n.changed, n.asking = False, True
+            self.cond.release()         # the round trip without the lock (held once here: `with self.cond`)
+            try:
+              for n in stale: self._ask(n)
+            finally: self.cond.acquire()
+            continue
           if fits:
             score = {n: n.overlap(ids, salt) if ids else 0 for n in fits}
             node = min(fits, key=lambda n: (n.decode_load() - OVERLAP_WEIGHT * score[n] / max(1, prompt_tokens), -n.free_blocks()))
-            node.reserved_blocks += (need := node.blocks_for(tokens) - node.blocks_for(hit[node]) + more)
-            node.recent.append((time.monotonic(), need))
+            node.reserved_blocks += need[node]
+            node.recent.append(adm := Admission(need[node]))
             node.assigned += 1
-            return node, need
+            return node, adm
           if more and up and all(samples > n.status.get("max_seqs", samples) for n in up):
             raise BadRequest(f"n must be at most {max(n.status.get('max_seqs', 1) for n in up)} here (the decode nodes' batch, --max-seqs)")
           if up and all(n.blocks_for(prompt_tokens) + more > n.status.get("kv_blocks", 0) for n in up):
@@ -235,10 +261,38 @@ class Cluster:
           self.waiting -= 1
           self._gauge_waiting()
 
-  def _release(self, node: Node, blocks: int):
+  def _ask(self, node: Node) -> None:
+    """The node's figures now (node.status: what its next beat would say), without the lock: they show every admission
+    that landed before the question, so those leave node.recent. Failing, the heartbeats' figures stand."""
+    asked, s = time.monotonic(), None
+    try:
+      if node.status_client is None: node.status_client = ControlClient(self.endpoint, node.address)
+      s = node.status_client.call("node.status", reply_timeout=max(1.0, self.hb_interval))
+    except ControlError as e:
+      if "unknown request" in str(e): node.no_status = True
+    except Exception:                  # the heartbeat watch says whether the node is down; only this client goes
+      client, node.status_client = node.status_client, None
+      if client is not None: client.close()
     with self.cond:
-      node.reserved_blocks -= blocks
+      node.asking = False
+      if isinstance(s, dict) and s.get("model") == node.status.get("model"):
+        node.status = {**node.status, **{k: v for k, v in s.items() if k not in SUMMARY_KEYS}}
+        node.recent = [a for a in node.recent if a.landed is None or a.landed >= asked]
+      self.cond.notify_all()
+
+  def _landed(self, node: Node, adm: Admission) -> None:
+    """The node holds the admission's blocks now (its reservation answered, or its first token came)."""
+    with self.cond:
+      if adm.landed is None: adm.landed, node.changed = time.monotonic(), True
+
+  def _release(self, node: Node, adm: Admission):
+    """The request is over there: its blocks are back in the node's pool (its stream ended after the node freed them, or its
+    connection closed), so no figure of the node's is to be read as missing them any more."""
+    with self.cond:
+      node.reserved_blocks -= adm.blocks
       node.assigned -= 1
+      if adm in node.recent: node.recent.remove(adm)
+      node.changed = True
       self.cond.notify_all()
 
   def _gauge_waiting(self):
@@ -281,9 +335,9 @@ class Cluster:
       left = req.max_tokens - len(req.generated)
       if left <= 0: return "length"
       ids = req.prompt_ids + req.generated          # after a lost node: what the client has seen becomes prompt
-      try: decode, blocks = self._admit(len(ids), left, ids, req.cancelled, salt=req.cache_salt)
+      try: decode, adm = self._admit(len(ids), left, ids, req.cancelled, salt=req.cache_salt)
       except Cancelled: return "cancelled"
-      try: self._attempt(req, decode, ids, left)
+      try: self._attempt(req, decode, ids, left, adm)
       except Cancelled: return "cancelled"
       except _NodeLost as e:
         if req.cancelled.is_set(): return "cancelled"
@@ -291,7 +345,7 @@ class Cluster:
         if self.metrics is not None: self.metrics.retries.labels(e.reason).inc()
         if req.attempts >= MAX_ATTEMPTS: raise Unavailable(f"the request lost a node {req.attempts} times; last: {e}") from None
         continue
-      finally: self._release(decode, blocks)
+      finally: self._release(decode, adm)
       if (req.generated and req.generated[-1] in req.stop_ids) or req.ended: return "stop"
       return "length"
 
@@ -324,7 +378,7 @@ class Cluster:
     self._lost(node, f"{type(e).__name__}: {e}", close_clients=False)
     return _NodeLost(reason, f"{node.address} ({node.role}) lost: {type(e).__name__}: {e}")
 
-  def _attempt(self, req: Request, decode: Node, ids: list[int], left: int):
+  def _attempt(self, req: Request, decode: Node, ids: list[int], left: int, adm: Admission | None = None):
     # penalties count the client's output only: after a lost node the tokens already sent are part of the new prompt
     sampling = dict(temperature=req.temperature, top_p=req.top_p, options={**req.options, "output_from": len(req.prompt_ids)})
     ctl = self._open(req, decode, "decode node lost")
@@ -340,6 +394,7 @@ class Cluster:
           # use_cache: a hit's shared blocks come with a read grant for the prefill node, which pulls (or recomputes) them
           r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=left, timeout=self.queue_timeout, writer=prefill.status.get("node"),
                        use_cache=bool(decode.status.get("prefix_cache")), cache_salt=req.cache_salt)
+          if adm is not None: self._landed(decode, adm)
           self._done(req, decode, {"cached_tokens": r.get("cached_tokens", 0)}, len(ids))
       except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       if prefill is not None:
@@ -353,7 +408,9 @@ class Cluster:
         except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       try:
         for item in stream:
-          if "token" in item: req.push(item["token"], _logprobs(item))
+          if "token" in item:
+            if adm is not None and adm.landed is None: self._landed(decode, adm)    # a submitted prompt's blocks: held by now
+            req.push(item["token"], _logprobs(item))
           elif "prompt_logprobs" in item and req.prompt_logprobs is None: req.prompt_logprobs = item["prompt_logprobs"][:len(req.prompt_ids)]
           elif item.get("done"): self._done(req, decode, item, len(ids))
       except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
@@ -411,3 +468,5 @@ class Cluster:
 
   def close(self):
     for w in self.watches: w.close()
+    with self.cond: clients = [n.status_client for n in self.nodes.values() if n.status_client is not None]
+    for c in clients: c.close()
