@@ -2,13 +2,14 @@
 conversations do not fit the RAM pool, through the router (1 prefill + 1 decode node, prefix cache on in both runs).
 
 `--conversations` conversations (default 16) take turns round-robin: turn t of every conversation, then turn t + 1, so a
-small pool (`--disk-kv-memory`, default 48M: a few conversations) evicts each one's blocks before its next turn. Run
+small pool (`--disk-kv-memory`, default 8M: a few conversations) evicts each one's blocks before its next turn. Run
 without the tier, then with it (DIR emptied first): turns 2-N's TTFT with the tier against without (sums; target <= 0.5x),
 and whether the greedy tokens are the same. Then the tiered decode node is killed (SIGKILL) and the cluster started again
 on the same DIR (first, fresh prompts push conversation 0's last turn out of RAM: the tier holds evicted blocks, and a
-SIGKILL loses what is only in RAM); after a warm-up (other tokens of that length), a never-seen prompt of the length of conversation 0's last
-turn (cold) and then that turn itself again (its blocks on disk from before the kill): the repeat's TTFT over the cold one
-(target <= 0.3x) and its cached tokens.
+SIGKILL loses what is only in RAM); after a warm-up (other tokens of that length), a never-seen prompt of the length of
+conversation 0's last turn (cold) and then that turn itself again (its blocks on disk from before the kill): the repeat's
+TTFT over the cold one (target <= 0.3x) and its cached tokens. Every node builds its captures before it says it is up
+(TINYHET_WARM_UP=before), so no turn waits for a background capture.
 """
 from __future__ import annotations
 import argparse, shutil, socket, sys
@@ -21,10 +22,14 @@ def _free_port() -> int:
 def _cluster(args, disk: str | None, port: int):
   from tinyhet.bench.serve import Proc, wait_ready
   model_args = ["--model", args.model] if args.model else []
-  procs = [Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args, env={"TINYHET_NODE": "bench-prefill"})]
+  # every capture built before a node says it is up (TINYHET_WARM_UP=before): a request that meets a background warm-up
+  # waits for the capture under way (seconds on a busy machine), in both runs and after the restart alike
+  warm = {"TINYHET_WARM_UP": "before"}
+  procs = [Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args, env={"TINYHET_NODE": "bench-prefill", **warm})]
   try:
     procs.append(Proc("node", "--role", "decode", "--listen", f"127.0.0.1:{port}", "--quiet", "--kv-memory", args.disk_kv_memory, *model_args,
-                      *(["--kv-disk", disk, "--kv-disk-size", args.kv_disk_size] if disk else []), env={"TINYHET_TRUSTED_WRITERS": "bench-prefill"}))
+                      *(["--kv-disk", disk, "--kv-disk-size", args.kv_disk_size] if disk else []),
+                      env={"TINYHET_TRUSTED_WRITERS": "bench-prefill", **warm}))
     procs.append(Proc("serve", "--listen", "127.0.0.1:0", "--prefill", procs[0].info["address"], "--decode", procs[1].info["address"], *model_args))
     wait_ready(procs[2].info["address"])
   except BaseException:

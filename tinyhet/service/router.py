@@ -3,7 +3,8 @@ lost. Blocking code, one thread per request; tinyhet.service.http_api puts the H
 
 A request, end to end:
   1. admit     pick a decode-capable node (role decode or both) whose KV pool has room for the whole request (free blocks
-               from its heartbeats, less what this router's requests hold there), the least loaded first. None has room:
+               from its heartbeats, less what this router's requests hold there; figures a request of its own there made
+               stale, by landing or ending, are asked for again: node.status), the least loaded first. None has room:
                wait in a bounded queue (past the bound, or past the queue timeout: Overloaded, HTTP 503 + Retry-After).
   2. prefill   disaggregate or not: with a cluster file, the planner's cost model decides from the prompt's length (for two
                nodes the file names, tinyhet.planner.plan.disaggregation_pays; else tinyhet.planner.plan.route); a `both`
