@@ -61,10 +61,17 @@ def _chat(address: str, model: str, args, vocab: int, salts) -> list[list[dict]]
 TARGETS = {"turns_2_on_ttft_ratio": 0.5, "restart_ttft_ratio": 0.3}   # the issue's: at most these
 DISK_METRICS = ("prefix_cache_disk_hits", "kv_disk_written_bytes", "kv_disk_read_bytes")
 
-def disk_counters(address: str) -> dict[str, float]:
-  """The router's disk tier counters (tinyhet:<name>_total) now."""
+def disk_counters(address: str, since: dict | None = None, wait_s: float = 3.0) -> dict[str, float]:
+  """The router's disk tier counters (tinyhet:<name>_total) now; with since (counters read before a turn), once its disk
+  hits show in them, or after wait_s: the router counts them from the decode node's heartbeats (every 0.5 s), and a hit is
+  counted when its sequence joins the batch, after the turn's first token, so a read right after the turn misses it."""
+  import time
   from tinyhet.bench.prefix import pull_counters
-  return pull_counters(address, DISK_METRICS)
+  deadline = time.monotonic() + wait_s
+  while True:
+    now = pull_counters(address, DISK_METRICS)
+    if since is None or now["prefix_cache_disk_hits"] > since["prefix_cache_disk_hits"] or time.monotonic() >= deadline: return now
+    time.sleep(0.05)
 
 def disk_rows(args) -> dict:
   """The three runs (without the tier, with it, after a SIGKILL and restart with it); returns their figures."""
@@ -98,7 +105,7 @@ def disk_rows(args) -> dict:
     cold = _turn(address, model, args, _ids(3000, len(again), vocab))
     before = disk_counters(address)
     warm = _turn(address, model, args, again)
-    read = disk_counters(address)
+    read = disk_counters(address, before)
     out["restart"] = {"prompt_tokens": len(again), "cold_ttft_s": round(cold[0], 4), "repeat_ttft_s": round(warm[0], 4),
                       "repeat_cached_tokens": warm[2].get("prompt_tokens_details", {}).get("cached_tokens", 0),
                       "repeat_disk_hit_tokens": int(read["prefix_cache_disk_hits"] - before["prefix_cache_disk_hits"]),
