@@ -336,6 +336,8 @@ def test_a_request_after_one_that_ended_waits_for_no_heartbeat():
     second, adm = c._admit(100)                     # before: Overloaded after queue_timeout (no beat came within it)
     assert second is n and time.monotonic() - t0 < 4.0
     assert n.free_blocks() == 3 and n.status["free_blocks"] == 10 and n.recent == [adm]
+    c._beat(n, {"role": "decode", "node": "n", "time": n.asked_at - 1, **{**status, "free_blocks": 0}})   # older news arriving late
+    assert n.status["free_blocks"] == 10 and n.up
     c._release(n, adm)
   finally:
     c.close()

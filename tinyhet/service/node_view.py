@@ -30,6 +30,7 @@ class Node:
   asking: bool = False                        # a node.status call to it is in flight (Cluster._ask)
   no_status: bool = False                     # it does not serve node.status (an older node): its heartbeats only
   status_client: object = None                # the ControlClient _ask reuses
+  asked_at: float | None = None               # the node's time of the figures _ask brought, until a later beat's
   clients: set = field(default_factory=set)   # requests' control connections to this node
   cached: set = field(default_factory=set)    # block hashes of its prefix cache, as its heartbeats tell them (_beat)
   disk: set = field(default_factory=set)      # block hashes of its disk tier, likewise (tinyhet.service.cache_view)

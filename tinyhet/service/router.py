@@ -105,8 +105,10 @@ class Cluster:
         node.up, node.reason = False, (f"serves {beat.get('model')!r} (fingerprint {beat.get('fingerprint')}), this router {self.model_id!r} "
                                        f"({self.fingerprint}): start every node with the same --model file and flags")
       else: node.up, node.reason = True, ""
-      # a beat made before the figures an _ask brought (the same node's clock) is older news: its liveness and cache only
-      if not beat.get("time", 0) < node.status.get("time", 0): node.status = {k: v for k, v in beat.items() if k not in SUMMARY_KEYS}
+      # a beat made before the figures an _ask brought (the same node's clock, the same stream) is older news: its liveness
+      # and cache only
+      if node.asked_at is None or not beat.get("time", 0) < node.asked_at:
+        node.status, node.asked_at = {k: v for k, v in beat.items() if k not in SUMMARY_KEYS}, None
       node.cached, node.disk = cache_view(node.cached, beat), cache_view(node.disk, beat, "disk")
       shown = time.monotonic() - 2 * self.hb_interval      # a beat arriving now was made after these reservations landed
       node.recent = [a for a in node.recent if a.at > shown]
@@ -118,7 +120,7 @@ class Cluster:
 
   def _lost(self, node: Node, why: str, close_clients: bool = True):
     with self.cond:
-      was_up, node.up, node.reason = node.up, False, why
+      was_up, node.up, node.reason, node.asked_at = node.up, False, why, None
       clients = list(node.clients) if close_clients else []
     for c in clients: c.close()           # a silent node: its requests move on now instead of waiting for a socket timeout
     if self.metrics is not None: self.metrics.node_up.labels(node.address, node.role).set(0)
@@ -229,6 +231,7 @@ class Cluster:
       node.asking = False
       if isinstance(s, dict) and s.get("model") == node.status.get("model"):
         node.status = {**node.status, **{k: v for k, v in s.items() if k not in SUMMARY_KEYS}}
+        node.asked_at = s.get("time") if isinstance(s.get("time"), (int, float)) else None
         node.recent = [a for a in node.recent if a.landed is None or a.landed >= asked]
       self.cond.notify_all()
 
