@@ -2,13 +2,14 @@
 conversations do not fit the RAM pool, through the router (1 prefill + 1 decode node, prefix cache on in both runs).
 
 `--conversations` conversations (default 16) take turns round-robin: turn t of every conversation, then turn t + 1, so a
-small pool (`--disk-kv-memory`, default 48M: a few conversations) evicts each one's blocks before its next turn. Run
+small pool (`--disk-kv-memory`, default 8M: a few conversations) evicts each one's blocks before its next turn. Run
 without the tier, then with it (DIR emptied first): turns 2-N's TTFT with the tier against without (sums; target <= 0.5x),
 and whether the greedy tokens are the same. Then the tiered decode node is killed (SIGKILL) and the cluster started again
 on the same DIR (first, fresh prompts push conversation 0's last turn out of RAM: the tier holds evicted blocks, and a
-SIGKILL loses what is only in RAM); after a warm-up (other tokens of that length), a never-seen prompt of the length of conversation 0's last
-turn (cold) and then that turn itself again (its blocks on disk from before the kill): the repeat's TTFT over the cold one
-(target <= 0.3x) and its cached tokens.
+SIGKILL loses what is only in RAM); after a warm-up (other tokens of that length), a never-seen prompt of the length of
+conversation 0's last turn (cold) and then that turn itself again (its blocks on disk from before the kill): the repeat's
+TTFT over the cold one (target <= 0.3x) and its cached tokens. Every node builds its captures before it says it is up
+(TINYHET_WARM_UP=before), so no turn waits for a background capture.
 """
 from __future__ import annotations
 import argparse, shutil, socket, sys
@@ -21,10 +22,14 @@ def _free_port() -> int:
 def _cluster(args, disk: str | None, port: int):
   from tinyhet.bench.serve import Proc, wait_ready
   model_args = ["--model", args.model] if args.model else []
-  procs = [Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args, env={"TINYHET_NODE": "bench-prefill"})]
+  # every capture built before a node says it is up (TINYHET_WARM_UP=before): a request that meets a background warm-up
+  # waits for the capture under way (seconds on a busy machine), in both runs and after the restart alike
+  warm = {"TINYHET_WARM_UP": "before"}
+  procs = [Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args, env={"TINYHET_NODE": "bench-prefill", **warm})]
   try:
     procs.append(Proc("node", "--role", "decode", "--listen", f"127.0.0.1:{port}", "--quiet", "--kv-memory", args.disk_kv_memory, *model_args,
-                      *(["--kv-disk", disk, "--kv-disk-size", args.kv_disk_size] if disk else []), env={"TINYHET_TRUSTED_WRITERS": "bench-prefill"}))
+                      *(["--kv-disk", disk, "--kv-disk-size", args.kv_disk_size] if disk else []),
+                      env={"TINYHET_TRUSTED_WRITERS": "bench-prefill", **warm}))
     procs.append(Proc("serve", "--listen", "127.0.0.1:0", "--prefill", procs[0].info["address"], "--decode", procs[1].info["address"], *model_args))
     wait_ready(procs[2].info["address"])
   except BaseException:
@@ -56,10 +61,17 @@ def _chat(address: str, model: str, args, vocab: int, salts) -> list[list[dict]]
 TARGETS = {"turns_2_on_ttft_ratio": 0.5, "restart_ttft_ratio": 0.3}   # the issue's: at most these
 DISK_METRICS = ("prefix_cache_disk_hits", "kv_disk_written_bytes", "kv_disk_read_bytes")
 
-def disk_counters(address: str) -> dict[str, float]:
-  """The router's disk tier counters (tinyhet:<name>_total) now."""
+def disk_counters(address: str, since: dict | None = None, wait_s: float = 3.0) -> dict[str, float]:
+  """The router's disk tier counters (tinyhet:<name>_total) now; with since (counters read before a turn), once its disk
+  hits show in them, or after wait_s: the router counts them from the decode node's heartbeats (every 0.5 s), and a hit is
+  counted when its sequence joins the batch, after the turn's first token, so a read right after the turn misses it."""
+  import time
   from tinyhet.bench.prefix import pull_counters
-  return pull_counters(address, DISK_METRICS)
+  deadline = time.monotonic() + wait_s
+  while True:
+    now = pull_counters(address, DISK_METRICS)
+    if since is None or now["prefix_cache_disk_hits"] > since["prefix_cache_disk_hits"] or time.monotonic() >= deadline: return now
+    time.sleep(0.05)
 
 def disk_rows(args) -> dict:
   """The three runs (without the tier, with it, after a SIGKILL and restart with it); returns their figures."""
@@ -93,7 +105,7 @@ def disk_rows(args) -> dict:
     cold = _turn(address, model, args, _ids(3000, len(again), vocab))
     before = disk_counters(address)
     warm = _turn(address, model, args, again)
-    read = disk_counters(address)
+    read = disk_counters(address, before)
     out["restart"] = {"prompt_tokens": len(again), "cold_ttft_s": round(cold[0], 4), "repeat_ttft_s": round(warm[0], 4),
                       "repeat_cached_tokens": warm[2].get("prompt_tokens_details", {}).get("cached_tokens", 0),
                       "repeat_disk_hit_tokens": int(read["prefix_cache_disk_hits"] - before["prefix_cache_disk_hits"]),

@@ -173,6 +173,29 @@ def test_evicted_blocks_come_back_into_fresh_blocks(tmp_path, device_usage):
   bm.check()
   tier.close()
 
+def test_a_whole_prompts_eviction_reaches_the_disk(tmp_path):
+  """One allocation evicts a whole conversation's blocks at once (SmolLM2-sized records, 360 KiB each: ~90 of them in a
+  few ms, far faster than the writer syncs them). Every one of them reaches the disk: the writer's queue used to hold 64
+  blocks, the rest were skipped (uncounted), and a later turn's hit ended at the first of them."""
+  from tinyhet.kv.disk_tier import DiskTier
+  from tinyhet.kv.paged_cache import PagedKVCache
+  import tinyhet  # noqa: F401  (MESH)
+  cache = PagedKVCache(30, 3, 64, num_blocks=105, block_size=16, prefix_cache=True, model_id="model-a/float16", max_seq_len=4096, device="MESH")
+  tier, bm = DiskTier(cache, tmp_path, 1 << 30), cache.block_manager
+  try:
+    a, b = list(range(1, 1600)), list(range(5000, 6600))       # 99 full blocks of a cached, then b takes nearly every block
+    bm.allocate(1, len(a), a)
+    bm.deallocate(1, a)
+    cached = bm.num_cached
+    bm.allocate(2, len(b), b)
+    evicted = cached - bm.num_cached
+    tier.store.flush()
+    s = tier.store.status()
+    assert evicted > 64 and s["disk_blocks"] == evicted and s["disk_dropped_spills"] == 0
+    ram = len(bm.match(a))                                     # the rest of a's chain is on disk, none of it missing
+    assert ram + tier.chain(a, "", ram) == cached == 99
+  finally: tier.close()
+
 def test_a_bad_size_is_refused(tmp_path):
   with pytest.raises(ValueError, match="at least"): DiskStore(tmp_path, 10, "k")
 

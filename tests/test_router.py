@@ -23,7 +23,7 @@ def test_decode_goes_where_there_is_room_and_least_load():
   full, busy, idle = state("decode", free_blocks=1), state("decode", running=6), state("decode", running=1)
   c = cluster(full, busy, idle, state("decode", up=False), state("prefill"))
   node, blocks = c._admit(100)                    # 7 blocks
-  assert node is idle and blocks == 7 and idle.reserved_blocks == 7 and idle.assigned == 1
+  assert node is idle and blocks.blocks == 7 and idle.reserved_blocks == 7 and idle.assigned == 1
   c._release(node, blocks)
   assert idle.reserved_blocks == 0 and idle.assigned == 0
 
@@ -41,8 +41,7 @@ def test_a_pool_that_holds_the_whole_answer_first():
   for new, where in ((140, large), (80, small), (100_000, small)):
     node, blocks = c._admit(100, new)
     assert node is where, (new, node.address)
-    c._release(node, blocks)
-    node.recent.clear()
+    c._release(node, blocks)                      # its blocks count as free again at once (no beat needed)
 
 def test_bounded_queue_then_503():
   a = state("decode", free_blocks=0)
@@ -70,11 +69,10 @@ def test_admission_by_need_holds_the_prompt_and_a_little_headroom():
   a = state("decode", kv_blocks=8, free_blocks=8)
   c = cluster(a)
   node, blocks = c._admit(100, 131_072 - 100)      # 100 + 16 headroom tokens: 8 blocks, not 8,192
-  assert node is a and blocks == 8
-  c._release(node, blocks)
-  a.recent.clear()                                 # as if a heartbeat showed the blocks free again
+  assert node is a and blocks.blocks == 8
+  c._release(node, blocks)                         # over: its blocks count as free again, no heartbeat needed
   node, blocks = c._admit(100, 5)                  # headroom at most the tokens asked for
-  assert blocks == 7
+  assert blocks.blocks == 7
   c._release(node, blocks)
   with pytest.raises(BadRequest, match="a prompt of 129 tokens"): c._admit(129, 1)
 
@@ -184,7 +182,7 @@ def test_kv_aware_routing_follows_the_cached_prefix():
   assert holder.cached_tokens(ids) == 144 and other.cached_tokens(ids) == 0
   assert holder.cached_tokens(ids[:100] + [0] * 60) == 96                              # the chain stops at the first other block
   node, blocks = c._admit(len(ids), 8, ids)
-  assert node is holder and blocks == 11 - 9                                           # (160 + 8) tokens: 11 blocks, 9 cached
+  assert node is holder and blocks.blocks == 11 - 9                                           # (160 + 8) tokens: 11 blocks, 9 cached
   c._release(node, blocks)
   assert c._choose_prefill(holder, len(ids), 8, holder.cached_tokens(ids)) is p        # no planner: the prefill node (it pulls)
   assert c._choose_prefill(holder, len(ids), 8, 32) is p                               # mostly uncached: the prefill node
@@ -297,7 +295,7 @@ def test_disk_hits_score_below_ram_hits_and_need_their_blocks():
                  "disk_written_bytes": 4096, "disk_read_bytes": 1024})
   assert disk.cached_tokens(ids) == 32 and disk.overlap(ids) == 32 + DISK_WEIGHT * 112
   node, blocks = c._admit(len(ids), 8, ids)
-  assert node is disk and blocks == 11 - 2                                 # the RAM hit's 2 blocks only are saved
+  assert node is disk and blocks.blocks == 11 - 2                                 # the RAM hit's 2 blocks only are saved
   c._release(node, blocks)
   c.nodes[ram.address] = ram
   c._beat(ram, {**ram.status, "cached_hashes": hashes})
@@ -309,3 +307,38 @@ def test_disk_hits_score_below_ram_hits_and_need_their_blocks():
     assert line in page, line
   c._beat(disk, {**disk.status, "disk_hashes": "junk"})
   assert disk.overlap(ids) == disk.cached_tokens(ids)
+
+def test_a_request_after_one_that_ended_waits_for_no_heartbeat():
+  """A 10-block pool, two requests of 7 blocks one after the other, heartbeats 8 s apart. The router used to count the
+  first one's blocks as taken for two beat intervals after its admission (node.recent) and to trust a beat made while it
+  ran: the second waited for beats that had nothing new to say (a small pool's turns took 0.5 or 1 s, whatever their
+  prefill). Now the first one's end frees its count at once, and with only the node's stale figures in the way the router
+  asks the node (node.status) instead of waiting for its next beat."""
+  from tinyhet.runtime.transport import Endpoint
+  from tinyhet.service import heartbeat
+  status = {"model": "m", "block_size": 16, "kv_blocks": 10, "free_blocks": 10, "running": 0, "waiting": 0, "incoming": 0, "max_seqs": 4}
+  node = Endpoint("n", token="t")
+  heartbeat.install(node, "decode", lambda: dict(status))
+  address, router = node.listen("127.0.0.1", 0), Endpoint("router", token="t")
+  c = Cluster(router, {address: "decode"}, "m", hb_interval=8.0, hb_timeout=60.0, queue_timeout=4.0)
+  try:
+    deadline = time.monotonic() + 60
+    while not c.ready() and time.monotonic() < deadline: time.sleep(0.01)     # the first beat
+    n = c.nodes[address]
+    first, adm = c._admit(100)                      # 7 blocks
+    assert first is n
+    status["free_blocks"] = 3                       # the node holds them ...
+    c._landed(n, adm)
+    c._beat(n, {"role": "decode", "node": "n", "time": time.time(), **status})    # ... and a beat made while it runs shows it
+    status["free_blocks"] = 10                      # it ends: the node frees them; the next beat is 8 s away
+    c._release(n, adm)
+    t0 = time.monotonic()
+    second, adm = c._admit(100)                     # before: Overloaded after queue_timeout (no beat came within it)
+    assert second is n and time.monotonic() - t0 < 4.0
+    assert n.free_blocks() == 3 and n.status["free_blocks"] == 10 and n.recent == [adm]
+    c._beat(n, {"role": "decode", "node": "n", "time": n.asked_at - 1, **{**status, "free_blocks": 0}})   # older news arriving late
+    assert n.status["free_blocks"] == 10 and n.up
+    c._release(n, adm)
+  finally:
+    c.close()
+    for ep in (node, router): ep.close()

@@ -96,6 +96,10 @@ class DiskStore:
       self.pending.add(h)
     return True
 
+  def count_dropped(self) -> None:
+    """A spill the caller skipped because has_room() said no (disk_dropped_spills, as a put a full queue refused)."""
+    with self.lock: self.dropped_queue_full += 1
+
   def has_room(self) -> bool:
     """Whether a put now would be queued (check before copying a block's bytes out)."""
     return self.stopped is None and not self.queue.full()

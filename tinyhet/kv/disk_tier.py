@@ -11,7 +11,8 @@ there, so they count as cached (usage cached_tokens) and are never computed agai
 The three moments of a block:
   eviction  BlockManager._take calls evicted(block, hash) before the block is reused: its bytes are copied out of the pool,
             every layer's (PagedKVCache.read_block_bytes: whatever the KV dtype) into one record, and queued for the writer
-            thread; a full queue drops the spill (the copy is skipped too). The step never waits for a disk.
+            thread (QUEUE_BYTES of records at most: a whole prompt's eviction at once fits); a full queue drops the spill
+            (the copy is skipped too; counted in disk_dropped_spills). The step never waits for a disk.
   restore   two ways, by who prefills the suffix:
             decode.submit (this node prefills it): stage reads the prompt's blocks past its RAM hit on the request's thread,
             outside the node's lock, while the batching loop goes on (a bounded set of staged records, STAGED_BYTES); at
@@ -35,11 +36,16 @@ from tinyhet.kv.disk_restore import RestoreJob
 from tinyhet.kv.disk_store import DiskStore
 
 STAGED_BYTES = 256 << 20    # records read ahead for admission at most; the oldest go first
+# spills queued for the writer at most: one allocation evicts a whole prompt's blocks at once (a 1,500-token SmolLM2 prompt
+# on a small pool: ~100 records of 360 KiB in a few ms), far faster than the writer syncs them; a bound of 64 blocks lost
+# the rest of such a burst, and with it every later block of the chain (a hit ends at the first block not on disk)
+QUEUE_BYTES = 256 << 20
 
 class DiskTier:
-  def __init__(self, cache, root, size_bytes: int, queue_blocks: int = 64, log=None):
+  def __init__(self, cache, root, size_bytes: int, queue_bytes: int = QUEUE_BYTES, log=None):
     self.cache, self.bm = cache, cache.block_manager
     self.record_bytes = cache.n_layers * cache.block_nbytes
+    queue_blocks = max(64, queue_bytes // self.record_bytes)
     # bm.model_id is model.fingerprint.cache_key(fingerprint, kv_dtype): another model's or KV dtype's blocks are another folder
     self.store = DiskStore(root, size_bytes, f"{self.bm.model_id}|block_size={self.bm.block_size}", queue_blocks, log)
     self.staged: OrderedDict[int, bytes] = OrderedDict()
@@ -56,7 +62,8 @@ class DiskTier:
 
   def evicted(self, block: int, h: int) -> None:
     """A cached block is about to be reused: its bytes to the disk, if the writer has room for them."""
-    if h in self.store or not self.store.has_room(): return
+    if h in self.store: return
+    if not self.store.has_room(): return self.store.count_dropped()     # the copy is skipped too: counted as dropped
     # sync=False: the block is free and full, no queued kernel writes it; a synchronize here would assert tinygrad's
     # process-wide ALLOW_DEVICE_USAGE, off while another thread compiles a capture (the spill and the allocation failed)
     nb, data = self.cache.block_nbytes, bytearray(self.record_bytes)

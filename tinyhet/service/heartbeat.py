@@ -1,8 +1,8 @@
 """Heartbeats: every service node answers `node.heartbeat` with a stream of status items, one every `interval` seconds, for
-as long as the caller listens. The router keeps one such stream open per node (Watch); a node whose next item is late
-by more than `timeout` seconds, or whose connection drops, is down, and the watch keeps dialling until it answers again,
-when it rejoins. A status item: {"role", "node", "time", ...what the node's status function adds (free KV blocks,
-queued prefill tokens, ...)}.
+as long as the caller listens, and `node.status` with one such item now. The router keeps one stream open per node
+(Watch); a node whose next item is late by more than `timeout` seconds, or whose connection drops, is down, and the watch
+keeps dialling until it answers again, when it rejoins. A status item: {"role", "node", "time", ...what the node's status
+function adds (free KV blocks, queued prefill tokens, ...)}.
 """
 from __future__ import annotations
 import threading, time
@@ -21,6 +21,9 @@ def install(endpoint, role: str, status, per_stream=None) -> None:
       yield {"role": role, "node": endpoint.name, "time": time.time(), **status(), **mine()}
       time.sleep(interval)
   endpoint.handle("node.heartbeat", serve)
+  # one beat now, without a stream's summaries: the router asks when it knows the figures changed since the last beat (a
+  # request of its own there ended), rather than wait for the next one
+  endpoint.handle("node.status", lambda conn: {"role": role, "node": endpoint.name, "time": time.time(), **status()})
 
 class Watch:
   """One node's liveness, seen from the router: a thread that holds a heartbeat stream open, calls on_beat(status) for every

@@ -3,7 +3,8 @@ lost. Blocking code, one thread per request; tinyhet.service.http_api puts the H
 
 A request, end to end:
   1. admit     pick a decode-capable node (role decode or both) whose KV pool has room for the whole request (free blocks
-               from its heartbeats, less what this router's requests hold there), the least loaded first. None has room:
+               from its heartbeats, less what this router's requests hold there; figures a request of its own there made
+               stale, by landing or ending, are asked for again: node.status), the least loaded first. None has room:
                wait in a bounded queue (past the bound, or past the queue timeout: Overloaded, HTTP 503 + Retry-After).
   2. prefill   disaggregate or not: with a cluster file, the planner's cost model decides from the prompt's length (for two
                nodes the file names, tinyhet.planner.plan.disaggregation_pays; else tinyhet.planner.plan.route); a `both`
@@ -22,7 +23,8 @@ from __future__ import annotations
 import itertools, secrets, threading, time
 from dataclasses import dataclass, field
 from tinyhet.service import heartbeat
-from tinyhet.service.cache_view import DISK_WEIGHT, SUMMARY_KEYS, cache_view, chain_tokens
+from tinyhet.service.cache_view import SUMMARY_KEYS, cache_view
+from tinyhet.service.node_view import Admission, Node
 from tinyhet.runtime.control import ControlClient, ControlError
 
 MAX_ATTEMPTS = 5           # node losses one request survives
@@ -41,44 +43,6 @@ class _NodeLost(Exception):
   def __init__(self, reason: str, message: str):
     super().__init__(message)
     self.reason = reason
-
-@dataclass(eq=False)
-class Node:
-  address: str
-  role: str                                   # prefill | decode | both
-  up: bool = False
-  reason: str = "no heartbeat yet"
-  status: dict = field(default_factory=dict)  # the last heartbeat
-  reserved_blocks: int = 0                    # KV blocks this router's requests were admitted with here (prompt + headroom)
-  inflight_tokens: int = 0                    # prompt tokens this router sent here to prefill, not yet answered
-  assigned: int = 0                           # this router's requests decoding here (heartbeats lag; this does not)
-  recent: list = field(default_factory=list)  # (monotonic time, blocks) of admissions the last heartbeat may not show yet
-  clients: set = field(default_factory=set)   # requests' control connections to this node
-  cached: set = field(default_factory=set)    # block hashes of its prefix cache, as its heartbeats tell them (_beat)
-  disk: set = field(default_factory=set)      # block hashes of its disk tier, likewise (tinyhet.service.cache_view)
-  @property
-  def can_decode(self) -> bool: return self.role in ("decode", "both")
-  @property
-  def can_prefill(self) -> bool: return self.role in ("prefill", "both")
-  def blocks_for(self, tokens: int) -> int: return -(-tokens // self.status.get("block_size", 16))
-  def free_blocks(self) -> int:
-    s = self.status
-    return min(s.get("free_blocks", 0) - sum(b for _, b in self.recent), s.get("kv_blocks", 0) - self.reserved_blocks)
-  def cached_tokens(self, ids: list[int], salt: str = "") -> int:
-    """Prompt tokens this node's RAM cache would give ids under this salt (its heartbeat's summary, hashed with its cache key)."""
-    return chain_tokens(self.status, self.cached, set(), ids, salt)[0]
-  def overlap(self, ids: list[int], salt: str = "") -> float:
-    """The KV-aware score's cached tokens: RAM hits, and the disk tier's blocks after them at DISK_WEIGHT."""
-    ram, disk = chain_tokens(self.status, self.cached, self.disk, ids, salt)
-    return ram + DISK_WEIGHT * disk
-  def decode_load(self) -> float:
-    s = self.status
-    return max(s.get("running", 0) + s.get("waiting", 0) + s.get("incoming", 0), self.assigned) / max(1, s.get("max_seqs", 1))
-  def prefill_load(self) -> int:
-    """Prompt tokens ahead of a new prefill here; a `both` node's decode batch counts as a block's worth per sequence."""
-    s = self.status
-    busy = (s.get("running", 0) + s.get("waiting", 0)) * s.get("block_size", 16) if self.can_decode and self.role == "both" else 0
-    return s.get("queued_tokens", 0) + self.inflight_tokens + busy
 
 @dataclass(eq=False)
 class Request:
@@ -141,10 +105,13 @@ class Cluster:
         node.up, node.reason = False, (f"serves {beat.get('model')!r} (fingerprint {beat.get('fingerprint')}), this router {self.model_id!r} "
                                        f"({self.fingerprint}): start every node with the same --model file and flags")
       else: node.up, node.reason = True, ""
-      node.status = {k: v for k, v in beat.items() if k not in SUMMARY_KEYS}
+      # a beat made before the figures an _ask brought (the same node's clock, the same stream) is older news: its liveness
+      # and cache only
+      if node.asked_at is None or not beat.get("time", 0) < node.asked_at:
+        node.status, node.asked_at = {k: v for k, v in beat.items() if k not in SUMMARY_KEYS}, None
       node.cached, node.disk = cache_view(node.cached, beat), cache_view(node.disk, beat, "disk")
       shown = time.monotonic() - 2 * self.hb_interval      # a beat arriving now was made after these reservations landed
-      node.recent = [(t, b) for t, b in node.recent if t > shown]
+      node.recent = [a for a in node.recent if a.at > shown]
       self.cond.notify_all()
     if self.metrics is not None:
       self.metrics.node_up.labels(node.address, node.role).set(1 if node.up else 0)
@@ -153,7 +120,7 @@ class Cluster:
 
   def _lost(self, node: Node, why: str, close_clients: bool = True):
     with self.cond:
-      was_up, node.up, node.reason = node.up, False, why
+      was_up, node.up, node.reason, node.asked_at = node.up, False, why, None
       clients = list(node.clients) if close_clients else []
     for c in clients: c.close()           # a silent node: its requests move on now instead of waiting for a socket timeout
     if self.metrics is not None: self.metrics.node_up.labels(node.address, node.role).set(0)
@@ -198,7 +165,11 @@ class Cluster:
     node whose prefix cache holds more of it scores better (Dynamo's overlap score: the cached share of the prompt against
     the decode load), and needs its blocks less the hit.
     Cancelled once `cancelled` is set. samples: n samples of the prompt (they share its blocks; one more block each, and room
-    for them in the node's batch). A request no node could ever hold is a BadRequest."""
+    for them in the node's batch). A request no node could ever hold is a BadRequest.
+    Where only the node's figures stand in the way (this router's own count has room there) and one of this router's
+    requests there landed or ended since they were made, the node is asked for its figures now (_ask): a request waits
+    for an event (a release, a beat, an answer), never for the next beat to show what has already happened.
+    Returns (node, its Admission): hand it to _landed once the node holds the blocks, and to _release after."""
     tokens, more = prompt_tokens + min(new_tokens, HEADROOM_TOKENS), samples - 1
     with self.cond:
       deadline, queued = time.monotonic() + self.queue_timeout, False
@@ -209,14 +180,23 @@ class Cluster:
           # a pool that holds the whole answer, where one exists: a smaller one would cut it short with 'length'
           whole = [n for n in up if n.blocks_for(prompt_tokens + new_tokens) + more <= n.status.get("kv_blocks", 0)] or up
           hit = {n: n.cached_tokens(ids, salt) if ids else 0 for n in whole}
-          fits = [n for n in whole if n.free_blocks() >= n.blocks_for(tokens) - n.blocks_for(hit[n]) + more]
+          need = {n: n.blocks_for(tokens) - n.blocks_for(hit[n]) + more for n in whole}
+          fits = [n for n in whole if n.free_blocks() >= need[n]]
+          if not fits and self.endpoint is not None and (stale := [n for n in whole if n.changed and not n.asking and not n.no_status
+                                                                   and n.status.get("kv_blocks", 0) - n.reserved_blocks >= need[n]]):
+            for n in stale: n.changed, n.asking = False, True
+            self.cond.release()         # the round trip without the lock (held once here: `with self.cond`)
+            try:
+              for n in stale: self._ask(n)
+            finally: self.cond.acquire()
+            continue
           if fits:
             score = {n: n.overlap(ids, salt) if ids else 0 for n in fits}
             node = min(fits, key=lambda n: (n.decode_load() - OVERLAP_WEIGHT * score[n] / max(1, prompt_tokens), -n.free_blocks()))
-            node.reserved_blocks += (need := node.blocks_for(tokens) - node.blocks_for(hit[node]) + more)
-            node.recent.append((time.monotonic(), need))
+            node.reserved_blocks += need[node]
+            node.recent.append(adm := Admission(need[node]))
             node.assigned += 1
-            return node, need
+            return node, adm
           if more and up and all(samples > n.status.get("max_seqs", samples) for n in up):
             raise BadRequest(f"n must be at most {max(n.status.get('max_seqs', 1) for n in up)} here (the decode nodes' batch, --max-seqs)")
           if up and all(n.blocks_for(prompt_tokens) + more > n.status.get("kv_blocks", 0) for n in up):
@@ -235,10 +215,39 @@ class Cluster:
           self.waiting -= 1
           self._gauge_waiting()
 
-  def _release(self, node: Node, blocks: int):
+  def _ask(self, node: Node) -> None:
+    """The node's figures now (node.status: what its next beat would say), without the lock: they show every admission
+    that landed before the question, so those leave node.recent. Failing, the heartbeats' figures stand."""
+    asked, s = time.monotonic(), None
+    try:
+      if node.status_client is None: node.status_client = ControlClient(self.endpoint, node.address)
+      s = node.status_client.call("node.status", reply_timeout=max(1.0, self.hb_interval))
+    except ControlError as e:
+      if "unknown request" in str(e): node.no_status = True
+    except Exception:                  # the heartbeat watch says whether the node is down; only this client goes
+      client, node.status_client = node.status_client, None
+      if client is not None: client.close()
     with self.cond:
-      node.reserved_blocks -= blocks
+      node.asking = False
+      if isinstance(s, dict) and s.get("model") == node.status.get("model"):
+        node.status = {**node.status, **{k: v for k, v in s.items() if k not in SUMMARY_KEYS}}
+        node.asked_at = s.get("time") if isinstance(s.get("time"), (int, float)) else None
+        node.recent = [a for a in node.recent if a.landed is None or a.landed >= asked]
+      self.cond.notify_all()
+
+  def _landed(self, node: Node, adm: Admission) -> None:
+    """The node holds the admission's blocks now (its reservation answered, or its first token came)."""
+    with self.cond:
+      if adm.landed is None: adm.landed, node.changed = time.monotonic(), True
+
+  def _release(self, node: Node, adm: Admission):
+    """The request is over there: its blocks are back in the node's pool (its stream ended after the node freed them, or its
+    connection closed), so no figure of the node's is to be read as missing them any more."""
+    with self.cond:
+      node.reserved_blocks -= adm.blocks
       node.assigned -= 1
+      if adm in node.recent: node.recent.remove(adm)
+      node.changed = True
       self.cond.notify_all()
 
   def _gauge_waiting(self):
@@ -281,9 +290,9 @@ class Cluster:
       left = req.max_tokens - len(req.generated)
       if left <= 0: return "length"
       ids = req.prompt_ids + req.generated          # after a lost node: what the client has seen becomes prompt
-      try: decode, blocks = self._admit(len(ids), left, ids, req.cancelled, salt=req.cache_salt)
+      try: decode, adm = self._admit(len(ids), left, ids, req.cancelled, salt=req.cache_salt)
       except Cancelled: return "cancelled"
-      try: self._attempt(req, decode, ids, left)
+      try: self._attempt(req, decode, ids, left, adm)
       except Cancelled: return "cancelled"
       except _NodeLost as e:
         if req.cancelled.is_set(): return "cancelled"
@@ -291,7 +300,7 @@ class Cluster:
         if self.metrics is not None: self.metrics.retries.labels(e.reason).inc()
         if req.attempts >= MAX_ATTEMPTS: raise Unavailable(f"the request lost a node {req.attempts} times; last: {e}") from None
         continue
-      finally: self._release(decode, blocks)
+      finally: self._release(decode, adm)
       if (req.generated and req.generated[-1] in req.stop_ids) or req.ended: return "stop"
       return "length"
 
@@ -324,7 +333,7 @@ class Cluster:
     self._lost(node, f"{type(e).__name__}: {e}", close_clients=False)
     return _NodeLost(reason, f"{node.address} ({node.role}) lost: {type(e).__name__}: {e}")
 
-  def _attempt(self, req: Request, decode: Node, ids: list[int], left: int):
+  def _attempt(self, req: Request, decode: Node, ids: list[int], left: int, adm: Admission | None = None):
     # penalties count the client's output only: after a lost node the tokens already sent are part of the new prompt
     sampling = dict(temperature=req.temperature, top_p=req.top_p, options={**req.options, "output_from": len(req.prompt_ids)})
     ctl = self._open(req, decode, "decode node lost")
@@ -340,6 +349,7 @@ class Cluster:
           # use_cache: a hit's shared blocks come with a read grant for the prefill node, which pulls (or recomputes) them
           r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=left, timeout=self.queue_timeout, writer=prefill.status.get("node"),
                        use_cache=bool(decode.status.get("prefix_cache")), cache_salt=req.cache_salt)
+          if adm is not None: self._landed(decode, adm)
           self._done(req, decode, {"cached_tokens": r.get("cached_tokens", 0)}, len(ids))
       except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       if prefill is not None:
@@ -353,7 +363,9 @@ class Cluster:
         except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
       try:
         for item in stream:
-          if "token" in item: req.push(item["token"], _logprobs(item))
+          if "token" in item:
+            if adm is not None and adm.landed is None: self._landed(decode, adm)    # a submitted prompt's blocks: held by now
+            req.push(item["token"], _logprobs(item))
           elif "prompt_logprobs" in item and req.prompt_logprobs is None: req.prompt_logprobs = item["prompt_logprobs"][:len(req.prompt_ids)]
           elif item.get("done"): self._done(req, decode, item, len(ids))
       except Exception as e: raise self._failed(req, decode, e, "decode node lost") from None
@@ -411,3 +423,5 @@ class Cluster:
 
   def close(self):
     for w in self.watches: w.close()
+    with self.cond: clients = [n.status_client for n in self.nodes.values() if n.status_client is not None]
+    for c in clients: c.close()

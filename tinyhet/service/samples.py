@@ -66,6 +66,7 @@ def _attempt(cluster, reqs: list[Request], ends: dict[int, str]):
       else:       # disaggregated: the prefill node prefills once and samples every first token; the decode node forks the samples
         r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=head.max_tokens, timeout=cluster.queue_timeout, n=n,
                      writer=prefill.status.get("node"), use_cache=bool(decode.status.get("prefix_cache")))
+        cluster._landed(decode, blocks)
         cluster._done(head, decode, {"cached_tokens": r.get("cached_tokens", 0)}, len(ids))
         p = cluster._prefill(share, prefill, decode, ids, r, {**sampling, "n": n})
         if "prompt_logprobs" in p:
@@ -80,7 +81,9 @@ def _attempt(cluster, reqs: list[Request], ends: dict[int, str]):
           if item.get("done"): cluster._done(head, decode, item, len(head.prompt_ids))
           continue
         r = reqs[item["index"]]
-        if "token" in item: r.push(item["token"], _logprobs(item))
+        if "token" in item:
+          if blocks.landed is None: cluster._landed(decode, blocks)     # the prompt's blocks are held by now
+          r.push(item["token"], _logprobs(item))
         elif "prompt_logprobs" in item:                  # the prompt's, once for every sample
           for q in reqs: q.prompt_logprobs = q.prompt_logprobs or item["prompt_logprobs"][:len(q.prompt_ids)]
         elif item.get("done"):
