@@ -1,8 +1,9 @@
 """A request's K, V on their way from the prefill device into the decode node's reserved blocks, one layer at a time, while
 the next layer computes. Both prefill clients use it: DecodeClient (tinyhet run, tinyhet.engine.prefill) and PrefillNode (the
 service). The prefill thread only queues, or, for a layer of at most INLINE_LAYER_BYTES (a short prompt) not leaving through
-the staging ring, packs and posts it itself (LayerWriter.post: cheaper than waking the writer thread; a slow write then
-holds up the next layer):
+the staging ring, and for every piece of a chunked prefill (INLINE_CHUNKS), posts it itself (LayerWriter.post: cheaper than
+waking the writer thread; a slow write then holds up the next layer). Over shm a request's notices are held and sent in
+one call before its final write (LayerWriter.hold), not one a write:
 
   sender = KVSender(endpoint, peer, reservation, cfg, kv_dtype, buffers)
   sender.send(layer, k, v)     prefill thread, as each layer's K, V exist; never raises a write's failure
@@ -62,15 +63,17 @@ class LayerWriter:
     self.holding: bool | None = None                  # notices held (hold): None until the first write, False once released
     self.thread: threading.Thread | None = None       # started by the first write that is queued
 
-  def post(self, layer: int, spans: list[Span], notify: int, fill=None, may_inline: bool = True, final: bool = False):
+  def post(self, layer: int, spans: list[Span], notify: int, fill=None, may_inline: bool = True, final: bool = False,
+           any_size: bool = False):
     """Write spans with notify once fill(), if given, has filled their bytes. Until a write has been queued, one of at
     most inline_bytes (and may_inline: not a staging copy, which overlaps a GPU's next layer) is filled and posted here,
     on the caller's thread: waking the writer thread costs ~1 ms a layer on two cores, more than packing and posting a
     short prompt's layer. The rest go to the writer thread, in order. final: the request's last write (every layer's last
-    piece is posted with it): the notices held since the first write go out before it (hold)."""
+    piece is posted with it): the notices held since the first write go out before it (hold). any_size: inline whatever
+    its size (a chunk's blocks already packed in host memory: INLINE_CHUNKS)."""
     if self.error is not None: raise self.error
     self.settled[layer] = threading.Event()
-    if may_inline and self.thread is None and sum(s.nbytes for s in spans) <= self.inline_bytes:
+    if may_inline and self.thread is None and (any_size or sum(s.nbytes for s in spans) <= self.inline_bytes):
       self.inlined += 1
       return self._write(layer, spans, notify, fill, final)
     if self.thread is None:
@@ -207,6 +210,11 @@ def block_spans(region: Region, offset: int, pool: RegionDescriptor, blocks: lis
     i = j
   return spans
 
+INLINE_CHUNKS = True   # a chunked prefill's pieces (send_chunk) are posted on the prefill thread whatever their size: they lie packed
+                       # in registered host memory, so the prefill runs on this host's CPU, whose kernels keep every core busy; a writer
+                       # thread overlaps nothing there, and its wake-up and GIL hand-offs (~1 ms each on two cores) came per piece:
+                       # 240 at 4,096 tokens. What is left is a memcpy (shm) or queueing for the transport's stream threads (tcp)
+
 def _layer(key) -> int: return key[0] if isinstance(key, tuple) else key   # a writer's key: a layer, or (layer, piece)
 
 class Pieces:
@@ -302,7 +310,8 @@ class KVSender:
       self.keep.append(pool)                                            # the writer reads it after the prefill has returned
       if piece == n_pieces - 1: self.computed[layer] = t0
       last = piece == n_pieces - 1
-      try: self.writer.post((layer, piece), spans, notice_value(self.seq_id, layer, piece, last), final=last and self._ends(layer))
+      try: self.writer.post((layer, piece), spans, notice_value(self.seq_id, layer, piece, last), final=last and self._ends(layer),
+                            any_size=INLINE_CHUNKS)
       except Exception:
         if self.writer.error is None: raise
       return True
