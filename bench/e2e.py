@@ -5,7 +5,9 @@
   no transfer. The runs with and without transfer alternate, in a rotating order, for --rounds rounds; each figure is the
   best of its rounds, so that machine noise does not decide the sign. With it: the KV moved, the rate over the time bytes
   were moving, a per-layer timeline (computed, posted, landed) of the best run, and the send path's CPU time on this host
-  (side_cpu_ms: the writer and transport threads here and the decode node's process; medians), whole and per MiB;
+  (side_cpu_ms: the writer and transport threads here and the decode node's process; medians), whole and per MiB; the
+  best run's handoff_ms (the prefill thread's time handing layers and pieces to the transport: packing, posting, a shm
+  memcpy), kv_writes and prefill_s (to the first token: TTFT less any wait for the last layer), where the overhead goes;
 - decode tokens/s, disaggregated against the single-device engine (the same paged engine on HET, no transfer: what
   `tinyhet run --no-disagg` runs) and against the read-bandwidth bound: bytes read per token (weights as stored + the KV
   of the context) over the memory read rate measured in the same run (bench/membw.py).
@@ -85,6 +87,7 @@ def measure_length(model, clients: dict, engine, ids: list[int], new: int, round
                  "overhead_share": round((st.ttft_s - base) / st.ttft_s, 4), "kv_bytes": st.kv_bytes, "transfer_s": round(st.transfer_s, 6),
                  "transfer_gbps": round(st.transfer_gbps, 3), "kv_tail_s": round(st.kv_tail_s, 6),
                  "layer_transfer_s": round(statistics.median(per_layer), 6), "landed_clock": st.landed_clock,
+                 "handoff_ms": round(1e3 * st.handoff_s, 2), "kv_writes": st.kv_writes, "prefill_s": round(st.prefill_s, 6),
                  "send_cpu_ms": round(send_cpu, 2), "send_cpu_ms_per_mib": round(send_cpu / (st.kv_bytes / 2**20), 3) if st.kv_bytes else 0.0,
                  "rounds": {"ttft_s": [round(s.ttft_s, 6) for s in runs[t]], "ttft_no_transfer_s": [round(x, 6) for x in runs["none"]]},
                  "timeline": [{"layer": x.layer, "computed_s": round(x.computed_s, 6), "posted_s": round(x.posted_s, 6),
@@ -193,13 +196,15 @@ def ratio(x) -> str: return f"{x:.2f}x" if x is not None else "-"
 def table(out: dict) -> str:
   lines = [f"TTFT overhead of disaggregation (best of {out['rounds']} alternating rounds; TTFT until every layer landed):",
            f"{'prompt':>7} {'transport':>9} {'KV dtype':>9} {'TTFT':>9} {'no transfer':>12} {'overhead':>18} {'KV MiB':>7} {'vs f16':>7} "
-           f"{'moving ms':>10} {'vs f16':>7} {'moving GB/s':>12} {'tail ms':>8} {'layer ms':>9} {'send CPU ms':>12} {'ms/MiB':>7}"]
+           f"{'moving ms':>10} {'vs f16':>7} {'moving GB/s':>12} {'tail ms':>8} {'layer ms':>9} {'send CPU ms':>12} {'ms/MiB':>7} "
+           f"{'handoff ms':>11} {'writes':>7}"]
   for r in out["rows"]:
     over = f"{r['overhead_s']:+.3f}s {100 * r['overhead_share']:+.1f}%"
     lines.append(f"{r['prompt_tokens']:>7} {r['transport']:>9} {r.get('kv_dtype', 'float16'):>9} {r['ttft_s']:>8.3f}s "
                  f"{r['ttft_no_transfer_s']:>11.3f}s {over:>18} {r['kv_bytes'] / 2**20:>7.2f} {ratio(r.get('kv_bytes_x')):>7} "
                  f"{1e3 * r['transfer_s']:>10.1f} {ratio(r.get('transfer_x')):>7} {r['transfer_gbps']:>12.2f} {1e3 * r['kv_tail_s']:>8.2f} "
-                 f"{1e3 * r['layer_transfer_s']:>9.2f} {r['send_cpu_ms']:>12.1f} {r['send_cpu_ms_per_mib']:>7.2f}")
+                 f"{1e3 * r['layer_transfer_s']:>9.2f} {r['send_cpu_ms']:>12.1f} {r['send_cpu_ms_per_mib']:>7.2f} "
+                 f"{r.get('handoff_ms', 0.0):>11.1f} {r.get('kv_writes', 0):>7}")
   lines += ["decode (single device: the same paged engine on HET, no transfer):",
             f"{'prompt':>7} {'KV dtype':>9} {'TTFT single':>12} {'tok/s disagg':>13} {'tok/s single':>13} {'read-bw bound':>14}"]
   for d in out["decode"]:
@@ -212,7 +217,8 @@ def table(out: dict) -> str:
                f"KV B/token: {per_token}; moving ms: the time bytes were moving; vs f16: over float16's row of the same prompt and "
                "transport; layer ms: median per-layer time from post to landed; send CPU: CPU time of "
                "the send path on this host per request (this process's writer and transport threads + the decode node's process, "
-               "medians, less the same threads' with no transfer): on one host it shares the prefill's cores")
+               "medians, less the same threads' with no transfer): on one host it shares the prefill's cores; handoff: the prefill "
+               "thread's time handing the best run's layers to the transport (packing, posting, a shm memcpy); writes: its transport writes")
   return "\n".join(lines)
 
 if __name__ == "__main__": sys.exit(main())

@@ -55,6 +55,7 @@ class Link:
     self.batch_ids = itertools.count(1)
     self.queue: queue.SimpleQueue = queue.SimpleQueue()
     self.queued = 0
+    self.held: list[bytes] | None = None                 # hold_notices(): COMMIT frames of landed copies, sent by send_notices
     self.reader = threading.Thread(target=self._read_loop, name=f"tinyhet-shm-recv-{peer}", daemon=True)
     self.copier = threading.Thread(target=self._copy_loop, name=f"tinyhet-shm-copy-{peer}", daemon=True)
     self.reader.start()
@@ -100,7 +101,10 @@ class Link:
         if to_remote: memmove(remote, local, p.nbytes)
         else: memmove(local, remote, p.nbytes)
       if notify is not None:
-        with self.send_lock: self.sock.sendall(Frame(COMMIT, flags=NOTIFY, value=notify, batch=t.batch, nbytes=t.nbytes).pack())
+        frame = Frame(COMMIT, flags=NOTIFY, value=notify, batch=t.batch, nbytes=t.nbytes).pack()
+        with self.send_lock:
+          if self.held is not None: self.held.append(frame)
+          else: self.sock.sendall(frame)
       t.finish()
     except (OSError, TransportError) as e: t.finish(str(e))
 
@@ -123,11 +127,32 @@ class Link:
   def write(self, pieces: list[Piece], notify: int | None) -> Transfer: return self._submit("write", pieces, notify)
   def read(self, pieces: list[Piece]) -> Transfer: return self._submit("read", pieces, None)
 
+  def hold_notices(self):
+    """Keep the COMMIT frames of the copies that finish from now on until send_notices: a copy's notice still goes out
+    only after its bytes are in place, but many go in one sendall (one syscall, one wake of the receiver's thread, not one
+    per write: ~0.1 ms each on a busy 2-core host, where the receiver shares the cores the writer's prefill computes on)."""
+    with self.send_lock:
+      if self.held is None: self.held = []
+
+  def send_notices(self):
+    """Send the held COMMIT frames, in order, in one call, and stop holding."""
+    with self.send_lock:
+      held, self.held = self.held, None
+      if held:
+        try: self.sock.sendall(b"".join(held))
+        except OSError as e:
+          with self.lock:
+            self.broken = self.broken or f"connection to {self.peer} lost: {e}"
+          raise TransportError(f"sending notices to {self.peer} failed: {e}") from None
+
   def close(self):
     self.queue.put(None)
     self.copier.join(timeout=30)
     try:
-      with self.send_lock: self.sock.sendall(Frame(CLOSE).pack())
+      with self.send_lock:
+        if self.held: self.sock.sendall(b"".join(self.held))    # their bytes landed: the receiver learns so before CLOSE
+        self.held = None
+        self.sock.sendall(Frame(CLOSE).pack())
       self.sock.shutdown(socket.SHUT_RDWR)
     except OSError: pass
     self.reader.join(timeout=5)

@@ -364,6 +364,18 @@ class Endpoint:
     if notify is not None and not 0 <= notify < 1 << 32: raise TransportError(f"notify value {notify} is not a u32")
     return peer.link.write(to_pieces(spans, peer.name), notify)
 
+  def hold_notices(self, peer: Peer) -> bool:
+    """From now on, where peer's transport can (shm), keep the notices of writes whose bytes have landed and send them
+    together at send_notices; a notice never reaches the receiver before its bytes. False where the transport sends each
+    notice with its write (tcp: in the write's last frame; verbs: the write's immediate)."""
+    if (hold := getattr(peer.link, "hold_notices", None)) is None: return False
+    hold()
+    return True
+
+  def send_notices(self, peer: Peer):
+    """Send the notices hold_notices kept, and stop holding (nothing where none are held)."""
+    if (send := getattr(peer.link, "send_notices", None)) is not None: send()
+
   def read(self, peer: Peer, spans: list[Span]) -> Transfer:
     """Post a one-sided read: the remote parts of spans are copied into the local parts."""
     return peer.link.read(to_pieces(spans, peer.name))

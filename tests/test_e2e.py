@@ -373,6 +373,8 @@ def test_bench_e2e_reports_the_overhead_of_disaggregation(small):
     assert r["ttft_s"] == min(r["rounds"]["ttft_s"]) and r["ttft_no_transfer_s"] == min(r["rounds"]["ttft_no_transfer_s"])
     assert len(r["rounds"]["ttft_s"]) == 2 and len(r["timeline"]) == model.cfg.n_layers
     assert all(x["computed_s"] <= x["posted_s"] <= x["landed_s"] <= r["ttft_s"] + 1e-6 for x in r["timeline"])
+    # where the overhead goes: the prefill thread's hand-off inside its prefill, one write a layer (20 tokens: not chunked)
+    assert 0 < r["handoff_ms"] < 1e3 * r["prefill_s"] <= 1e3 * r["ttft_s"] + 1e-3 and r["kv_writes"] == model.cfg.n_layers
   assert decode["prompt_tokens"] == 20 and decode["decode_tok_s"]["disagg"] > 0 and decode["decode_tok_s"]["single_device"] > 0
 
 # ---------------------------------------------------------------- the embedded model through the CLI

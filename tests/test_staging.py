@@ -234,3 +234,77 @@ def test_a_senders_small_layers_are_posted_on_the_prefill_thread_and_large_ones_
     assert [n for _, n in transport.posts] == [notice_value(7, layer) for layer in range(cfg.n_layers)]
     np.testing.assert_array_equal(transport.dest, want)
     buffers.free()
+
+class Holding(SlowTransport):
+  """A transport that can hold notices (as shm can): records each write's thread and notice, and when the held notices
+  were sent (how many writes had been posted by then)."""
+  def __init__(self, dest):
+    super().__init__(dest)
+    self.posts, self.holds, self.sent_after = [], 0, []
+  def hold_notices(self, peer) -> bool:
+    self.holds += 1
+    return True
+  def send_notices(self, peer): self.sent_after.append(len(self.posts))
+  def write(self, peer, spans, notify=None):
+    self.posts.append((threading.current_thread(), notify))
+    return super().write(peer, spans, notify)
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_requests_notices_are_held_until_its_final_write_and_chunk_pieces_post_on_the_prefill_thread(chunked):
+  """A request's notices are held from its first write (one hold) and sent once, just before its final write (every
+  layer's last piece), which sends its own: the decode node is woken once, not once a write. A chunked prefill's pieces
+  (send_chunk, from the prefill's pool in host memory) are posted on the sending thread whatever their size (no writer
+  thread: on a CPU prefill it overlaps nothing and cost a wake-up per piece); the bytes and notices are the same."""
+  from tinyhet.kv.notices import notice_value
+  from tinyhet.kv.sender import KVSender
+  from tinyhet.model.llama import small_config
+  from tinyhet.runtime.descriptor import RegionDescriptor
+  cfg, bs, n_tokens = small_config(n_layers=3, dim=KVH * D * 2, n_heads=2 * KVH, n_kv_heads=KVH), 4, 12
+  kv = layers_kv(cfg.n_layers, n_tokens, seed=6)
+  nb, block = -(-n_tokens // bs), 2 * KVH * bs * D * 2
+  want = expected(kv, bs)
+  pools = [RegionDescriptor("decode", l, 4096, 0, 0, nb * block).to_hex() for l in range(cfg.n_layers)]
+  reservation = {"seq_id": 3, "blocks": list(range(nb)), "pools": pools, "block_bytes": block, "block_size": bs}
+  transport = Holding(np.zeros(cfg.n_layers * nb * block, np.uint8))
+  buffers = SendBuffers(local_node(), 0)
+  sender = KVSender(transport, None, reservation, cfg, dtypes.float16, buffers)
+  sender.writer.inline_bytes = 0                         # even a tiny piece is past the whole-layer threshold
+  # each layer's blocks at its own slot of the destination (the descriptors above are stand-ins)
+  sender._spans = lambda layer, region, offset: [Span(region, offset + i * block, None, (layer * nb + i) * block, block) for i in range(nb)]
+  if chunked:    # two pieces a layer, chunk-major as chunked_prefill posts them: blocks 0..1, then 2..nb-1
+    import tinyhet.kv.sender as sender_mod
+    real = sender_mod.block_spans
+    sender_mod.block_spans = lambda region, offset, pool, blocks, bb: [Span(region, offset + i * bb, None, (pool.region_id * nb + b) * bb, bb)
+                                                                       for i, b in enumerate(blocks)]
+    try:
+      pool_of = [Tensor(want[l * nb * block:(l + 1) * nb * block]).bitcast(dtypes.float16).reshape(nb, 2, KVH, bs * D).to("MESH").realize()
+                 for l in range(cfg.n_layers)]
+      for piece, (b0, b1) in enumerate(((0, 2), (2, nb))):
+        for layer in range(cfg.n_layers): assert sender.send_chunk(layer, pool_of[layer], b0, b1, piece, 2)
+    finally: sender_mod.block_spans = real
+    notices = [notice_value(3, layer, piece, piece == 1) for piece in range(2) for layer in range(cfg.n_layers)]
+  else:
+    for layer, (k, v) in enumerate(kv): sender.send(layer, Tensor(k, device="MESH").realize(), Tensor(v, device="MESH").realize())
+    notices = [notice_value(3, layer) for layer in range(cfg.n_layers)]
+  sender.finish(30)
+  assert transport.holds == 1 and transport.sent_after == [len(notices) - 1]     # once, right before the final write
+  assert [n for _, n in transport.posts] == notices
+  if chunked: assert {t for t, _ in transport.posts} == {threading.current_thread()} and sender.writer.thread is None
+  np.testing.assert_array_equal(transport.dest, want)
+  buffers.free()
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.lists(st.integers(0, 40), min_size=1, max_size=24, unique=True), offset=st.integers(0, 3))
+def test_block_spans_write_each_block_where_one_span_a_block_would(blocks, offset):
+  """block_spans merges runs of consecutive destination blocks: every local block i still goes to pool block blocks[i],
+  and there is one span per run."""
+  from tinyhet.kv.sender import block_spans
+  from tinyhet.runtime.descriptor import RegionDescriptor
+  bb, pool = 8, RegionDescriptor("decode", 1, 4096, 0, 0, 64 * 8)
+  spans = block_spans("region", offset * bb, pool, blocks, bb)
+  moved = {}
+  for s in spans:
+    assert s.local == "region" and s.remote == pool and s.nbytes % bb == 0
+    for j in range(s.nbytes // bb): moved[s.local_offset // bb + j - offset] = s.remote_offset // bb + j
+  assert moved == dict(enumerate(blocks))
+  assert len(spans) == 1 + sum(b != a + 1 for a, b in zip(blocks, blocks[1:]))

@@ -106,6 +106,29 @@ def test_notice_times_are_on_the_writers_clock(node, writer, transport):
   assert "times" not in node.ask(cmd="notices", count=0)
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_held_notices_go_out_together_in_order_after_their_bytes(node, writer, transport):
+  """hold_notices (the KV sender's, for a request's layers): over shm each write's bytes land at once, its notice is kept
+  (none is sent before send_notices: the link holds their frames) and all go out in order, in one call, once asked;
+  tcp sends each notice with its write (hold_notices says it cannot hold)."""
+  desc, region = node.expose(3 * 4096)
+  peer = writer.connect(node.address, transport)
+  try:
+    held = writer.hold_notices(peer)
+    assert held == (transport == "shm")
+    for i in range(3): writer.write(peer, [Span(writer.local, 4096 * i, desc, 4096 * i, 4096)], notify=100 + i).wait(10)
+    assert node.sha(region) == sha(bytes(writer.local.view()[:3 * 4096]))      # every byte landed, notices held or not
+    if held: assert len(peer.link.held) == 3                                    # not sent: in the link's hand
+    before = time.perf_counter()
+    writer.send_notices(peer)
+    got = node.ask(cmd="notices", count=3, timeout=10, times=True)
+    values = [n[1] for n in got["notices"]]
+    assert (values if held else sorted(values)) == [100, 101, 102]     # tcp: streams may deliver out of order
+    if held: assert all(t > before for t in got["times"]) and peer.link.held is None
+    writer.write(peer, [Span(writer.local, 0, desc, 0, 4096)], notify=7).wait(10)         # no longer held: sent with its write
+    assert node.ask(cmd="notices", count=1, timeout=10)["notices"][0][1] == 7
+  finally: peer.close()
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_two_process_writes_and_reads_are_byte_exact(node, writer, transport, data):

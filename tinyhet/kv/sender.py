@@ -1,8 +1,9 @@
 """A request's K, V on their way from the prefill device into the decode node's reserved blocks, one layer at a time, while
 the next layer computes. Both prefill clients use it: DecodeClient (tinyhet run, tinyhet.engine.prefill) and PrefillNode (the
 service). The prefill thread only queues, or, for a layer of at most INLINE_LAYER_BYTES (a short prompt) not leaving through
-the staging ring, packs and posts it itself (LayerWriter.post: cheaper than waking the writer thread; a slow write then
-holds up the next layer):
+the staging ring, and for every piece of a chunked prefill (INLINE_CHUNKS), posts it itself (LayerWriter.post: cheaper than
+waking the writer thread; a slow write then holds up the next layer). Over shm a request's notices are held and sent in
+one call before its final write (LayerWriter.hold), not one a write:
 
   sender = KVSender(endpoint, peer, reservation, cfg, kv_dtype, buffers)
   sender.send(layer, k, v)     prefill thread, as each layer's K, V exist; never raises a write's failure
@@ -59,22 +60,42 @@ class LayerWriter:
     self.settled: dict[int, threading.Event] = {}     # set once a layer's write is posted, or failed to be
     self.error: BaseException | None = None
     self.inlined = 0                                  # writes posted on the caller's thread
+    self.holding: bool | None = None                  # notices held (hold): None until the first write, False once released
     self.thread: threading.Thread | None = None       # started by the first write that is queued
 
-  def post(self, layer: int, spans: list[Span], notify: int, fill=None, may_inline: bool = True):
+  def post(self, layer: int, spans: list[Span], notify: int, fill=None, may_inline: bool = True, final: bool = False,
+           any_size: bool = False):
     """Write spans with notify once fill(), if given, has filled their bytes. Until a write has been queued, one of at
     most inline_bytes (and may_inline: not a staging copy, which overlaps a GPU's next layer) is filled and posted here,
     on the caller's thread: waking the writer thread costs ~1 ms a layer on two cores, more than packing and posting a
-    short prompt's layer. The rest go to the writer thread, in order."""
+    short prompt's layer. The rest go to the writer thread, in order. final: the request's last write (every layer's last
+    piece is posted with it): the notices held since the first write go out before it (hold). any_size: inline whatever
+    its size (a chunk's blocks already packed in host memory: INLINE_CHUNKS)."""
     if self.error is not None: raise self.error
     self.settled[layer] = threading.Event()
-    if may_inline and self.thread is None and sum(s.nbytes for s in spans) <= self.inline_bytes:
+    if may_inline and self.thread is None and (any_size or sum(s.nbytes for s in spans) <= self.inline_bytes):
       self.inlined += 1
-      return self._write(layer, spans, notify, fill)
+      return self._write(layer, spans, notify, fill, final)
     if self.thread is None:
       self.thread = threading.Thread(target=self._loop, name="tinyhet-kv-writer", daemon=True)
       self.thread.start()
-    self.queue.put((layer, spans, notify, fill))
+    self.queue.put((layer, spans, notify, fill, final))
+
+  def hold(self):
+    """At the request's first write: where the transport can (shm), its notices are kept and sent together before the
+    final write (release), not one syscall and one wake of the decode node's threads per write. The decode node waits
+    for every layer before its first step anyway; each write's bytes are still in place before its notice is sent, and
+    the final write's own notice follows the others, so the last layer lands (the TTFT's end) after every notice is out."""
+    if self.holding is None:
+      hold = getattr(self.endpoint, "hold_notices", None)     # an endpoint stand-in of a test or benchmark may have none
+      self.holding = bool(hold is not None and hold(self.peer))
+
+  def release(self):
+    """Send the held notices (once; later writes send their own)."""
+    if self.holding:
+      self.holding = False
+      self.endpoint.send_notices(self.peer)
+    self.holding = False
 
   def landed(self, layer: int) -> bool:
     """Whether layer's write has landed (False while it waits to be posted). Raises a failure."""
@@ -92,11 +113,13 @@ class LayerWriter:
   def _loop(self):
     while (item := self.queue.get()) is not None: self._write(*item)
 
-  def _write(self, layer, spans: list[Span], notify: int, fill):
+  def _write(self, layer, spans: list[Span], notify: int, fill, final: bool = False):
     try:
       if self.error is not None or self.cancelled: return       # a write failed: post nothing more, finish() raises it
       if self.before_post is not None: self.before_post()
       if fill is not None: fill()
+      self.hold()
+      if final: self.release()
       self.posted[layer] = time.perf_counter()
       self.transfers[layer] = self.endpoint.write(self.peer, spans, notify=notify)
     except BaseException as e: self.error = e
@@ -107,6 +130,9 @@ class LayerWriter:
     if self.thread is not None:
       self.queue.put(None)
       self.thread.join(timeout)
+    try: self.release()                              # every queued write is posted: what was held goes out (a failure: not final)
+    except Exception as e:
+      if self.error is None: self.error = e
     for t in self.transfers.values():
       try: t.wait(timeout)
       except Exception as e:
@@ -114,20 +140,21 @@ class LayerWriter:
     if check and self.error is not None: raise self.error
     return self.transfers
 
-def post_packed(writer: LayerWriter, layer: int, packed: Tensor, nbytes: int, spans_from, notify: int, ring: StagingRing | None) -> Tensor:
+def post_packed(writer: LayerWriter, layer: int, packed: Tensor, nbytes: int, spans_from, notify: int, ring: StagingRing | None,
+                final: bool = False) -> Tensor:
   """Post the first nbytes of a layer packed on HET (realized): straight from its memory where that is registered; else, with a ring, through a
   staging buffer the writer thread copies it into (tinyhet.device.gpu_staging); with no ring, copied to registered host memory here, on
   the prefill thread (the synchronous baseline). spans_from(region, offset) gives the layer's spans from where its bytes
-  lie. Returns what must stay alive until the write has landed."""
+  lie. final: the request's last write (LayerWriter.post). Returns what must stay alive until the write has landed."""
   try: region, offset = region_of(packed.uop.buffer)
   except NotRegistered:
     if ring is not None:
       region = ring.take(layer, writer)
-      writer.post(layer, spans_from(region, 0), notify, start_copy(packed.uop.buffer, region, nbytes), may_inline=False)
+      writer.post(layer, spans_from(region, 0), notify, start_copy(packed.uop.buffer, region, nbytes), may_inline=False, final=final)
       return packed
     packed = packed.to("MESH").realize()
     region, offset = region_of(packed.uop.buffer)
-  writer.post(layer, spans_from(region, offset), notify)
+  writer.post(layer, spans_from(region, offset), notify, final=final)
   return packed
 
 class SendBuffers:
@@ -171,6 +198,23 @@ class SendBuffers:
 INLINE_LAYER_BYTES = 256 * 1024   # a request's layers up to this size are packed and posted on the prefill thread (LayerWriter.post):
                                   # SmolLM2's up to ~340 tokens; longer prompts keep the writer thread's overlap with the next layer
 
+def block_spans(region: Region, offset: int, pool: RegionDescriptor, blocks: list[int], block_bytes: int) -> list[Span]:
+  """Spans writing consecutive blocks of local bytes (from offset on) into a pool's blocks `blocks`, one span a run of
+  consecutive destination blocks: a reservation's blocks mostly are one run (the free queue hands them out in order), and
+  every span costs the transport Python work (checks, pieces, a memmove or a frame record): 32 a 512-token chunk, not 1."""
+  spans, i, n = [], 0, len(blocks)
+  while i < n:
+    j = i + 1
+    while j < n and blocks[j] == blocks[j - 1] + 1: j += 1
+    spans.append(Span(region, offset + i * block_bytes, pool, blocks[i] * block_bytes, (j - i) * block_bytes))
+    i = j
+  return spans
+
+INLINE_CHUNKS = True   # a chunked prefill's pieces (send_chunk) are posted on the prefill thread whatever their size: they lie packed
+                       # in registered host memory, so the prefill runs on this host's CPU, whose kernels keep every core busy; a writer
+                       # thread overlaps nothing there, and its wake-up and GIL hand-offs (~1 ms each on two cores) came per piece:
+                       # 240 at 4,096 tokens. What is left is a memcpy (shm) or queueing for the transport's stream threads (tcp)
+
 def _layer(key) -> int: return key[0] if isinstance(key, tuple) else key   # a writer's key: a layer, or (layer, piece)
 
 class Pieces:
@@ -200,6 +244,7 @@ class KVSender:
     self.cached = r.get("cached_tokens", 0)   # the reservation's blocks start past a cached prefix (chunk pieces: from there)
     self.pieces: list[tuple] = []             # send_chunk's arguments, in order
     self.handoff_s = 0.0                      # time the prefill thread spent in send()
+    self.ended: set[int] = set()              # layers whose last write is posted: the n_layers-th is the request's final write
 
   def host_stage(self) -> Region:
     """The host region every layer packed on the host goes to, (layers, blocks, 2, KVH, block_size*D): the pools' bytes
@@ -217,7 +262,7 @@ class KVSender:
   def staging_waits(self) -> int: return self.ring.waits if self.ring is not None else 0
 
   def _spans(self, layer: int, region: Region, offset: int) -> list[Span]:
-    return [Span(region, offset + i * self.block_bytes, self.pools[layer], b * self.block_bytes, self.block_bytes) for i, b in enumerate(self.blocks)]
+    return block_spans(region, offset, self.pools[layer], self.blocks, self.block_bytes)
 
   def send(self, layer: int, k: Tensor, v: Tensor, first_row: int = 0):
     """Queue layer's K, V (T, KVH, D), realized on the prefill device, from row first_row on (a whole prompt computed again
@@ -232,16 +277,17 @@ class KVSender:
 
   def _hand_off(self, layer: int, k: Tensor, v: Tensor, first_row: int):
     if self.writer.error is not None: return
-    notify = notice_value(self.seq_id, layer)
+    notify, final = notice_value(self.seq_id, layer), self._ends(layer)
     if np_storage(self.kv_dtype) is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
       self.keep.extend((k, v))              # K, V in host memory: the writer thread packs them into the host region
       self.writer.post(layer, self._spans(layer, self.host_stage(), layer * self.layer_bytes), notify,
                        functools.partial(pack_kv_host, ka[first_row:], va[first_row:], self.stage[layer], is_q8(self.kv_dtype),
-                                         code_of(self.kv_dtype)))
+                                         code_of(self.kv_dtype)), final=final)
       return
     if first_row: k, v = k[first_row:].contiguous().realize(), v[first_row:].contiguous().realize()
     packed = pack_kv(k, v, self.block_size, self.kv_dtype).contiguous().realize()
-    self.keep.append(post_packed(self.writer, layer, packed, self.layer_bytes, functools.partial(self._spans, layer), notify, self.ring))
+    self.keep.append(post_packed(self.writer, layer, packed, self.layer_bytes, functools.partial(self._spans, layer), notify, self.ring,
+                                 final))
 
   def send_chunk(self, layer: int, pool: Tensor, b0: int, b1: int, piece: int, n_pieces: int) -> bool:
     """Queue blocks b0..b1-1 of a layer prefilled in chunks (tinyhet.model.chunked_prefill, on_chunk): they lie in `pool`,
@@ -259,14 +305,22 @@ class KVSender:
       region, offset = region_of(pool.uop.base.buffer)
       first, bb = self.cached // self.block_size, self.block_bytes     # the pool's block `first` is the reservation's block 0
       blocks = range(max(b0, first), min(b1, first + len(self.blocks)))
-      spans = [Span(region, offset + b * bb, self.pools[layer], self.blocks[b - first] * bb, bb) for b in blocks]
+      spans = block_spans(region, offset + blocks.start * bb, self.pools[layer], self.blocks[blocks.start - first:blocks.stop - first], bb) \
+        if len(blocks) else []
       self.keep.append(pool)                                            # the writer reads it after the prefill has returned
       if piece == n_pieces - 1: self.computed[layer] = t0
-      try: self.writer.post((layer, piece), spans, notice_value(self.seq_id, layer, piece, piece == n_pieces - 1))
+      last = piece == n_pieces - 1
+      try: self.writer.post((layer, piece), spans, notice_value(self.seq_id, layer, piece, last), final=last and self._ends(layer),
+                            any_size=INLINE_CHUNKS)
       except Exception:
         if self.writer.error is None: raise
       return True
     finally: self.handoff_s += time.perf_counter() - t0
+
+  def _ends(self, layer: int) -> bool:
+    """Layer's last write is being posted: True when that makes every layer's (the request's final write)."""
+    self.ended.add(layer)
+    return len(self.ended) == self.cfg.n_layers
 
   def _can_send_from(self, pool: Tensor, n_pieces: int, b0: int) -> bool:
     cfg = self.cfg
@@ -289,7 +343,10 @@ class KVSender:
     return out
 
   def check(self):
+    """Raise the first write's failure, if one has failed so far; the prefill is over (its caller's next step is the
+    decode node's), so notices still held go out now (LayerWriter.hold: normally the final write has sent them)."""
     if self.writer.error is not None: raise self.writer.error
+    self.writer.release()
 
   def finish(self, timeout: float = 60.0) -> dict[int, Transfer | Pieces]:
     """Every write landed: per layer its Transfer, or the Pieces of a layer sent in chunks."""
