@@ -51,6 +51,10 @@ def test_estimate_follows_the_verifies_and_probes_come_back():
   assert pol.p(7) < 0.01
   takes = [pol.plan([7], [4], cost)[0] for _ in range(15)]
   assert takes == [0, 0, 0, 0, 1] * 3        # kept from drafting, but one token probed every 5th step
+  pol.update(7, 1, 0)                        # the last probe missed: the next one waits twice as long
+  assert [pol.plan([7], [4], cost)[0] for _ in range(9)] == [0] * 8 + [1]
+  pol.update(7, 1, 1)                        # a kept probe: back to every 5th step
+  assert [pol.plan([7], [4], cost)[0] for _ in range(5)] == [0] * 4 + [1]
   for _ in range(20): pol.update(7, 4, 4)    # then it keeps all it drafts
   # 3 drafts fill bucket 4; a 4th would run the step at bucket 8 (7 rows' cost for 0.999^4 more)
   assert pol.p(7) > 0.95 and pol.plan([7], [4], cost) == [3] and pol.plan([7], [7], cost) == [7]

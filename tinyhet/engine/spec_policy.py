@@ -20,8 +20,10 @@ bucket's largest R is priced, and the scan stops once all the worth left could n
 time (so a policy that expects nothing asks no cost, and a bucket is measured only when the plan could use it).
 No drafts chosen: the step is a plain decode step of B rows (its own capture, no counts).
 
-A sequence whose estimate keeps it from drafting would never be measured again, so every `probe_every` steps without a
-draft it drafts one token (a probe), which updates p. A sequence with no n-gram match drafts nothing (its draft is empty).
+A sequence whose estimate keeps it from drafting would never be measured again, so after `probe_every` steps without a
+draft it drafts one token (a probe), which updates p. A rejected probe doubles that sequence's wait for the next one (up
+to `max_probe_gap` steps), a kept one resets it: on free chat, where drafts are rarely kept, probes grow rare. A sequence
+with no n-gram match drafts nothing (its draft is empty).
 """
 from __future__ import annotations
 from typing import Callable
@@ -29,8 +31,10 @@ from tinyhet.engine.decode_engine import batch_bucket
 
 class SpecPolicy:
   """Per-sequence acceptance estimates and the rows-vs-time choice of each step's drafts."""
-  def __init__(self, alpha: float = 0.3, prior: float = 0.5, probe_every: int = 16, max_seqs: int = 4096):
-    self.alpha, self.prior, self.probe_every, self.max_seqs = alpha, prior, probe_every, max_seqs
+  def __init__(self, alpha: float = 0.3, prior: float = 0.5, probe_every: int = 16, max_probe_gap: int = 256, max_seqs: int = 4096):
+    self.alpha, self.prior, self.probe_every, self.max_probe_gap, self.max_seqs = alpha, prior, probe_every, max_probe_gap, max_seqs
+    self.gap: dict[int, int] = {}            # seq_id -> steps without a draft before its next probe (probe_every, doubled per miss)
+    self.probing: set[int] = set()           # sequences whose draft this step is only a probe
     self.acc: dict[int, float] = {}          # seq_id -> EMA of accepted tokens a verify
     self.tried: dict[int, float] = {}        # seq_id -> EMA of positions tried a verify (accepted + the rejected one)
     self.idle: dict[int, int] = {}           # seq_id -> steps since its last draft
@@ -43,6 +47,9 @@ class SpecPolicy:
   def update(self, seq_id: int, tried: int, accepted: int):
     """After a verify of `tried` positions of which the first `accepted` were kept (tried = accepted + 1 on a rejection)."""
     if tried <= 0: return
+    if seq_id in self.probing:                   # a probe: a miss waits twice as long for the next one, a hit resets the wait
+      self.probing.discard(seq_id)
+      self.gap[seq_id] = self.probe_every if accepted else min(2 * self.gap.get(seq_id, self.probe_every), self.max_probe_gap)
     if seq_id not in self.tried:
       if len(self.tried) >= self.max_seqs:       # bounded: the oldest sequence's estimate goes (a finished one not forgotten)
         old = next(iter(self.tried))
@@ -53,7 +60,8 @@ class SpecPolicy:
     self.tried[seq_id] = (1 - a) * self.tried[seq_id] + a * tried
 
   def forget(self, seq_id: int):
-    for d in (self.acc, self.tried, self.idle): d.pop(seq_id, None)
+    for d in (self.acc, self.tried, self.idle, self.gap): d.pop(seq_id, None)
+    self.probing.discard(seq_id)
 
   def plan(self, seq_ids: list[int], draft_lens: list[int], cost: Callable[[int], float]) -> list[int]:
     """Tokens of each sequence's draft to verify (<= draft_lens[i]): the choice with the most expected tokens per second of
@@ -61,7 +69,7 @@ class SpecPolicy:
     B = len(seq_ids)
     take = [0] * B
     for i, (sid, n) in enumerate(zip(seq_ids, draft_lens)):
-      if n and self.idle.get(sid, 0) >= self.probe_every: take[i] = 1
+      if n and self.idle.get(sid, 0) >= self.gap.get(sid, self.probe_every): take[i] = 1
     probes = list(take)
     if not any(draft_lens):                     # nothing to draft: a plain step, no cost asked for
       for sid in seq_ids: self.idle[sid] = self.idle.get(sid, 0) + 1
@@ -79,5 +87,6 @@ class SpecPolicy:
       if r < len(worth) and batch_bucket(R0 + r + 1) == batch_bucket(R0 + r): continue
       if (rate := (B + gain) / cost(R0 + r)) > best * (1 + 1e-9): best_r, best = r, rate
     for _, i in worth[:best_r]: take[i] += 1
+    self.probing = {sid for sid, t, pr in zip(seq_ids, take, probes) if pr and t == 1}
     for sid, t in zip(seq_ids, take): self.idle[sid] = 0 if t else self.idle.get(sid, 0) + 1
     return take
