@@ -31,7 +31,7 @@ from tinyhet.engine.decode_engine import batch_bucket
 
 class SpecPolicy:
   """Per-sequence acceptance estimates and the rows-vs-time choice of each step's drafts."""
-  def __init__(self, alpha: float = 0.3, prior: float = 0.5, probe_every: int = 16, max_probe_gap: int = 256, max_seqs: int = 4096):
+  def __init__(self, alpha: float = 0.3, prior: float = 0.3, probe_every: int = 16, max_probe_gap: int = 256, max_seqs: int = 4096):
     self.alpha, self.prior, self.probe_every, self.max_probe_gap, self.max_seqs = alpha, prior, probe_every, max_probe_gap, max_seqs
     self.gap: dict[int, int] = {}            # seq_id -> steps without a draft before its next probe (probe_every, doubled per miss)
     self.probing: set[int] = set()           # sequences whose draft this step is only a probe
