@@ -9,7 +9,9 @@ A row: decode tokens/s of the whole batch (the tokens after each row's first, wh
 time), accept_len (tokens a sequence gains per speculative step: accepted drafts / steps + 1; 1.0 for off) and
 tokens_equal (its greedy tokens equal mode off's). Every batch bucket up to B * (k + 1) rows is captured first, and each
 row is decoded twice, the second run timed (the first compiles its prompts' prefill and lets the policy measure the step
-costs it needs: one engine.step_costs.StepCosts for the whole run, as a node keeps one). ngram drafts through the adaptive
+costs it needs: one engine.step_costs.StepCosts for the whole run, as a node keeps one; and one SpecPolicy per task and
+batch for both passes, each sequence forgotten when it ends, so the timed pass starts from the acceptance figure the
+untimed one left, as a node that has served such requests before). ngram drafts through the adaptive
 policy (engine/spec_policy.py) unless --fixed, which verifies every n-gram draft whole, up to k. The `draft` mode (a smaller
 draft model) is not built."""
 from __future__ import annotations
@@ -52,11 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
       ids = [prompts[task][i % len(prompts[task])] for i in range(B)]
       base = None
+      from tinyhet.engine.spec_policy import SpecPolicy
+      policy = None if args.fixed else SpecPolicy()
       # every bucket a step of this batch may run at captured first (a bucket met once in a run would capture in the timed one)
       engine.warm_up([b for b in BATCH_BUCKETS if b <= batch_bucket(B * (args.k + 1))])
       for mode in MODES:
-        decode(engine, ids, args.new_tokens, mode, args.k, costs, not args.fixed)    # untimed: the prompts' prefill compiles
-        toks, rate, accept = decode(engine, ids, args.new_tokens, mode, args.k, costs, not args.fixed)
+        decode(engine, ids, args.new_tokens, mode, args.k, costs, policy)    # untimed: the prompts' prefill compiles
+        toks, rate, accept = decode(engine, ids, args.new_tokens, mode, args.k, costs, policy)
         base = toks if mode == "off" else base
         rows.append({"task": task, "mode": mode, "batch": B, "decode_tok_s": rate, "accept_len": accept, "tokens_equal": toks == base})
         if not args.json: print(f"{task} {mode} batch {B}: {rate:.2f} tok/s, accept length {accept:.2f}", file=sys.stderr, flush=True)
@@ -77,14 +81,15 @@ def make_engine(model, max_batch: int, seq_tokens: int):
                        max_seq_len=cfg.max_context)
   return DecodeEngine(model, cache)
 
-def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=None, adaptive: bool = True) -> tuple[list[list[int]], float, float]:
+def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=None, policy=None) -> tuple[list[list[int]], float, float]:
   """Greedy decode of every prompt to `new` tokens in one batch: (tokens, decode tokens/s, accept length). costs: the
-  StepCosts the speculative step prices drafts with (kept across runs: measured once)."""
+  StepCosts the speculative step prices drafts with (kept across runs: measured once). policy: the SpecPolicy that cuts
+  the drafts (None: every n-gram draft verified whole)."""
   from tinyhet.engine.prefill import prefill_first_token
   from tinyhet.engine.speculative import SpeculativeStep
   from tinyhet.model.sampling import Sampler, sample_batch
   cache, bm = engine.cache, engine.cache.block_manager
-  spec, samplers, toks = SpeculativeStep(engine, adaptive), [Sampler(0.0) for _ in prompts], [list(p) for p in prompts]
+  spec, samplers, toks = SpeculativeStep(engine, policy is not None, policy), [Sampler(0.0) for _ in prompts], [list(p) for p in prompts]
   if costs is not None: spec.costs = costs
   try:
     for sid, p in enumerate(prompts):
@@ -102,6 +107,7 @@ def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=
   finally:
     for sid in range(len(prompts)):
       if sid in bm: bm.deallocate(sid)
+      spec.forget(sid)
   accept = (spec.accepted + spec.steps) / spec.steps if spec.steps else 1.0
   return [t[len(p):] for t, p in zip(toks, prompts)], len(prompts) * (new - 1) / elapsed, accept
 

@@ -2,6 +2,7 @@
 second of step time (checked against every choice by brute force), never past a sequence's n-gram draft; its acceptance
 estimate follows what the verify steps keep; a sequence kept from drafting probes once every probe_every steps."""
 import itertools
+import pytest
 from hypothesis import given, settings, strategies as st
 from tinyhet.engine.decode_engine import batch_bucket
 from tinyhet.engine.spec_policy import SpecPolicy
@@ -59,7 +60,15 @@ def test_estimate_follows_the_verifies_and_probes_come_back():
   # 3 drafts fill bucket 4; a 4th would run the step at bucket 8 (7 rows' cost for 0.999^4 more)
   assert pol.p(7) > 0.95 and pol.plan([7], [4], cost) == [3] and pol.plan([7], [7], cost) == [7]
   pol.forget(7)
-  assert pol.p(7) == pol.prior
+  assert pol.p(7) == pytest.approx(pol.all_acc / pol.all_tried)    # a forgotten (or new) sequence starts at the node's figure
+
+def test_a_new_sequence_starts_at_the_nodes_figure():
+  chat, copy = SpecPolicy(), SpecPolicy()
+  assert chat.p(1) == chat.prior
+  for sid in range(30):                      # earlier sequences: drafts never kept, or always kept
+    chat.update(sid, 1, 0)
+    copy.update(sid, 4, 4)
+  assert chat.p(100) < 0.05 < chat.prior < 0.9 < copy.p(100)
 
 def test_estimates_are_bounded():
   pol = SpecPolicy(max_seqs=3)

@@ -20,6 +20,10 @@ bucket's largest R is priced, and the scan stops once all the worth left could n
 time (so a policy that expects nothing asks no cost, and a bucket is measured only when the plan could use it).
 No drafts chosen: the step is a plain decode step of B rows (its own capture, no counts).
 
+A new sequence starts from the node's own figure: the same average over every sequence's verifies (`prior` until the
+first), so a node that serves free chat does not spend a new chat sequence's first steps on drafts, nor a node of
+rewrites hold back a new rewrite's.
+
 A sequence whose estimate keeps it from drafting would never be measured again, so after `probe_every` steps without a
 draft it drafts one token (a probe), which updates p. A rejected probe doubles that sequence's wait for the next one (up
 to `max_probe_gap` steps), a kept one resets it: on free chat, where drafts are rarely kept, probes grow rare. A sequence
@@ -35,6 +39,7 @@ class SpecPolicy:
     self.alpha, self.prior, self.probe_every, self.max_probe_gap, self.max_seqs = alpha, prior, probe_every, max_probe_gap, max_seqs
     self.gap: dict[int, int] = {}            # seq_id -> steps without a draft before its next probe (probe_every, doubled per miss)
     self.probing: set[int] = set()           # sequences whose draft this step is only a probe
+    self.all_acc, self.all_tried = prior, 1.0    # the same EMAs over every sequence's verifies: a new sequence's start
     self.acc: dict[int, float] = {}          # seq_id -> EMA of accepted tokens a verify
     self.tried: dict[int, float] = {}        # seq_id -> EMA of positions tried a verify (accepted + the rejected one)
     self.idle: dict[int, int] = {}           # seq_id -> steps since its last draft
@@ -42,7 +47,7 @@ class SpecPolicy:
   def p(self, seq_id: int) -> float:
     """The estimated chance a drafted token is kept (after the ones before it were)."""
     t = self.tried.get(seq_id)
-    return self.prior if not t else min(self.acc[seq_id] / t, 0.999)
+    return min((self.acc[seq_id] / t) if t else (self.all_acc / self.all_tried), 0.999)
 
   def update(self, seq_id: int, tried: int, accepted: int):
     """After a verify of `tried` positions of which the first `accepted` were kept (tried = accepted + 1 on a rejection)."""
@@ -54,8 +59,10 @@ class SpecPolicy:
       if len(self.tried) >= self.max_seqs:       # bounded: the oldest sequence's estimate goes (a finished one not forgotten)
         old = next(iter(self.tried))
         self.forget(old)
-      self.acc[seq_id], self.tried[seq_id] = self.prior, 1.0
-    a = self.alpha
+      self.acc[seq_id], self.tried[seq_id] = self.all_acc / self.all_tried, 1.0
+    a, g = self.alpha, self.alpha / 4          # the node's figure moves slower: it averages many sequences
+    self.all_acc = (1 - g) * self.all_acc + g * accepted
+    self.all_tried = (1 - g) * self.all_tried + g * tried
     self.acc[seq_id] = (1 - a) * self.acc[seq_id] + a * accepted
     self.tried[seq_id] = (1 - a) * self.tried[seq_id] + a * tried
 
