@@ -5,6 +5,10 @@ prefix of drafts that the model itself would have produced is kept, and the reje
   spec = SpeculativeStep(engine)                       # over a DecodeEngine's model and paged cache
   draws = spec.step(seq_ids, token_lists, samplers, k)  # per sequence the Draws of 1..k+1 new tokens
 
+Each draft is cut to what pays (engine/spec_policy.py: the sequence's acceptance estimate against the measured time of
+a step of that many rows, engine/step_costs.py); a step where no sequence drafts is plain decode's own step.
+SpeculativeStep(engine, adaptive=False) verifies every n-gram draft whole, up to k.
+
 Before a step each sequence holds len(tokens) slots (the newest token's included, as for a plain decode step); after it
 len(tokens) + len(draws) - 1, and the blocks taken for rejected drafts are back in the free queue where they were
 (BlockManager.truncate, last taken first): lengths, table sizes and free blocks are as a plain decode of the same tokens
