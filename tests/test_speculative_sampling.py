@@ -98,12 +98,12 @@ def test_no_drafts_is_the_plain_captured_step(engine):
       replays.append(B)
       return r(*a, **kw)
     return call
-  captured = Replay.captures
   spec = SpeculativeStep(engine, policy=SpecPolicy(prior=0.0, probe_every=10**9))
   seeds, rng = list(range(B)), np.random.default_rng(0)
   prompts = [[int(t) for t in rng.permutation(CFG.vocab_size)] for _ in seeds]
   plain = decode_round(engine, seeds, temperature=0.0, prompts=prompts)
   spec.costs(B)                          # the policy's cost of a plain step, measured before the steps are counted
+  captured = Replay.captures             # the plain run captured bucket B (when no test before it did)
   engine.step, engine.steps = counted, {b: wrap(b, r) for b, r in steps.items()}
   try: fast = decode_round(engine, seeds, spec, temperature=0.0, prompts=prompts)
   finally: engine.step, engine.steps = step, steps
