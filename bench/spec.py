@@ -8,7 +8,12 @@ and batch, each mode decodes the same prompts greedily, --new-tokens tokens a ro
 A row: decode tokens/s of the whole batch (the tokens after each row's first, which its prefill gives, over the decode
 time), accept_len (tokens a sequence gains per speculative step: accepted drafts / steps + 1; 1.0 for off) and
 tokens_equal (its greedy tokens equal mode off's). Every batch bucket up to B * (k + 1) rows is captured first, and each
-row is decoded twice, the second run timed (the first compiles its prompts' prefill). The `draft` mode (a smaller draft model) is not built."""
+row is decoded twice, the second run timed (the first compiles its prompts' prefill and lets the policy measure the step
+costs it needs: one engine.step_costs.StepCosts for the whole run, as a node keeps one; and one SpecPolicy per task and
+batch for both passes, each sequence forgotten when it ends, so the timed pass starts from the acceptance figure the
+untimed one left, as a node that has served such requests before). ngram drafts through the adaptive
+policy (engine/spec_policy.py) unless --fixed, which verifies every n-gram draft whole, up to k. The `draft` mode (a smaller
+draft model) is not built."""
 from __future__ import annotations
 import argparse, json, sys, time
 
@@ -23,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
   ap.add_argument("--tasks", default="copy,chat", help="comma-separated tasks: copy, chat")
   ap.add_argument("--max-prompt", type=int, default=0, help="cut each prompt to its last N tokens (0: whole; for quick checks)")
+  ap.add_argument("--fixed", action="store_true", help="no policy: verify every n-gram draft whole, up to k (the old behaviour)")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   from tinyhet.bench.spec_prompts import TASKS
@@ -41,20 +47,26 @@ def main(argv: list[str] | None = None) -> int:
     raise SystemExit(f"tinyhet bench spec: prompts of {longest} tokens + {args.new_tokens} new tokens exceed the model's context "
                      f"({model.cfg.max_context}): pass fewer --new-tokens or --max-prompt")
   engine = make_engine(model, max(batches), longest + args.new_tokens + args.k)
+  from tinyhet.engine.step_costs import StepCosts
+  costs = StepCosts(engine)
   rows = []
   for task in tasks:
     for B in batches:
       ids = [prompts[task][i % len(prompts[task])] for i in range(B)]
       base = None
+      from tinyhet.engine.spec_policy import SpecPolicy
+      policy = None if args.fixed else SpecPolicy()
       # every bucket a step of this batch may run at captured first (a bucket met once in a run would capture in the timed one)
       engine.warm_up([b for b in BATCH_BUCKETS if b <= batch_bucket(B * (args.k + 1))])
       for mode in MODES:
-        decode(engine, ids, args.new_tokens, mode, args.k)        # untimed: the prompts' prefill compiles
-        toks, rate, accept = decode(engine, ids, args.new_tokens, mode, args.k)
+        decode(engine, ids, args.new_tokens, mode, args.k, costs, policy)    # untimed: the prompts' prefill compiles
+        toks, rate, accept = decode(engine, ids, args.new_tokens, mode, args.k, costs, policy)
         base = toks if mode == "off" else base
         rows.append({"task": task, "mode": mode, "batch": B, "decode_tok_s": rate, "accept_len": accept, "tokens_equal": toks == base})
         if not args.json: print(f"{task} {mode} batch {B}: {rate:.2f} tok/s, accept length {accept:.2f}", file=sys.stderr, flush=True)
-  out = {"model": model_id(args.model) if args.model else name, "k": args.k, "new_tokens": args.new_tokens, "rows": rows}
+  out = {"model": model_id(args.model) if args.model else name, "k": args.k, "new_tokens": args.new_tokens,
+         "policy": "fixed" if args.fixed else "adaptive", "step_ms": {b: round(t * 1e3, 3) for b, t in sorted(costs.seconds.items())},
+         "rows": rows}
   print(json.dumps(out) if args.json else table(out))
   return 0
 
@@ -69,13 +81,16 @@ def make_engine(model, max_batch: int, seq_tokens: int):
                        max_seq_len=cfg.max_context)
   return DecodeEngine(model, cache)
 
-def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int) -> tuple[list[list[int]], float, float]:
-  """Greedy decode of every prompt to `new` tokens in one batch: (tokens, decode tokens/s, accept length)."""
+def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=None, policy=None) -> tuple[list[list[int]], float, float]:
+  """Greedy decode of every prompt to `new` tokens in one batch: (tokens, decode tokens/s, accept length). costs: the
+  StepCosts the speculative step prices drafts with (kept across runs: measured once). policy: the SpecPolicy that cuts
+  the drafts (None: every n-gram draft verified whole)."""
   from tinyhet.engine.prefill import prefill_first_token
   from tinyhet.engine.speculative import SpeculativeStep
   from tinyhet.model.sampling import Sampler, sample_batch
   cache, bm = engine.cache, engine.cache.block_manager
-  spec, samplers, toks = SpeculativeStep(engine), [Sampler(0.0) for _ in prompts], [list(p) for p in prompts]
+  spec, samplers, toks = SpeculativeStep(engine, policy is not None, policy), [Sampler(0.0) for _ in prompts], [list(p) for p in prompts]
+  if costs is not None: spec.costs = costs
   try:
     for sid, p in enumerate(prompts):
       bm.allocate(sid, len(p))
@@ -92,11 +107,13 @@ def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int) -> tup
   finally:
     for sid in range(len(prompts)):
       if sid in bm: bm.deallocate(sid)
+      spec.forget(sid)
   accept = (spec.accepted + spec.steps) / spec.steps if spec.steps else 1.0
   return [t[len(p):] for t, p in zip(toks, prompts)], len(prompts) * (new - 1) / elapsed, accept
 
 def table(out: dict) -> str:
-  lines = [f"tinyhet bench spec: {out['model']}, k {out['k']}, {out['new_tokens']} new tokens a row, greedy",
+  lines = [f"tinyhet bench spec: {out['model']}, k {out['k']}, {out['new_tokens']} new tokens a row, greedy, {out['policy']} drafts",
+           "step ms by batch bucket (measured, the policy's cost model): " + ", ".join(f"{b}: {t}" for b, t in out["step_ms"].items()),
            f"{'task':<6}{'mode':<7}{'batch':>6}{'decode tok/s':>14}{'accept len':>12}{'x off':>8}  tokens equal"]
   off = {(r["task"], r["batch"]): r["decode_tok_s"] for r in out["rows"] if r["mode"] == "off"}
   for r in out["rows"]:

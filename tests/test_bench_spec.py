@@ -12,6 +12,7 @@ def test_bench_spec_short_run():
   assert all(x["tokens_equal"] is True and x["decode_tok_s"] > 0 for x in r["rows"])
   assert all(rows[t, "off", b]["accept_len"] == 1.0 for t in ("copy", "chat") for b in (1, 2))
   assert rows["copy", "ngram", 1]["accept_len"] > 1.0 and r["k"] == 2 and r["new_tokens"] == 12
+  assert r["policy"] == "adaptive" and all(t > 0 for t in r["step_ms"].values()) and "1" in r["step_ms"]
 
 def test_bench_spec_refuses_a_bad_k():
   out = subprocess.run([sys.executable, "-m", "tinyhet.bench", "spec", "--k", "9"], capture_output=True, text=True, timeout=60)

@@ -22,14 +22,15 @@ def llama(): return model.Llama(CFG, model.random_weights(CFG, seed=1))
 def shared_engine(llama):
   return DecodeEngine(llama, PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256))
 
-def run(llama, prompts, new, k, temperature=0.0, engine=None):
+def run(llama, prompts, new, k, temperature=0.0, engine=None, adaptive=False, policy=None):
   """Tokens of each prompt (plain decode: k = 0), and the block manager after. engine: a DecodeEngine to decode with
-  (default: a fresh one), whose pool holds no sequence 0..len(prompts)-1."""
+  (default: a fresh one), whose pool holds no sequence 0..len(prompts)-1. adaptive: drafts cut by the policy (default: every
+  n-gram draft verified whole, so drafts are made and checked)."""
   if engine is None:
     cache = PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256)
     engine = DecodeEngine(llama, cache)
   cache, bm = engine.cache, engine.cache.block_manager
-  spec = SpeculativeStep(engine)
+  spec = SpeculativeStep(engine, adaptive=adaptive or policy is not None, policy=policy)
   toks = [list(p) for p in prompts]
   samplers = [Sampler(temperature, 1.0, seed=7 + i) for i in range(len(prompts))]
   for i, p in enumerate(prompts):
@@ -66,15 +67,15 @@ def state(bm):
 prompt = st.lists(st.integers(0, 5), min_size=3, max_size=30)     # a small alphabet: n-grams recur, drafts are made
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompts=st.lists(prompt, min_size=1, max_size=3), k=st.integers(1, 8), new=st.integers(1, 20))
-@example(prompts=[[0, 2, 0, 0, 2, 2, 5, 1, 3], [2, 1, 0, 4, 0, 4, 1, 4, 3, 1, 5, 4, 4, 0, 3, 1, 2, 0, 1, 4, 5]], k=7, new=11)
+@given(prompts=st.lists(prompt, min_size=1, max_size=3), k=st.integers(1, 8), new=st.integers(1, 20), adaptive=st.booleans())
+@example(prompts=[[0, 2, 0, 0, 2, 2, 5, 1, 3], [2, 1, 0, 4, 0, 4, 1, 4, 3, 1, 5, 4, 4, 0, 3, 1, 2, 0, 1, 4, 5]], k=7, new=11, adaptive=False)
 @example(prompts=[[2, 2, 0, 2, 2, 3, 1, 3, 3, 1], [4, 3, 0, 5, 4, 1, 0, 5, 0, 4, 2, 3, 1, 5, 0, 2, 5, 1, 2], [0, 1, 3, 3, 1, 2, 3, 0, 3, 5, 2]],
-         k=7, new=10)                        # both rows roll a block back in one step; rows cross block boundaries out of order
-def test_greedy_equals_plain_and_the_pool_ends_as_plain(llama, shared_engine, prompts, k, new):
+         k=7, new=10, adaptive=False)        # both rows roll a block back in one step; rows cross block boundaries out of order
+def test_greedy_equals_plain_and_the_pool_ends_as_plain(llama, shared_engine, prompts, k, new, adaptive):
   # one engine for every example (its step captures made once), each run's sequences freed after its state is taken
   ends = {}
   for mode in (0, k):
-    ends[mode] = run(llama, prompts, new, mode, engine=shared_engine)
+    ends[mode] = run(llama, prompts, new, mode, engine=shared_engine, adaptive=adaptive)
     ends[mode] = (ends[mode][0], state(ends[mode][1]))
     for i in range(len(prompts)): shared_engine.cache.block_manager.deallocate(i)
   (plain, plain_state), (fast, fast_state) = ends[0], ends[k]

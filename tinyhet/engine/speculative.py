@@ -5,6 +5,10 @@ prefix of drafts that the model itself would have produced is kept, and the reje
   spec = SpeculativeStep(engine)                       # over a DecodeEngine's model and paged cache
   draws = spec.step(seq_ids, token_lists, samplers, k)  # per sequence the Draws of 1..k+1 new tokens
 
+Each draft is cut to what pays (engine/spec_policy.py: the sequence's acceptance estimate against the measured time of
+a step of that many rows, engine/step_costs.py); a step where no sequence drafts is plain decode's own step.
+SpeculativeStep(engine, adaptive=False) verifies every n-gram draft whole, up to k.
+
 Before a step each sequence holds len(tokens) slots (the newest token's included, as for a plain decode step); after it
 len(tokens) + len(draws) - 1, and the blocks taken for rejected drafts are back in the free queue where they were
 (BlockManager.truncate, last taken first): lengths, table sizes and free blocks are as a plain decode of the same tokens
@@ -25,7 +29,10 @@ with no tinygrad scheduling on the way.
 """
 from __future__ import annotations
 import contextlib
+import time
 from tinyhet.engine.ngram_draft import ngram_draft
+from tinyhet.engine.spec_policy import SpecPolicy
+from tinyhet.engine.step_costs import StepCosts
 from tinyhet.model.sampling import sample_batch
 
 MODES = ("off", "ngram")
@@ -43,43 +50,70 @@ def check_speculative(value) -> dict:
 
 class SpeculativeStep:
   """Draft, verify in one multi-token step through the paged cache, keep the agreeing prefix, roll the rest back."""
-  def __init__(self, engine):
+  def __init__(self, engine, adaptive: bool = True, policy: SpecPolicy | None = None):
     self.engine, self.cache, self.bm = engine, engine.cache, engine.cache.block_manager
     self.drafted = self.accepted = self.steps = 0      # /metrics' counters: accept length = accepted / steps + 1
+    self.verifies = self.plain_steps = 0               # engine steps run with drafts, and without (a plain decode step)
+    # adaptive: each sequence's draft cut by spec_policy (its acceptance estimate against the measured step costs);
+    # else every n-gram draft is verified whole, up to k
+    self.policy = (policy or SpecPolicy()) if adaptive else None
+    self.costs = StepCosts(engine)
 
-  def drafts(self, token_lists: list[list[int]], k: int, limits: list[int]) -> list[list[int]]:
-    """Each sequence's draft, cut so its slots fit the plain free blocks (no cached block evicted, nothing preempted) and
-    its limit (tokens it may still take, less the one every step gives)."""
-    out, free = [], len(self.bm.free_ids)
-    for tokens, limit in zip(token_lists, limits):
+  def forget(self, seq_id: int):
+    """seq_id is done: its acceptance estimate goes."""
+    if self.policy is not None: self.policy.forget(seq_id)
+
+  def drafts(self, seq_ids: list[int], token_lists: list[list[int]], ks: list[int], limits: list[int]) -> list[list[int]]:
+    """Each sequence's draft: its n-gram draft of up to ks[i] tokens and its limit (tokens it may still take, less the one
+    every step gives), cut by the policy where adaptive. Needs no lock (the policy may time a step: StepCosts.measure)."""
+    out = []
+    for tokens, k, limit in zip(token_lists, ks, limits):
       out.append(ngram_draft(tokens, min(k, max(0, limit - 1), self.cache.max_seq_len - len(tokens))))
+    if self.policy is not None:
+      take = self.policy.plan(seq_ids, [len(d) for d in out], self.costs)
+      out = [d[:n] for d, n in zip(out, take)]
+    return out
+
+  def fit(self, token_lists: list[list[int]], out: list[list[int]]) -> list[list[int]]:
+    """The drafts cut so their slots fit the plain free blocks (no cached block evicted, nothing preempted); under the lock."""
+    free = len(self.bm.free_ids)
     def blocks(n: int) -> int:         # new blocks the drafts cut to n tokens take
       return sum(self.bm.blocks_needed(len(t) + min(len(d), n)) - self.bm.blocks_needed(len(t)) for t, d in zip(token_lists, out))
     n = max(len(d) for d in out)
     while n > 0 and blocks(n) > free: n -= 1
     return [d[:n] for d in out]
 
-  def step(self, seq_ids: list[int], token_lists: list[list[int]], samplers: list, k: int, limits: list[int] | None = None,
+  def step(self, seq_ids: list[int], token_lists: list[list[int]], samplers: list, k: int | list[int], limits: list[int] | None = None,
            stops: list[set] | None = None, lock=None) -> list[list]:
-    """Per sequence the Draws of its new tokens (1 + its accepted drafts). limits: tokens each may still take. stops: each
+    """Per sequence the Draws of its new tokens (1 + its accepted drafts). k: the most tokens a sequence drafts (one for all,
+    or one each). limits: tokens each may still take. stops: each
     sequence's stop ids, after which nothing more is kept (cut before the rollback). lock: held while the block manager
     and the step's block tables are touched (the decode node's, whose other threads change them).
     The verify step is a decode step (DecodeEngine.step with counts) whose rows are each sequence's newest token and its
     draft: the jitted, bucketed step of plain decode, replayed from its capture, each row of a sequence attending to the
     slots before its own (the rows before it store theirs in the same step). A sequence takes slots for its own draft
     only: rows of a shorter draft are not padded."""
-    limits = limits or [k + 1] * len(seq_ids)
+    ks = list(k) if isinstance(k, (list, tuple)) else [k] * len(seq_ids)
+    limits = limits or [kk + 1 for kk in ks]
+    self.costs.lock = lock
+    drafts = self.drafts(seq_ids, token_lists, ks, limits)
     with lock if lock is not None else contextlib.nullcontext():
-      drafts = self.drafts(token_lists, k, limits)
+      drafts = self.fit(token_lists, drafts)
       for sid, d in zip(seq_ids, drafts):
         for _ in d: self.bm.append_slot(sid)
     counts = [1 + len(d) for d in drafts]
     self.steps += len(seq_ids)
-    if sum(counts) == len(seq_ids):            # nothing drafted: a plain decode step
+    if sum(counts) == len(seq_ids):            # nothing drafted: a plain decode step (its own capture, no counts)
+      t0 = time.perf_counter()
       logits = self.engine.step(seq_ids, [t[-1] for t in token_lists], lock)
+      self.costs.record(len(seq_ids), time.perf_counter() - t0)
+      self.plain_steps += 1
       return [[d] for d in sample_batch(logits, samplers, [len(t) for t in token_lists], token_lists)]
     rows = [tok for tokens, d in zip(token_lists, drafts) for tok in (tokens[-1], *d)]
+    t0 = time.perf_counter()
     logits = self.engine.step(seq_ids, rows, lock, counts=counts)      # (sum(counts), vocab)
+    self.costs.record(len(rows), time.perf_counter() - t0)
+    self.verifies += 1
     out, first = [], 0
     for i, (tokens, d) in enumerate(zip(token_lists, drafts)):
       kept = []
@@ -90,6 +124,7 @@ class SpeculativeStep:
       first += counts[i]
       self.drafted += len(d)
       self.accepted += len(kept) - 1
+      if self.policy is not None and d: self.policy.update(seq_ids[i], min(len(d), len(kept)), len(kept) - 1)
       out.append(kept)
     with lock if lock is not None else contextlib.nullcontext():
       for sid, tokens, kept in reversed(list(zip(seq_ids, token_lists, out))):   # undone last taken first: the free queue's order

@@ -24,7 +24,7 @@ def run_speculative(node, batch: list) -> list:
   eos = node.scheduler.eos
   try:
     out = node.spec.step([s.seq_id for s in rows], [list(s.token_ids) for s in rows], [s.extra["sampler"] for s in rows],
-                         max(ks[s.seq_id] for s in rows), [s.max_new_tokens - s.num_generated for s in rows],
+                         [ks[s.seq_id] for s in rows], [s.max_new_tokens - s.num_generated for s in rows],
                          [s.extra["stop_ids"] | ({eos} if eos is not None else set()) for s in rows], node.cond)
   except Exception as e:                 # a failed step fails its sequences, not the node
     with node.cond:
@@ -50,6 +50,7 @@ def run_speculative(node, batch: list) -> list:
           finished.append(s)
           break
     for s in finished:
+      node.spec.forget(s.seq_id)
       if s.status is SequenceStatus.RUNNING: node.scheduler.finish(s)
       s.extra["queue"].put(None)
     node.cond.notify_all()
