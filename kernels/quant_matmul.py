@@ -12,6 +12,9 @@ tinygrad's CPU compiler targets), both computing
 with the rows r of W split into `parts` contiguous ranges, one per core_id:
 - decode (M <= DECODE_MAX_M): each weight row's blocks are dequantized in registers (kernels/quant_blocks.py: 32 weights as
   two 16-lane vectors) and multiplied into up to 8 rows of x at once; the weights stream from memory once per 8 rows of x.
+  At one or two rows of x it is bound by the dequantization's vector ops, not memory (a 576-column matrix of SmolLM2 sits in
+  L2): measured on shared cores (unpublished), Q5_0's byte-path fifth bits made it ~1.5x Q4_1's time on the same shape;
+  with AVX-512 they are now spread in 32-bit lanes by shifts (quant_blocks._Q5_32), ~1.2x faster at one row, same bits.
 - tiled (prefill, big batches): a panel of NR weight rows by KC columns is dequantized once into a float32 tile on the
   stack (k-major, in the micro-kernel's order: 64 KiB, in L2) and reused for every row of x, MR rows at a time by an
   outer-product micro-kernel (MR x NR accumulators in registers, no horizontal sums). No float copy of the matrix exists.
