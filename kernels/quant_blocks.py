@@ -40,6 +40,32 @@ _QH5 = """  u32 qh; __builtin_memcpy(&qh, b + %(qh)d, 4); u8x16 q; __builtin_mem
   const u8x16 h1 = __builtin_shufflevector(hv, hv, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   u8x16 q0 = (q & 15) | ((u8x16)((h0 & BIT) != 0) & 16), q1 = (q >> 4) | ((u8x16)((h1 & BIT) != 0) & 16);"""
 
+# The float kernels' Q5_0/Q5_1 with AVX-512: the 16 quant bytes zero-extended to 32-bit lanes once (one vpmovzxbd for both
+# nibbles: low & 15, high >> 4) and each fifth bit shifted into place from the qh word broadcast to all lanes (lane i of the
+# low half: (qh << 4) >> i, of the high half: (qh >> 12) >> i, then & 16: variable shifts, no byte shuffles or compares).
+# The same 5-bit quants as _QH5's, so the same fma and the same bits. Why: at one row of x the decode kernel is bound by its
+# dequantization's vector ops, not by memory (a SmolLM2 576-column matrix is in L2), and the byte path's shuffles, byte tests
+# and two zero-extensions per sub-block sat on the one shuffle port. Measured (unpublished, shared cores, one thread, bench
+# qmm's ctypes call, old and new kernel alternately, medians of 15 x 200 calls): 1.20-1.24x at one row, 1.15-1.19x at two, on
+# 1536 x 576 and 576 x 1536, bit-equal; Q5_0 still ~1.2x Q4_1's time there. A mask from the bits (vptestmd against
+# {1 << i}) measured a little slower than the shifts. Other targets keep the byte path (not measured there).
+_Q5_32 = """  u32 qh; __builtin_memcpy(&qh, b + %(qh)d, 4); u8x16 q; __builtin_memcpy(&q, b + %(qs)d, 16);
+  typedef int s32x16 __attribute__((vector_size(64)));
+  const u32x16 LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const u32x16 v = __builtin_convertvector(q, u32x16), hb = (u32x16){0} + qh;
+  const s32x16 q0 = (s32x16)((v & 15) | (((hb << 4) >> LANE) & 16)), q1 = (s32x16)((v >> 4) | (((hb >> 12) >> LANE) & 16));"""
+
+def q5_dequant(qh: int, qs: int, affine: str, bytes_only: bool = False) -> str:
+  """Q5_0/Q5_1's float dequantization (qh, qs: byte offsets in the block): w = q * <affine> (Q5_0's (q - 16) d as one fma
+  where there is one: the same bits); the 32-bit-lane expansion with AVX-512, else (or with bytes_only: the tests' reference
+  for the same bits) the byte path."""
+  tail = f"""
+  *lo = __builtin_convertvector(q0, f32x16) * {affine}; *hi = __builtin_convertvector(q1, f32x16) * {affine};"""
+  byte_path = _QH5 % {"qh": qh, "qs": qs} + tail
+  return byte_path if bytes_only else "#if defined(__AVX512F__)\n" + _Q5_32 % {"qh": qh, "qs": qs} + tail + "\n#else\n" + byte_path + "\n#endif"
+Q5_DEQUANT_ARGS = {Q5_0: (2, 6, "d + -16.0f * d"), Q5_1: (4, 8, "d + m")}   # Q5_0 and Q5_1's q5_dequant arguments
+Q5_SCALES = {Q5_0: "  float d = h2f(b);\n", Q5_1: "  float d = h2f(b), m = h2f(b + 2);\n"}
+
 # The K-quants' 6-bit scale and min of sub-block j (ggml's get_scale_min_k4; j is a constant in each unrolled copy)
 _SCALE_MIN_K4 = """  const u8 *s = b + 4; int sc, mn;
   if (j < 4) { sc = s[j] & 63; mn = s[j + 4] & 63; }
@@ -71,11 +97,8 @@ DEQUANT = {
   *lo = (__builtin_convertvector(q & 15, f32x16) - 8.0f) * d; *hi = (__builtin_convertvector(q >> 4, f32x16) - 8.0f) * d;""",
   Q4_1: """  float d = h2f(b), m = h2f(b + 2); u8x16 q; __builtin_memcpy(&q, b + 4, 16);
   *lo = __builtin_convertvector(q & 15, f32x16) * d + m; *hi = __builtin_convertvector(q >> 4, f32x16) * d + m;""",
-  Q5_0: "  float d = h2f(b);\n" + _QH5 % {"qh": 2, "qs": 6} + """
-  /* (q - 16) d as one fma where there is one (the same bits) */
-  *lo = __builtin_convertvector(q0, f32x16) * d + -16.0f * d; *hi = __builtin_convertvector(q1, f32x16) * d + -16.0f * d;""",
-  Q5_1: "  float d = h2f(b), m = h2f(b + 2);\n" + _QH5 % {"qh": 4, "qs": 8} + """
-  *lo = __builtin_convertvector(q0, f32x16) * d + m; *hi = __builtin_convertvector(q1, f32x16) * d + m;""",
+  Q5_0: Q5_SCALES[Q5_0] + q5_dequant(*Q5_DEQUANT_ARGS[Q5_0]),
+  Q5_1: Q5_SCALES[Q5_1] + q5_dequant(*Q5_DEQUANT_ARGS[Q5_1]),
   Q8_0: """  float d = h2f(b); i8x16 q0, q1; __builtin_memcpy(&q0, b + 2, 16); __builtin_memcpy(&q1, b + 18, 16);
   *lo = __builtin_convertvector(q0, f32x16) * d; *hi = __builtin_convertvector(q1, f32x16) * d;""",
   Q4_K: _SCALE_MIN_K4 + _Q4K + """

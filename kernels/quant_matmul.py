@@ -12,6 +12,9 @@ tinygrad's CPU compiler targets), both computing
 with the rows r of W split into `parts` contiguous ranges, one per core_id:
 - decode (M <= DECODE_MAX_M): each weight row's blocks are dequantized in registers (kernels/quant_blocks.py: 32 weights as
   two 16-lane vectors) and multiplied into up to 8 rows of x at once; the weights stream from memory once per 8 rows of x.
+  At one or two rows of x it is bound by the dequantization's vector ops, not memory (a 576-column matrix of SmolLM2 sits in
+  L2), so Q5_0/Q5_1's fifth bits are, with AVX-512, spread in 32-bit lanes by shifts (quant_blocks._Q5_32) rather than by
+  byte shuffles and compares: the same bits, fewer shuffle-port ops.
 - tiled (prefill, batches past one decode tile): a panel of NR weight rows by KC columns is dequantized once into a float32 tile on the
   stack (k-major, in the micro-kernel's order: 64 KiB, in L2; 16 rows' sub-blocks transposed in registers, a vector store
   a column) and reused for every row of x, MR rows at a time by an
@@ -36,8 +39,10 @@ MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 whe
 # rows of x up to which the decode kernel runs; past it, the tiled one. Measured (bench qmm's direct call, one core; Q4_1, Q8_0
 # 1536 x 576, Q4_K, Q6_K, Q5_0, F16 1536 x 768): the tiled kernel 1.2-1.6x slower at 4-6 rows, 0.7-0.9x the time at 8, ~0.5x
 # at 16, ~0.35x at 32-48; Q4_K 4096 x 4096: 0.59x at 8 rows, 0.35x at 16 (the crossover was 32-64 rows while the panel was
-# stored one float at a time)
-DECODE_MAX_M = 7
+# stored one float at a time). 8, not 7: a batch of one's verify step (up to 7 drafts, bucket 8) then runs the kernel plain
+# decode runs, so speculative greedy tokens equal plain ones bit for bit at batch 1; at exactly 8 rows the tiled kernel's
+# gain is the smallest
+DECODE_MAX_M = 8
 KC = 512                 # columns of a dequantized panel (a multiple of every block size)
 KQ8_MAX_M = 256          # rows of x up to which the K-quants' int8 decode kernel may run in the int8 mode
 # rows of x from which the int8 mode takes its tiled kernel (kernels/int8_gemm.py), for any count past it, by weights per block:

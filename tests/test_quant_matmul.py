@@ -244,6 +244,7 @@ def test_each_cpu_path_the_source_has(march, tmp_path):
                     "-o", str(lib)], input=src.encode(), check=True)
     return getattr(ctypes.CDLL(str(lib)), name)
   for t, rows, int8 in [(Q4_K, 9, True), (Q5_K, 1, True), (Q6_K, 3, True), (Q8_0, 9, True), (Q4_K, 5, False), (F16, 1, False), (BF16, 40, False),
+                        (Q5_0, 1, False), (Q5_1, 2, False),   # the fifth bits' byte path (not AVX-512) and lane path
                         (Q4_K, 19, True), (Q6_K, 16, True), (Q5_0, 5, True), (BF16, 9, True)]:   # the last four: the tiled int8, bf16 kernels
     cols, out = cols_for(t) if not int8 else 512, 24
     name, src = qmm.kernel_source(t, rows, out, cols, 1, int8=int8)
@@ -346,3 +347,37 @@ def test_x_is_rounded_once_by_its_own_kernel_the_same_bits_for_any_part_count(t,
   b = Tensor(random_blocks(out, cols, t, rng), device="MESH")
   one, split = (qmm.quant_matmul(Tensor(x, device="MESH"), b, t, (out, cols), p, int8=True).numpy() for p in (1, min(parts, 2)))
   np.testing.assert_array_equal(one, split)
+
+def native_kernel(name: str, src: str, tmp: str):
+  """The C function `name` of `src`, built by clang for this CPU as tinygrad's CPU compiler targets it, called via ctypes."""
+  import ctypes, os, subprocess
+  lib = os.path.join(tmp, f"{name}_{abs(hash(src))}.so")
+  subprocess.run(["clang", "-O2", "-shared", "-fPIC", "-ffreestanding", "-fno-math-errno", "-march=native", "-x", "c", "-", "-o", lib],
+                 input=src.encode(), check=True)
+  fn = getattr(ctypes.CDLL(lib), name)
+  return lambda *arrays, core_id: fn(*(ctypes.c_void_p(a.ctypes.data) for a in arrays), core_id)
+
+@settings(max_examples=8, deadline=None)
+@given(t=st.sampled_from([Q5_0, Q5_1]), rows=st.sampled_from([1, 2, 3, 9, 40]), out=st.sampled_from([1, 17, 50]),
+       blocks=st.integers(1, 20), parts=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_q5_fifth_bits_spread_in_lanes_give_the_byte_paths_bits(t, rows, out, blocks, parts, seed):
+  # Q5_0/Q5_1's fifth bits expanded in 32-bit lanes (AVX-512; quant_blocks._Q5_32) are the same 5-bit quants as the byte path
+  # (_QH5) and meet the same fma: the kernels' products are the same bits, for any count of blocks (odd: a lone last block),
+  # rows (decode tiles and tails; the tiled kernel past DECODE_MAX_M) and parts; and near the float64 product through tinygrad
+  import tempfile
+  from tinyhet.kernels import quant_blocks as qb
+  cols = 32 * blocks
+  got, want = product(t, rows, out, cols, parts, seed)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  rng = np.random.default_rng(seed)
+  b, x = random_blocks(out, cols, t, rng), rng.standard_normal((rows, cols), dtype=np.float32)
+  byte_path = qb.Q5_SCALES[t] + qb.q5_dequant(*qb.Q5_DEQUANT_ARGS[t], bytes_only=True)
+  assert byte_path != qmm.DEQUANT[t]
+  res = []
+  with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+    for dequant in (qmm.DEQUANT[t], byte_path):
+      mp.setitem(qmm.DEQUANT, t, dequant)
+      fn, o = native_kernel(*qmm.kernel_source.__wrapped__(t, rows, out, cols, parts), tmp), np.zeros((rows, out), np.float32)
+      for core in range(parts): fn(o, b, x, core_id=core)
+      res.append(o)
+  np.testing.assert_array_equal(res[0], res[1])
