@@ -26,11 +26,16 @@ def machine() -> dict:
   return {"cpu": model.group(1).strip() if model else platform.processor() or "unknown", "cores": len(os.sched_getaffinity(0)),
           "flags": [f for f in FLAGS if f in flags], "memory_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None}
 
-def commit() -> str:
-  """The checkout's commit, with `+dirty` when tracked files differ from it (the figure is then of uncommitted code)."""
+FIGURES = ("docs/results/", "docs/benchmarks.md")   # paths whose changes are figures, not code
+
+def commit(root=None) -> str:
+  """The checkout's commit, with `+dirty` when tracked files differ from it (the figure is then of uncommitted code). The
+  published figures themselves (docs/results/, docs/benchmarks.md) are not code: a run taken while earlier runs' files wait
+  to be committed is still of the commit's code."""
   try:
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "-C", str(root or ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    changed = subprocess.run(["git", "-C", str(root or ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.splitlines()
+    dirty = [ln for ln in changed if not ln[3:].startswith(FIGURES)]
     return head + ("+dirty" if dirty else "")
   except (OSError, subprocess.CalledProcessError): return "unknown"
 
