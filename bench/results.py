@@ -33,8 +33,9 @@ def commit(root=None) -> str:
   published figures themselves (docs/results/, docs/benchmarks.md) are not code: a run taken while earlier runs' files wait
   to be committed is still of the commit's code."""
   try:
-    head = subprocess.run(["git", "-C", str(root or ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    changed = subprocess.run(["git", "-C", str(root or ROOT), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.splitlines()
+    git = ["git", "-C", str(root or ROOT)]
+    head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.splitlines()
     dirty = [ln for ln in changed if not ln[3:].startswith(FIGURES)]
     return head + ("+dirty" if dirty else "")
   except (OSError, subprocess.CalledProcessError): return "unknown"
