@@ -300,10 +300,12 @@ def test_disk_hits_score_below_ram_hits_and_need_their_blocks():
   c.nodes[ram.address] = ram
   c._beat(ram, {**ram.status, "cached_hashes": hashes})
   assert c._admit(len(ids), 8, ids)[0] is ram
-  c._beat(disk, {**disk.status, "disk_hit_tokens": 48, "prefix_hit_tokens": 100, "disk_written_bytes": 8192, "disk_read_bytes": 1024})
+  c._beat(disk, {**disk.status, "disk_hit_tokens": 48, "prefix_hit_tokens": 100, "disk_written_bytes": 8192, "disk_read_bytes": 1024,
+                 "disk_dropped_spills": 3, "disk_bad_blocks": 1})
   page = c.metrics.exposition().decode()
   for line in ("tinyhet:prefix_cache_disk_hits_total 48.0", "tinyhet:prefix_cache_ram_hits_total 52.0",
-               "tinyhet:kv_disk_written_bytes_total 8192.0", "tinyhet:kv_disk_read_bytes_total 1024.0"):
+               "tinyhet:kv_disk_written_bytes_total 8192.0", "tinyhet:kv_disk_read_bytes_total 1024.0",
+               "tinyhet:kv_disk_dropped_spills_total 3.0", "tinyhet:kv_disk_bad_blocks_total 1.0"):
     assert line in page, line
   c._beat(disk, {**disk.status, "disk_hashes": "junk"})
   assert disk.overlap(ids) == disk.cached_tokens(ids)

@@ -42,6 +42,10 @@ class Metrics:
                              "(counted in prefix_cache_hits too)", registry=r)
     self.disk_written = Counter("tinyhet:kv_disk_written_bytes", "KV bytes decode nodes spilled to their disk tiers", registry=r)
     self.disk_read = Counter("tinyhet:kv_disk_read_bytes", "KV bytes decode nodes read back from their disk tiers", registry=r)
+    self.disk_dropped = Counter("tinyhet:kv_disk_dropped_spills", "Evicted blocks decode nodes did not spill: their disk tier's write "
+                                "queue was full (the step never waits for a disk)", registry=r)
+    self.disk_bad = Counter("tinyhet:kv_disk_bad_blocks", "Blocks decode nodes' disk tiers dropped unread: a torn write, a bad "
+                            "checksum or another model's file", registry=r)
     self.spec_drafted = Counter("tinyhet:spec_draft_tokens", "Tokens decode nodes drafted for speculative decoding", registry=r)
     self.spec_accepted = Counter("tinyhet:spec_accepted_tokens", "Drafted tokens decode nodes accepted (speculative decoding)", registry=r)
     self.last: dict[str, dict] = {}          # node -> the figures of its beat before (node_figures counts what grew)
@@ -50,14 +54,15 @@ class Metrics:
   def node_figures(self, node: str, beat: dict) -> None:
     """Count what grew since the node's beat before in its cumulative figures (a figure that shrank: the node restarted, it
     counts from zero again)."""
-    now = {k: beat[k] for k in ("prefix_hit_tokens", "disk_hit_tokens", "disk_written_bytes", "disk_read_bytes",
-                                     "spec_drafted_tokens", "spec_accepted_tokens")
+    now = {k: beat[k] for k in ("prefix_hit_tokens", "disk_hit_tokens", "disk_written_bytes", "disk_read_bytes", "disk_dropped_spills",
+                                "disk_bad_blocks", "spec_drafted_tokens", "spec_accepted_tokens")
            if isinstance(beat.get(k), int) and not isinstance(beat.get(k), bool) and beat[k] >= 0}
     before = self.last.get(node, {})
     grew = {k: v - before.get(k, 0) if v >= before.get(k, 0) else v for k, v in now.items()}
     if "prefix_hit_tokens" in grew: self.ram_hits.inc(max(0, grew["prefix_hit_tokens"] - grew.get("disk_hit_tokens", 0)))
     for key, counter in (("disk_hit_tokens", self.disk_hits), ("disk_written_bytes", self.disk_written), ("disk_read_bytes", self.disk_read),
-                       ("spec_drafted_tokens", self.spec_drafted), ("spec_accepted_tokens", self.spec_accepted)):
+                         ("disk_dropped_spills", self.disk_dropped), ("disk_bad_blocks", self.disk_bad),
+                         ("spec_drafted_tokens", self.spec_drafted), ("spec_accepted_tokens", self.spec_accepted)):
       if key in grew: counter.inc(grew[key])
     self.last[node] = {**before, **now}
 
