@@ -140,6 +140,17 @@ class ControlClient:
     reply.pop("final", None)
     return reply
 
+  def begin(self, op: str, reply_timeout: float | None = 600, **args) -> Pending:
+    """Send a request now and read its reply later (Pending.result), so that the caller works meanwhile (a prefill starts
+    while the decode node reserves its blocks: the round trip left the TTFT). Until the reply is read the client serves no
+    other request: a call from another thread waits for it; Pending.result (or close) must be called, once."""
+    self.lock.acquire()
+    try: rid = self._request(op, args, reply_timeout)
+    except BaseException:
+      self.lock.release()
+      raise
+    return Pending(self, op, rid)
+
   def stream(self, op: str, reply_timeout: float | None = 600, **args):
     """Yield each streamed item of a request until the final one (reply_timeout: the most seconds between two items).
     Leaving the loop early (break, an exception, closing the generator) cancels the request on the node and reads its
@@ -172,3 +183,20 @@ class ControlClient:
     try: self.sock.shutdown(socket.SHUT_RDWR)
     except OSError: pass
     self.sock.close()
+
+class Pending:
+  """A request sent by ControlClient.begin whose reply has not been read yet."""
+  def __init__(self, client: ControlClient, op: str, rid: int):
+    self.client, self.op, self.rid, self.reply, self.error = client, op, rid, None, None
+
+  def result(self) -> dict:
+    """The reply (as call's), read on the first call; raises the request's failure (ControlError, ChannelBroken), every time."""
+    if self.rid is not None:
+      rid, self.rid = self.rid, None
+      try:
+        self.reply = self.client._check(self.op, self.client._reply(rid))
+        self.reply.pop("final", None)
+      except BaseException as e: self.error = e
+      finally: self.client.lock.release()
+    if self.error is not None: raise self.error
+    return self.reply

@@ -51,6 +51,7 @@ class Peer:
   transport: str
   link: object
   key: str = ""              # the public key it proved its name with at the handshake
+  same_host: bool = False    # it said it runs on this host (its hello's host id): its receiving threads share this host's cores
   def close(self): self.link.close()
 
 def transport_module(name: str):
@@ -185,7 +186,7 @@ class Endpoint:
     except BaseException:
       sock.close()
       raise
-    peer = Peer(hello["node"], address, chosen, link, hello["key"])     # a name and key the server proved (client_auth)
+    peer = Peer(hello["node"], address, chosen, link, hello["key"], hello.get("host") == self.host)   # a name and key the server proved (client_auth)
     with self.lock: self._peers.append(peer)
     return peer
 

@@ -117,3 +117,17 @@ def test_reservation_lifecycle_and_errors():
   with pytest.raises(KeyError, match="no blocks"): bm.deallocate(99)
   with pytest.raises(PoolFull, match="needs 3 blocks, 2 of 4 are free"): bm.allocate(9, 48)
   assert bm.largest_fit() == 32 and bm.can_allocate(32) and not bm.can_allocate(33)
+
+@settings(max_examples=50, deadline=None)
+@given(sizes=st.lists(st.integers(1, 60), min_size=1, max_size=8), data=st.data())
+def test_a_freed_sequences_blocks_are_the_next_taken_in_its_tables_order(sizes, data):
+  """Plain blocks freed go to the front of the free queue in table order: the next sequence of that length takes the same
+  blocks, in the same order (a shm writer's mapping of their pages is warm, and one run of blocks stays one span)."""
+  bm = BlockManager(64, 4)
+  live = [i for i, n in enumerate(sizes) if bm.can_allocate(n) and bm.allocate(i, n)]
+  if not live: return
+  sid = data.draw(st.sampled_from(live))
+  table, n = list(bm.block_table(sid)), bm.length(sid)
+  bm.deallocate(sid)
+  assert bm.allocate(100, n) == table
+  bm.check()

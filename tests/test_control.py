@@ -93,3 +93,24 @@ def test_an_allocation_is_writable_only_by_the_peer_that_made_it(node, ep):
     c.close()
     src.free()
     arena.close()
+
+def test_a_request_begun_now_is_answered_when_its_reply_is_read(node, ep):
+  """begin sends a request and returns at once; result() reads its reply (the same as call's, read once, kept); a failed
+  request raises from result(), every time; another thread's call meanwhile waits for it, then gets its own reply."""
+  import threading
+  c = ControlClient(ep, node)
+  try:
+    pending = c.begin("mem.alloc", nbytes=4096)
+    assert c.lock.locked()                              # no other request until its reply is read
+    other = {}
+    t = threading.Thread(target=lambda: other.setdefault("reply", c.call("mem.alloc", nbytes=8192)))
+    t.start()
+    reply = pending.result()
+    assert "desc" in reply and pending.result() is reply
+    t.join(10)
+    assert "desc" in other["reply"]
+    bad = c.begin("mem.alloc", nbytes=-1)
+    for _ in range(2):
+      with pytest.raises(ControlError, match="positive integer"): bad.result()
+    assert "desc" in c.call("mem.alloc", nbytes=100)    # still in step
+  finally: c.close()

@@ -112,6 +112,27 @@ def test_a_chunked_prefill_sends_each_chunk_as_it_is_made_and_gives_the_unchunke
   assert [t.layer for t in stats.timeline] == list(range(model.cfg.n_layers)) and all(0 < t.posted_s <= t.landed_s for t in stats.timeline)
   assert stats.transfer_s > 0 and stats.transfer_gbps == pytest.approx(stats.kv_bytes / stats.transfer_s / 1e9)   # over the pieces' writes
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_short_prompts_layers_leave_from_the_prefills_packed_blocks_after_its_last_layer(small, decode16, transport, monkeypatch):
+  """A prompt of one chunk prefilled on a CPU device, to a decode node of the prefill's block size (16) on this host: each
+  layer's blocks leave as the qkv half packed them (one piece a layer, send() never called: nothing packed on the host),
+  all posted after the last layer is computed (DEFER_SHORT: over shm and over tcp to this host); the tokens equal the
+  single-device reference's."""
+  import tinyhet.kv.sender as sender_mod
+  sent = []
+  real = sender_mod.KVSender.send
+  monkeypatch.setattr(sender_mod.KVSender, "send", lambda self, *a, **kw: sent.append(a[0]) or real(self, *a, **kw))
+  model, _ = small
+  prompt = [int(t) for t in np.random.default_rng(40).integers(0, SMALL["vocab_size"], 40)]
+  want = model.reference_generate(prompt, 5, temperature=0.0)
+  client = DecodeClient(local_node(), decode16, model, "small-random", transport)
+  try: got, stats = client.generate(prompt, 5)
+  finally: client.close()
+  assert got == want and sent == []
+  tl = stats.timeline
+  assert stats.kv_writes == model.cfg.n_layers and stats.kv_bytes == model.cfg.n_layers * 3 * 2 * 2 * 16 * 16 * 2   # 3 blocks a layer
+  assert min(t.posted_s for t in tl) >= max(t.computed_s for t in tl)
+
 def test_a_decode_node_of_another_notice_format_is_refused_in_one_line():
   from tinyhet.engine.checks import IncompatibleDecodeNode, check_compatible
   cfg = small_config(**SMALL)

@@ -74,3 +74,28 @@ def test_layers_stored_in_other_types_get_captures_of_their_own():
   want, _ = prefill(mixed, ids, cache=DenseKVCache(cfg, 1, 8, device="MESH"))
   np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4)
   assert len(mixed._layer_jits[(8, dtypes.float16)].halves) == 4      # QKV and FINISH, for two signatures
+
+def test_on_chunk_gets_each_layers_packed_blocks_and_on_layer_the_layers_it_refuses(llama):
+  """On a CPU device the qkv half packs K, V into the layer's pool as it computes them (the finish half attends over it):
+  on_chunk gets each layer's pool as one piece of the prompt's blocks (pads past n_valid left out), whose bytes are
+  pack_kv of the K, V on_layer would get; a layer it refuses goes to on_layer. The logits do not change."""
+  from tinyhet.kernels.kv_pack import pack_kv
+  T, n = 37, 34
+  ids = [int(t) for t in np.random.default_rng(3).integers(0, 300, n)] + [0] * (T - n)
+  want, want_kv = prefill(llama, ids, n_valid=n)
+  want_kv = {l: (k.numpy().copy(), v.numpy().copy()) for l, (k, v) in want_kv.items()}
+  pieces, held = [], {}
+  def take(l, pool, b0, b1, piece, n_pieces) -> bool:
+    pieces.append((l, b0, b1, piece, n_pieces))
+    held[l] = pool
+    return l != 1                                      # layer 1 refused: it goes to on_layer
+  got, got_kv = prefill(llama, ids, n_valid=n, on_chunk=take)
+  np.testing.assert_array_equal(got, want)
+  assert pieces == [(l, 0, -(-n // layer_jit.BLOCK), 0, 1) for l in range(llama.cfg.n_layers)] and set(got_kv) == {1}
+  for l, pool in held.items():
+    k, v = (Tensor(x, device="MESH") for x in want_kv[l])
+    np.testing.assert_array_equal(pool.numpy(), pack_kv(k, v, layer_jit.BLOCK).numpy())
+  prefill(llama, ids, n_valid=n)                       # a held pool stays intact while later prompts run (the sender reads it)
+  for l, pool in held.items():
+    k, v = (Tensor(x, device="MESH") for x in want_kv[l])
+    np.testing.assert_array_equal(pool.numpy(), pack_kv(k, v, layer_jit.BLOCK).numpy())

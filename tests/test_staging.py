@@ -293,6 +293,44 @@ def test_a_requests_notices_are_held_until_its_final_write_and_chunk_pieces_post
   np.testing.assert_array_equal(transport.dest, want)
   buffers.free()
 
+@pytest.mark.parametrize("fail_at", [None, 1])
+def test_a_short_prompts_writes_to_a_holding_link_wait_for_its_last_layer(fail_at):
+  """A short prompt's layers over a link that holds notices (shm) are kept back and posted together, in layer order, once
+  the last layer is handed over (DEFER_SHORT): nothing is posted before, then the same bytes land with the same notices,
+  which go out once, before the final write. What before_post raises at a kept-back layer (the service's caller gone)
+  stops the request there, as it would have at that layer's write: nothing is posted, and check() raises it."""
+  from tinyhet.kv.notices import notice_value
+  from tinyhet.kv.sender import KVSender
+  from tinyhet.model.llama import small_config
+  from tinyhet.runtime.descriptor import RegionDescriptor
+  cfg, bs, n_tokens = small_config(n_layers=4, dim=KVH * D * 2, n_heads=2 * KVH, n_kv_heads=KVH), 4, 10
+  kv = layers_kv(cfg.n_layers, n_tokens, seed=8)
+  nb, block = -(-n_tokens // bs), 2 * KVH * bs * D * 2
+  pools = [RegionDescriptor("decode", l, 4096, 0, 0, nb * block).to_hex() for l in range(cfg.n_layers)]
+  reservation = {"seq_id": 5, "blocks": list(range(nb)), "pools": pools, "block_bytes": block, "block_size": bs}
+  transport = Holding(np.zeros(cfg.n_layers * nb * block, np.uint8))
+  buffers = SendBuffers(local_node(), 0)
+  calls = []
+  def before_post():
+    calls.append(len(transport.posts))
+    if fail_at is not None and len(calls) > fail_at: raise RuntimeError("the caller went away")
+  sender = KVSender(transport, None, reservation, cfg, dtypes.float16, buffers, before_post)
+  sender._spans = lambda layer, region, offset: [Span(region, offset + i * block, None, (layer * nb + i) * block, block) for i in range(nb)]
+  for layer, (k, v) in enumerate(kv):
+    sender.send(layer, Tensor(k, device="MESH").realize(), Tensor(v, device="MESH").realize())
+    if layer < cfg.n_layers - 1: assert transport.posts == [], layer       # kept back
+  if fail_at is not None:
+    assert transport.posts == [] and len(calls) == fail_at + 1
+    with pytest.raises(RuntimeError, match="went away"): sender.check()
+    assert sender.abort()
+  else:
+    sender.finish(30)
+    assert sender.defer and sender.writer.thread is None
+    assert [n for _, n in transport.posts] == [notice_value(5, layer) for layer in range(cfg.n_layers)]
+    assert transport.holds == 1 and transport.sent_after == [cfg.n_layers - 1]
+    np.testing.assert_array_equal(transport.dest, expected(kv, bs))
+  buffers.free()
+
 @settings(max_examples=60, deadline=None)
 @given(blocks=st.lists(st.integers(0, 40), min_size=1, max_size=24, unique=True), offset=st.integers(0, 3))
 def test_block_spans_write_each_block_where_one_span_a_block_would(blocks, offset):

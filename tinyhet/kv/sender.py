@@ -3,12 +3,14 @@ the next layer computes. Both prefill clients use it: DecodeClient (tinyhet run,
 service). The prefill thread only queues, or, for a layer of at most INLINE_LAYER_BYTES (a short prompt) not leaving through
 the staging ring, and for every piece of a chunked prefill (INLINE_CHUNKS), posts it itself (LayerWriter.post: cheaper than
 waking the writer thread; a slow write then holds up the next layer). Over shm a request's notices are held and sent in
-one call before its final write (LayerWriter.hold), not one a write:
+one call before its final write (LayerWriter.hold), not one a write. A short prompt's writes to a decode node on this host
+are kept back and posted together after its last layer (DEFER_SHORT):
 
   sender = KVSender(endpoint, peer, reservation, cfg, kv_dtype, buffers)
   sender.send(layer, k, v)     prefill thread, as each layer's K, V exist; never raises a write's failure
-  sender.send_chunk(layer, pool, b0, b1, piece, n_pieces)   or, in a chunked prefill, each chunk's blocks of a layer as soon
-                               as they exist (False: cannot, send the layer whole); each piece has its own notice
+  sender.send_chunk(layer, pool, b0, b1, piece, n_pieces)   or, where the prefill packs K, V into blocks itself (a chunked
+                               prefill's chunks, a short prompt's layers on a CPU), each piece of a layer's blocks as soon
+                               as it exists (False: cannot, send the layer whole); each piece has its own notice
   sender.check()               raises the first write's failure, if one has failed so far
   sender.finish(timeout)       every write posted and landed: {layer: Transfer}; raises the first failure
   sender.abort()               after a failure: waits for what was posted; buffers a write may still read are never reused
@@ -20,7 +22,7 @@ Where a layer's K, V lie decides how it leaves:
   registered device memory                  packed on the device, written from there
 """
 from __future__ import annotations
-import functools, math, queue, threading, time
+import functools, math, time
 import numpy as np
 from tinygrad import Tensor
 from tinygrad.uop.ops import Ops
@@ -31,7 +33,8 @@ from tinyhet.kernels.kv_quant import code_of, is_q8, np_storage, tile_len
 from tinyhet.runtime.arena import Region
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import Span, Transfer
-from tinyhet.device.gpu_staging import StagingRing, start_copy, unpin
+from tinyhet.device.gpu_staging import StagingRing, unpin
+from tinyhet.kv.layer_writer import LayerWriter, post_packed  # noqa: F401  (importable from here, as they always were)
 
 def host_array(t: Tensor) -> np.ndarray | None:
   """A realized tensor's bytes in registered host memory as a numpy array (no copy), or None where they are elsewhere (a GPU)
@@ -43,119 +46,6 @@ def host_array(t: Tensor) -> np.ndarray | None:
   except NotRegistered: return None
   if buf.nbytes != (nbytes := math.prod(shape) * t.dtype.itemsize): return None
   return np.frombuffer(region.view(offset, nbytes), dtype=np.dtype(t.dtype.fmt)).reshape(shape)
-
-class LayerWriter:
-  """Fills and posts a request's layer writes from its own thread, so that prefill computes layer l+1 while layer l is
-  packed (numpy, which releases the GIL) or copied out of device memory (tinyhet.device.gpu_staging), and handed to the transport (a
-  shm write is a memcpy by the posting thread; a small tcp write is sent by it): the prefill thread only queues.
-  before_post(), if given, runs on the writer thread before each write is posted; what it raises fails the request there
-  (the service's prefill node checks that its caller still holds the reservation)."""
-  def __init__(self, endpoint, peer, before_post=None, inline_bytes: int = 0):
-    self.endpoint, self.peer, self.before_post = endpoint, peer, before_post
-    self.inline_bytes = inline_bytes                  # a write of at most this many bytes is posted by the caller (see post)
-    self.cancelled = False                            # abort(): queued writes are dropped, not posted
-    self.queue: queue.SimpleQueue = queue.SimpleQueue()
-    self.transfers: dict[int, Transfer] = {}
-    self.posted: dict[int, float] = {}
-    self.settled: dict[int, threading.Event] = {}     # set once a layer's write is posted, or failed to be
-    self.error: BaseException | None = None
-    self.inlined = 0                                  # writes posted on the caller's thread
-    self.holding: bool | None = None                  # notices held (hold): None until the first write, False once released
-    self.thread: threading.Thread | None = None       # started by the first write that is queued
-
-  def post(self, layer: int, spans: list[Span], notify: int, fill=None, may_inline: bool = True, final: bool = False,
-           any_size: bool = False):
-    """Write spans with notify once fill(), if given, has filled their bytes. Until a write has been queued, one of at
-    most inline_bytes (and may_inline: not a staging copy, which overlaps a GPU's next layer) is filled and posted here,
-    on the caller's thread: waking the writer thread costs ~1 ms a layer on two cores, more than packing and posting a
-    short prompt's layer. The rest go to the writer thread, in order. final: the request's last write (every layer's last
-    piece is posted with it): the notices held since the first write go out before it (hold). any_size: inline whatever
-    its size (a chunk's blocks already packed in host memory: INLINE_CHUNKS)."""
-    if self.error is not None: raise self.error
-    self.settled[layer] = threading.Event()
-    if may_inline and self.thread is None and (any_size or sum(s.nbytes for s in spans) <= self.inline_bytes):
-      self.inlined += 1
-      return self._write(layer, spans, notify, fill, final)
-    if self.thread is None:
-      self.thread = threading.Thread(target=self._loop, name="tinyhet-kv-writer", daemon=True)
-      self.thread.start()
-    self.queue.put((layer, spans, notify, fill, final))
-
-  def hold(self):
-    """At the request's first write: where the transport can (shm), its notices are kept and sent together before the
-    final write (release), not one syscall and one wake of the decode node's threads per write. The decode node waits
-    for every layer before its first step anyway; each write's bytes are still in place before its notice is sent, and
-    the final write's own notice follows the others, so the last layer lands (the TTFT's end) after every notice is out."""
-    if self.holding is None:
-      hold = getattr(self.endpoint, "hold_notices", None)     # an endpoint stand-in of a test or benchmark may have none
-      self.holding = bool(hold is not None and hold(self.peer))
-
-  def release(self):
-    """Send the held notices (once; later writes send their own)."""
-    if self.holding:
-      self.holding = False
-      self.endpoint.send_notices(self.peer)
-    self.holding = False
-
-  def landed(self, layer: int) -> bool:
-    """Whether layer's write has landed (False while it waits to be posted). Raises a failure."""
-    if self.error is not None: raise self.error
-    if (t := self.transfers.get(layer)) is None or not t.done(): return False
-    t.wait(0)                                        # raises the write's failure
-    return True
-
-  def wait_landed(self, layer: int, timeout: float = 60.0):
-    """Wait until layer's write has been posted and has landed; raises its failure, or TimeoutError saying which layer."""
-    if not self.settled[layer].wait(timeout): raise TimeoutError(f"the write of layer {layer} was not posted after {timeout} s")
-    if self.error is not None: raise self.error
-    self.transfers[layer].wait(timeout)
-
-  def _loop(self):
-    while (item := self.queue.get()) is not None: self._write(*item)
-
-  def _write(self, layer, spans: list[Span], notify: int, fill, final: bool = False):
-    try:
-      if self.error is not None or self.cancelled: return       # a write failed: post nothing more, finish() raises it
-      if self.before_post is not None: self.before_post()
-      if fill is not None: fill()
-      self.hold()
-      if final: self.release()
-      self.posted[layer] = time.perf_counter()
-      self.transfers[layer] = self.endpoint.write(self.peer, spans, notify=notify)
-    except BaseException as e: self.error = e
-    finally: self.settled[layer].set()
-
-  def finish(self, timeout: float = 60.0, check: bool = True) -> dict[int, Transfer]:
-    """Stop the thread once every queued write is posted, then wait for each write to land. Raises the first failure."""
-    if self.thread is not None:
-      self.queue.put(None)
-      self.thread.join(timeout)
-    try: self.release()                              # every queued write is posted: what was held goes out (a failure: not final)
-    except Exception as e:
-      if self.error is None: self.error = e
-    for t in self.transfers.values():
-      try: t.wait(timeout)
-      except Exception as e:
-        if self.error is None: self.error = e
-    if check and self.error is not None: raise self.error
-    return self.transfers
-
-def post_packed(writer: LayerWriter, layer: int, packed: Tensor, nbytes: int, spans_from, notify: int, ring: StagingRing | None,
-                final: bool = False) -> Tensor:
-  """Post the first nbytes of a layer packed on HET (realized): straight from its memory where that is registered; else, with a ring, through a
-  staging buffer the writer thread copies it into (tinyhet.device.gpu_staging); with no ring, copied to registered host memory here, on
-  the prefill thread (the synchronous baseline). spans_from(region, offset) gives the layer's spans from where its bytes
-  lie. final: the request's last write (LayerWriter.post). Returns what must stay alive until the write has landed."""
-  try: region, offset = region_of(packed.uop.buffer)
-  except NotRegistered:
-    if ring is not None:
-      region = ring.take(layer, writer)
-      writer.post(layer, spans_from(region, 0), notify, start_copy(packed.uop.buffer, region, nbytes), may_inline=False, final=final)
-      return packed
-    packed = packed.to("MESH").realize()
-    region, offset = region_of(packed.uop.buffer)
-  writer.post(layer, spans_from(region, offset), notify, final=final)
-  return packed
 
 class SendBuffers:
   """Registered host memory a prefill client's requests send from, kept from one request to the next: one region for every
@@ -210,6 +100,12 @@ def block_spans(region: Region, offset: int, pool: RegionDescriptor, blocks: lis
     i = j
   return spans
 
+DEFER_SHORT = True   # a short prompt's writes to a decode node on this host are posted together after its last layer (KVSender._defers).
+                     # Posted between layers, each hand-off ran with caches the prefill's kernels had just filled with weights: ~180 us
+                     # a layer where the same steps back to back take ~50 us (SmolLM2, 100 tokens, two cores: 5.5 ms -> 2 ms a
+                     # request); over tcp the receiving threads woke once, not per write. Nothing moves later that could have moved
+                     # sooner: the posting thread's shm copy overlaps nothing, and the decode node waits for every layer anyway
+
 INLINE_CHUNKS = True   # a chunked prefill's pieces (send_chunk) are posted on the prefill thread whatever their size: they lie packed
                        # in registered host memory, so the prefill runs on this host's CPU, whose kernels keep every core busy; a writer
                        # thread overlaps nothing there, and its wake-up and GIL hand-offs (~1 ms each on two cores) came per piece:
@@ -245,6 +141,8 @@ class KVSender:
     self.pieces: list[tuple] = []             # send_chunk's arguments, in order
     self.handoff_s = 0.0                      # time the prefill thread spent in send()
     self.ended: set[int] = set()              # layers whose last write is posted: the n_layers-th is the request's final write
+    self.defer: bool | None = None            # writes kept back until the final one (_defers): decided at the first
+    self.later: list[tuple] = []              # (post, its arguments) kept back, posted by post_later
 
   def host_stage(self) -> Region:
     """The host region every layer packed on the host goes to, (layers, blocks, 2, KVH, block_size*D): the pools' bytes
@@ -277,7 +175,14 @@ class KVSender:
 
   def _hand_off(self, layer: int, k: Tensor, v: Tensor, first_row: int):
     if self.writer.error is not None: return
-    notify, final = notice_value(self.seq_id, layer), self._ends(layer)
+    final = self._ends(layer)
+    if self._defers(k, v): return self._keep_back(self._post_layer, (layer, k, v, first_row), final)
+    self.post_later()
+    self._post_layer(layer, k, v, first_row, final)
+
+  def _post_layer(self, layer: int, k: Tensor, v: Tensor, first_row: int, final: bool):
+    if self.writer.error is not None: return
+    notify = notice_value(self.seq_id, layer)
     if np_storage(self.kv_dtype) is not None and (ka := host_array(k)) is not None and (va := host_array(v)) is not None:
       self.keep.extend((k, v))              # K, V in host memory: the writer thread packs them into the host region
       self.writer.post(layer, self._spans(layer, self.host_stage(), layer * self.layer_bytes), notify,
@@ -290,32 +195,71 @@ class KVSender:
                                  final))
 
   def send_chunk(self, layer: int, pool: Tensor, b0: int, b1: int, piece: int, n_pieces: int) -> bool:
-    """Queue blocks b0..b1-1 of a layer prefilled in chunks (tinyhet.model.chunked_prefill, on_chunk): they lie in `pool`,
-    the prefill's own pool on HET (its block i is the prompt's block i, in the decode node's layout), and are written from
-    there into this reservation's blocks b0..b1-1 (clipped to them) with the notice of this piece of the layer (the last of
-    n_pieces: the decode node counts the layer once every piece has landed). False, with nothing sent, where that cannot
-    be (the pool is not in registered host memory, or has another block size or dtype; more pieces than a notice counts;
-    the reservation starts past a cached prefix and the pieces do not start there): the caller then sends the layer whole
-    (send). Past a cached prefix of c blocks (a pulled prefix's suffix) the pool's block c + i goes to the reservation's block i."""
+    """Queue blocks b0..b1-1 of a layer whose K, V lie packed in `pool` (on_chunk: a chunked prefill's chunk of it,
+    tinyhet.model.chunked_prefill, or a short prompt's whole layer, tinyhet.model.layer_jit), the prefill's own pool on
+    HET (its block i is the prompt's block i, in the decode node's layout): written from there into this reservation's
+    blocks b0..b1-1 (clipped to them) with the notice of this piece of the layer (the last of n_pieces: the decode node
+    counts the layer once every piece has landed). False, with nothing sent, where that cannot be (the pool is not in
+    registered host memory, or has another block size or dtype; more pieces than a notice counts; the reservation starts
+    past a cached prefix and the pieces do not start there): the caller then sends the layer whole (send). Past a cached
+    prefix of c blocks (a pulled prefix's suffix) the pool's block c + i goes to the reservation's block i."""
     t0 = time.perf_counter()
     try:
       if piece == 0 and not self._can_send_from(pool, n_pieces, b0): return False
       self.pieces.append((layer, pool, b0, b1, piece, n_pieces))         # for a resend over a new link (resend_pieces)
       if self.writer.error is not None: return True
-      region, offset = region_of(pool.uop.base.buffer)
-      first, bb = self.cached // self.block_size, self.block_bytes     # the pool's block `first` is the reservation's block 0
-      blocks = range(max(b0, first), min(b1, first + len(self.blocks)))
-      spans = block_spans(region, offset + blocks.start * bb, self.pools[layer], self.blocks[blocks.start - first:blocks.stop - first], bb) \
-        if len(blocks) else []
       self.keep.append(pool)                                            # the writer reads it after the prefill has returned
-      if piece == n_pieces - 1: self.computed[layer] = t0
       last = piece == n_pieces - 1
-      try: self.writer.post((layer, piece), spans, notice_value(self.seq_id, layer, piece, last), final=last and self._ends(layer),
-                            any_size=INLINE_CHUNKS)
+      if last: self.computed[layer] = t0
+      final = last and self._ends(layer)
+      try:
+        if self._defers(pool): self._keep_back(self._post_piece, (layer, pool, b0, b1, piece, n_pieces), final)
+        else:
+          self.post_later()                                             # layers kept back go first, in order
+          self._post_piece(layer, pool, b0, b1, piece, n_pieces, final)
       except Exception:
         if self.writer.error is None: raise
       return True
     finally: self.handoff_s += time.perf_counter() - t0
+
+  def _post_piece(self, layer: int, pool: Tensor, b0: int, b1: int, piece: int, n_pieces: int, final: bool):
+    if self.writer.error is not None: return
+    region, offset = region_of(pool.uop.base.buffer)
+    first, bb = self.cached // self.block_size, self.block_bytes       # the pool's block `first` is the reservation's block 0
+    blocks = range(max(b0, first), min(b1, first + len(self.blocks)))
+    spans = block_spans(region, offset + blocks.start * bb, self.pools[layer], self.blocks[blocks.start - first:blocks.stop - first], bb) \
+      if len(blocks) else []
+    self.writer.post((layer, piece), spans, notice_value(self.seq_id, layer, piece, piece == n_pieces - 1), final=final, any_size=INLINE_CHUNKS)
+
+  def _defers(self, *tensors: Tensor) -> bool:
+    """Whether this request's writes wait to be posted until its final one (post_later), decided at its first: a short
+    prompt's layers (at most the writer's inline bytes each) in host memory (DEFER_SHORT), to a decode node on this host:
+    over shm, whose write is a copy by the posting thread and whose notices are held till the final write anyway
+    (LayerWriter.hold), or over tcp to this host, whose receiving threads take this host's cores whenever bytes move."""
+    if self.defer is None:
+      w = self.writer
+      self.defer = DEFER_SHORT and w.thread is None and self.layer_bytes <= w.inline_bytes and all(host_array(t) is not None for t in tensors)
+      if self.defer:
+        w.hold()
+        self.defer = bool(w.holding) or bool(getattr(w.peer, "same_host", False))
+    return self.defer
+
+  def _keep_back(self, post, args: tuple, final: bool):
+    """Keep a write back (defer) until the final one, which posts them all; what before_post would have raised at this
+    write (the service: its caller gave the reservation up) stops the request now, as it would have."""
+    self.later.append((post, args))
+    if (check := self.writer.before_post) is not None:
+      try: check()
+      except BaseException as e:
+        self.writer.error = e
+        self.later = []
+        return
+    if final: self.post_later(final=True)
+
+  def post_later(self, final: bool = False):
+    """Post the writes kept back (_defers), in order; final: the last of them is the request's final write."""
+    later, self.later = self.later, []
+    for i, (post, args) in enumerate(later): post(*args, final=final and i == len(later) - 1)
 
   def _ends(self, layer: int) -> bool:
     """Layer's last write is being posted: True when that makes every layer's (the request's final write)."""
@@ -345,11 +289,13 @@ class KVSender:
   def check(self):
     """Raise the first write's failure, if one has failed so far; the prefill is over (its caller's next step is the
     decode node's), so notices still held go out now (LayerWriter.hold: normally the final write has sent them)."""
+    self.post_later()
     if self.writer.error is not None: raise self.writer.error
     self.writer.release()
 
   def finish(self, timeout: float = 60.0) -> dict[int, Transfer | Pieces]:
     """Every write landed: per layer its Transfer, or the Pieces of a layer sent in chunks."""
+    self.post_later()
     by_layer: dict[int, list[Transfer]] = {}
     for key, t in self.writer.finish(timeout).items(): by_layer.setdefault(_layer(key), []).append(t)
     return {l: ts[0] if len(ts) == 1 else Pieces(ts) for l, ts in by_layer.items()}
@@ -357,7 +303,7 @@ class KVSender:
   def abort(self, timeout: float = 30.0) -> bool:
     """Stop after a failure, dropping the writes not posted yet; True when every posted write has finished (none can still
     land in the decode node's blocks)."""
-    self.writer.cancelled = True
+    self.writer.cancelled, self.later = True, []      # what was kept back was never posted
     self.writer.finish(timeout, check=False)
     settled = all(t.done() for t in self.writer.transfers.values())
     if not settled: self.buffers.forget()

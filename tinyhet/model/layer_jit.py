@@ -11,6 +11,7 @@ of SmolLM2 at 32 tokens (2.7 s of a 2.9 s prefill), where the kernels took ~6 ms
           again: the layer's input must not be that buffer)
 Attention inside the prompt is causal over the T positions, reading K and V back from the KV dtype, as the dense cache of
 the one-prompt path does: on CPU devices by the C prefill tiles of kernels/cpu_attention.py over K, V packed into blocks
+(the qkv half packs them into the layer's own pool of BLOCK-token blocks, which on_chunk hands to a sender as they lie)
 (tinygrad's (T, T) scores, max, exp and p @ V were half of a 512-token SmolLM2 prefill's time; `tinyhet bench profile`),
 elsewhere by tinygrad's kernels with a causal mask. Layers whose weights differ in type or shape from layer 0's (a GGUF may store some in another
 type) get captures of their own: one pair per weight signature. Once captured, a half is replayed straight from its
@@ -57,13 +58,12 @@ def tiled_inputs(T: int, device: str) -> tuple[Tensor, Tensor]:
   return (Tensor(np.arange(nb, dtype=np.int32).reshape(1, nb), device=device).realize(),
           Tensor(np.arange(1, T + 1, dtype=np.int32), device=device).realize())
 
-def tiled_attention(q: Tensor, k: Tensor, v: Tensor, tiled: tuple[int, Tensor, Tensor]) -> Tensor:
-  """Causal attention of a prompt's q (1, T, H, D) over its own k, v (T, KVH, D) in the KV dtype, by the C prefill tiles:
-  K, V packed into the paged layout (a small copy: T x KVH x D x 2 values), each tile of rows reading a block once for the
-  group's heads. -> (1, T, H, D) float32."""
+def tiled_attention(q: Tensor, pool: Tensor, tiled: tuple[int, Tensor, Tensor]) -> Tensor:
+  """Causal attention of a prompt's q (1, T, H, D) over its own K, V packed into the paged layout (pack_kv's pool of BLOCK
+  tokens a block, (nb, 2, KVH, BLOCK * D) in the KV dtype's carrier), by the C prefill tiles: each tile of rows reads a
+  block once for the group's heads. -> (1, T, H, D) float32."""
   threads, table, lens = tiled
   _, T, H, D = q.shape
-  pool = pack_kv(k, v, BLOCK)                                                  # (nb, 2, KVH, BLOCK * D)
   return paged_attention(q.reshape(T, H, D), pool, table, lens, table.shape[1], threads=threads, shared_table=True).reshape(1, T, H, D)
 
 KEEP = 16  # captures kept per model, the most recently used: every bucket up to the chunk length (tinyhet.model.buckets; a warmed-up
@@ -144,24 +144,35 @@ class LayerJit:
     self.q = allocated(Tensor.empty(1, T, cfg.n_heads, cfg.head_dim, device=dev))
     self.x = [allocated(Tensor.empty(1, T, cfg.dim, device=dev)) for _ in range(2)]
     self.kv = [self._new_kv() for _ in range(2 * cfg.n_layers)]      # a run's K and V (kv_buffers)
+    # on a CPU device each layer's K, V packed as the qkv half computes them, in the paged layout the C attention reads and
+    # a decode node of BLOCK-token blocks and this KV dtype holds: on_chunk sends them as they lie (no pack on the host)
+    self.pools = [self._new_pool() for _ in range(cfg.n_layers)] if self.tiled else []
 
   def half(self, layer: int, names: tuple[str, ...]) -> Replay:
     """The capture of half `names` for this layer's weight signature, made with this layer as its template."""
     model, kv_dtype, allowed, template = self.model, self.kv_dtype, self.allowed, self.model.w.layers[layer]
     key = (names, signature(template, names))
     if key in self.halves: return self.halves[key]
-    if names == QKV:
+    if names == QKV and self.tiled:   # a CPU device: K, V also packed into the layer's pool (the finish half attends over it)
+      def qkv_packed(x: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor, v_out: Tensor, pool_out: Tensor, *weights: Tensor):
+        q, k, v = model._qkv(0, x, (cos, sin), layer_from(template, QKV, weights))
+        k, v = (round_kv(t.reshape(o.shape), kv_dtype) for o, t in ((k_out, k), (v_out, v)))
+        Tensor.realize(q_out.assign(q), k_out.assign(k), v_out.assign(v), pool_out.assign(pack_kv(k, v, BLOCK)))
+      self.halves[key] = Replay(qkv_packed)
+    elif names == QKV:
       def qkv(x: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_out: Tensor, v_out: Tensor, *weights: Tensor):
         q, k, v = model._qkv(0, x, (cos, sin), layer_from(template, QKV, weights))
         Tensor.realize(q_out.assign(q), *(o.assign(round_kv(t.reshape(o.shape), kv_dtype)) for o, t in ((k_out, k), (v_out, v))))
       self.halves[key] = Replay(qkv)
+    elif self.tiled:   # the C kernels' causal prefill tiles over the layer's pool (no (T, T) scores)
+      def finish_tiled(x: Tensor, q: Tensor, pool: Tensor, x_out: Tensor, *weights: Tensor):
+        x_out.assign(model._finish_layer(0, x, tiled_attention(q, pool, self.tiled), layer_from(template, FINISH, weights))).realize()
+      self.halves[key] = Replay(finish_tiled)
     else:
       def finish(x: Tensor, q: Tensor, k: Tensor, v: Tensor, x_out: Tensor, *weights: Tensor):
-        if self.tiled:   # a CPU device: K, V packed into blocks, the C kernels' causal prefill tiles (no (T, T) scores)
-          att = tiled_attention(q, k, v, self.tiled)
-        else:   # K, V read back as float32 in their own kernels, as DenseKVCache does (float16 inside attention is slow scalar code)
-          k, v = k.reshape(1, *k.shape), v.reshape(1, *v.shape)
-          att = attention(q, k.float().contiguous(), v.float().contiguous(), allowed)
+        # K, V read back as float32 in their own kernels, as DenseKVCache does (float16 inside attention is slow scalar code)
+        k, v = k.reshape(1, *k.shape), v.reshape(1, *v.shape)
+        att = attention(q, k.float().contiguous(), v.float().contiguous(), allowed)
         x_out.assign(model._finish_layer(0, x, att, layer_from(template, FINISH, weights))).realize()
       self.halves[key] = Replay(finish)
     return self.halves[key]
@@ -175,34 +186,50 @@ class LayerJit:
       if sys.getrefcount(self.kv[i]) > 2: self.kv[i] = self._new_kv()     # 2: this list and getrefcount's argument; more: held elsewhere
     return self.kv
 
+  def pool_buffers(self) -> list[Tensor]:
+    """n_layers pools (ceil(T / BLOCK), 2, KVH, BLOCK * D) of a run's packed K, V (CPU devices), reused as kv_buffers are:
+    a sender keeps a layer's pool until its write has landed (on_chunk)."""
+    for i in range(len(self.pools)):
+      if sys.getrefcount(self.pools[i]) > 2: self.pools[i] = self._new_pool()
+    return self.pools
+
+  def _new_pool(self) -> Tensor:
+    cfg, nb = self.model.cfg, -(-self.T // BLOCK)
+    return allocated(Tensor.empty(nb, 2, cfg.n_kv_heads, BLOCK * cfg.head_dim, dtype=carrier(self.kv_dtype), device=self.model.device))
+
   def _new_kv(self) -> Tensor:
     cfg = self.model.cfg
     return allocated(Tensor.empty(self.T, cfg.n_kv_heads, cfg.head_dim, dtype=carrier(self.kv_dtype), device=self.model.device))
 
-  def prefill(self, tokens: Tensor, on_layer, progress, n_valid: int, on_hidden=None) -> Tensor:
+  def prefill(self, tokens: Tensor, on_layer, progress, n_valid: int, on_hidden=None, on_chunk=None) -> Tensor:
     """tokens (1, T) int32 -> logits (1, vocab) of row n_valid - 1, every layer through the captures (see run). The logits
     are the capture's output buffer: the next prefill of this length overwrites them. on_hidden(x, 0, n_valid): the last
-    layer's rows (1, T, dim), as chunked_prefill's."""
+    layer's rows (1, T, dim), as chunked_prefill's. on_chunk(l, pool, 0, nb, 0, 1), where given and K, V are packed (CPU
+    devices): layer l's packed blocks of the prompt (pads past n_valid left out) as one piece, as chunked_prefill's; True:
+    it took them (on_layer is not called for that layer), False: on_layer gets the layer."""
     tokens = tokens.to(self.model.device).realize()
     self.embed(tokens, self.x[1])                              # layer 0 then writes self.x[0] (run alternates the two)
-    x = self.run(self.x[1], self.rope, on_layer, progress)
+    take = (lambda l, pool: on_chunk(l, pool, 0, -(-n_valid // BLOCK), 0, 1)) if on_chunk is not None else None
+    x = self.run(self.x[1], self.rope, on_layer, progress, take)
     if on_hidden is not None: on_hidden(x, 0, n_valid)
     write_into(self.row, np.array([n_valid - 1], np.int32))   # a Tensor per prompt length was a schedule on every new length's path
     return self.logits(x, self.row)
 
-  def run(self, x: Tensor, rope: tuple[Tensor, Tensor], on_layer, progress) -> Tensor:
+  def run(self, x: Tensor, rope: tuple[Tensor, Tensor], on_layer, progress, take=None) -> Tensor:
     """All layers on x (1, T, dim), realized; on_layer(l, k, v) with the layer's K, V (T, KVH, D) in the KV dtype as soon as
-    they exist. Returns the last layer's output (one of this object's two buffers: use it before the next run)."""
+    they exist, unless take(l, pool), given the layer's packed pool (CPU devices), took them. Returns the last layer's
+    output (one of this object's two buffers: use it before the next run)."""
     cfg = self.model.cfg
-    kv = self.kv_buffers()
+    kv, pools = self.kv_buffers(), self.pool_buffers()
     cos, sin = rope
     for l in range(cfg.n_layers):
       w = self.model.w.layers[l]
       k, v = kv[2 * l], kv[2 * l + 1]
-      self.half(l, QKV)(x, cos, sin, self.q, k, v, *layer_tensors(w, QKV))
-      if on_layer is not None: on_layer(l, k, v)
+      packed = (pools[l],) if pools else ()                  # the qkv half packs K, V there; the finish half attends over it
+      self.half(l, QKV)(x, cos, sin, self.q, k, v, *packed, *layer_tensors(w, QKV))
+      if (take is None or not packed or not take(l, pools[l])) and on_layer is not None: on_layer(l, k, v)
       out = self.x[l % 2] if x is not self.x[l % 2] else self.x[(l + 1) % 2]
-      self.half(l, FINISH)(x, self.q, k, v, out, *layer_tensors(w, FINISH))
+      self.half(l, FINISH)(x, self.q, *(packed or (k, v)), out, *layer_tensors(w, FINISH))
       x = out
       if progress is not None: progress(l + 1)
     return x

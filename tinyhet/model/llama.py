@@ -276,8 +276,9 @@ class Llama:
     n_valid: only the first n_valid tokens are the prompt; the rest pad it to a length whose kernels are compiled already
     (tinygrad compiles per shape; causal attention keeps pads out of the prompt's numbers). The logits are position
     n_valid-1's, and on_layer gets all T rows: the caller sends the ones it needs. progress(layers done) is called as each layer
-    finishes (a long prefill shows where it is). on_chunk: a chunked prefill's per-chunk hand-off (tinyhet.model.chunked_prefill:
-    layers it takes are not given to on_layer); other prefills ignore it. on_hidden(x, p0, n): the last layer's rows of each
+    finishes (a long prefill shows where it is). on_chunk: the hand-off of K, V the prefill packs into blocks itself: a chunked
+    prefill's per chunk (tinyhet.model.chunked_prefill), a captured prompt's on a CPU device per layer (layer_jit); layers it
+    takes are not given to on_layer; other prefills ignore it. on_hidden(x, p0, n): the last layer's rows of each
     chunk (1, C, dim), its first n rows positions p0..p0+n-1 (chunked_prefill; a prompt's logprobs). Without a cache, up to
     LAYER_JIT_MAX_T tokens or past the chunk length, the logits are a capture's output buffer (layer_jit, chunked_prefill),
     overwritten by the next prefill of that length: read them first."""
@@ -298,7 +299,7 @@ class Llama:
                              buckets=below_chunk(chunk))
     if cache is None and T <= LAYER_JIT_MAX_T:     # the prompt's own K, V only: every layer replays one capture
       from tinyhet.model.layer_jit import layer_jit
-      return layer_jit(self, T, kv_dtype).prefill(tokens, on_layer, progress, n_valid or T, on_hidden)
+      return layer_jit(self, T, kv_dtype).prefill(tokens, on_layer, progress, n_valid or T, on_hidden, on_chunk)
     positions = Tensor.arange(T, dtype=dtypes.int32).reshape(1, T).to(self.device).realize()
     x, rope = self.embed(tokens.to(self.device)).realize(), self.rope(positions)   # (1, T, dim)
     # attention through a dense cache of the prompt even when the caller keeps none: tinygrad's kernels for that form ran
