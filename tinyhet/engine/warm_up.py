@@ -69,8 +69,10 @@ class WarmUp:
     """A prefill node's captures: the prefill of every length bucket up to the model's context, and the chunks of a pulled
     prefix's suffix (pulled_items; block_size: the decode nodes', default the config's kv_block_size)."""
     prefill, pulled = prefill_items(model, kv_dtype), pulled_items(model, kv_dtype, block_size)
-    # the longest whole prompt and the pulled prefix's longest chunk first (every shorter one can run there meanwhile)
-    return WarmUp(model, prefill[:1] + pulled[:1] + prefill[1:] + pulled[1:])
+    # the chunk length's prompt and pulled chunk first (every shorter one can run there meanwhile), then the shorter ones,
+    # the pulled chunks before the prompts past the chunk length (every later turn of a conversation pulls)
+    short = [item for item in prefill if item[1] <= chunk_of(model)]
+    return WarmUp(model, short[:1] + pulled[:1] + short[1:] + pulled[1:] + prefill[len(short):])
 
   @staticmethod
   def for_decode_node(decode, prefill_jobs: bool = False) -> WarmUp:
