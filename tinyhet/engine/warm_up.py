@@ -136,7 +136,7 @@ def warm_suffix(model, cache, C: int) -> None:
 def pulled_items(model, kv_dtype, block_size: int | None = None) -> list:
   """The chunks a pulled prefix's suffix runs in on a prefill node (tinyhet.engine.prefill.prefill_pulled_logits): every
   chunk length over the one set of pools pull_width's blocks wide, the chunk length first (the first one made makes the
-  pools). None where config.pull_pool_bytes holds no block: every pulled prompt then runs at its own bucket."""
+  pools). None where config.pull_pool_bytes (or the arena) holds no block: every pulled prompt then runs at its own bucket."""
   from tinyhet.engine.prefill import pull_width
   if block_size is None:
     from tinyhet.config import load_config
