@@ -10,8 +10,10 @@ suffix and sends the suffix's KV: the pulled tokens and bytes, and the pull's sh
 reads were in flight, post to the last layer read, over the turn's TTFT; the reads overlap the suffix's compute, so this
 is what the pull occupies, not only what it adds), come from the router's /metrics around each turn. Recomputed: the
 prompt's tokens a prefill computed (uncached ones, and cached ones the prefill node chose to compute again).
-A warm-up conversation (other tokens, same lengths) runs first in each configuration (tinygrad compiles per shape); the
-`both` node also builds every capture before it takes a request (TINYHET_WARM_UP=before).
+A warm-up conversation (other tokens, same lengths) runs first in each configuration (tinygrad compiles per shape); every
+node also builds every capture before it takes a request (TINYHET_WARM_UP=before), so no turn shares the CPU with a
+node's background warm-up (the decode node's alone is ~40 s of captures on 2 busy cores, past the warm-up conversation's end)
+and the pulled turns meet the warm-up the `both` node they are held against had.
 """
 from __future__ import annotations
 import argparse, http.client, json, os, secrets, sys, time
@@ -81,17 +83,17 @@ def run_config(cache: bool, args, both: bool = False) -> list[dict]:
   `--role both` node instead (its own prefix cache: a turn prefills its suffix only, nothing pulled), the local turn that a
   pulled turn is held against."""
   model_args = ["--model", args.model] if args.model else []
-  procs = []
+  procs, warm = [], {"TINYHET_WARM_UP": "before"}   # every capture built before a node says it is up: no request meets a warm-up
   try:
-    if both:   # every capture built before the node says it is up (its start line's warm_up_status): no request meets its warm-up
-      procs.append(Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args,
-                        env={"TINYHET_WARM_UP": "before"}))
+    if both:
+      procs.append(Proc("node", "--role", "both", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args, env=warm))
       flags = ["--both", procs[0].info["address"]]
     else:
       # the decode node caches what the prefill node writes only as its trusted writer (tinyhet.config's trusted_writers)
-      procs.append(Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args, env={"TINYHET_NODE": "bench-prefill"}))
+      procs.append(Proc("node", "--role", "prefill", "--listen", "127.0.0.1:0", "--quiet", *model_args,
+                        env={"TINYHET_NODE": "bench-prefill", **warm}))
       procs.append(Proc("node", "--role", "decode", "--listen", "127.0.0.1:0", "--quiet", "--kv-memory", args.kv_memory, *model_args,
-                        *([] if cache else ["--no-prefix-cache"]), env={"TINYHET_TRUSTED_WRITERS": "bench-prefill"}))
+                        *([] if cache else ["--no-prefix-cache"]), env={"TINYHET_TRUSTED_WRITERS": "bench-prefill", **warm}))
       flags = ["--prefill", procs[0].info["address"], "--decode", procs[1].info["address"]]
     router = Proc("serve", "--listen", "127.0.0.1:0", *flags, *model_args)
     procs.append(router)

@@ -211,3 +211,51 @@ def test_a_pull_that_fails_half_way_falls_back_to_computing_the_prefix_and_the_n
     ctl.close()
     w.close()
     prefill.close()
+
+def test_after_its_warm_up_a_prefill_nodes_pulled_turns_build_no_capture_and_make_no_pools(guarded_node):
+  """A prefill node's warm-up (WarmUp.for_prefill) builds the pulled path's pools, one table width wide, and the captures of
+  every suffix chunk length over them: then the turns of a growing conversation, each prefix pulled out of the decode
+  node's blocks (the first turn's: this node is no trusted writer, so what it writes is not cached), their suffixes running
+  at every chunk length, build no capture and make no pools on the request's thread, count nothing cold, and give a clean
+  node's tokens."""
+  from tinygrad import dtypes
+  from tinyhet.device.memory import local_node
+  from tinyhet.engine.warm_up import WarmUp
+  from tinyhet.model.chunked_prefill import padded_plan
+  from tinyhet.model.layer_jit import Replay
+  from tinyhet.model.llama import Llama, random_weights, small_config
+  from tinyhet.model.sampling import Sampler
+  from tinyhet.runtime.control import ControlClient
+  from tinyhet.service.prefill_node import Job, PrefillNode
+  from test_e2e import TOKEN
+  node = local_node()
+  node.endpoint.token = TOKEN
+  cfg = small_config(**SMALL)
+  model = Llama(cfg, random_weights(cfg, device="HET", seed=7), "HET")   # the decode node's
+  model.prefill_chunk = 32                                                   # suffix chunks of 16, 24 and 32 tokens
+  prefill = PrefillNode(model, node, transport="tcp")
+  warm = WarmUp.for_prefill(model, dtypes.float16, block_size=4)              # the decode node's block size and KV dtype
+  while warm.step(): pass
+  assert warm.ready["pulled"] == {16, 24, 32} and warm.captures > 0 and warm.cold == 0
+  w, ctl = Writer("kv-router", guarded_node.address), ControlClient(node.endpoint, guarded_node.address)
+  try:
+    ids = [141 + i for i in range(13)]
+    ids += submit(w, ids, 4)[0]                                              # the decode node computes it; its blocks are cached
+    before, suffixes = Replay.captures, []
+    for tail in (2, 18, 27, 38):
+      ids = ids + [(7 * tail + j) % 256 for j in range(tail)]
+      r = ctl.call("decode.reserve", prompt_ids=ids, max_new_tokens=4, timeout=10, use_cache=True)
+      suffixes.append(len(ids) - r["cached_tokens"])
+      sampler = Sampler()
+      out = prefill._prefill(Job(ids, guarded_node.address, r, {"sampler": sampler, "samplers": [sampler]}))
+      assert out["pulled_tokens"] == r["cached_tokens"] > 0, out
+      assert Replay.captures == before and warm.cold == 0, f"a pulled turn of {len(ids)} tokens built captures or pools on its path"
+      got = [out["first_token"]] + [i["token"] for i in ctl.stream("decode.generate", seq_id=r["seq_id"], first_token=out["first_token"],
+                                                                    seed=out["seed"], timeout=10) if "token" in i]
+      assert got == clean_answer(w, ids, 4), f"{len(ids)} tokens"
+      ids += got
+    assert {C for n in suffixes for _, _, C in padded_plan(n, 32, 0, (16, 24))} == {16, 24, 32} and max(suffixes) > 64, suffixes
+  finally:
+    ctl.close()
+    w.close()
+    prefill.close()

@@ -68,6 +68,11 @@ class Config:
   # 0.95-1.00); past 128 the pieces pad to the 192 bucket, and at 192 the prefill queue drains between prompts, so half of
   # concurrency 4's steps are decode alone and its TPOT p99/p50 is 12-14 (3 of 20). The price: TPOT p50 at concurrency 4 is
   # ~3x budget 16's (a 128-token piece rides every step). A quiet run of the bench decides (docs/serving.md).
+  # a prefill node's pools for pulled prefixes: one set as wide as the model's context (built at warm-up with their captures,
+  # so no pulled turn zeroes pools or captures on its path) where every layer's fits in this many bytes, else as many blocks as
+  # fit, longer prompts' pools sized to their bucket on their path. SmolLM2 (23 KB a token) takes 200 MB for its 8,192 tokens
+  # and a chunk; a 70B model's 320 KB a token stops at ~3,300 tokens (tinyhet.engine.prefill.pull_width)
+  pull_pool_bytes: int = 1 << 30
   warm_up: str = "background"            # background: a node builds every capture while idle | before: before it says ready | off
   kv_disk: str = ""                      # a decode node's KV disk tier: the folder evicted cached blocks go to (tinyhet.kv.disk_tier); empty = none
   kv_disk_size: int = 64 << 30           # the disk tier's bound: past it the oldest segment files are deleted
@@ -131,6 +136,8 @@ def validate(cfg: Config, source: str):
                                           or not all(isinstance(n, str) and 0 < len(n.encode()) <= 200 for n in cfg.trusted_writers)):
     bad("trusted_writers", "must be a list of node names")
   if not isinstance(cfg.prefill_budget, int) or not 1 <= cfg.prefill_budget <= 65536: bad("prefill_budget", "must be between 1 and 65536 tokens")
+  if not isinstance(cfg.pull_pool_bytes, int) or isinstance(cfg.pull_pool_bytes, bool) or cfg.pull_pool_bytes < 0:
+    bad("pull_pool_bytes", "must be a size of 0 (every pulled prompt's pools sized to its bucket) or more (e.g. 1G)")
   if cfg.warm_up not in WARM_UP_MODES: bad("warm_up", f"is not one of {', '.join(WARM_UP_MODES)}")
   if not isinstance(cfg.kv_disk, str) or "\0" in cfg.kv_disk: bad("kv_disk", "must be a directory path")
   if cfg.speculative not in ("off", "ngram"): bad("speculative", "is not one of off, ngram")
@@ -161,6 +168,7 @@ _PARSERS = {
   "trusted_writers": ("TINYHET_TRUSTED_WRITERS", lambda v, w: parse_names(v, w)),
   "cluster": ("TINYHET_CLUSTER", lambda v, w: str(v)),
   "prefill_budget": ("TINYHET_PREFILL_BUDGET", lambda v, w: _int(v, w)),
+  "pull_pool_bytes": ("TINYHET_PULL_POOL_BYTES", lambda v, w: 0 if str(v).strip() == "0" else parse_bytes(v, w)),
   "warm_up": ("TINYHET_WARM_UP", lambda v, w: str(v).lower()),
   "kv_disk": ("TINYHET_KV_DISK", lambda v, w: str(v)),
   "kv_disk_size": ("TINYHET_KV_DISK_SIZE", parse_bytes),

@@ -190,7 +190,7 @@ def main_prefill(args) -> int:
   from tinyhet.config import load_config
   from tinyhet.engine.warm_up import WarmUp
   cfg = load_config()
-  warm = None if cfg.warm_up == "off" else WarmUp.for_prefill(model, kv_format(cfg.kv_dtype))
+  warm = None if cfg.warm_up == "off" else WarmUp.for_prefill(model, kv_format(cfg.kv_dtype), cfg.kv_block_size)
   if warm is not None and cfg.warm_up == "before":
     while warm.step(): pass
   heartbeat.install(node.endpoint, "prefill", lambda: {**prefill.status(), "max_context": model.cfg.max_context,

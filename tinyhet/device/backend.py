@@ -49,6 +49,14 @@ class ArenaAllocator(CPUAllocator):
 
   def free(self, opaque, size: int, options: BufferSpec | None = None): Allocator.free(self, opaque, size, options)
 
+def arena_free_bytes(device: str) -> int | None:
+  """The largest buffer `device` (HET or MESH on a CPU) can still allocate out of its registered arena; None where
+  tinyhet's arena does not hold its buffers (a GPU's, a plain CPU)."""
+  from tinygrad import Device
+  alloc = Device[device].allocator
+  if not isinstance(alloc, ArenaAllocator): return None
+  return local_node().arena(alloc.arena_name).figures()["largest_free"]
+
 def _arena_name(kind: str, device: str) -> str: return kind if ":" not in device else f"{kind}{device.split(':', 1)[1]}"
 
 class MeshCPUDevice(CPUDevice):

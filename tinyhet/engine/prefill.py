@@ -7,7 +7,7 @@ import sys, time
 from dataclasses import dataclass, field
 import numpy as np
 from tinygrad import Tensor, dtypes
-from tinyhet.model.llama import Llama
+from tinyhet.model.llama import Llama, _config_chunk
 from tinyhet.model.sampling import Sampler
 
 @dataclass
@@ -44,7 +44,6 @@ def prefill_bucket(n: int, chunk: int | None = None) -> int:
   (tinyhet.model.buckets: powers of two and 1.5x steps, the chunk length, then its multiples; at most a third is padding past
   16 tokens). chunk: the prefill's chunk length (default: the config's prefill_chunk)."""
   from tinyhet.model.buckets import bucket
-  from tinyhet.model.llama import _config_chunk
   return bucket(n, chunk or _config_chunk())
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -134,7 +133,6 @@ def prefill_suffix_logits(model: Llama, cache, seq_id: int, token_ids: list[int]
   from tinyhet.device.cpu_threads import kernel_threads
   from tinyhet.engine.decode_engine import PAD_SEQ
   from tinyhet.model.chunked_prefill import chunked_prefill
-  from tinyhet.model.llama import _config_chunk
   bm = cache.block_manager
   if end is None:
     if not 0 < start < len(token_ids): raise ValueError(f"a suffix prefill needs 0 < start < {len(token_ids)}, got {start}")
@@ -161,10 +159,9 @@ def prefill_sequence_logits(model: Llama, cache, seq_id: int, token_ids: list[in
   end falls short of the sequence's last token (a piece of a prompt spread over steps: Scheduler.schedule_step). on_hidden:
   the last layer's rows (a prompt's logprobs, PromptLogprobs; a prefix-cache hit's rows, which exist nowhere, by a prefill
   of the prefix alone, its K, V dropped)."""
-  from tinyhet.engine.warm_up import chunk_of
   hit = cache.block_manager.cached_length(seq_id)
   first, end = hit if first is None else first, len(token_ids) if end is None else end
-  if first == 0 and end == len(token_ids) <= chunk_of(model):
+  if first == 0 and end == len(token_ids) <= (model.prefill_chunk or _config_chunk()):
     return prefill_logits(model, token_ids, cache.kv_dtype, cache.layer_storer(seq_id), on_hidden=on_hidden)
   if on_hidden is not None and first == hit > 0: prefill_logits(model, token_ids[:hit], cache.kv_dtype, on_hidden=on_hidden)
   logits = prefill_suffix_logits(model, cache, seq_id, token_ids, first, end, on_hidden)
@@ -177,10 +174,32 @@ def suffix_buckets(model, chunk: int) -> tuple[int, ...]:
   warm = getattr(model, "warm", None)
   return below_chunk(chunk) if warm is None or warm.done else tuple(b for b in below_chunk(chunk) if b in warm.ready.get("suffix", ()))
 
-def pull_pools(model: Llama, nb: int, block_size: int, kv_dtype) -> list[Tensor]:
-  """Pools of nb blocks for a pulled prefix, the previous request's again where nothing else holds them any more (making 2 x
-  n_layers zeroed pools cost ~0.3 s of a SmolLM2 turn). Their stale blocks past a prompt are never read: a chunk's K, V are
-  written before its attention reads them, and positions past the prompt are masked."""
+def pull_width(model: Llama, block_size: int, kv_dtype) -> int:
+  """The one table width (blocks) of a prefill node's pulled prefixes: the model's context and a chunk's pads past it, so
+  one set of pools and one capture per suffix chunk length (built by the warm-up: tinyhet.engine.warm_up.pulled_items)
+  serve every turn of every conversation, the attention running over a symbolic block count (a wide table costs no
+  compute). Bounded by config.pull_pool_bytes (every layer's pool together) and by half of what the device's arena has
+  free when first asked (the prompts' own pools and activations need the rest): past them, as many blocks as fit; a
+  prompt longer than that runs over pools of its own bucket (prefill_pulled_logits). 0: none fit. Fixed at the first call
+  per block size and KV dtype, so the warm-up's width is the requests'."""
+  widths = model.__dict__.setdefault("_pull_widths", {})
+  if (key := (block_size, kv_dtype)) not in widths:
+    from tinyhet.config import load_config
+    from tinyhet.device.backend import arena_free_bytes
+    from tinyhet.kernels.kv_quant import tile_len
+    cfg, chunk = model.cfg, model.prefill_chunk or _config_chunk()
+    block_bytes = 2 * cfg.n_kv_heads * tile_len(kv_dtype, block_size, cfg.head_dim) * kv_dtype.itemsize * cfg.n_layers
+    room = load_config().pull_pool_bytes
+    if (free := arena_free_bytes(model.device)) is not None: room = min(room, free // 2)
+    widths[key] = min(-(-(cfg.max_context + chunk) // block_size), room // block_bytes)
+  return widths[key]
+
+def pull_pools(model: Llama, nb: int, block_size: int, kv_dtype) -> tuple[list[Tensor], bool]:
+  """(pools, made now): pools of nb blocks for a pulled prefix, the previous request's again where nothing else holds them
+  any more (making 2 x n_layers zeroed pools cost ~0.3 s of a SmolLM2 turn). Kept: the set pull_width's blocks wide for
+  good (the warm-up makes it), and one other, the bucket of the last prompt longer than that. Their stale blocks past a
+  prompt are never read: a chunk's K, V are written before its attention reads them, and positions past the prompt are
+  masked."""
   from tinyhet.model.chunked_prefill import prompt_pools
   kept = model.__dict__.setdefault("_pull_pools", {})
   key = (nb, block_size, kv_dtype)
@@ -188,37 +207,52 @@ def pull_pools(model: Llama, nb: int, block_size: int, kv_dtype) -> list[Tensor]
   # in use elsewhere (a pull still holding the list, or a pool itself): more references than kept's, the loop's and the call's
   if pools is None or sys.getrefcount(pools) > 3 or any(sys.getrefcount(p) > 3 for p in pools):
     pools = prompt_pools(model, nb * block_size, kv_dtype, block_size)[0]
-    kept.clear()                     # one set kept: the conversation's growing prefix moves to the next bucket
+    for k in [k for k in kept if k[0] != pull_width(model, k[1], k[2])]: del kept[k]   # a longer prompt's bucket: the next one replaces it
     kept[key] = pools
-  return pools
+    return pools, True
+  return pools, False
+
+def pulled_buckets(model, chunk: int) -> tuple[int, ...]:
+  """The lengths a pulled prefix's last suffix chunk may run at: every bucket below the chunk length, or while the model
+  warms up the ready ones (tinyhet.engine.warm_up's "pulled")."""
+  from tinyhet.model.buckets import below_chunk
+  warm = getattr(model, "warm", None)
+  return below_chunk(chunk) if warm is None or warm.done else tuple(b for b in below_chunk(chunk) if b in warm.ready.get("pulled", ()))
 
 def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, block_size: int, kv_dtype, start_pull, on_layer=None, on_chunk=None):
   """Prefill prompt_ids[cached:] over a prefix whose K, V are pulled from a decode node: pools of the decode node's block size
   (blocks 0.. the prefix's, pulled by start_pull(pools) -> tinyhet.kv.pull.PrefixPull, each layer waited for just before the
-  suffix's first chunk computes it), then the chunked prefill continues from there (tinyhet.model.chunked_prefill). The
-  suffix is padded to its bucket and the pools' block count too, so the captures serve the turns of a growing conversation.
-  on_layer(l, k, v) gets the suffix's K, V only (tokens cached..n-1); on_chunk, where given, each chunk's blocks of a layer
-  in the pools as they are stored (chunked_prefill's: blocks cached // block_size.., a sender writes them as they lie,
-  KVSender.send_chunk), so no layer is unpacked for the sender. Returns (logits (vocab,), the pull's figures)."""
+  suffix's first chunk computes it), then the chunked prefill continues from there (tinyhet.model.chunked_prefill), its
+  last chunk at the shortest bucket that holds it (as a decode node's own suffix: prefill_suffix_logits). The pools and
+  their table are pull_width's blocks wide whatever the prompt (one that does not fit: its bucket's), so the warm-up's
+  captures serve every turn of a growing conversation; a request that builds a capture or pools on its path anyway (a
+  decode node of another block size or KV dtype, a prompt past the width, a bucket not built yet) counts in the warm-up's
+  cold. on_layer(l, k, v) gets the suffix's K, V only (tokens cached..n-1); on_chunk, where given, each chunk's blocks of
+  a layer in the pools as they are stored (chunked_prefill's: blocks cached // block_size.., a sender writes them as they
+  lie, KVSender.send_chunk), so no layer is unpacked for the sender. Returns (logits (vocab,), the pull's figures)."""
   from tinygrad.helpers import ceildiv
-  from tinyhet.model.chunked_prefill import chunked_prefill
-  from tinyhet.model.llama import _config_chunk
+  from tinyhet.device.cpu_threads import kernel_threads
+  from tinyhet.model.chunked_prefill import chunked_prefill, padded_plan
+  from tinyhet.model.layer_jit import Replay
   n, suffix = len(prompt_ids), list(prompt_ids[cached:])
   if cached % block_size or not 0 < cached < n: raise ValueError(f"a pulled prefix is whole blocks short of the prompt, got {cached} of {n}")
   chunk = model.prefill_chunk or _config_chunk()
-  T = prefill_bucket(len(suffix)) if len(suffix) <= chunk else len(suffix)
-  C = min(chunk, T)
-  nb = prefill_bucket(ceildiv(cached + ceildiv(T, C) * C, block_size))
-  pools, pull = pull_pools(model, nb, block_size, kv_dtype), None
+  buckets = pulled_buckets(model, chunk)
+  last = padded_plan(len(suffix), chunk, cached, buckets)[-1]
+  span, width = last[0] + last[2], pull_width(model, block_size, kv_dtype)   # positions the pools hold, the last chunk's pads included
+  nb = width if span <= width * block_size else prefill_bucket(ceildiv(span, block_size))
+  captures = Replay.captures
+  (pools, made), pull = pull_pools(model, nb, block_size, kv_dtype), None
   try:
     pull = start_pull(pools)
-    tokens = Tensor([suffix + [0] * (T - len(suffix))], dtype=dtypes.int32, device=model.device)
-    logits = chunked_prefill(model, tokens, chunk, kv_dtype, on_layer, None, len(suffix), pools, list(range(nb)), cached,
-                             before_layer=pull.wait, layer_from=cached, on_chunk=on_chunk).numpy()[0]
+    with kernel_threads(model.device):
+      logits = chunked_prefill(model, np.array([suffix], np.int32), chunk, kv_dtype, on_layer, None, len(suffix), pools, list(range(nb)),
+                               cached, buckets, before_layer=pull.wait, layer_from=cached, on_chunk=on_chunk).numpy()[0]
   except BaseException:
     drop_pull_pools(model, pools)   # half filled, maybe still being filled: no later job gets them
     if pull is not None: pull.abort()   # no read may still fill pools after they are gone; its host staging freed
     raise
+  if (warm := getattr(model, "warm", None)) is not None and (made or Replay.captures > captures): warm.cold += 1
   return logits, pull.finish()
 
 def drop_pull_pools(model: Llama, pools: list[Tensor]) -> None:

@@ -7,7 +7,8 @@
 Every length a request brings rounds up to a bucket (tinyhet.model.buckets) and every batch to a decode bucket, so the
 captures are a fixed list: the decode step of each batch bucket up to the node's batch, the prefill of each length bucket up
 to the model's context (one LayerJit up to the chunk length, past it the one or two chunk captures of the bucket's pool),
-and the chunk captures a cached prefix's suffix runs at over the KV pool. tinygrad owns one thread (its compile cache is a
+and the chunk captures a cached prefix's suffix runs at over the KV pool (on a prefill node: over the one set of pools a
+pulled prefix lands in, made by the warm-up too). tinygrad owns one thread (its compile cache is a
 sqlite connection bound to it), so the node builds them on its batching thread, one per call, while it has nothing else to
 do: a request that comes meanwhile waits at most for the one capture under way, and runs at the smallest ready bucket that
 holds it (pick) until its own is built; only one that no ready bucket holds builds its own (counted in `cold`). The kernels
@@ -64,9 +65,14 @@ class WarmUp:
   # ***** what a node needs *****
 
   @staticmethod
-  def for_prefill(model, kv_dtype) -> WarmUp:
-    """A prefill node's captures: the prefill of every length bucket up to the model's context."""
-    return WarmUp(model, prefill_items(model, kv_dtype))
+  def for_prefill(model, kv_dtype, block_size: int | None = None) -> WarmUp:
+    """A prefill node's captures: the prefill of every length bucket up to the model's context, and the chunks of a pulled
+    prefix's suffix (pulled_items; block_size: the decode nodes', default the config's kv_block_size)."""
+    prefill, pulled = prefill_items(model, kv_dtype), pulled_items(model, kv_dtype, block_size)
+    # the chunk length's prompt and pulled chunk first (every shorter one can run there meanwhile), then the shorter ones,
+    # the pulled chunks before the prompts past the chunk length (every later turn of a conversation pulls)
+    short = [item for item in prefill if item[1] <= chunk_of(model)]
+    return WarmUp(model, short[:1] + pulled[:1] + short[1:] + pulled[1:] + prefill[len(short):])
 
   @staticmethod
   def for_decode_node(decode, prefill_jobs: bool = False) -> WarmUp:
@@ -80,9 +86,10 @@ class WarmUp:
     steps = [("decode", B, lambda B=B: engine.warm_up((B,), decode.cond)) for B in sorted({*(b for b in BATCH_BUCKETS if b <= top), top})]
     prefill = prefill_items(model, cache.kv_dtype, None if prefill_jobs else chunk)
     suffix = [("suffix", C, lambda C=C: warm_suffix(model, cache, C)) for C in (chunk, *below_chunk(chunk))]
+    pulled = pulled_items(model, cache.kv_dtype, cache.block_size) if prefill_jobs else []    # its prefill jobs pull prefixes too
     # the batch of one and the longest prefill and chunk first (every shorter prompt can run there meanwhile), then the
     # rest smallest first
-    return WarmUp(model, steps[:1] + prefill[:1] + suffix[:1] + prefill[1:] + steps[1:] + suffix[1:])
+    return WarmUp(model, steps[:1] + prefill[:1] + suffix[:1] + prefill[1:] + steps[1:] + suffix[1:] + pulled)
 
 def chunk_of(model) -> int:
   from tinyhet.model.llama import _config_chunk
@@ -125,6 +132,29 @@ def warm_suffix(model, cache, C: int) -> None:
   with kernel_threads(model.device):
     chunk_twice(lambda: chunked_prefill(model, [[0] * C], chunk, cache.kv_dtype, pools=cache.pools,
                                         table=cache.block_manager.block_table(PAD_SEQ)[:1] * width, start=0, buckets=below_chunk(chunk)).numpy())
+
+def pulled_items(model, kv_dtype, block_size: int | None = None) -> list:
+  """The chunks a pulled prefix's suffix runs in on a prefill node (tinyhet.engine.prefill.prefill_pulled_logits): every
+  chunk length over the one set of pools pull_width's blocks wide, the chunk length first (the first one made makes the
+  pools). None where config.pull_pool_bytes (or the arena) holds no block: every pulled prompt then runs at its own bucket."""
+  from tinyhet.engine.prefill import pull_width
+  if block_size is None:
+    from tinyhet.config import load_config
+    block_size = load_config().kv_block_size
+  chunk, width = chunk_of(model), pull_width(model, block_size, kv_dtype)
+  if width < 1: return []
+  return [("pulled", C, lambda C=C: warm_pulled(model, C, width, block_size, kv_dtype)) for C in (chunk, *below_chunk(chunk))]
+
+def warm_pulled(model, C: int, width: int, block_size: int, kv_dtype) -> None:
+  """Capture a C-token chunk of a pulled prefix's suffix over the pools and the table prefill_pulled_logits uses (the pools
+  made by the first such capture, kept for the requests: tinyhet.engine.prefill.pull_pools)."""
+  from tinyhet.device.cpu_threads import kernel_threads
+  from tinyhet.engine.prefill import pull_pools
+  from tinyhet.model.chunked_prefill import chunked_prefill
+  chunk = chunk_of(model)
+  with kernel_threads(model.device):
+    chunk_twice(lambda: chunked_prefill(model, [[0] * C], chunk, kv_dtype, pools=pull_pools(model, width, block_size, kv_dtype)[0],
+                                        table=list(range(width)), start=0, buckets=below_chunk(chunk)).numpy())
 
 def chunk_twice(run) -> None:
   """A chunk's halves capture on their second call, the next layer's: a weight signature that only one layer has needs a

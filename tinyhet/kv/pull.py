@@ -31,7 +31,8 @@ from tinygrad.device import Buffer
 from tinyhet.device.backend import NotRegistered, region_of
 from tinyhet.runtime.arena import Region
 from tinyhet.runtime.descriptor import RegionDescriptor
-from tinyhet.runtime.transport import Span, TransportError
+from tinyhet.kv.sender import block_spans
+from tinyhet.runtime.transport import TransportError
 
 class PullFailed(TransportError):
   """A prefix read failed (the holder withdrew its grant, the link broke, it timed out): compute the prefix instead."""
@@ -61,7 +62,7 @@ class PrefixPull:
       except NotRegistered:
         if self.host is None: self.host = node.arena("MESH").alloc(len(pools) * self.nbytes, align=4096)
         region, off = self.host, l * self.nbytes
-      self.spans.append([Span(region, off + i * bb, descs[l], b * bb, bb) for i, b in enumerate(blocks)])
+      self.spans.append(block_spans(region, off, descs[l], blocks, bb))   # one span a run of consecutive blocks
     if gate is not None:
       self.poster = threading.Thread(target=self._post_gated, args=(node, peer, gate), name="tinyhet-pull-gate", daemon=True)
       self.poster.start()
