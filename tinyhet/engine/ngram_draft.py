@@ -44,21 +44,31 @@ def ngram_draft(token_ids: list[int], k: int, sizes: tuple[int, ...] = SIZES) ->
     if (idx := np.flatnonzero(hits)).size: return continuation(token_ids, int(idx[-1]) + n - 1, k), n
   return [], 0
 
+CHECKED = 16          # the last tokens indexed that a list must hold where the index has them to count as the same
+
 class NgramIndex:
-  """ngram_draft for one sequence that only grows (its prompt, then its output). A list that is not the one indexed
-  (shorter, or another token where the index has one) is indexed again from the start."""
+  """ngram_draft for one sequence that only grows (its prompt, then its output). A list that is shorter than the one
+  indexed, or holds another first token or other tokens where the last CHECKED indexed ones were, is indexed again from
+  the start (a cheap check, not a full one: the drafts of a list that passes it wrongly are only worse guesses, which
+  the verify step rejects)."""
   def __init__(self, sizes: tuple[int, ...] = SIZES):
     self.sizes, self.last = sizes, {}     # window tuple -> the last position it ended at (with a token after it)
-    self.n, self.ends = 0, (None, None)   # tokens indexed, and the first and last of them (the check that a list is the same)
+    self.n, self.ends = 0, ()             # tokens indexed; the first and the last CHECKED of them
 
   def draft(self, token_ids: list[int], k: int) -> tuple[list[int], int]:
     L, n0 = len(token_ids), self.n
-    if L < n0 or n0 and (token_ids[0], token_ids[n0 - 1]) != self.ends: self.last, n0 = {}, 0
-    last = self.last
-    for end in range(max(0, n0 - 1), L - 1):        # the windows ending at positions now followed by a token
+    if L < n0 or n0 and (token_ids[0], *token_ids[max(0, n0 - CHECKED):n0]) != self.ends: self.last, n0 = {}, 0
+    last, lo = self.last, max(0, n0 - 1)
+    if L - 1 - lo <= 16:      # a step's few tokens: the windows ending at positions lo..L-2 (now followed by a token)
+      for end in range(lo, L - 1):
+        for n in self.sizes:
+          if n <= end + 1: last[tuple(token_ids[end - n + 1:end + 1])] = end
+    else:                     # a prompt: the same windows, each n's made by zip (in C), later ones last
       for n in self.sizes:
-        if n <= end + 1: last[tuple(token_ids[end - n + 1:end + 1])] = end
-    self.n, self.ends = L, ((token_ids[0], token_ids[L - 1]) if L else (None, None))
+        if (first := max(lo, n - 1)) > L - 2: continue              # the first end a window of n fits before
+        cols = [token_ids[first - n + 1 + j:L - n + j] for j in range(n)]   # column j: each window's j-th token
+        last.update(zip(zip(*cols), range(first, L - 1)))
+    self.n, self.ends = L, ((token_ids[0], *token_ids[max(0, L - CHECKED):]) if L else ())
     if k < 1 or L < 2: return [], 0
     for n in self.sizes:
       if n <= L - 1 and (end := last.get(tuple(token_ids[L - n:]))) is not None: return continuation(token_ids, end, k), n
