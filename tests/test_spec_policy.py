@@ -104,3 +104,17 @@ def test_a_new_sequence_starts_at_the_nodes_figure():
   chat.forget(3)
   assert chat.p(1) < 0.05                    # the node's figure outlives the sequences it came from
   with pytest.raises(TypeError): chat.plan([1], [2], cost=lambda r: 1.0)     # ns is required: the estimate is by n
+
+@settings(max_examples=100, deadline=None)
+@given(times=st.lists(st.tuples(st.sampled_from([1, 3, 16, 17]), st.floats(0.001, 1.0)), min_size=1, max_size=40),
+       window=st.integers(1, 8))
+def test_step_costs_are_the_least_of_each_buckets_recent_steps(times, window):
+  """A bucket's cost is the least of its last `window` recorded steps (a delayed step never raises it past a quiet one
+  still in the window), every row count priced at its bucket's."""
+  from tinyhet.engine.step_costs import StepCosts
+  costs, seen = StepCosts(engine=None, window=window), {}
+  for rows, t in times:
+    costs.record(rows, t)
+    seen.setdefault(batch_bucket(rows), []).append(t)
+    assert all(costs(b) == min(ts[-window:]) for b, ts in seen.items())
+  assert all(costs(b) == costs(r) for r, _ in times for b in [batch_bucket(r)])
