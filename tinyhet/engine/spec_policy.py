@@ -36,7 +36,12 @@ sequence with no n-gram match drafts nothing (its draft is empty).
 """
 from __future__ import annotations
 from typing import Callable
-from tinyhet.engine.decode_engine import batch_bucket
+from tinyhet.engine.decode_engine import BATCH_BUCKETS
+
+BUCKETS = frozenset(BATCH_BUCKETS)
+def is_bucket(rows: int) -> bool:
+  """Whether a step of rows fills its batch bucket (one more row runs at the next): batch_bucket(rows) == rows."""
+  return rows in BUCKETS or rows > BATCH_BUCKETS[-1] and rows % 64 == 0
 
 class SpecPolicy:
   """The node's acceptance estimate for each match length, and the rows-vs-time choice of each step's drafts."""
@@ -89,7 +94,7 @@ class SpecPolicy:
       # a step costs its bucket's time: within a bucket more rows only add worth, so only a bucket's last row count is
       # priced; and no larger step can beat best once all the worth left over the cheapest step's time does not
       if (B + total) / base <= best * (1 + 1e-9): break
-      if r < len(worth) and batch_bucket(R0 + r + 1) == batch_bucket(R0 + r): continue
+      if r < len(worth) and not is_bucket(R0 + r): continue
       if (rate := (B + gain) / cost(R0 + r)) > best * (1 + 1e-9): best_r, best = r, rate
     for _, i in worth[:best_r]: take[i] += 1
     self.probing = {sid: n for sid, n in self.probing.items() if take[seq_ids.index(sid)] == 1}
