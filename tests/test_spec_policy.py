@@ -14,9 +14,9 @@ def rate(policy, ns, take, cost):
   gain = sum(policy.p(n) ** m for n, t in zip(ns, take) for m in range(1, t + 1))
   return (len(ns) + gain) / cost(len(ns) + sum(take))
 
-def with_estimates(ps: dict) -> SpecPolicy:
-  """A policy whose estimate for n is ps[n] (as after many verifies), probes off."""
-  pol = SpecPolicy(probe_every=10**9)
+def with_estimates(ps: dict, margin: float = 0.0) -> SpecPolicy:
+  """A policy whose estimate for n is ps[n] (as after many verifies), probes off, drafts taken at any gain (margin 0)."""
+  pol = SpecPolicy(probe_every=10**9, margin=margin)
   for n, p in ps.items(): pol.acc[n], pol.tried[n] = 1000 * p, 1000.0
   return pol
 
@@ -50,6 +50,19 @@ def test_a_surer_draft_never_gets_fewer_tokens(ps, ns, lens, kind, base):
   take = pol.plan(list(range(len(ns))), lens, ns, cost_fn(kind, base))
   for a, b in itertools.permutations(range(len(ns)), 2):
     if pol.p(ns[a]) > pol.p(ns[b]): assert take[a] >= min(take[b], lens[a]), (a, b, take)
+
+@settings(max_examples=150, deadline=None)
+@given(ps=st.lists(st.floats(0.0, 0.999), min_size=3, max_size=3), ns=st.lists(st.sampled_from([1, 4, 16]), min_size=1, max_size=4),
+       lens=st.lists(st.integers(0, 8), min_size=4, max_size=4), kind=costs, base=st.floats(0.001, 0.1), margin=st.floats(0.0, 0.3))
+def test_drafts_beat_the_plain_step_by_the_margin(ps, ns, lens, kind, base, margin):
+  """With a margin, a plan that drafts expects at least (1 + margin) times the plain step's tokens per second, and is the
+  best of the choices that do (brute force)."""
+  pol, lens, cost = with_estimates(dict(zip((1, 4, 16), ps)), margin), lens[:len(ns)], cost_fn(kind, base)
+  take = pol.plan(list(range(len(ns))), lens, ns, cost)
+  plain = rate(pol, ns, [0] * len(ns), cost)
+  if any(take): assert rate(pol, ns, take, cost) >= plain * (1 + margin) * (1 - 1e-8)
+  choices = [c for c in itertools.product(*[range(n + 1) for n in lens]) if rate(pol, ns, c, cost) >= plain * (1 + margin) * (1 + 1e-8)]
+  if choices: assert any(take) and rate(pol, ns, take, cost) >= max(rate(pol, ns, c, cost) for c in choices) * (1 - 1e-8)
 
 def test_no_match_no_draft_and_no_cost_asked():
   asked = []

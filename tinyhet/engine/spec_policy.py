@@ -24,7 +24,11 @@ takes the drafted tokens in the order of their worth (a sequence's m-th token be
 for every row count R from the batch's own (no drafts) to all drafts picks the R whose expected tokens per second,
 (B + sum of the worth taken) / cost(R), is highest; ties go to fewer rows. Since a step runs at its batch bucket, only each
 bucket's largest R is priced, and the scan stops once all the worth left could not beat the best over the cheapest step's
-time (so a policy that expects nothing asks no cost, and a bucket is measured only when the plan could use it).
+time (so a policy that expects nothing asks no cost, and a bucket is measured only when the plan could use it). Drafts
+are taken only where their rate beats the step without them by `margin` (5%): the price leaves out what a verify costs
+besides its step (sampling each row, the rows' logits copied out, the estimate's error), and a batch of fixed-length rows
+ends with its slowest row, so tokens gained by the others are worth less than they count (measured on tinyhet bench
+spec's free chat at batch 16: drafting at break-even lost ~7% against plain decode).
 No drafts chosen: the step is a plain decode step of B rows (its own capture, no counts). Each sequence's draft length
 is its own: up to what its draft holds (k, at most speculative.MAX_K), as far as its p(n) pays for the rows.
 
@@ -45,8 +49,8 @@ def is_bucket(rows: int) -> bool:
 
 class SpecPolicy:
   """The node's acceptance estimate for each match length, and the rows-vs-time choice of each step's drafts."""
-  def __init__(self, prior: float = 0.3, decay: float = 0.02, probe_every: int = 16, max_probe_gap: int = 256):
-    self.prior, self.decay, self.probe_every, self.max_probe_gap = prior, decay, probe_every, max_probe_gap
+  def __init__(self, prior: float = 0.3, decay: float = 0.02, probe_every: int = 16, max_probe_gap: int = 256, margin: float = 0.05):
+    self.prior, self.decay, self.probe_every, self.max_probe_gap, self.margin = prior, decay, probe_every, max_probe_gap, margin
     self.acc: dict[int, float] = {}          # n -> decayed sum of accepted tokens over verifies of n-matched drafts
     self.tried: dict[int, float] = {}        # n -> decayed sum of positions tried (accepted + the rejected one)
     self.idle: dict[int, int] = {}           # n -> steps with an n-matched draft but none taken
@@ -88,7 +92,7 @@ class SpecPolicy:
     worth = sorted(((ps[i] ** m, i) for i, d in enumerate(draft_lens) for m in range(1 + probes[i], d + 1)), key=lambda w: -w[0])
     gain = sum(ps[i] for i, t in enumerate(probes) if t)
     R0, total = B + sum(probes), gain + sum(w for w, _ in worth)
-    best_r, best = 0, (B + gain) / (base := cost(R0))
+    best_r, best = 0, (B + gain) / (base := cost(R0)) * (1 + self.margin)    # drafts must beat the plain step by margin
     for r, (w, _) in enumerate(worth, 1):
       gain += w
       # a step costs its bucket's time: within a bucket more rows only add worth, so only a bucket's last row count is
