@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="tinyhet bench spec", description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: the embedded SmolLM2-135M-Instruct); "
                   "random:... for a quick check")
-  ap.add_argument("--k", type=int, default=4, help="tokens drafted a step, 1..8 (default 4)")
+  ap.add_argument("--k", type=int, default=8, help="the most tokens a sequence drafts a step, 1..8 (default 8: the policy cuts "
+                  "each draft to what pays)")
   ap.add_argument("--batch", default="1,16", help="comma-separated batch sizes (default 1,16)")
   ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row (default 128)")
   ap.add_argument("--tasks", default="copy,chat", help="comma-separated tasks: copy, chat")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 from tinygrad import Tensor, dtypes
 from tinyhet.engine.decode_engine import BATCH_BUCKETS, DecodeEngine
-from tinyhet.engine.ngram_draft import ngram_draft
+from tinyhet.engine.ngram_draft import NgramIndex, ngram_draft
 from tinyhet.engine.speculative import SpeculativeStep, check_speculative
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.model import llama as model
@@ -120,9 +120,25 @@ def test_verify_replays_the_plain_decode_captures(llama):
   assert calls["replay"] == calls["step"] and calls["verify"] > 0, calls
 
 def test_ngram_draft():
-  assert ngram_draft([1, 2, 3, 9, 9, 1, 2, 3], 3) == [9, 9, 1]
-  assert ngram_draft([4, 5, 6, 7], 2) == []
-  assert ngram_draft([7, 1, 8, 1], 4) == [8, 1]           # the 1-gram when no longer tail recurs
+  assert ngram_draft([1, 2, 3, 9, 9, 1, 2, 3], 3) == ([9, 9, 1], 3)
+  assert ngram_draft([4, 5, 6, 7], 2) == ([], 0)
+  assert ngram_draft([7, 1, 8, 1], 4) == ([8, 1, 8, 1], 1)     # the 1-gram when no longer tail recurs; past the end, its period
+  assert ngram_draft([5, 1, 2, 1, 2], 8) == ([1, 2] * 4, 2)    # a loop drafts k tokens, not its period less one
+  assert ngram_draft(list(range(20)) + list(range(17)), 2) == ([17, 18], 16)   # the longest of SIZES that recurs
+
+@settings(max_examples=60, deadline=None)
+@given(start=st.lists(st.integers(0, 3), max_size=40), chunks=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=9), max_size=12),
+       ks=st.lists(st.integers(0, 9), min_size=13, max_size=13), other=st.lists(st.integers(0, 3), max_size=30))
+def test_ngram_index_drafts_as_ngram_draft(start, chunks, ks, other):
+  """The index a sequence keeps gives the stateless lookup's draft and n at every step, however many tokens each step
+  adds; a list that is not the one indexed (another sequence) is indexed again."""
+  ix, toks = NgramIndex(), list(start)
+  for chunk, k in zip([[], *chunks], ks):
+    toks += chunk
+    assert ix.draft(toks, k) == ngram_draft(toks, k), (toks, k)
+  other = [4, *other]                   # another sequence (its first token another), or the same one shortened
+  assert ix.draft(other, 8) == ngram_draft(other, 8)
+  assert ix.draft(toks[:len(toks) // 2], 8) == ngram_draft(toks[:len(toks) // 2], 8)
 
 @pytest.mark.parametrize("bad", [{"mode": "eagle"}, {"k": 0}, {"k": 9}, {"k": True}, "ngram", {"mode": "ngram", "depth": 2}])
 def test_bad_speculative_fields_are_refused(bad):

@@ -101,7 +101,8 @@ def serve(args, stop: threading.Event) -> int:
   decode = DecodeNode(model, node, blocks, cfg.kv_block_size, cfg.kv_dtype, args.max_seqs, model_id, tok.stop_ids,
                       prefix_cache=not args.no_prefix_cache, fingerprint=fingerprint(args.model, model.cfg, not args.float_weights))
   decode.tokenizer = tok                 # stop strings end sequences on the node
-  decode.speculative = {"mode": cfg.speculative, "k": 4}     # the default of requests without a speculative field
+  from tinyhet.engine.speculative import DEFAULT_K
+  decode.speculative = {"mode": cfg.speculative, "k": DEFAULT_K}     # the default of requests without a speculative field
   if cfg.kv_disk and not args.no_prefix_cache:
     from tinyhet.kv.disk_tier import DiskTier
     try: decode.disk = DiskTier(decode.cache, cfg.kv_disk, cfg.kv_disk_size)

@@ -45,6 +45,7 @@ from tinyhet.model.llama import Llama
 from tinyhet.runtime.wire import host_id
 from tinyhet.model.sampling import Sampler
 from tinyhet.engine.scheduler import Scheduler, Sequence, SequenceStatus
+from tinyhet.engine.speculative import DEFAULT_K
 from tinyhet.engine.token_queue import TICK, queued_tokens, token_item  # noqa: F401  (node_roles reads them here too)
 
 def _check_timeout(timeout):
@@ -71,7 +72,7 @@ class DecodeNode:
     self.in_step: set[Sequence] = set()     # sequences of the step being computed: their blocks must not be freed meanwhile
     self.limbo: dict[int, Sequence] = {}    # released before all layers landed while its writer may still copy (shm, verbs)
     self.rejected_notices, self.disk = 0, None  # disk: the KV disk tier (tinyhet.kv.disk_tier), or None
-    self.speculative, self.spec = {"mode": "off", "k": 4}, None   # requests' default; the SpeculativeStep (engine.speculative_rows)
+    self.speculative, self.spec = {"mode": "off", "k": DEFAULT_K}, None   # requests' default; the SpeculativeStep (engine.speculative_rows)
     self.prefills = self.prefilled_tokens = 0   # prefills run here and the prompt tokens they computed (a prefix hit's are not)
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread

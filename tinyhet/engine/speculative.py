@@ -1,12 +1,14 @@
 """Speculative decoding on the decode node's paged KV: each sequence's newest token and up to k drafted tokens
-(engine/ngram_draft.py) go through the model in one step (the weights read once for k + 1 tokens a row), the longest
+(engine/ngram_draft.py: NgramIndex, one a sequence) go through the model in one step (the weights read once for k + 1 tokens a row), the longest
 prefix of drafts that the model itself would have produced is kept, and the rejected drafts' KV slots are given back.
 
   spec = SpeculativeStep(engine)                       # over a DecodeEngine's model and paged cache
   draws = spec.step(seq_ids, token_lists, samplers, k)  # per sequence the Draws of 1..k+1 new tokens
 
-Each draft is cut to what pays (engine/spec_policy.py: the sequence's acceptance estimate against the measured time of
-a step of that many rows, engine/step_costs.py); a step where no sequence drafts is plain decode's own step.
+Each draft is cut to what pays (engine/spec_policy.py: the node's acceptance estimate for a draft matched on that many
+tokens against the measured time of a step of that many rows, engine/step_costs.py); a step where no sequence drafts is
+plain decode's own step. k is each sequence's most (a request's, DEFAULT_K = MAX_K = 8 when it does not say): the policy
+picks each draft's length up to it.
 SpeculativeStep(engine, adaptive=False) verifies every n-gram draft whole, up to k.
 
 Before a step each sequence holds len(tokens) slots (the newest token's included, as for a plain decode step); after it
@@ -30,19 +32,20 @@ with no tinygrad scheduling on the way.
 from __future__ import annotations
 import contextlib
 import time
-from tinyhet.engine.ngram_draft import ngram_draft
+from tinyhet.engine.ngram_draft import NgramIndex
 from tinyhet.engine.spec_policy import SpecPolicy
 from tinyhet.engine.step_costs import StepCosts
 from tinyhet.model.sampling import sample_batch
 
 MODES = ("off", "ngram")
-MAX_K = 8
+MAX_K = DEFAULT_K = 8   # the most a sequence drafts a step; the policy cuts each draft to what pays (engine/spec_policy.py)
+MAX_INDEXES = 4096      # sequences whose n-gram table is kept (the oldest goes first: one never forgotten)
 
 def check_speculative(value) -> dict:
   """A request's `speculative` field ({"mode": "off" | "ngram", "k": 1..8}), checked: ValueError in one line."""
   if not isinstance(value, dict) or set(value) - {"mode", "k"}:
     raise ValueError(f'speculative must be an object like {{"mode": "ngram", "k": 4}}, got {str(value)[:60]!r}')
-  mode, k = value.get("mode", "ngram"), value.get("k", 4)
+  mode, k = value.get("mode", "ngram"), value.get("k", DEFAULT_K)
   if mode not in MODES: raise ValueError(f"speculative mode must be one of {', '.join(MODES)}, got {str(mode)[:40]!r}")
   if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
     raise ValueError(f"speculative k must be an integer in 1..{MAX_K}, got {k!r}")
@@ -58,21 +61,29 @@ class SpeculativeStep:
     # else every n-gram draft is verified whole, up to k
     self.policy = (policy or SpecPolicy()) if adaptive else None
     self.costs = StepCosts(engine)
+    self.index: dict[int, NgramIndex] = {}             # seq_id -> its n-gram table (ngram_draft.NgramIndex)
 
   def forget(self, seq_id: int):
-    """seq_id is done: its acceptance estimate goes."""
+    """seq_id is done: its n-gram table and any probe it was given go."""
+    self.index.pop(seq_id, None)
     if self.policy is not None: self.policy.forget(seq_id)
 
-  def drafts(self, seq_ids: list[int], token_lists: list[list[int]], ks: list[int], limits: list[int]) -> list[list[int]]:
-    """Each sequence's draft: its n-gram draft of up to ks[i] tokens and its limit (tokens it may still take, less the one
-    every step gives), cut by the policy where adaptive. Needs no lock (the policy may time a step: StepCosts.measure)."""
-    out = []
-    for tokens, k, limit in zip(token_lists, ks, limits):
-      out.append(ngram_draft(tokens, min(k, max(0, limit - 1), self.cache.max_seq_len - len(tokens))))
+  def drafts(self, seq_ids: list[int], token_lists: list[list[int]], ks: list[int], limits: list[int]) -> tuple[list[list[int]], list[int]]:
+    """Each sequence's draft and the tail length it matched on: its n-gram draft of up to ks[i] tokens and its limit (tokens
+    it may still take, less the one every step gives), cut by the policy where adaptive. Needs no lock (the policy may
+    time a step: StepCosts.measure)."""
+    out, ns = [], []
+    for sid, tokens, k, limit in zip(seq_ids, token_lists, ks, limits):
+      if (ix := self.index.get(sid)) is None:
+        if len(self.index) >= MAX_INDEXES: self.index.pop(next(iter(self.index)))
+        ix = self.index[sid] = NgramIndex()
+      d, n = ix.draft(tokens, min(k, max(0, limit - 1), self.cache.max_seq_len - len(tokens)))
+      out.append(d)
+      ns.append(n)
     if self.policy is not None:
-      take = self.policy.plan(seq_ids, [len(d) for d in out], self.costs)
+      take = self.policy.plan(seq_ids, [len(d) for d in out], ns, self.costs)
       out = [d[:n] for d, n in zip(out, take)]
-    return out
+    return out, ns
 
   def fit(self, token_lists: list[list[int]], out: list[list[int]]) -> list[list[int]]:
     """The drafts cut so their slots fit the plain free blocks (no cached block evicted, nothing preempted); under the lock."""
@@ -96,7 +107,7 @@ class SpeculativeStep:
     ks = list(k) if isinstance(k, (list, tuple)) else [k] * len(seq_ids)
     limits = limits or [kk + 1 for kk in ks]
     self.costs.lock = lock
-    drafts = self.drafts(seq_ids, token_lists, ks, limits)
+    drafts, ns = self.drafts(seq_ids, token_lists, ks, limits)
     with lock if lock is not None else contextlib.nullcontext():
       drafts = self.fit(token_lists, drafts)
       for sid, d in zip(seq_ids, drafts):
@@ -114,17 +125,23 @@ class SpeculativeStep:
     logits = self.engine.step(seq_ids, rows, lock, counts=counts)      # (sum(counts), vocab)
     self.costs.record(len(rows), time.perf_counter() - t0)
     self.verifies += 1
+    # the model's draw at every row, in one call (a draw depends only on its row, position and the tokens before it); a
+    # penalizing sampler reads each row's own history, the drafts before it
+    history = [tokens + d[:j] if samplers[i].penalizes or samplers[i].constraint is not None else tokens
+               for i, (tokens, d) in enumerate(zip(token_lists, drafts)) for j in range(len(d) + 1)]
+    draws = sample_batch(logits, [s for s, c in zip(samplers, counts) for _ in range(c)],
+                         [len(tokens) + j for tokens, c in zip(token_lists, counts) for j in range(c)], history)
     out, first = [], 0
     for i, (tokens, d) in enumerate(zip(token_lists, drafts)):
       kept = []
-      for j in range(len(d) + 1):            # the model's draw at each drafted position, kept while the draft agrees
-        draw = sample_batch(logits[first + j][None], [samplers[i]], [len(tokens) + j], [tokens + d[:j]])[0]
-        kept.append(draw)
+      for j in range(len(d) + 1):            # kept while the draft agrees with the model's draw
+        kept.append(draw := draws[first + j])
         if isinstance(draw, Exception) or j == len(d) or draw.token != d[j] or (stops and draw.token in stops[i]): break
+      samplers[i].position = len(tokens) + len(kept) - isinstance(kept[-1], Exception)   # as plain sampling leaves it
       first += counts[i]
       self.drafted += len(d)
       self.accepted += len(kept) - 1
-      if self.policy is not None and d: self.policy.update(seq_ids[i], min(len(d), len(kept)), len(kept) - 1)
+      if self.policy is not None and d: self.policy.update(seq_ids[i], ns[i], min(len(d), len(kept)), len(kept) - 1)
       out.append(kept)
     with lock if lock is not None else contextlib.nullcontext():
       for sid, tokens, kept in reversed(list(zip(seq_ids, token_lists, out))):   # undone last taken first: the free queue's order

@@ -7,17 +7,21 @@
 A step runs at its batch bucket (decode_engine.batch_bucket), so the cost is the bucket's. Nothing is hard-coded: a bucket
 never timed is measured the first time it is asked for, by the engine's own step of that many padding rows (captured first
 if it is not: TinyJit runs, captures, then replays; the timed runs are replays), the least of a few. Padding rows attend to
-one slot, so that first figure leaves out attention over real context; the steps the node then runs replace it (an
-exponential moving average of their times), so a bucket the policy uses converges on what it costs at the batch's context.
+one slot, so that first figure leaves out attention over real context; the steps the node then runs replace it: the
+figure is the least of the bucket's last `window` steps (padding-row runs and real ones), so a bucket the policy uses
+follows what it costs at the batch's context as that grows, and a step slowed by other work on the node's cores (a
+delay, never a speed-up) does not make its bucket look dearer than its neighbours until a quiet step comes.
 """
 from __future__ import annotations
 import time
+from collections import deque
 from tinyhet.engine.decode_engine import PAD_SEQ, batch_bucket
 
 class StepCosts:
-  def __init__(self, engine, alpha: float = 0.2, lock=None):
-    self.engine, self.alpha, self.lock = engine, alpha, lock
-    self.seconds: dict[int, float] = {}      # bucket -> estimated seconds of one step
+  def __init__(self, engine, window: int = 8, lock=None):
+    self.engine, self.window, self.lock = engine, window, lock
+    self.seconds: dict[int, float] = {}      # bucket -> estimated seconds of one step (the least of its recent ones)
+    self.recent: dict[int, deque] = {}       # bucket -> its last `window` step times
     self.measured = 0                        # buckets measured with padding rows (not real steps)
 
   def __call__(self, rows: int) -> float:
@@ -27,17 +31,17 @@ class StepCosts:
 
   def record(self, rows: int, seconds: float):
     B = batch_bucket(rows)
-    old = self.seconds.get(B)
-    self.seconds[B] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+    recent = self.recent.setdefault(B, deque(maxlen=self.window))
+    recent.append(seconds)
+    self.seconds[B] = min(recent)
 
   def measure(self, B: int, runs: int = 3) -> float:
     """The least of `runs` timed replays of a step of B padding rows (the bucket captured first if it is not)."""
     self.measured += 1
     if B not in self.engine.steps or getattr(self.engine.steps[B], "jit", None) is not None and self.engine.steps[B].jit.captured is None:
       self.engine.warm_up([B], self.lock)
-    best = float("inf")
     for _ in range(runs):
       t0 = time.perf_counter()
       self.engine.step([PAD_SEQ] * B, [0] * B, self.lock, bucket=B)
-      best = min(best, time.perf_counter() - t0)
-    return best
+      self.record(B, time.perf_counter() - t0)
+    return self.seconds[B]

@@ -224,7 +224,8 @@ def sample_batch(logits: np.ndarray, samplers: list[Sampler], positions: list[in
         if not allowed[i].any(): out[i] = ValueError("the grammar admits no token of the model's vocabulary here")
   ok = [i for i in range(B) if finite[i] and out[i] is None]
   if not ok: return out
-  xs, ss = x[ok], [samplers[i] for i in ok]
+  # every row ok and no grammar's mask to write in place: the logits as they are (x[ok] would copy B x vocab floats)
+  xs, ss = (x if len(ok) == B and not allowed else x[ok]), [samplers[i] for i in ok]
   proc = processed(xs, ss, [tokens[i] for i in ok])
   early = [r for r, s in enumerate(ss) if s.min_tokens_ids and s.holds_back_stops(positions[ok[r]])]
   if early:                                         # min_tokens: the stop ids cannot be drawn yet
