@@ -27,8 +27,8 @@ bucket's largest R is priced, and the scan stops once all the worth left could n
 time (so a policy that expects nothing asks no cost, and a bucket is measured only when the plan could use it). Drafts
 are taken only where their rate beats the step without them by `margin` (5%): the price leaves out what a verify costs
 besides its step (sampling each row, the rows' logits copied out, the estimate's error), and a batch of fixed-length rows
-ends with its slowest row, so tokens gained by the others are worth less than they count (measured on tinyhet bench
-spec's free chat at batch 16: drafting at break-even lost ~7% against plain decode).
+ends with its slowest row, so tokens gained by the others are worth less than they count (tinyhet bench spec's free chat
+at batch 16: an earlier policy, drafting at break-even, decoded at 0.95x plain decode).
 No drafts chosen: the step is a plain decode step of B rows (its own capture, no counts). Each sequence's draft length
 is its own: up to what its draft holds (k, at most speculative.MAX_K), as far as its p(n) pays for the rows.
 
