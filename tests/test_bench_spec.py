@@ -4,7 +4,7 @@ import json, subprocess, sys
 
 def test_bench_spec_short_run():
   out = subprocess.run([sys.executable, "-m", "tinyhet.bench", "spec", "--model", "random:max_context=256", "--batch", "1,2", "--k", "2",
-                        "--new-tokens", "12", "--max-prompt", "48", "--json"], capture_output=True, text=True, timeout=300)
+                        "--new-tokens", "12", "--max-prompt", "48", "--rounds", "2", "--json"], capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   r = json.loads(out.stdout.strip().splitlines()[-1])
   rows = {(x["task"], x["mode"], x["batch"]): x for x in r["rows"]}
@@ -17,3 +17,7 @@ def test_bench_spec_short_run():
 def test_bench_spec_refuses_a_bad_k():
   out = subprocess.run([sys.executable, "-m", "tinyhet.bench", "spec", "--k", "9"], capture_output=True, text=True, timeout=60)
   assert out.returncode != 0 and "--k must be in 1..8" in out.stderr and "Traceback" not in out.stderr
+
+def test_bench_spec_refuses_no_rounds():
+  out = subprocess.run([sys.executable, "-m", "tinyhet.bench", "spec", "--rounds", "0"], capture_output=True, text=True, timeout=60)
+  assert out.returncode != 0 and "--rounds must be at least 1" in out.stderr and "Traceback" not in out.stderr
