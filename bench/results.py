@@ -26,17 +26,17 @@ def machine() -> dict:
   return {"cpu": model.group(1).strip() if model else platform.processor() or "unknown", "cores": len(os.sched_getaffinity(0)),
           "flags": [f for f in FLAGS if f in flags], "memory_gib": round(int(mem.group(1)) / 2**20, 1) if mem else None}
 
-FIGURES = ("docs/results/", "docs/benchmarks.md")   # paths whose changes are figures, not code
+NOT_CODE = ("docs/", "README.md")   # paths whose changes are figures and prose, not code
 
 def commit(root=None) -> str:
-  """The checkout's commit, with `+dirty` when tracked files differ from it (the figure is then of uncommitted code). The
-  published figures themselves (docs/results/, docs/benchmarks.md) are not code: a run taken while earlier runs' files wait
-  to be committed is still of the commit's code."""
+  """The checkout's commit, with `+dirty` when tracked code differs from it (the figure is then of uncommitted code). The
+  docs and the published figures (docs/, README.md) are not code: a run taken while earlier runs' files and their prose
+  wait to be committed is still of the commit's code."""
   try:
     git = ["git", "-C", str(root or ROOT)]
     head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.splitlines()
-    dirty = [ln for ln in changed if not ln[3:].startswith(FIGURES)]
+    dirty = [ln for ln in changed if not ln[3:].startswith(NOT_CODE)]
     return head + ("+dirty" if dirty else "")
   except (OSError, subprocess.CalledProcessError): return "unknown"
 

@@ -81,16 +81,16 @@ def test_save_writes_the_figures_with_their_provenance(tmp_path, capsys):
   assert results.run_and_save("probe", types.SimpleNamespace(main=lambda argv: 3), [], str(tmp_path / "x.json")) == 3
   assert not (tmp_path / "x.json").exists()
 
-def test_a_commit_is_dirty_for_changed_code_not_for_changed_figures(tmp_path):
+def test_a_commit_is_dirty_for_changed_code_not_for_changed_figures_or_docs(tmp_path):
   git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
   git("init", "-q"); git("config", "user.email", "t@t"); git("config", "user.name", "t")
   (tmp_path / "docs" / "results").mkdir(parents=True)
-  for f in ("docs/results/x.json", "docs/benchmarks.md", "code.py"): (tmp_path / f).write_text("0\n")
+  for f in ("docs/results/x.json", "docs/benchmarks.md", "docs/kv.md", "README.md", "code.py"): (tmp_path / f).write_text("0\n")
   git("add", "-A"); git("commit", "-qm", "one")
   clean = results.commit(tmp_path)
   assert re.fullmatch(r"[0-9a-f]{12}", clean)
-  (tmp_path / "docs/results/x.json").write_text("1\n"); (tmp_path / "docs/benchmarks.md").write_text("1\n")
-  assert results.commit(tmp_path) == clean                  # earlier runs' figures waiting to be committed
+  for f in ("docs/results/x.json", "docs/benchmarks.md", "docs/kv.md", "README.md"): (tmp_path / f).write_text("1\n")
+  assert results.commit(tmp_path) == clean                  # earlier runs' figures and prose waiting to be committed
   (tmp_path / "code.py").write_text("1\n")
   assert results.commit(tmp_path) == clean + "+dirty"
 
