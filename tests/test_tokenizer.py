@@ -1,7 +1,7 @@
 import heapq, json
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from tinyhet.model.tokenizer import Tokenizer, TokenizerError, render_template
 from tinyhet.model.weights import embedded_model_path, read_gguf
 
@@ -22,8 +22,10 @@ TEXT = st.text(st.characters(blacklist_categories=("Cs", "Cc"), max_codepoint=0x
 
 @settings(max_examples=60, deadline=None)
 @given(TEXT)
+@example("<|im_end|>")        # a special token's text is matched whole (its id) and decoded back only with skip_special off
+@example("a<|im_start|>b")
 def test_round_trip_any_text(smollm2, text):
-  assert smollm2.decode(smollm2.encode(text)) == text
+  assert smollm2.decode(smollm2.encode(text), skip_special=False) == text
 
 def test_smollm2_specifics(smollm2):
   assert smollm2.vocab_size == 49152 and smollm2.bos_id == 1 and smollm2.eos_id == 2 and not smollm2.add_bos
