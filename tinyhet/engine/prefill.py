@@ -167,12 +167,13 @@ def prefill_sequence_logits(model: Llama, cache, seq_id: int, token_ids: list[in
   logits = prefill_suffix_logits(model, cache, seq_id, token_ids, first, end, on_hidden)
   return logits if end == len(token_ids) else None
 
-def suffix_buckets(model, chunk: int) -> tuple[int, ...]:
+def suffix_buckets(model, chunk: int, kind: str = "suffix") -> tuple[int, ...]:
   """The lengths a suffix's last chunk may run at: every bucket below the chunk length, or while the model warms up the
-  ready ones (tinyhet.engine.warm_up)."""
+  ready ones of its kind (tinyhet.engine.warm_up: "suffix" over a decode node's KV pool, "pulled" over a prefill node's
+  pull pools)."""
   from tinyhet.model.buckets import below_chunk
   warm = getattr(model, "warm", None)
-  return below_chunk(chunk) if warm is None or warm.done else tuple(b for b in below_chunk(chunk) if b in warm.ready.get("suffix", ()))
+  return below_chunk(chunk) if warm is None or warm.done else tuple(b for b in below_chunk(chunk) if b in warm.ready.get(kind, ()))
 
 def pull_width(model: Llama, block_size: int, kv_dtype) -> int:
   """The one table width (blocks) of a prefill node's pulled prefixes: the model's context and a chunk's pads past it, so
@@ -212,13 +213,6 @@ def pull_pools(model: Llama, nb: int, block_size: int, kv_dtype) -> tuple[list[T
     return pools, True
   return pools, False
 
-def pulled_buckets(model, chunk: int) -> tuple[int, ...]:
-  """The lengths a pulled prefix's last suffix chunk may run at: every bucket below the chunk length, or while the model
-  warms up the ready ones (tinyhet.engine.warm_up's "pulled")."""
-  from tinyhet.model.buckets import below_chunk
-  warm = getattr(model, "warm", None)
-  return below_chunk(chunk) if warm is None or warm.done else tuple(b for b in below_chunk(chunk) if b in warm.ready.get("pulled", ()))
-
 def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, block_size: int, kv_dtype, start_pull, on_layer=None, on_chunk=None):
   """Prefill prompt_ids[cached:] over a prefix whose K, V are pulled from a decode node: pools of the decode node's block size
   (blocks 0.. the prefix's, pulled by start_pull(pools) -> tinyhet.kv.pull.PrefixPull, each layer waited for just before the
@@ -237,7 +231,7 @@ def prefill_pulled_logits(model: Llama, prompt_ids: list[int], cached: int, bloc
   n, suffix = len(prompt_ids), list(prompt_ids[cached:])
   if cached % block_size or not 0 < cached < n: raise ValueError(f"a pulled prefix is whole blocks short of the prompt, got {cached} of {n}")
   chunk = model.prefill_chunk or _config_chunk()
-  buckets = pulled_buckets(model, chunk)
+  buckets = suffix_buckets(model, chunk, "pulled")
   last = padded_plan(len(suffix), chunk, cached, buckets)[-1]
   span, width = last[0] + last[2], pull_width(model, block_size, kv_dtype)   # positions the pools hold, the last chunk's pads included
   nb = width if span <= width * block_size else prefill_bucket(ceildiv(span, block_size))
