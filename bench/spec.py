@@ -1,6 +1,8 @@
 """tinyhet bench spec: speculative decoding (docs/speculative.md) against plain decode, through the decode node's engine
 (paged KV, the jitted bucketed decode step, SpeculativeStep's verify replaying it) on MESH, in one process: for each task
-and batch, each mode decodes the same prompts greedily, --new-tokens tokens a row (no stop ids: every row the same count).
+and batch, each mode decodes the same prompts greedily, --new-tokens tokens a row (no stop ids: every row the same count):
+every prompt of the task in each pass, in batches of B (batch 1: one prompt after another; rows cycle through the
+prompts when B is larger than their number).
 
   copy   rewrite a ~400-token passage with a small edit (bench/spec_prompts.py): the answer quotes the prompt
   chat   free chat prompts: little to quote
@@ -56,20 +58,22 @@ def main(argv: list[str] | None = None) -> int:
   rows = []
   for task in tasks:
     for B in batches:
-      ids = [prompts[task][i % len(prompts[task])] for i in range(B)]
+      # a pass decodes every prompt of the task at least once, in batches of B (rows cycle through the prompts): batch 1
+      # runs the prompts one after another, so its figure is the task's, not its first prompt's
+      groups = [[prompts[task][i % len(prompts[task])] for i in range(j, j + B)] for j in range(0, max(B, len(prompts[task])), B)]
       base = None
       from tinyhet.engine.spec_policy import SpecPolicy
       policy = None if args.fixed else SpecPolicy()
       # every bucket a step of this batch may run at captured first (a bucket met once in a run would capture in the timed one)
       engine.warm_up([b for b in BATCH_BUCKETS if b <= batch_bucket(B * (args.k + 1))])
-      for mode in MODES: decode(engine, ids, args.new_tokens, mode, args.k, costs, policy)    # untimed: the prompts' prefill compiles
+      for mode in MODES: decode_all(engine, groups, args.new_tokens, mode, args.k, costs, policy)    # untimed: the prompts' prefill compiles
       # the modes' timed passes alternate, each mode's best kept: a machine that speeds up or slows down over the run moves
       # both modes' figures, not one of them
       best: dict[str, tuple[float, float]] = {}     # mode -> (tokens/s, accept length) of its fastest pass
       equal = dict.fromkeys(MODES, True)              # mode -> every pass's tokens equal off's first pass
       for _ in range(args.rounds):
         for mode in MODES:
-          toks, rate, accept = decode(engine, ids, args.new_tokens, mode, args.k, costs, policy)
+          toks, rate, accept = decode_all(engine, groups, args.new_tokens, mode, args.k, costs, policy)
           base = toks if base is None else base       # off runs first
           equal[mode] = equal[mode] and toks == base
           if rate > best.get(mode, (0.0,))[0]: best[mode] = (rate, accept)
@@ -94,10 +98,21 @@ def make_engine(model, max_batch: int, seq_tokens: int):
                        max_seq_len=cfg.max_context)
   return DecodeEngine(model, cache)
 
+def decode_all(engine, groups: list[list[list[int]]], new: int, mode: str, k: int, costs=None, policy=None) -> tuple[list[list[int]], float, float]:
+  """decode() of each group of prompts in turn: (every row's tokens, decode tokens/s over all the groups' decode time,
+  accept length over all their steps)."""
+  toks, elapsed, steps, gained = [], 0.0, 0, 0.0
+  for prompts in groups:
+    t, rate, accept, n = decode(engine, prompts, new, mode, k, costs, policy)
+    toks += t
+    elapsed += len(prompts) * (new - 1) / rate
+    steps, gained = steps + n, gained + accept * n
+  return toks, sum(len(g) for g in groups) * (new - 1) / elapsed, gained / steps if steps else 1.0
+
 def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=None, policy=None) -> tuple[list[list[int]], float, float]:
   """Greedy decode of every prompt to `new` tokens in one batch: (tokens, decode tokens/s, accept length). costs: the
   StepCosts the speculative step prices drafts with (kept across runs: measured once). policy: the SpecPolicy that cuts
-  the drafts (None: every n-gram draft verified whole)."""
+  the drafts (None: every n-gram draft verified whole). Also returns the sequence-steps the accept length is over."""
   from tinyhet.engine.prefill import prefill_first_token
   from tinyhet.engine.speculative import SpeculativeStep
   from tinyhet.model.sampling import Sampler, sample_batch
@@ -122,7 +137,7 @@ def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=
       if sid in bm: bm.deallocate(sid)
       spec.forget(sid)
   accept = (spec.accepted + spec.steps) / spec.steps if spec.steps else 1.0
-  return [t[len(p):] for t, p in zip(toks, prompts)], len(prompts) * (new - 1) / elapsed, accept
+  return [t[len(p):] for t, p in zip(toks, prompts)], len(prompts) * (new - 1) / elapsed, accept, spec.steps
 
 def table(out: dict) -> str:
   lines = [f"tinyhet bench spec: {out['model']}, k {out['k']}, {out['new_tokens']} new tokens a row, greedy, {out['policy']} drafts",

@@ -1,8 +1,8 @@
 """The speculative policy (tinyhet.engine.spec_policy): its plan is the draft choice with the most expected tokens per
 second of step time (checked against every choice by brute force), never past a sequence's n-gram draft, and a draft
 matched on a surer tail never gets fewer tokens than a less sure one; its estimate for each match length follows what the
-verify steps of that length keep, and no other; an n kept from drafting is probed once every probe_every steps, by one
-sequence at most."""
+verify steps of that length keep, and no other; an n kept from drafting is probed once every probe_every steps where a
+padding row of the step holds the probe (every max_probe_gap steps where none does), by one sequence at most."""
 import itertools
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -90,17 +90,22 @@ def test_probes_come_back_one_per_n():
   cost = lambda r: 1.0 + 0.5 * (batch_bucket(r) - 1)    # a verify row costs half a step: only a likely draft pays
   for _ in range(30): pol.update(7, 1, 1, 0)            # every first drafted token of a 1-matched draft rejected
   assert pol.p(1) < 0.01
-  takes = [pol.plan([7], [4], [1], cost)[0] for _ in range(15)]
+  # 3 sequences (bucket 4: a padding row, where a probe costs nothing)
+  plan = lambda: pol.plan([7, 8, 9], [4, 0, 0], [1, 0, 0], cost)[0]
+  takes = [plan() for _ in range(15)]
   assert takes == [0, 0, 0, 0, 1] * 3        # kept from drafting, but one token probed every 5th step
   pol.update(7, 1, 1, 0)                     # the last probe missed: the next one waits twice as long
-  assert [pol.plan([7], [4], [1], cost)[0] for _ in range(9)] == [0] * 8 + [1]
+  assert [plan() for _ in range(9)] == [0] * 8 + [1]
   pol.update(7, 1, 1, 1)                     # a kept probe: back to every 5th step
-  assert [pol.plan([7], [4], [1], cost)[0] for _ in range(5)] == [0] * 4 + [1]
-  # a batch (filling its bucket: no padding row to draft in for free): the n is probed by one of the sequences with such a
-  # draft, not by each (p(1) = 0 here: the rows the probe's bucket holds for free are worth nothing either)
-  zero = SpecPolicy(prior=0.0, probe_every=4)
-  for _ in range(4): assert zero.plan([1, 2, 3, 4], [4, 4, 0, 0], [1, 1, 0, 0], cost) == [0, 0, 0, 0]
+  assert [plan() for _ in range(5)] == [0] * 4 + [1]
+  # a batch that fills its bucket (a probe's row would run the step at the next one): probes wait max_probe_gap steps,
+  # and the n is probed by one of the sequences with such a draft, not by each (p(1) = 0 here: the rows the probe's
+  # bucket holds for free are worth nothing either)
+  zero = SpecPolicy(prior=0.0, probe_every=4, max_probe_gap=8)
+  for _ in range(8): assert zero.plan([1, 2, 3, 4], [4, 4, 0, 0], [1, 1, 0, 0], cost) == [0, 0, 0, 0]
   assert sorted(zero.plan([1, 2, 3, 4], [4, 4, 0, 0], [1, 1, 0, 0], cost)) == [0, 0, 0, 1]
+  for _ in range(8): assert zero.plan([5], [4], [1], cost) == [0]     # batch 1 fills bucket 1 too
+  assert zero.plan([5], [4], [1], cost) == [1]
   for _ in range(20): pol.update(8, 16, 4, 4)    # 16-matched drafts kept whole: they are drafted, the 1-matched ones are not
   # 3 drafts fill bucket 4; a 4th would run the step at bucket 8 (7 rows' cost for 0.999^4 more)
   assert pol.p(16) > 0.95 and pol.plan([8], [4], [16], cost) == [3] and pol.plan([8], [7], [16], cost) == [7]
@@ -131,3 +136,15 @@ def test_step_costs_are_the_least_of_each_buckets_recent_steps(times, window):
     seen.setdefault(batch_bucket(rows), []).append(t)
     assert all(costs(b) == min(ts[-window:]) for b, ts in seen.items())
   assert all(costs(b) == costs(r) for r, _ in times for b in [batch_bucket(r)])
+
+@settings(max_examples=60, deadline=None)
+@given(ps=st.lists(st.floats(0.0, 0.999), min_size=3, max_size=3), ns=st.lists(st.sampled_from([1, 4, 16]), min_size=1, max_size=16),
+       lens=st.lists(st.integers(0, 8), min_size=16, max_size=16), top=st.sampled_from([1, 2, 4, 8, 12, 16]), base=st.floats(0.001, 0.1))
+def test_a_plan_never_needs_a_bucket_the_node_cannot_run(ps, ns, lens, top, base):
+  """Buckets past `top` cost infinity (StepCosts(capture=False) before they are captured): no plan's step, probes included,
+  needs one; a batch whose probes alone would need one drafts nothing."""
+  pol, lens = with_estimates(dict(zip((1, 4, 16), ps))), lens[:len(ns)]
+  pol.idle = {1: 10**6, 4: 10**6, 16: 10**6}              # every probe due
+  take = pol.plan(list(range(len(ns))), lens, ns, lambda r: base * batch_bucket(r) ** 0.5 if batch_bucket(r) <= top else float("inf"))
+  assert all(0 <= t <= n for t, n in zip(take, lens))
+  assert sum(take) == 0 or batch_bucket(len(ns) + sum(take)) <= top

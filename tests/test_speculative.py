@@ -22,7 +22,7 @@ def llama(): return model.Llama(CFG, model.random_weights(CFG, seed=1))
 def shared_engine(llama):
   return DecodeEngine(llama, PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256))
 
-def run(llama, prompts, new, k, temperature=0.0, engine=None, adaptive=False, policy=None):
+def run(llama, prompts, new, k, temperature=0.0, engine=None, adaptive=False, policy=None, capture=True):
   """Tokens of each prompt (plain decode: k = 0), and the block manager after. engine: a DecodeEngine to decode with
   (default: a fresh one), whose pool holds no sequence 0..len(prompts)-1. adaptive: drafts cut by the policy (default: every
   n-gram draft verified whole, so drafts are made and checked)."""
@@ -30,7 +30,7 @@ def run(llama, prompts, new, k, temperature=0.0, engine=None, adaptive=False, po
     cache = PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256)
     engine = DecodeEngine(llama, cache)
   cache, bm = engine.cache, engine.cache.block_manager
-  spec = SpeculativeStep(engine, adaptive=adaptive or policy is not None, policy=policy)
+  spec = SpeculativeStep(engine, adaptive=adaptive or policy is not None, policy=policy, capture=capture)
   toks = [list(p) for p in prompts]
   samplers = [Sampler(temperature, 1.0, seed=7 + i) for i in range(len(prompts))]
   for i, p in enumerate(prompts):
@@ -118,6 +118,26 @@ def test_verify_replays_the_plain_decode_captures(llama):
     assert got[k] == got[0] and spec.drafted > 0 and spec.accepted > 0, (prompts, k)
   assert Replay.captures == captured and set(engine.steps) == buckets
   assert calls["replay"] == calls["step"] and calls["verify"] > 0, calls
+
+def test_a_node_verifies_only_at_buckets_it_captured(llama):
+  """capture=False (the decode node's), the model warmed up (a node's WarmUp, over) with buckets 1 and 2 captured: a policy
+  that would verify 8 drafts a step verifies one (bucket 2), builds no capture on the way, and the tokens are plain
+  decode's. Without a warm-up (warm_up off) a bucket is captured when priced."""
+  from tinyhet.engine.spec_policy import SpecPolicy
+  from tinyhet.engine.warm_up import WarmUp
+  engine = DecodeEngine(llama, PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256))
+  engine.warm_up([1, 2])
+  captured, loop = Replay.captures, [3, 1, 4, 1, 5, 2, 6] * 3
+  plain, bm, _ = run(llama, [loop], 16, 0, engine=engine)
+  bm.deallocate(0)
+  WarmUp(llama, [])                                   # sets llama.warm: a node's warm-up, nothing left to build
+  try:
+    fast, bm, spec = run(llama, [loop], 16, 8, engine=engine, policy=SpecPolicy(prior=0.99, probe_every=1), capture=False)
+    assert fast == plain and spec.verifies > 0 and spec.drafted == spec.verifies     # one token a verify: a step of 2 rows
+    assert Replay.captures == captured and set(engine.steps) == {1, 2}
+    assert spec.costs(3) == float("inf") and spec.costs(2) < float("inf")
+  finally: del llama.warm
+  assert spec.costs(3) < float("inf") and 4 in engine.steps        # no warm-up: priced by capturing and timing it
 
 def test_ngram_draft():
   assert ngram_draft([1, 2, 3, 9, 9, 1, 2, 3], 3) == ([9, 9, 1], 3)

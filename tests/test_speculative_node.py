@@ -10,7 +10,8 @@ REPEAT = [5, 9, 14, 3, 7, 11, 2, 8] * 4        # a prompt that repeats itself: t
 
 @pytest.fixture(scope="module")
 def router():
-  procs = [node("prefill"), node("decode", "--kv-memory", "16M", "--max-seqs", "8", "--speculative", "ngram")]
+  # warm-up before the node says ready: a verify step runs only at a batch bucket the warm-up has captured
+  procs = [node("prefill"), node("decode", "--kv-memory", "16M", "--max-seqs", "8", "--speculative", "ngram", env={"TINYHET_WARM_UP": "before"})]
   try:
     r = Router("--prefill", procs[0].address, "--decode", procs[1].address)
     procs.append(r)

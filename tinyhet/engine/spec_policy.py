@@ -19,7 +19,8 @@ the figure follows what the node serves now, and a first verify moves it at once
 new sequence starts from what the node has seen, and a sequence's own few verifies are too noisy to price 8 rows on. A
 draft of j tokens is then worth sum_{m<=j} p^m expected extra tokens.
 
-The step's cost is measured on the node (cost(rows), seconds of a step of that many rows, engine/step_costs.py). plan()
+The step's cost is measured on the node (cost(rows), seconds of a step of that many rows, engine/step_costs.py; infinite
+at a bucket the node has not captured, which is then never planned). plan()
 takes the drafted tokens in the order of their worth (a sequence's m-th token before its (m+1)-th, since p^m falls), and
 for every row count R from the batch's own (no drafts) to all drafts picks the R whose expected tokens per second,
 (B + sum of the worth taken) / cost(R), is highest; ties go to fewer rows. Since a step runs at its batch bucket, only each
@@ -35,12 +36,16 @@ is its own: up to what its draft holds (k, at most speculative.MAX_K), as far as
 An n whose estimate keeps it from being drafted would never be measured again, so after `probe_every` steps in which some
 sequence had an n-matched draft and none was taken, one of them drafts one token (a probe), which updates p(n). A rejected
 probe doubles that n's wait for the next one (up to `max_probe_gap` steps), a kept one resets it: on free chat, where
-short matches are rarely kept, probes grow rare, and there is at most one a step for each n, whatever the batch. A
+short matches are rarely kept, probes grow rare, and there is at most one a step for each n, whatever the batch. A probe
+rides a padding row of the plain step's bucket where there is one (it costs nothing); where the batch fills its bucket
+(batch 1, 16: a probe's row runs the step at the next bucket, +16-19% at 1 and 16 rows measured on SmolLM2) it waits
+`max_probe_gap` steps (tinyhet bench spec's free chat, where such probes came every 16-128 steps for each of 7 match
+lengths: 0.97x plain decode at batches 1 and 16). A
 sequence with no n-gram match drafts nothing (its draft is empty).
 """
 from __future__ import annotations
 from typing import Callable
-from tinyhet.engine.decode_engine import BATCH_BUCKETS
+from tinyhet.engine.decode_engine import BATCH_BUCKETS, batch_bucket
 
 BUCKETS = frozenset(BATCH_BUCKETS)
 def is_bucket(rows: int) -> bool:
@@ -84,15 +89,21 @@ class SpecPolicy:
     take = [0] * B
     self.probing = {}
     if not any(draft_lens): return take          # nothing to draft: a plain step, no cost asked for
+    free = batch_bucket(B) - B                    # padding rows of the plain step: a probe there costs nothing
     for i, (sid, d, n) in enumerate(zip(seq_ids, draft_lens, ns)):
-      if d and n not in self.probing.values() and self.idle.get(n, 0) >= self.gap.get(n, self.probe_every):
-        take[i], self.probing[sid] = 1, n
+      if not d or n in self.probing.values() or (idle := self.idle.get(n, 0)) < self.gap.get(n, self.probe_every): continue
+      if free > 0: free -= 1
+      elif idle < self.max_probe_gap: continue     # a probe that would run the step at a larger bucket waits the longest gap
+      take[i], self.probing[sid] = 1, n
     probes = list(take)
     ps = [self.p(n) for n in ns]
     worth = sorted(((ps[i] ** m, i) for i, d in enumerate(draft_lens) for m in range(1 + probes[i], d + 1)), key=lambda w: -w[0])
     gain = sum(ps[i] for i, t in enumerate(probes) if t)
     R0, total = B + sum(probes), gain + sum(w for w, _ in worth)
-    best_r, best = 0, (B + gain) / (base := cost(R0)) * (1 + self.margin)    # drafts must beat the plain step by margin
+    if (base := cost(R0)) == float("inf"):       # even the probes' step is at a bucket the node cannot run now: no drafts
+      self.probing = {}
+      return [0] * B
+    best_r, best = 0, (B + gain) / base * (1 + self.margin)    # drafts must beat the plain step by margin
     for r, (w, _) in enumerate(worth, 1):
       gain += w
       # a step costs its bucket's time: within a bucket more rows only add worth, so only a bucket's last row count is

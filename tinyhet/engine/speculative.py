@@ -53,14 +53,14 @@ def check_speculative(value) -> dict:
 
 class SpeculativeStep:
   """Draft, verify in one multi-token step through the paged cache, keep the agreeing prefix, roll the rest back."""
-  def __init__(self, engine, adaptive: bool = True, policy: SpecPolicy | None = None):
+  def __init__(self, engine, adaptive: bool = True, policy: SpecPolicy | None = None, capture: bool = True):
     self.engine, self.cache, self.bm = engine, engine.cache, engine.cache.block_manager
     self.drafted = self.accepted = self.steps = 0      # /metrics' counters: accept length = accepted / steps + 1
     self.verifies = self.plain_steps = 0               # engine steps run with drafts, and without (a plain decode step)
     # adaptive: each sequence's draft cut by spec_policy (its acceptance estimate against the measured step costs);
     # else every n-gram draft is verified whole, up to k
     self.policy = (policy or SpecPolicy()) if adaptive else None
-    self.costs = StepCosts(engine)
+    self.costs = StepCosts(engine, capture=capture)     # capture False: only buckets captured already are planned (a node's)
     self.index: dict[int, NgramIndex] = {}             # seq_id -> its n-gram table (ngram_draft.NgramIndex)
 
   def forget(self, seq_id: int):

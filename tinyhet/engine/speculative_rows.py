@@ -20,7 +20,8 @@ def run_speculative(node, batch: list) -> list:
   ks = {s.seq_id: speculative_k(node, s) for s in batch if not s.extra.get("cancelled")}
   rows = [s for s in batch if ks.get(s.seq_id)]
   if not rows: return batch
-  if node.spec is None: node.spec = SpeculativeStep(node.engine)
+  # capture False: a verify step runs only at a batch bucket the node's warm-up captured (none is built on a request's path)
+  if node.spec is None: node.spec = SpeculativeStep(node.engine, capture=False)
   eos = node.scheduler.eos
   try:
     out = node.spec.step([s.seq_id for s in rows], [list(s.token_ids) for s in rows], [s.extra["sampler"] for s in rows],
