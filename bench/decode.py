@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
   gbps = read_gbps(threads=threads)
   log(f"read bandwidth {gbps:.1f} GB/s ({threads} threads)")
   if args.formats:
-    if args.engines == ap.get_default("engines"): args.engines = "tinyhet,tinyhet-int8,llama.cpp"
+    if args.engines == ap.get_default("engines"): args.engines = "tinyhet,tinyhet-int8,llama.cpp,llama.cpp-noflash"
     runs = {}
     for fmt in args.formats.split(","):
       p = embedded_model_path() if fmt == "Q4_1" else format_path(fmt)
@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
       runs[fmt] = dict(run_model(args, str(p), threads, gbps, log), file_bytes=p.stat().st_size)
       log(json.dumps({fmt: runs[fmt]}))     # each format's rows as they come (a sweep takes minutes per format)
     out = {"threads": threads, "read_gbps": gbps, "context": args.context, "llama_cpp": llama_cpp_build(), "formats": runs}
+    columns, cells = format_cells(out)
+    out["table"] = {"columns": columns, "rows": cells}      # what docs/benchmarks.md renders (bench/results.py)
     print(json.dumps(out) if args.json else format_table(out))
     return 0
   out = run_model(args, args.model, threads, gbps, log)
@@ -297,28 +299,44 @@ def run_model(args, model_path, threads: int, gbps: float, log) -> dict:
   return {"threads": threads, "read_gbps": gbps, "model": model, "context": args.context, "llama_cpp": llama_cpp_build(),
           "skipped": skipped, "rows": rows}
 
-def format_table(out: dict) -> str:
-  """One line per format: tinyhet's rate, llama.cpp's and the ratio for each row (and the int8 mode's, where it ran), resident
-  weights against the file."""
-  lines = [f"{out['threads']} threads, read bandwidth {out['read_gbps']:.1f} GB/s; decode at a context of {out['context']} tokens; "
-           "each cell tinyhet / llama.cpp tok/s (ratio)"]
+def best_llama(rows, key: str, **match):
+  """llama.cpp's better figure of flash attention on and off for one cell: (tok/s, which), or (None, None)."""
+  got = [(r[key], "flash" if r["engine"] == "llama.cpp" else "no flash") for r in rows
+         if r["engine"] in ("llama.cpp", "llama.cpp-noflash") and r.get(key) and all(r[k] == v for k, v in match.items())]
+  return max(got) if got else (None, None)
+
+def format_cells(out: dict) -> tuple[list[str], list[list[str]]]:
+  """The sweep as one row per format: each cell tinyhet's float rate / llama.cpp's better of flash attention on and off
+  (ratio), the int8 mode's rate and ratio, then the batch-1 read share and resident weights against the file."""
   def pick(rows, e, key, **match):
     return next((r[key] for r in rows if r["engine"] == e and r.get(key) is not None and all(r[k] == v for k, v in match.items())), None)
+  runs = out["formats"].values()
+  batches = sorted({r["batch"] for run in runs for r in run["rows"] if r["decode_tok_s"]})
+  prompts = sorted({r["prompt_tokens"] for run in runs for r in run["rows"] if r["prefill_tok_s"]})
+  keys = [(f"decode b{b}", "decode_tok_s", {"batch": b}) for b in batches] + \
+         [(f"prefill {n}", "prefill_tok_s", {"prompt_tokens": n}) for n in prompts]
+  columns = ["format"] + [k[0] + (" tok/s: float / llama.cpp (its mode); int8" if i == 0 else "") for i, k in enumerate(keys)] + \
+            ["b1 read share", "resident / file", "skipped"]
+  rows = []
   for fmt, run in out["formats"].items():
-    rows, cells = run["rows"], []
-    batches = sorted({r["batch"] for r in rows if r["decode_tok_s"]})
-    prompts = sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"]})
-    for label, key, match in [(f"decode b{b}", "decode_tok_s", {"batch": b}) for b in batches] + \
-                             [(f"prefill {n}", "prefill_tok_s", {"prompt_tokens": n}) for n in prompts]:
-      t, l, i8 = (pick(rows, e, key, **match) for e in ("tinyhet", "llama.cpp", "tinyhet-int8"))
-      i8 = f", int8 {i8:.1f}" + (f" ({i8 / l:.2f}x)" if l else "") if i8 else ""
-      cells.append(f"{label} {t or 0:.1f}/{l or 0:.1f} ({t / l:.2f}x{i8})" if t and l else f"{label} {t or 0:.1f}{i8}")
-    if run["skipped"]: cells.append("skipped: " + ", ".join(run["skipped"]))
-    share = pick(rows, "tinyhet", "read_share", batch=1)
-    res = pick(rows, "tinyhet", "weights_resident")
-    cells.append(f"b1 read share {share:.0%}" if share else "")
-    cells.append(f"resident weights {res / run['file_bytes']:.2f}x the file ({run['file_bytes'] / 1e6:.0f} MB)" if res else "")
-    lines.append(f"{fmt:7} " + "; ".join(c for c in cells if c))
+    rs, cells = run["rows"], [fmt]
+    for _, key, match in keys:
+      t, i8 = pick(rs, "tinyhet", key, **match), pick(rs, "tinyhet-int8", key, **match)
+      l, mode = best_llama(rs, key, **match)
+      cell = f"{t:.1f} / {l:.1f} ({t / l:.2f}x, {mode})" if t and l else f"{t or 0:.1f}"
+      cells.append(cell + (f"; int8 {i8:.1f}" + (f" ({i8 / l:.2f}x)" if l else "") if i8 else ""))
+    share, res = pick(rs, "tinyhet", "read_share", batch=1), pick(rs, "tinyhet", "weights_resident")
+    cells += [f"{share:.0%}" if share else "-", f"{res / run['file_bytes']:.2f}x ({run['file_bytes'] / 1e6:.0f} MB)" if res else "-",
+              ", ".join(run["skipped"]) or "-"]
+    rows.append(cells)
+  return columns, rows
+
+def format_table(out: dict) -> str:
+  """format_cells as text, one line per format."""
+  columns, rows = format_cells(out)
+  lines = [f"{out['threads']} threads, read bandwidth {out['read_gbps']:.1f} GB/s; decode at a context of {out['context']} tokens; "
+           "each cell tinyhet / llama.cpp (the better of flash attention on and off) tok/s (ratio)"]
+  lines += ["; ".join(f"{c}: {v}" for c, v in zip(columns, r) if v != "-") for r in rows]
   if out["llama_cpp"]: lines.append(f"llama.cpp: {out['llama_cpp']}")
   return "\n".join(lines)
 

@@ -16,3 +16,14 @@ def test_an_engine_without_a_row_gets_a_dash():
   assert lines["prefill 512 tok/s"].rstrip().endswith("0.75x")          # 60 / 80
   assert lines["decode batch 1 tok/s"].rstrip().endswith("1.25x")       # 10 / 8: not 10 / 12, tinyhet-int8's
   assert "-" in lines["decode batch 16 tok/s"].split() and lines["decode batch 16 tok/s"].rstrip().endswith("2.00x")
+
+def test_the_formats_sweep_holds_llama_cpp_to_its_better_mode():
+  """bench decode --formats: each cell is against llama.cpp's better of flash attention on and off, naming which."""
+  from tinyhet.bench.decode import format_cells
+  rows = [row("tinyhet", 1, None, 10.0), row("llama.cpp", 1, None, 8.0), row("llama.cpp-noflash", 1, None, 12.5),
+          row("tinyhet", None, 512, 900.0), row("llama.cpp", None, 512, 600.0), row("llama.cpp-noflash", None, 512, 450.0),
+          row("tinyhet-int8", 1, None, 15.0)]
+  columns, cells = format_cells({"formats": {"Q8_0": {"rows": rows, "skipped": {}, "file_bytes": 1e8}}})
+  got = dict(zip(columns, cells[0]))
+  assert got["format"] == "Q8_0" and "(0.80x, no flash)" in got[columns[1]] and "int8 15.0 (1.20x)" in got[columns[1]]
+  assert "(1.50x, flash)" in got["prefill 512"]
