@@ -299,17 +299,18 @@ def run_model(args, model_path, threads: int, gbps: float, log) -> dict:
   return {"threads": threads, "read_gbps": gbps, "model": model, "context": args.context, "llama_cpp": llama_cpp_build(),
           "skipped": skipped, "rows": rows}
 
+def pick(rows, e, key, **match):
+  """Engine e's figure `key` in the row matching `match`, or None."""
+  return next((r[key] for r in rows if r["engine"] == e and r.get(key) is not None and all(r[k] == v for k, v in match.items())), None)
+
 def best_llama(rows, key: str, **match):
   """llama.cpp's better figure of flash attention on and off for one cell: (tok/s, which), or (None, None)."""
-  got = [(r[key], "flash" if r["engine"] == "llama.cpp" else "no flash") for r in rows
-         if r["engine"] in ("llama.cpp", "llama.cpp-noflash") and r.get(key) and all(r[k] == v for k, v in match.items())]
+  got = [(v, mode) for e, mode in (("llama.cpp", "flash"), ("llama.cpp-noflash", "no flash")) if (v := pick(rows, e, key, **match))]
   return max(got) if got else (None, None)
 
 def format_cells(out: dict) -> tuple[list[str], list[list[str]]]:
   """The sweep as one row per format: each cell tinyhet's float rate / llama.cpp's better of flash attention on and off
   (ratio), the int8 mode's rate and ratio, then the batch-1 read share and resident weights against the file."""
-  def pick(rows, e, key, **match):
-    return next((r[key] for r in rows if r["engine"] == e and r.get(key) is not None and all(r[k] == v for k, v in match.items())), None)
   runs = out["formats"].values()
   batches = sorted({r["batch"] for run in runs for r in run["rows"] if r["decode_tok_s"]})
   prompts = sorted({r["prompt_tokens"] for run in runs for r in run["rows"] if r["prefill_tok_s"]})

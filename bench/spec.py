@@ -101,18 +101,17 @@ def make_engine(model, max_batch: int, seq_tokens: int):
 def decode_all(engine, groups: list[list[list[int]]], new: int, mode: str, k: int, costs=None, policy=None) -> tuple[list[list[int]], float, float]:
   """decode() of each group of prompts in turn: (every row's tokens, decode tokens/s over all the groups' decode time,
   accept length over all their steps)."""
-  toks, elapsed, steps, gained = [], 0.0, 0, 0.0
+  toks, elapsed, steps, accepted = [], 0.0, 0, 0
   for prompts in groups:
-    t, rate, accept, n = decode(engine, prompts, new, mode, k, costs, policy)
-    toks += t
-    elapsed += len(prompts) * (new - 1) / rate
-    steps, gained = steps + n, gained + accept * n
-  return toks, sum(len(g) for g in groups) * (new - 1) / elapsed, gained / steps if steps else 1.0
+    t, seconds, n, a = decode(engine, prompts, new, mode, k, costs, policy)
+    toks, elapsed, steps, accepted = toks + t, elapsed + seconds, steps + n, accepted + a
+  return toks, sum(len(g) for g in groups) * (new - 1) / elapsed, (accepted + steps) / steps if steps else 1.0
 
-def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=None, policy=None) -> tuple[list[list[int]], float, float]:
-  """Greedy decode of every prompt to `new` tokens in one batch: (tokens, decode tokens/s, accept length). costs: the
+def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=None, policy=None) -> tuple[list[list[int]], float, int, int]:
+  """Greedy decode of every prompt to `new` tokens in one batch: (tokens, decode seconds, sequence-steps, drafts accepted
+  over them; 0, 0 for off). costs: the
   StepCosts the speculative step prices drafts with (kept across runs: measured once). policy: the SpecPolicy that cuts
-  the drafts (None: every n-gram draft verified whole). Also returns the sequence-steps the accept length is over."""
+  the drafts (None: every n-gram draft verified whole)."""
   from tinyhet.engine.prefill import prefill_first_token
   from tinyhet.engine.speculative import SpeculativeStep
   from tinyhet.model.sampling import Sampler, sample_batch
@@ -136,8 +135,7 @@ def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=
     for sid in range(len(prompts)):
       if sid in bm: bm.deallocate(sid)
       spec.forget(sid)
-  accept = (spec.accepted + spec.steps) / spec.steps if spec.steps else 1.0
-  return [t[len(p):] for t, p in zip(toks, prompts)], len(prompts) * (new - 1) / elapsed, accept, spec.steps
+  return [t[len(p):] for t, p in zip(toks, prompts)], elapsed, spec.steps, spec.accepted
 
 def table(out: dict) -> str:
   lines = [f"tinyhet bench spec: {out['model']}, k {out['k']}, {out['new_tokens']} new tokens a row, greedy, {out['policy']} drafts",
