@@ -16,7 +16,7 @@ from tinyhet.runtime.arena import Arena, Mapping
 from tinyhet.runtime.wire import Frame, COMMIT, CLOSE, ARENA, NOTIFY
 from tinyhet.runtime.transfer import Transfer, TransportError, Piece, coalesce
 
-INLINE_BYTES = 8 << 20       # batches up to this size are copied by the caller's thread (a memcpy of 8 MiB takes < 1 ms: cheaper
+INLINE_BYTES = 8 << 20       # a call's writes up to this size in all are copied by the caller's thread (a memcpy of 8 MiB takes < 1 ms: cheaper
                              # than waking the copy thread, which needs the GIL from a busy caller); larger ones by the copy thread
 ARENA_WAIT = 2.0             # seconds a write waits for the announcement of an arena it does not map yet
 
@@ -93,39 +93,51 @@ class Link:
         out.append(hit[1].addr + (addr - hit[0]))
     return out
 
-  def _run(self, t: Transfer, pieces: list[Piece], to_remote: bool, notify: int | None):
+  def _run(self, jobs: list[tuple[Transfer, list[Piece], int | None]], to_remote: bool):
+    """Copy each job's pieces, in order, then send their notices in one call (or keep them: hold_notices) and finish them:
+    a notice goes out only once every copy of the call is done. A failure fails that job and every one after it."""
+    memmove, frames, done = ctypes.memmove, [], 0
     try:
-      memmove = ctypes.memmove
-      for p, remote in zip(pieces, self._resolve(pieces)):
-        local = p.arena.base + p.start
-        if to_remote: memmove(remote, local, p.nbytes)
-        else: memmove(local, remote, p.nbytes)
-      if notify is not None:
-        frame = Frame(COMMIT, flags=NOTIFY, value=notify, batch=t.batch, nbytes=t.nbytes).pack()
+      remotes = iter(self._resolve([p for _, pieces, _ in jobs for p in pieces]))
+      for t, pieces, notify in jobs:
+        for p, remote in zip(pieces, remotes):
+          local = p.arena.base + p.start
+          if to_remote: memmove(remote, local, p.nbytes)
+          else: memmove(local, remote, p.nbytes)
+        if notify is not None: frames.append(Frame(COMMIT, flags=NOTIFY, value=notify, batch=t.batch, nbytes=t.nbytes).pack())
+      if frames:
         with self.send_lock:
-          if self.held is not None: self.held.append(frame)
-          else: self.sock.sendall(frame)
-      t.finish()
-    except (OSError, TransportError) as e: t.finish(str(e))
+          if self.held is not None: self.held.extend(frames)
+          else: self.sock.sendall(b"".join(frames))
+      for t, _, _ in jobs:
+        t.finish()
+        done += 1
+    except (OSError, TransportError) as e:
+      for t, _, _ in jobs[done:]: t.finish(str(e))
 
-  def _submit(self, kind: str, pieces: list[Piece], notify: int | None) -> Transfer:
+  def _submit(self, kind: str, writes: list[tuple[list[Piece], int | None]]) -> list[Transfer]:
     if self.broken: raise TransportError(f"connection to {self.peer} is broken: {self.broken}")
-    pieces = coalesce(pieces)
-    t = Transfer(self.peer, kind, next(self.batch_ids), sum(p.nbytes for p in pieces))
+    jobs = []
+    for pieces, notify in writes:
+      pieces = coalesce(pieces)
+      jobs.append((Transfer(self.peer, kind, next(self.batch_ids), sum(p.nbytes for p in pieces)), pieces, notify))
     with self.lock:
-      inline = t.nbytes <= INLINE_BYTES and self.queued == 0     # keep batches in order behind queued ones
+      inline = sum(t.nbytes for t, _, _ in jobs) <= INLINE_BYTES and self.queued == 0     # keep batches in order behind queued ones
       if not inline: self.queued += 1
-    if inline: self._run(t, pieces, kind == "write", notify)
-    else: self.queue.put((t, pieces, kind == "write", notify))
-    return t
+    if inline: self._run(jobs, kind == "write")
+    else: self.queue.put((jobs, kind == "write"))
+    return [t for t, _, _ in jobs]
 
   def _copy_loop(self):
     while (item := self.queue.get()) is not None:
       self._run(*item)
       with self.lock: self.queued -= 1
 
-  def write(self, pieces: list[Piece], notify: int | None) -> Transfer: return self._submit("write", pieces, notify)
-  def read(self, pieces: list[Piece]) -> Transfer: return self._submit("read", pieces, None)
+  def write(self, pieces: list[Piece], notify: int | None) -> Transfer: return self._submit("write", [(pieces, notify)])[0]
+  def write_many(self, writes: list[tuple[list[Piece], int | None]]) -> list[Transfer]:
+    """Several writes in one pass: one lookup of the mappings, the copies back to back, their notices in one send."""
+    return self._submit("write", writes)
+  def read(self, pieces: list[Piece]) -> Transfer: return self._submit("read", [(pieces, None)])[0]
 
   def hold_notices(self):
     """Keep the COMMIT frames of the copies that finish from now on until send_notices: a copy's notice still goes out

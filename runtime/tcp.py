@@ -116,27 +116,34 @@ class Link:
       self.pending[t.batch] = t
     return t
 
-  def write(self, pieces: list[Piece], notify: int | None) -> Transfer:
-    pieces = split(coalesce(pieces), MAX_PIECE)
-    t = self._start("write", sum(p.nbytes for p in pieces))
-    per_stream: list[list[Piece]] = [[] for _ in self.streams]
-    inline = t.nbytes <= INLINE_BYTES
-    if inline: per_stream[t.batch % len(self.streams)] = pieces     # a small batch: one frame on one stream, sent from this thread
-    else:
-      loads = [0] * len(self.streams)
-      for p in pieces:                                 # each piece to the stream with the fewest bytes so far
-        k = loads.index(min(loads))
-        per_stream[k].append(p)
-        loads[k] += p.nbytes
-    closing = max(range(len(self.streams)), key=lambda k: (len(per_stream[k]) > 0, -k))   # a stream that carries pieces closes the batch
-    try:
-      for k, (stream, mine) in enumerate(zip(self.streams, per_stream)):
-        frames = _frames(t.batch, mine, t.nbytes, notify if k == closing else None, closes=k == closing)
-        for frame in frames:
-          if inline: stream.send(frame)
-          else: stream.queue.put((t.batch, frame))
-    except OSError as e: self.fail_all(f"sending to {self.peer} failed: {e}")
-    return t
+  def write(self, pieces: list[Piece], notify: int | None) -> Transfer: return self.write_many([(pieces, notify)])[0]
+
+  def write_many(self, writes: list[tuple[list[Piece], int | None]]) -> list[Transfer]:
+    """Each write a batch of its own (its notice in its last frame), posted in order. All of them together up to
+    INLINE_BYTES: sent from this thread, a batch on one stream; larger: queued to the stream threads, each piece to the
+    stream with the fewest bytes queued by this call (the caller does not wait on the receiver taking the bytes)."""
+    writes = [(split(coalesce(pieces), MAX_PIECE), notify) for pieces, notify in writes]
+    inline = sum(p.nbytes for pieces, _ in writes for p in pieces) <= INLINE_BYTES
+    loads, out = [0] * len(self.streams), []
+    for pieces, notify in writes:
+      t = self._start("write", sum(p.nbytes for p in pieces))
+      out.append(t)
+      per_stream: list[list[Piece]] = [[] for _ in self.streams]
+      if inline: per_stream[t.batch % len(self.streams)] = pieces     # a small batch: one frame on one stream, sent from this thread
+      else:
+        for p in pieces:
+          k = loads.index(min(loads))
+          per_stream[k].append(p)
+          loads[k] += p.nbytes
+      closing = max(range(len(self.streams)), key=lambda k: (len(per_stream[k]) > 0, -k))   # a stream that carries pieces closes the batch
+      try:
+        for k, (stream, mine) in enumerate(zip(self.streams, per_stream)):
+          frames = _frames(t.batch, mine, t.nbytes, notify if k == closing else None, closes=k == closing)
+          for frame in frames:
+            if inline: stream.send(frame)
+            else: stream.queue.put((t.batch, frame))
+      except OSError as e: self.fail_all(f"sending to {self.peer} failed: {e}")
+    return out
 
   def read(self, pieces: list[Piece]) -> Transfer:
     pieces = split(coalesce(pieces), MAX_PIECE)

@@ -7,6 +7,7 @@ can use). A peer connects and moves bytes with a few flat calls:
   peer = ep.connect("decode0-host:7470")          # transport: auto | verbs | tcp | shm
   t = ep.write(peer, [Span(local, 0, remote_desc, 0, n), ...], notify=7)
   t.wait(timeout=10)                              # every byte landed; the receiver's ep.wait_notice() returns Notice(value=7)
+  ts = ep.write_many(peer, [(spans, 8), (more, 9)])   # several writes in one hand-off, each with its own notice
   ep.read(peer, spans).wait()
 
 A write is one-sided: the receiver's code does not take part (tcp's receiving thread lands bytes straight into the
@@ -364,6 +365,16 @@ class Endpoint:
     """Post a one-sided write of spans to peer. notify (u32) reaches the receiver only after every byte has landed."""
     if notify is not None and not 0 <= notify < 1 << 32: raise TransportError(f"notify value {notify} is not a u32")
     return peer.link.write(to_pieces(spans, peer.name), notify)
+
+  def write_many(self, peer: Peer, writes: list[tuple[list[Span], int | None]]) -> list[Transfer]:
+    """Post several writes (spans, notify) to peer in one call, in order: what as many write calls would do, with one hand-off
+    to the transport (shm: the copies back to back, their notices in one send; tcp: queued to its streams together where
+    they are large). Each notify still reaches the receiver only after its own write's bytes have landed."""
+    for _, notify in writes:
+      if notify is not None and not 0 <= notify < 1 << 32: raise TransportError(f"notify value {notify} is not a u32")
+    pieces = [(to_pieces(spans, peer.name), notify) for spans, notify in writes]
+    if (many := getattr(peer.link, "write_many", None)) is None: return [peer.link.write(p, n) for p, n in pieces]
+    return many(pieces)
 
   def hold_notices(self, peer: Peer) -> bool:
     """From now on, where peer's transport can (shm), keep the notices of writes whose bytes have landed and send them

@@ -254,7 +254,8 @@ def test_a_requests_notices_are_held_until_its_final_write_and_chunk_pieces_post
   """A request's notices are held from its first write (one hold) and sent once, just before its final write (every
   layer's last piece), which sends its own: the decode node is woken once, not once a write. A chunked prefill's pieces
   (send_chunk, from the prefill's pool in host memory) are posted on the sending thread whatever their size (no writer
-  thread: on a CPU prefill it overlaps nothing and cost a wake-up per piece); the bytes and notices are the same."""
+  thread: on a CPU prefill it overlaps nothing and cost a wake-up per piece), a chunk's together at its last layer
+  (GROUP_BYTES), the final group after the held notices; the bytes and notices are the same."""
   from tinyhet.kv.notices import notice_value
   from tinyhet.kv.sender import KVSender
   from tinyhet.model.llama import small_config
@@ -287,9 +288,67 @@ def test_a_requests_notices_are_held_until_its_final_write_and_chunk_pieces_post
     for layer, (k, v) in enumerate(kv): sender.send(layer, Tensor(k, device="MESH").realize(), Tensor(v, device="MESH").realize())
     notices = [notice_value(3, layer) for layer in range(cfg.n_layers)]
   sender.finish(30)
-  assert transport.holds == 1 and transport.sent_after == [len(notices) - 1]     # once, right before the final write
+  # once, right before the final write; chunk pieces go in groups (here a chunk's, posted at its last layer): before the final group
+  assert transport.holds == 1 and transport.sent_after == [len(notices) - (cfg.n_layers if chunked else 1)]
   assert [n for _, n in transport.posts] == notices
   if chunked: assert {t for t, _ in transport.posts} == {threading.current_thread()} and sender.writer.thread is None
+  np.testing.assert_array_equal(transport.dest, want)
+  buffers.free()
+
+class Grouping(Holding):
+  """Holding, with write_many: records each call's writes."""
+  def __init__(self, dest):
+    super().__init__(dest)
+    self.calls: list[list[int]] = []
+  def write_many(self, peer, writes):
+    self.calls.append([n for _, n in writes])
+    return [self.write(peer, spans, n) for spans, n in writes]
+
+@settings(max_examples=25, deadline=None)
+@given(n_layers=st.integers(1, 4), nb=st.integers(1, 6), data=st.data())
+def test_chunk_pieces_go_in_groups_that_end_at_a_chunks_last_layer_and_keep_every_piece_in_order(n_layers, nb, data):
+  """A chunked prefill's pieces are posted in groups (one write_many each): every piece once, in the order sent, each
+  group ending at a chunk's last layer or once it holds GROUP_BYTES (never holding more than GROUP_BYTES plus one piece);
+  the held notices go out once, right before the final group; the bytes are the same."""
+  import tinyhet.kv.sender as sender_mod
+  from tinyhet.kv.notices import notice_value
+  from tinyhet.model.llama import small_config
+  from tinyhet.runtime.descriptor import RegionDescriptor
+  cfg, bs = small_config(n_layers=n_layers, dim=KVH * D * 2, n_heads=2 * KVH, n_kv_heads=KVH), 4
+  block = 2 * KVH * bs * D * 2
+  cuts = sorted(data.draw(st.lists(st.integers(1, max(1, nb - 1)), max_size=3, unique=True))) if nb > 1 else []
+  chunks = list(zip([0, *cuts], [*cuts, nb]))
+  group_bytes = data.draw(st.integers(1, 3 * nb * block))
+  kv = layers_kv(n_layers, nb * bs, seed=nb)
+  want = expected(kv, bs)
+  pools = [RegionDescriptor("decode", l, 4096, 0, 0, nb * block).to_hex() for l in range(n_layers)]
+  reservation = {"seq_id": 5, "blocks": list(range(nb)), "pools": pools, "block_bytes": block, "block_size": bs}
+  transport = Grouping(np.zeros(n_layers * nb * block, np.uint8))
+  buffers = SendBuffers(local_node(), 0)
+  real, old_group = sender_mod.block_spans, sender_mod.GROUP_BYTES
+  sender_mod.block_spans = lambda region, offset, pool, blocks, bb: [Span(region, offset + i * bb, None, (pool.region_id * nb + b) * bb, bb)
+                                                                     for i, b in enumerate(blocks)]
+  sender_mod.GROUP_BYTES = group_bytes
+  try:
+    sender = sender_mod.KVSender(transport, None, reservation, cfg, dtypes.float16, buffers)
+    sender.writer.inline_bytes = 0
+    pool_of = [Tensor(want[l * nb * block:(l + 1) * nb * block]).bitcast(dtypes.float16).reshape(nb, 2, KVH, bs * D).to("MESH").realize()
+               for l in range(n_layers)]
+    order = []
+    for piece, (b0, b1) in enumerate(chunks):
+      for layer in range(n_layers):
+        assert sender.send_chunk(layer, pool_of[layer], b0, b1, piece, len(chunks))
+        order.append(notice_value(5, layer, piece, piece == len(chunks) - 1))
+    sender.finish(30)
+  finally: sender_mod.block_spans, sender_mod.GROUP_BYTES = real, old_group
+  assert [n for _, n in transport.posts] == order and [n for c in transport.calls for n in c] == order
+  sizes = {notice_value(5, l, p, p == len(chunks) - 1): (b1 - b0) * block for p, (b0, b1) in enumerate(chunks) for l in range(n_layers)}
+  last_layer = {notice_value(5, n_layers - 1, p, p == len(chunks) - 1) for p in range(len(chunks))}
+  for c in transport.calls:
+    held = sum(sizes[n] for n in c)
+    assert c[-1] in last_layer or held >= group_bytes, (c, group_bytes)
+    assert held - sizes[c[-1]] < group_bytes and not any(n in last_layer for n in c[:-1])
+  assert transport.holds == 1 and transport.sent_after == [len(order) - len(transport.calls[-1])]
   np.testing.assert_array_equal(transport.dest, want)
   buffers.free()
 

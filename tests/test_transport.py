@@ -154,6 +154,45 @@ def test_two_process_writes_and_reads_are_byte_exact(node, writer, transport, da
     r.free()
     scratch.close()
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_write_many_lands_as_its_writes_one_by_one(node, writer, transport, data):
+  """write_many (a chunked prefill's group of pieces) is as many writes: every byte lands, each write's notice arrives with
+  its own value and byte count (shm: in order; tcp: a batch per write, its streams may deliver out of order), and the
+  Transfers finish. Small groups go from the caller's thread, large ones through the stream threads (tcp) or as one pass."""
+  peer = writer.__dict__.setdefault(f"peer_{transport}", None) or writer.connect(node.address, transport)
+  writer.__dict__[f"peer_{transport}"] = peer
+  max_len = data.draw(st.sampled_from([64, 4096, 300_000, 2 << 20]))
+  spans = disjoint_spans(data.draw, data.draw(st.integers(1, 24)), REMOTE_BYTES, writer.local.nbytes, max_len)
+  cuts = sorted(data.draw(st.lists(st.integers(1, max(1, len(spans) - 1)), max_size=6, unique=True))) if len(spans) > 1 else []
+  groups = [spans[a:b] for a, b in zip([0, *cuts], [*cuts, len(spans)]) if b > a]
+  values = data.draw(st.lists(st.integers(0, 2**32 - 1), min_size=len(groups), max_size=len(groups), unique=True))
+  local = writer.local.numpy()
+  ts = writer.write_many(peer, [([Span(writer.local, lo, node.desc, ro, n) for lo, ro, n in g], v) for g, v in zip(groups, values)])
+  assert len(ts) == len(groups)
+  for t in ts: t.wait(30)
+  for lo, ro, n in spans: node.image[ro:ro + n] = local[lo:lo + n]
+  got = node.ask(cmd="notices", count=len(groups), timeout=10)["notices"]
+  want = [["writer", v, sum(n for _, _, n in g)] for g, v in zip(groups, values)]
+  assert (got if transport == "shm" else sorted(got)) == (want if transport == "shm" else sorted(want))
+  assert node.sha(node.region) == sha(node.image)
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_write_many_checks_every_span_before_anything_moves(node, writer, transport):
+  """A group whose last write has a span outside the remote region is refused whole: no byte lands, no notice comes."""
+  desc, region = node.expose(2 * 4096)
+  peer = writer.connect(node.address, transport)
+  try:
+    before = node.sha(region)
+    with pytest.raises(TransportError, match="outside"):
+      writer.write_many(peer, [([Span(writer.local, 0, desc, 0, 4096)], 1), ([Span(writer.local, 0, desc, 4096, 8192)], 2)])
+    assert node.sha(region) == before
+    writer.write(peer, [Span(writer.local, 0, desc, 0, 64)], notify=3).wait(10)   # the next notice is this one's: 1 never went
+    assert [n[1] for n in node.ask(cmd="notices", count=1, timeout=10)["notices"]] == [3]
+    with pytest.raises(TransportError, match="u32"): writer.write_many(peer, [([Span(writer.local, 0, desc, 0, 64)], -1)])
+  finally: peer.close()
+
 def test_auto_picks_shm_on_this_host(node, writer):
   peer = writer.connect(node.address)
   assert peer.transport == "shm"

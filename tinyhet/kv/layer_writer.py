@@ -45,6 +45,30 @@ class LayerWriter:
       self.thread.start()
     self.queue.put((layer, spans, notify, fill, final))
 
+  def post_many(self, writes: list[tuple], final: bool = False):
+    """Post several writes (key, spans, notify) in one transport call (Endpoint.write_many), here on the caller's thread:
+    a chunked prefill's pieces, kept back until a group is worth the call (tinyhet.kv.sender). Behind writes queued to
+    the writer thread they are queued one by one, in order. final: the last of them is the request's final write."""
+    if self.error is not None: raise self.error
+    if self.thread is not None:
+      for i, (key, spans, notify) in enumerate(writes): self.post(key, spans, notify, final=final and i == len(writes) - 1)
+      return
+    for key, _, _ in writes: self.settled[key] = threading.Event()
+    self.inlined += len(writes)
+    try:
+      if self.cancelled: return
+      if self.before_post is not None: self.before_post()
+      self.hold()
+      if final: self.release()
+      t0 = time.perf_counter()
+      many = getattr(self.endpoint, "write_many", None)     # an endpoint stand-in of a test or benchmark may have none
+      ts = many(self.peer, [(spans, notify) for _, spans, notify in writes]) if many is not None else \
+        [self.endpoint.write(self.peer, spans, notify=notify) for _, spans, notify in writes]
+      for (key, _, _), t in zip(writes, ts): self.posted[key], self.transfers[key] = t0, t
+    except BaseException as e: self.error = e
+    finally:
+      for key, _, _ in writes: self.settled[key].set()
+
   def hold(self):
     """At the request's first write: where the transport can (shm), its notices are kept and sent together before the
     final write (release), not one syscall and one wake of the decode node's threads per write. The decode node waits

@@ -111,6 +111,13 @@ INLINE_CHUNKS = True   # a chunked prefill's pieces (send_chunk) are posted on t
                        # thread overlaps nothing there, and its wake-up and GIL hand-offs (~1 ms each on two cores) came per piece:
                        # 240 at 4,096 tokens. What is left is a memcpy (shm) or queueing for the transport's stream threads (tcp)
 
+GROUP_BYTES = 4 << 20  # a chunked prefill's pieces are kept back and posted in groups of about this many bytes (or at the chunk's last
+                       # layer, or the request's final write), one transport call a group (Endpoint.write_many): posted one by one, each
+                       # cost ~0.1 ms of Python and lookups on caches the layer's kernels had just filled (240 a 4,096-token prompt),
+                       # more than a 209 KB q8_0 piece's copy, and tcp sent each piece of up to 256 KB on the prefill thread. A
+                       # group waits for at most a few layers' compute; the last chunk's last group is posted as its last layer is
+                       # stored, as its last piece was
+
 def _layer(key) -> int: return key[0] if isinstance(key, tuple) else key   # a writer's key: a layer, or (layer, piece)
 
 class Pieces:
@@ -143,6 +150,7 @@ class KVSender:
     self.ended: set[int] = set()              # layers whose last write is posted: the n_layers-th is the request's final write
     self.defer: bool | None = None            # writes kept back until the final one (_defers): decided at the first
     self.later: list[tuple] = []              # (post, its arguments) kept back, posted by post_later
+    self.later_bytes = 0                      # the chunk pieces' bytes among them (_group)
 
   def host_stage(self) -> Region:
     """The host region every layer packed on the host goes to, (layers, blocks, 2, KVH, block_size*D): the pools' bytes
@@ -214,22 +222,31 @@ class KVSender:
       final = last and self._ends(layer)
       try:
         if self._defers(pool): self._keep_back(self._post_piece, (layer, pool, b0, b1, piece, n_pieces), final)
-        else:
-          self.post_later()                                             # layers kept back go first, in order
-          self._post_piece(layer, pool, b0, b1, piece, n_pieces, final)
+        else: self._group((layer, pool, b0, b1, piece, n_pieces), final)
       except Exception:
         if self.writer.error is None: raise
       return True
     finally: self.handoff_s += time.perf_counter() - t0
 
-  def _post_piece(self, layer: int, pool: Tensor, b0: int, b1: int, piece: int, n_pieces: int, final: bool):
-    if self.writer.error is not None: return
+  def _group(self, args: tuple, final: bool):
+    """Keep a chunk's piece back (layer, pool, b0, b1, piece, n_pieces) until the pieces kept come to GROUP_BYTES, the
+    chunk's last layer or the request's final write; then post them in one call (post_later)."""
+    self.later.append((self._post_piece, args))
+    self.later_bytes += (args[3] - args[2]) * self.block_bytes
+    if final or args[0] == self.cfg.n_layers - 1 or self.later_bytes >= GROUP_BYTES: self.post_later(final)
+
+  def _piece_write(self, layer: int, pool: Tensor, b0: int, b1: int, piece: int, n_pieces: int) -> tuple:
+    """(key, spans, notice) of a chunk's piece: blocks b0..b1-1 of the layer's pool into the reservation's blocks."""
     region, offset = region_of(pool.uop.base.buffer)
     first, bb = self.cached // self.block_size, self.block_bytes       # the pool's block `first` is the reservation's block 0
     blocks = range(max(b0, first), min(b1, first + len(self.blocks)))
     spans = block_spans(region, offset + blocks.start * bb, self.pools[layer], self.blocks[blocks.start - first:blocks.stop - first], bb) \
       if len(blocks) else []
-    self.writer.post((layer, piece), spans, notice_value(self.seq_id, layer, piece, piece == n_pieces - 1), final=final, any_size=INLINE_CHUNKS)
+    return (layer, piece), spans, notice_value(self.seq_id, layer, piece, piece == n_pieces - 1)
+
+  def _post_piece(self, layer: int, pool: Tensor, b0: int, b1: int, piece: int, n_pieces: int, final: bool):
+    if self.writer.error is not None: return
+    self.writer.post(*self._piece_write(layer, pool, b0, b1, piece, n_pieces), final=final, any_size=INLINE_CHUNKS)
 
   def _defers(self, *tensors: Tensor) -> bool:
     """Whether this request's writes wait to be posted until its final one (post_later), decided at its first: a short
@@ -257,8 +274,11 @@ class KVSender:
     if final: self.post_later(final=True)
 
   def post_later(self, final: bool = False):
-    """Post the writes kept back (_defers), in order; final: the last of them is the request's final write."""
-    later, self.later = self.later, []
+    """Post the writes kept back (_defers, _group), in order; final: the last of them is the request's final write.
+    Chunk pieces alone (the common case) go in one transport call (LayerWriter.post_many)."""
+    later, self.later, self.later_bytes = self.later, [], 0
+    if later and self.writer.error is None and all(post == self._post_piece for post, _ in later):
+      return self.writer.post_many([self._piece_write(*args) for _, args in later], final=final)
     for i, (post, args) in enumerate(later): post(*args, final=final and i == len(later) - 1)
 
   def _ends(self, layer: int) -> bool:
