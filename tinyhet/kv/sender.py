@@ -111,12 +111,14 @@ INLINE_CHUNKS = True   # a chunked prefill's pieces (send_chunk) are posted on t
                        # thread overlaps nothing there, and its wake-up and GIL hand-offs (~1 ms each on two cores) came per piece:
                        # 240 at 4,096 tokens. What is left is a memcpy (shm) or queueing for the transport's stream threads (tcp)
 
-GROUP_BYTES = 4 << 20  # a chunked prefill's pieces are kept back and posted in groups of about this many bytes (or at the chunk's last
-                       # layer, or the request's final write), one transport call a group (Endpoint.write_many): posted one by one, each
-                       # cost ~0.1 ms of Python and lookups on caches the layer's kernels had just filled (240 a 4,096-token prompt),
-                       # more than a 209 KB q8_0 piece's copy, and tcp sent each piece of up to 256 KB on the prefill thread. A
-                       # group waits for at most a few layers' compute; the last chunk's last group is posted as its last layer is
-                       # stored, as its last piece was
+GROUP_BYTES = 8 << 20  # a chunked prefill's pieces are kept back and posted together at the chunk's last layer (or the request's final
+                       # write), one transport call a group (Endpoint.write_many), a group at most this many bytes: shm copies up to 8 MiB
+                       # on the caller's thread (runtime/shm.py INLINE_BYTES). Posted one by one, each piece cost ~0.1 ms of Python and
+                       # lookups on caches the layer's kernels had just filled (240 a 4,096-token prompt), more than a 209 KB q8_0 piece's
+                       # copy, and tcp sent each piece of up to 256 KB on the prefill thread. At 4K tokens, 4 MiB groups moved float16 in
+                       # ~130 ms over tcp, 8 MiB ~115 ms; a group waits for at most one chunk's compute, and the last chunk's last group is
+                       # posted as its last layer is stored, as its last piece was. A short prompt's layers kept back (_defers) still go
+                       # one by one: each is small enough for tcp to send at once from the prefill thread, with nothing left to overlap
 
 def _layer(key) -> int: return key[0] if isinstance(key, tuple) else key   # a writer's key: a layer, or (layer, piece)
 
@@ -229,11 +231,14 @@ class KVSender:
     finally: self.handoff_s += time.perf_counter() - t0
 
   def _group(self, args: tuple, final: bool):
-    """Keep a chunk's piece back (layer, pool, b0, b1, piece, n_pieces) until the pieces kept come to GROUP_BYTES, the
-    chunk's last layer or the request's final write; then post them in one call (post_later)."""
+    """Keep a chunk's piece back (layer, pool, b0, b1, piece, n_pieces) until the chunk's last layer or the request's final
+    write, then post the pieces kept in one call (post_later); the pieces kept go first where this one would take them past
+    GROUP_BYTES."""
+    nbytes = (args[3] - args[2]) * self.block_bytes
+    if self.later and self.later_bytes + nbytes > GROUP_BYTES: self.post_later()
     self.later.append((self._post_piece, args))
-    self.later_bytes += (args[3] - args[2]) * self.block_bytes
-    if final or args[0] == self.cfg.n_layers - 1 or self.later_bytes >= GROUP_BYTES: self.post_later(final)
+    self.later_bytes += nbytes
+    if final or args[0] == self.cfg.n_layers - 1: self.post_later(final)
 
   def _piece_write(self, layer: int, pool: Tensor, b0: int, b1: int, piece: int, n_pieces: int) -> tuple:
     """(key, spans, notice) of a chunk's piece: blocks b0..b1-1 of the layer's pool into the reservation's blocks."""
@@ -275,9 +280,9 @@ class KVSender:
 
   def post_later(self, final: bool = False):
     """Post the writes kept back (_defers, _group), in order; final: the last of them is the request's final write.
-    Chunk pieces alone (the common case) go in one transport call (LayerWriter.post_many)."""
+    A group of chunk pieces (_group) goes in one transport call (LayerWriter.post_many)."""
     later, self.later, self.later_bytes = self.later, [], 0
-    if later and self.writer.error is None and all(post == self._post_piece for post, _ in later):
+    if later and self.writer.error is None and not self.defer and all(post == self._post_piece for post, _ in later):
       return self.writer.post_many([self._piece_write(*args) for _, args in later], final=final)
     for i, (post, args) in enumerate(later): post(*args, final=final and i == len(later) - 1)
 
