@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                   help="a sweep over SmolLM2 in these formats (default: Q4_1 and every one `make bench-setup` made): one table row each")
   ap.add_argument("--threads", type=int, default=None, help="threads for every engine (default: tinyhet's, TINYHET_CPU_THREADS or every CPU)")
   ap.add_argument("--batches", default="1,4,16,64")
-  ap.add_argument("--prompts", default="100,1000", help="prefill lengths")
+  ap.add_argument("--prompts", default="100,1000", help="prefill lengths (empty: no prefill rows)")
   ap.add_argument("--context", type=int, default=100, help="tokens in each sequence's KV during the decode rows")
   ap.add_argument("--steps", type=int, default=16, help="decode steps per round")
   ap.add_argument("--rounds", type=int, default=3)
@@ -242,10 +242,10 @@ def main(argv: list[str] | None = None) -> int:
   threads = args.threads or configured_threads()
   os.environ["TINYHET_CPU_THREADS"] = str(threads)
   configured_threads.cache_clear()
-  batches, prompts = [int(b) for b in args.batches.split(",")], [int(p) for p in args.prompts.split(",")]
+  batches, prompts = [int(b) for b in args.batches.split(",")], [int(p) for p in args.prompts.split(",") if p]
   from tinyhet.model.weights import embedded_model_path
   path = embedded_model_path() if args.model is None else args.model
-  max_context = max(max(prompts), args.context + 3 + args.steps * args.rounds) + 16
+  max_context = max(max(prompts, default=0), args.context + 3 + args.steps * args.rounds) + 16
   log = (lambda m: None) if args.json and not args.one_engine else (lambda m: print(m, file=sys.stderr, flush=True))
   if args.one_engine:
     e, tok = make_engine(args.engines, path, threads, max(batches), max_context)

@@ -133,7 +133,7 @@ def write_sources(times: KernelTimes, folder: str) -> None:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="tinyhet bench profile", description=__doc__.split("\n\n")[0])
   ap.add_argument("--model", default=None, help="a model spec or file (default: the embedded SmolLM2-135M Q4_1)")
-  ap.add_argument("--prompts", default="512", help="prefill lengths, comma-separated (past prefill_chunk: the chunked path)")
+  ap.add_argument("--prompts", default="512", help="prefill lengths, comma-separated (past prefill_chunk: the chunked path; empty or 0: none)")
   ap.add_argument("--batch", type=int, default=16, help="decode batch of the step profiled (0: no decode step)")
   ap.add_argument("--context", type=int, default=100, help="tokens of context per sequence in the decode step")
   ap.add_argument("--reps", type=int, default=3)
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
   out = {"model": a.model or "embedded SmolLM2-135M", "prefill": {}, "decode": None}
   het = load(a.model, "HET", quiet=True, packed=True)[0]
   vocab = het.cfg.vocab_size
-  for T in (int(t) for t in a.prompts.split(",") if t):
+  for T in (int(t) for t in a.prompts.split(",") if t and int(t) > 0):
     toks = Tensor([[(7 * i + 11) % (vocab - 1) + 1 for i in range(T)]], dtype=dtypes.int32, device="HET").realize()
     rep = profile(lambda: het.prefill(toks).numpy(), a.reps, vocab, a.sources and f"{a.sources}/prefill{T}")
     out["prefill"][T] = rep

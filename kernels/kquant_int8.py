@@ -100,6 +100,7 @@ INLINE void tile8k(float *restrict out, const u8 *restrict w, const float *restr
     for (int i = 0; i < MT; i++) { acc[i] = (f32x16){0}; macc[i] = (f32x8v){0}; }
     for (int s = 0; s < NSB; s++) {
       const u8 *b = wr + (size_t)s * SBB;
+      prefetch(b, SBB);
 %(block)s
     }
     for (int i = 0; i < mt; i++) {
