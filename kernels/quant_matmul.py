@@ -420,7 +420,8 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   int8 = 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
   name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]}"
   qb, sbb = LAYOUT[ggml_type]
-  return name, _SOURCE % {"name": name, "pf": WEIGHT_PREFETCH, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled), "KC": KC,
+  return name, _SOURCE % {"name": name, "pf": WEIGHT_PREFETCH, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled),
+                          "KC": KC,
                           "RB": 64 if M > 4 * MT_MAX or (M > MT_MAX and not int8) else 1 << 30,
                           "tails": "\n".join(f"      case {i}: if ({i} < MT) TILE(out, w, x, m0, {i}, rb, re); break;" for i in range(1, MT_MAX)),
                           "micro_tails": "\n".join(f"        case {i}: if ({i} < MR) micro(out, wf, x, m0, {i}, n0, nr, k0, kc); break;"
