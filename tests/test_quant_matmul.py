@@ -383,23 +383,24 @@ def test_q5_fifth_bits_spread_in_lanes_give_the_byte_paths_bits(t, rows, out, bl
   np.testing.assert_array_equal(res[0], res[1])
 
 @settings(max_examples=10, deadline=None)
-@given(t=st.sampled_from(TYPES), rows=st.integers(1, qmm.DECODE_MAX_M), int8=st.booleans(), parts=st.integers(1, 3),
-       seed=st.integers(0, 2**16))
-def test_the_decode_kernels_weight_prefetch_changes_no_bit(t, rows, int8, parts, seed):
+@given(t=st.sampled_from(TYPES), rows=st.integers(1, 40), int8=st.booleans(), parts=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_the_kernels_weight_prefetch_changes_no_bit(t, rows, int8, parts, seed):
   # the prefetch only asks for bytes ahead of the loads (past a part's rows, past the matrix: a hint, never a fault), so
-  # the kernel built without it gives the same bits; and the built kernel has it (a source without it would pass the rest)
+  # the kernel built without it gives the same bits: the decode kernels (float, the int8 ones) and the tiled one; and the
+  # built kernel has it (a source without it would pass the rest)
   cols = cols_for(t)
   rng = np.random.default_rng(seed)
   b = random_blocks(48, cols, t, rng)
   x = rng.standard_normal((rows, cols), dtype=np.float32)
   def run() -> np.ndarray:
-    return qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (48, cols), parts, False, int8=int8).numpy()
-  assert qmm.WEIGHT_PREFETCH > 0 and "#define PF 0\n" not in qmm.kernel_source(t, rows, 48, cols, parts, False, int8)[1]
+    return qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (48, cols), parts, tiled, int8=int8).numpy()
+  tiled = None if int8 else rows > qmm.DECODE_MAX_M   # past a decode tile: the float tiled kernel (int8: its own choice)
+  assert qmm.WEIGHT_PREFETCH > 0 and "#define PF 0\n" not in qmm.kernel_source(t, rows, 48, cols, parts, tiled, int8)[1]
   with_prefetch = run()
   qmm.kernel_source.cache_clear()
   try:
     qmm.WEIGHT_PREFETCH, saved = 0, qmm.WEIGHT_PREFETCH
-    assert "#define PF 0\n" in qmm.kernel_source(t, rows, 48, cols, parts, False, int8)[1]
+    assert "#define PF 0\n" in qmm.kernel_source(t, rows, 48, cols, parts, tiled, int8)[1]
     without = run()
   finally:
     qmm.WEIGHT_PREFETCH = saved
