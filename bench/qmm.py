@@ -19,13 +19,14 @@ def best_of(fns: dict, n: int, rounds: int) -> dict:
     for k, fn in fns.items(): best[k] = min(best[k], cpu_time(fn, n))
   return best
 
-def direct(ggml_type: int, M: int, N: int, K: int, int8: bool, out: np.ndarray, w: np.ndarray, x: np.ndarray, tmp: str, tiled=None):
+def direct(ggml_type: int, M: int, N: int, K: int, int8: bool, out: np.ndarray, w: np.ndarray, x: np.ndarray, tmp: str, tiled=None,
+           prefetch: bool = True):
   """The kernel tinygrad runs (the same C, compiled by clang with tinygrad's CPU flags into a shared object), called through
   ctypes as llama.cpp's side is: its time without the jit's launch costs."""
   import ctypes, os, subprocess
   from tinygrad import Device
   from tinyhet.kernels import quant_matmul as qmm
-  name, src = qmm.kernel_source(ggml_type, M, N, K, 1, tiled, int8=int8)
+  name, src = qmm.kernel_source(ggml_type, M, N, K, 1, tiled, int8=int8, prefetch=prefetch)
   march = list(getattr(Device["MESH"].compiler, "args", None) or ["-march=native"])
 
   def build(name: str, src: str):
@@ -63,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                   "quant_matmul.INT8_TILED_MIN_M rows, beside the int8 decode kernel where one runs at that count)")
   ap.add_argument("--rounds", type=int, default=5, help="rounds in which the kernels and llama.cpp take turns; the least time of each")
   ap.add_argument("--no-ggml", action="store_true", help="skip llama.cpp's ggml_mul_mat (llama-cpp-python not installed)")
-  ap.add_argument("--cold", type=float, default=0, help="MB: also the int8 kernel over a rotating set of copies of the matrix this "
-                  "large (a model's weights: each read once a step, from memory), beside the same kernel on one matrix (int8_cold_ms)")
+  ap.add_argument("--cold", type=float, default=0, help="MB: also the kernels over a rotating set of copies of the matrix this large "
+                  "(a model's weights: each read once a step, from memory), beside the same kernel on one matrix: the float kernel "
+                  "with its weight prefetch and without (cold_ms, cold_nopf_ms), the int8 one with --int8 (int8_cold_ms)")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   import tempfile
@@ -100,13 +102,16 @@ def main(argv: list[str] | None = None) -> int:
       got = np.zeros((M, N), np.float32)
       fns = {"new": direct(t, M, N, K, False, got, raw, x, tmp)}
       fns["new"]()
+      if args.cold:   # the float kernel over the rotating copies, with its weight prefetch and without
+        copies = [raw.copy() for _ in range(max(1, int(args.cold * 1e6 / raw.nbytes)))]
+        for key, pf in (("cold", True), ("cold_nopf", False)):
+          fns[key] = direct(t, M, N, K, False, np.zeros((M, N), np.float32), copies, x, tmp, prefetch=pf)
       # the same kernel: the shared object's product is the jitted one's
       np.testing.assert_allclose(got, new(*xm).numpy(), rtol=1e-5, atol=1e-5 * np.abs(got).max())
       int8_name = qmm.kernel_source(t, M, N, K, 1, int8=True)[0]
       if args.int8 and ("_int8" in int8_name or int8_name.endswith("_bf16t")):   # BF16: the mode's kernel rounds x to bfloat16
         fns["int8"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), raw, x, tmp)
         if args.cold:
-          copies = [raw.copy() for _ in range(max(1, int(args.cold * 1e6 / raw.nbytes)))]
           fns["int8_cold"] = direct(t, M, N, K, True, np.zeros((M, N), np.float32), copies, x, tmp)
       tiled8 = int8_name.endswith("_int8t")
       if args.int8 and tiled8 and "_int8" in qmm.kernel_source(t, M, N, K, 1, False, True)[0]:
@@ -131,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         if "int8_decode_ms" in r: vs += f", {r['int8_decode_ms'] / r['int8_ms']:.2f}x the int8 decode kernel ({r['int8_decode_ms']:.3f} ms)"
         if not args.json: print(f"{name:5} {M:4} rows: int8 {r['int8_kernel']} kernel {r['int8_ms']:8.3f} ms, {r['new_ms'] / r['int8_ms']:.2f}x "
                                 f"the float kernel{vs}")
+      if "cold_ms" in r and not args.json:
+        print(f"{name:5} {M:4} rows: cold weights {r['cold_ms']:8.3f} ms, without the prefetch {r['cold_nopf_ms']:8.3f} ms "
+              f"({r['cold_nopf_ms'] / r['cold_ms']:.2f}x)")
       if not args.json: print(f"{name:5} {M:4} rows: kernel {r['new_ms']:8.3f} ms ({r['new_weight_gbps']:5.1f} GB/s of weights, "
                               f"{r['new_gflops']:5.1f} GFLOP/s; {r['jit_ms']:.3f} ms in a jit)  old path {r['old_ms']:9.3f} ms  "
                               f"{r['speedup']:6.1f}x", flush=True)

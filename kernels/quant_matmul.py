@@ -410,10 +410,12 @@ def kernel_parts(rows: int, threads: int) -> int:
   return max(1, min(threads, rows // MIN_ROWS_PER_PART))
 
 @functools.cache
-def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: bool | None = None, int8: bool = False) -> tuple[str, str]:
+def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: bool | None = None, int8: bool = False,
+                  prefetch: bool = True) -> tuple[str, str]:
   """(function name, C source) of the kernel for x (M, K) against W (N, K) in GGML type `ggml_type`, split in `parts` parts;
   the tiled kernel past DECODE_MAX_M rows of x unless `tiled` says. int8: x rounded to int8 per block of 32 and integer dot
-  products, in the decode kernel (where the type has it: quant_blocks.supported_int8; else the float kernel)."""
+  products, in the decode kernel (where the type has it: quant_blocks.supported_int8; else the float kernel). prefetch=False:
+  the same kernel without its weight prefetch (WEIGHT_PREFETCH), named `..._nopf`, for measurements and tests."""
   if not supported(ggml_type, K): raise ValueError(f"no quantized matmul kernel for GGML type {ggml_type} with {K} columns")
   # the K-quants' int8 kernel serves small prefills too, up to KQ8_MAX_M rows (unless the tiled one is asked for): measured
   # (bench qmm, one core, 1536 x 1536) 1.5x the float tiled kernel at 64 rows, 0.98-1.04x at 512
@@ -428,9 +430,9 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
   # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
   int8 = 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
-  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]}"
+  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]}{'' if prefetch else '_nopf'}"
   qb, sbb = LAYOUT[ggml_type]
-  return name, _SOURCE % {"name": name, "pf": WEIGHT_PREFETCH, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled),
+  return name, _SOURCE % {"name": name, "pf": WEIGHT_PREFETCH if prefetch else 0, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled),
                           "KC": KC,
                           "RB": 64 if M > 4 * MT_MAX or (M > MT_MAX and not int8) else 1 << 30,
                           "tails": "\n".join(f"      case {i}: if ({i} < MT) TILE(out, w, x, m0, {i}, rb, re); break;" for i in range(1, MT_MAX)),

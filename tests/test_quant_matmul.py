@@ -384,25 +384,22 @@ def test_q5_fifth_bits_spread_in_lanes_give_the_byte_paths_bits(t, rows, out, bl
 
 @settings(max_examples=10, deadline=None)
 @given(t=st.sampled_from(TYPES), rows=st.integers(1, 40), int8=st.booleans(), parts=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_the_kernels_weight_prefetch_changes_no_bit(t, rows, int8, parts, seed):
+def test_the_kernels_weight_prefetch_changes_no_bit(t, rows, int8, parts, seed, tmp_path_factory):
   # the prefetch only asks for bytes ahead of the loads (past a part's rows, past the matrix: a hint, never a fault), so
-  # the kernel built without it gives the same bits: the decode kernels (float, the int8 ones) and the tiled one; and the
-  # built kernel has it (a source without it would pass the rest)
+  # the kernel built without it gives the same bits: the decode kernels (float, the int8 ones) and the tiled one, built as
+  # bench qmm builds them (the same C, clang with tinygrad's flags) and called on the same arrays
+  from bench.qmm import direct
   cols = cols_for(t)
   rng = np.random.default_rng(seed)
   b = random_blocks(48, cols, t, rng)
   x = rng.standard_normal((rows, cols), dtype=np.float32)
-  def run() -> np.ndarray:
-    return qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (48, cols), parts, tiled, int8=int8).numpy()
   tiled = None if int8 else rows > qmm.DECODE_MAX_M   # past a decode tile: the float tiled kernel (int8: its own choice)
-  assert qmm.WEIGHT_PREFETCH > 0 and "#define PF 0\n" not in qmm.kernel_source(t, rows, 48, cols, parts, tiled, int8)[1]
-  with_prefetch = run()
-  qmm.kernel_source.cache_clear()
-  try:
-    qmm.WEIGHT_PREFETCH, saved = 0, qmm.WEIGHT_PREFETCH
-    assert "#define PF 0\n" in qmm.kernel_source(t, rows, 48, cols, parts, tiled, int8)[1]
-    without = run()
-  finally:
-    qmm.WEIGHT_PREFETCH = saved
-    qmm.kernel_source.cache_clear()
-  np.testing.assert_array_equal(with_prefetch, without)
+  with_pf, without = (qmm.kernel_source(t, rows, 48, cols, 1, tiled, int8, prefetch=p) for p in (True, False))
+  assert qmm.WEIGHT_PREFETCH > 0 and f"#define PF {qmm.WEIGHT_PREFETCH}\n" in with_pf[1] and "#define PF 0\n" in without[1]
+  assert without[0] == with_pf[0] + "_nopf"
+  tmp = str(tmp_path_factory.mktemp("prefetch"))
+  outs = [np.full((rows, 48), np.nan, np.float32) for _ in range(2)]
+  for out, p in zip(outs, (True, False)): direct(t, rows, 48, cols, int8, out, b, x, tmp, tiled, prefetch=p)()
+  np.testing.assert_array_equal(outs[0], outs[1])
+  np.testing.assert_allclose(outs[0], qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (48, cols), parts, tiled,
+                                                       int8=int8).numpy(), rtol=1e-6, atol=1e-6 * np.abs(outs[0]).max())
