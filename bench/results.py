@@ -7,7 +7,7 @@ tests/test_docs.py fails when a table does not match its file.
 A result is published only when the machine was quiet: the load average over the minute before the run below 1 (no
 other work sharing the cores; the benchmark's own processes come after). A run that was not quiet is saved with
 `"quiet": false`, and the test refuses such a file under docs/results/."""
-import contextlib, io, json, os, pathlib, platform, re, subprocess, sys, threading, time
+import contextlib, io, json, os, pathlib, platform, re, shlex, subprocess, sys, threading, time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -85,7 +85,7 @@ def run_and_save(name: str, module, argv: list[str], out: str | None) -> int:
     return rc or 1
   data = json.loads(lines[-1])
   path = pathlib.Path(out) if out else RESULTS / f"{name}.json"     # a result is named by its file: one benchmark may give several
-  result = {"name": path.stem, "command": " ".join(["tinyhet", "bench", name, *argv]), "date": date, "commit": commit(), "machine": machine(),
+  result = {"name": path.stem, "command": shlex.join(["tinyhet", "bench", name, *argv]), "date": date, "commit": commit(), "machine": machine(),
             "load_before": round(watch.before, 2), "load_max": round(watch.max, 2), "quiet": watch.before < QUIET_LOAD, "data": data}
   path.parent.mkdir(parents=True, exist_ok=True); path.write_text(json.dumps(result, indent=1) + "\n")
   busy = f" (load average {watch.before:.1f} before the run: other work shared the cores, not publishable)"

@@ -75,6 +75,9 @@ def test_save_writes_the_figures_with_their_provenance(tmp_path, capsys):
   r = json.loads(out.read_text())
   assert r["name"] == "probe" and r["command"] == "tinyhet bench probe --rounds 1"
   assert r["data"]["rows"] == [{"rows_done": 3, "rate": 12.5}]                  # --json was added
+  # the command as a shell takes it: an empty argument (--prompts '') stays one
+  assert results.run_and_save("probe", bench, ["--prompts", "", "--rounds", "1"], str(out)) == 0
+  assert json.loads(out.read_text())["command"] == "tinyhet bench probe --prompts '' --rounds 1"
   assert r["machine"]["cores"] >= 1 and isinstance(r["quiet"], bool) and r["load_max"] >= 0
   table = results.render(r)
   assert table.splitlines()[0] == "| rows_done | rate |" and "| 3 | 12.5 |" in table and "tinyhet bench probe --rounds 1" in table
