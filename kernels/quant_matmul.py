@@ -430,10 +430,11 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
   # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
   int8 = 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
-  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]}{'' if prefetch else '_nopf'}"
+  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]}"
+  name += "" if prefetch else "_nopf"
   qb, sbb = LAYOUT[ggml_type]
-  return name, _SOURCE % {"name": name, "pf": WEIGHT_PREFETCH if prefetch else 0, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb, "parts": parts, "tiled": int(tiled),
-                          "KC": KC,
+  return name, _SOURCE % {"name": name, "pf": WEIGHT_PREFETCH if prefetch else 0, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb,
+                          "parts": parts, "tiled": int(tiled), "KC": KC,
                           "RB": 64 if M > 4 * MT_MAX or (M > MT_MAX and not int8) else 1 << 30,
                           "tails": "\n".join(f"      case {i}: if ({i} < MT) TILE(out, w, x, m0, {i}, rb, re); break;" for i in range(1, MT_MAX)),
                           "micro_tails": "\n".join(f"        case {i}: if ({i} < MR) micro(out, wf, x, m0, {i}, n0, nr, k0, kc); break;"
@@ -448,6 +449,7 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
 def rounding_kernel(name: str, ggml_type: int, M: int, K: int, parts: int) -> tuple[str, str, int] | None:
   """(function name, C source, output bytes) of the kernel that rounds x once before the kernel `name` (the int8 and bf16
   tiled kernels read x rounded as their third argument), split over x's rows in `parts` parts; None: `name` reads x itself."""
+  name = name.removesuffix("_nopf")   # the same kernel without its prefetch reads the same rounded x
   if name.endswith("_int8t"): return *int8_gemm.round_source(ggml_type, M, K, parts), int8_gemm.rounded_bytes(ggml_type, M, K)
   return (*bf16_gemm.round_source(M, K, parts), bf16_gemm.rounded_bytes(M, K)) if name.endswith("_bf16t") else None
 
