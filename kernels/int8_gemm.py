@@ -172,17 +172,7 @@ INLINE void micro8(float *restrict out, const u8 *restrict wq, const float *rest
   }
 }
 
-/* rows n0..n0+nr of W, columns k0..k0+kc, asked of memory into L2 (the next panel's, while this one is multiplied). A step
-   reads each matrix once, from memory, and a panel's 16 short row segments, fetched only when unpacked, stall it: measured
-   with a rotating set of matrices as large as a model (bench qmm --cold), this kernel took far longer than on one matrix read
-   again and again without this, much of the gap closed with it (one panel ahead, not two; into L2, not L1; the bf16 kernel's panels,
-   whole lines of 16 long row segments, and the float tiled kernel, bound by its arithmetic, gained nothing from it) */
-INLINE void prefetch_rows(const u8 *restrict w, int n0, int nr, int k0, int kc) {
-  const size_t b0 = (size_t)(k0 / QB) * SBB, b1 = (size_t)((k0 + kc) / QB) * SBB;
-  for (int n = 0; n < nr; n++) for (size_t b = b0; b < b1; b += 64) __builtin_prefetch(w + (size_t)(n0 + n) * ROWB + b, 0, 2);
-}
-
-/* xr: x rounded by the rounding kernel (round_source) */
+/* xr: x rounded by the rounding kernel (round_source); prefetch_panel: kernels/quant_matmul.py's source, which holds this one */
 INLINE void tiled8(float *restrict out, const u8 *restrict w, const u8 *restrict xr, int r0, int r1) {
   const i8 *xq = (const i8 *)xr;
   const float *xd = (const float *)(xq + (size_t)M * XK), *xs = xd + (size_t)M * (K / 32);
@@ -192,7 +182,7 @@ INLINE void tiled8(float *restrict out, const u8 *restrict w, const u8 *restrict
     for (int k0 = 0; k0 < K; k0 += KC) {
       const int kc = K - k0 < KC ? K - k0 : KC;
       panel8(wq, ws, wm, w, n0, nr, k0, kc);
-      if (n0 + NR8 < r1) prefetch_rows(w, n0 + NR8, r1 - n0 - NR8 < NR8 ? r1 - n0 - NR8 : NR8, k0, kc);
+      if (n0 + NR8 < r1) prefetch_panel(w, n0 + NR8, r1 - n0 - NR8 < NR8 ? r1 - n0 - NR8 : NR8, k0, kc);
       int m0 = 0;
       for (; m0 + MR8 <= M; m0 += MR8) micro8(out, wq, ws, wm, xq, xd, xs, m0, MR8, n0, nr, k0, kc);
       switch (M - m0) {

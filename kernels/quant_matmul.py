@@ -248,10 +248,13 @@ INLINE void micro(float *restrict out, const float *restrict wf, const float *re
   }
 }
 
-/* rows n0..n0+nr of W, columns k0..k0+kc, asked of memory into L2: the next panel's rows, while this one is multiplied (as
-   int8_gemm.py's prefetch_rows). Measured (one core, ctypes, 1536 x 576 and 576 x 1536, weights cold: a rotating 512 MB of
-   copies): at 16 rows of x F16 641 -> 502 us, Q8_0 546 -> 420, Q4_K 525 -> 430 (hot 330-430); at 64 rows 1.03-1.1x. Into
-   L1, or before the panel is built, gained less */
+/* rows n0..n0+nr of W, columns k0..k0+kc, asked of memory into L2: the next panel's rows, while this one is multiplied (the
+   float tiled kernel here and int8_gemm.py's tiled8). A step reads each matrix once, from memory, and a panel's 16-32 short
+   row segments, fetched only when unpacked, stall it. Measured (one core, ctypes, weights cold: a rotating set of matrices
+   as large as a model): the int8 kernel much of its gap to the hot figure closed (one panel ahead, not two; into L2, not
+   L1); the float kernel, 1536 x 576 and 576 x 1536, at 16 rows of x F16 641 -> 502 us, Q8_0 546 -> 420, Q4_K 525 -> 430
+   (hot 330-430), at 64 rows 1.03-1.1x (into L1, or before the panel is built, gained less). The bf16 kernel's panels,
+   whole lines of 16 long row segments, gained nothing from it */
 INLINE void prefetch_panel(const u8 *restrict w, int n0, int nr, int k0, int kc) {
   const size_t b0 = (size_t)(k0 / QB) * SBB, b1 = (size_t)((k0 + kc) / QB) * SBB;
   for (int n = 0; n < nr; n++) for (size_t b = b0; b < b1; b += 64) __builtin_prefetch(w + (size_t)(n0 + n) * ROWB + b, 0, 2);
