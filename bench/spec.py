@@ -14,13 +14,15 @@ first, and each row is decoded once untimed, then --rounds times (default 3) tim
 each mode's best pass kept (the untimed pass compiles its prompts' prefill and lets the policy measure the step
 costs it needs: one engine.step_costs.StepCosts for the whole run, as a node keeps one; and one SpecPolicy per task and
 batch for both passes, each sequence forgotten when it ends, so the timed pass starts from the acceptance figure the
-untimed one left, as a node that has served such requests before). ngram drafts through the adaptive
-policy (engine/spec_policy.py) unless --fixed, which verifies every n-gram draft whole, up to k. The `draft` mode (a smaller
-draft model) is not built."""
+untimed one left, as a node that has served such requests before; one a mode). ngram drafts through the adaptive
+policy (engine/spec_policy.py) unless --fixed, which verifies every n-gram draft whole, up to k. With --draft-model F the
+`draft` mode runs too: F (a smaller model of the same tokenizer, e.g. the embedded Q4_1 file drafting for an F16 one)
+drafts greedily through its own paged pool (engine/draft_model.py), its steps timed inside the mode's decode time, its
+buckets up to 128 rows captured first."""
 from __future__ import annotations
 import argparse, json, sys, time
 
-MODES = ("off", "ngram")
+MODES = ("off", "ngram", "draft")
 
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(prog="tinyhet bench spec", description=__doc__.split("\n\n")[0])
@@ -33,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--tasks", default="copy,chat", help="comma-separated tasks: copy, chat")
   ap.add_argument("--max-prompt", type=int, default=0, help="cut each prompt to its last N tokens (0: whole; for quick checks)")
   ap.add_argument("--rounds", type=int, default=3, help="timed passes of each mode, alternating, the best kept (default 3)")
-  ap.add_argument("--fixed", action="store_true", help="no policy: verify every n-gram draft whole, up to k (the old behaviour)")
+  ap.add_argument("--fixed", action="store_true", help="no policy: verify every draft whole, up to k (the old behaviour)")
+  ap.add_argument("--draft-model", default=None, help="a smaller model of the same tokenizer (GGUF or Hugging Face directory; "
+                  "'embedded': the embedded SmolLM2 Q4_1): adds the draft mode's rows (default: none)")
   ap.add_argument("--json", action="store_true")
   args = ap.parse_args(argv)
   from tinyhet.bench.spec_prompts import TASKS
@@ -47,12 +51,24 @@ def main(argv: list[str] | None = None) -> int:
   from tinyhet.engine.decode_engine import BATCH_BUCKETS, batch_bucket
   from tinyhet.model.spec import load, model_id
   model, tok, name = load(args.model, "MESH", quiet=True, packed=True)
+  modes = MODES if args.draft_model else MODES[:2]
+  draft = None
+  if args.draft_model:
+    from tinyhet.engine.draft_model import DraftModel, same_tokenizer
+    from tinyhet.model.weights import embedded_model_path
+    path = str(embedded_model_path()) if args.draft_model == "embedded" else args.draft_model
+    dmodel, dtok, dname = load(path, "MESH", quiet=True, packed=True)
+    if (why := same_tokenizer(tok, dtok)) is not None:
+      raise SystemExit(f"tinyhet bench spec: --draft-model {args.draft_model}: its tokenizer is not the model's: {why}")
   prompts = {t: [cut(tok.encode_chat([{"role": "user", "content": p}]), args.max_prompt) for p in TASKS[t]] for t in tasks}
   longest = max(len(p) for ps in prompts.values() for p in ps)
   if longest + args.new_tokens + args.k > model.cfg.max_context:
     raise SystemExit(f"tinyhet bench spec: prompts of {longest} tokens + {args.new_tokens} new tokens exceed the model's context "
                      f"({model.cfg.max_context}): pass fewer --new-tokens or --max-prompt")
   engine = make_engine(model, max(batches), longest + args.new_tokens + args.k)
+  if args.draft_model:
+    draft = DraftModel(dmodel, engine.cache.block_manager.num_blocks - 1, engine.cache.block_size, dname)
+    draft.engine.warm_up([b for b in BATCH_BUCKETS if b <= 128])
   from tinyhet.engine.step_costs import StepCosts
   costs = StepCosts(engine)
   rows = []
@@ -63,25 +79,27 @@ def main(argv: list[str] | None = None) -> int:
       groups = [[prompts[task][i % len(prompts[task])] for i in range(j, j + B)] for j in range(0, max(B, len(prompts[task])), B)]
       base = None
       from tinyhet.engine.spec_policy import SpecPolicy
-      policy = None if args.fixed else SpecPolicy()
+      policies = {mode: None if args.fixed else SpecPolicy() for mode in modes}
       # every bucket a step of this batch may run at captured first (a bucket met once in a run would capture in the timed one)
       engine.warm_up([b for b in BATCH_BUCKETS if b <= batch_bucket(B * (args.k + 1))])
-      for mode in MODES: decode_all(engine, groups, args.new_tokens, mode, args.k, costs, policy)    # untimed: the prompts' prefill compiles
+      for mode in modes:       # untimed: the prompts' prefill compiles
+        decode_all(engine, groups, args.new_tokens, mode, args.k, costs, policies[mode], draft)
       # the modes' timed passes alternate, each mode's best kept: a machine that speeds up or slows down over the run moves
       # both modes' figures, not one of them
       best: dict[str, tuple[float, float]] = {}     # mode -> (tokens/s, accept length) of its fastest pass
-      equal = dict.fromkeys(MODES, True)              # mode -> every pass's tokens equal off's first pass
+      equal = dict.fromkeys(modes, True)              # mode -> every pass's tokens equal off's first pass
       for _ in range(args.rounds):
-        for mode in MODES:
-          toks, rate, accept = decode_all(engine, groups, args.new_tokens, mode, args.k, costs, policy)
+        for mode in modes:
+          toks, rate, accept = decode_all(engine, groups, args.new_tokens, mode, args.k, costs, policies[mode], draft)
           base = toks if base is None else base       # off runs first
           equal[mode] = equal[mode] and toks == base
           if rate > best.get(mode, (0.0,))[0]: best[mode] = (rate, accept)
-      for mode in MODES:
+      for mode in modes:
         rate, accept = best[mode]
         rows.append({"task": task, "mode": mode, "batch": B, "decode_tok_s": rate, "accept_len": accept, "tokens_equal": equal[mode]})
         if not args.json: print(f"{task} {mode} batch {B}: {rate:.2f} tok/s, accept length {accept:.2f}", file=sys.stderr, flush=True)
-  out = {"model": model_id(args.model) if args.model else name, "k": args.k, "new_tokens": args.new_tokens,
+  out = {"model": model_id(args.model) if args.model else name, "draft_model": draft.name if draft else None, "k": args.k,
+         "new_tokens": args.new_tokens,
          "policy": "fixed" if args.fixed else "adaptive", "step_ms": {b: round(t * 1e3, 3) for b, t in sorted(costs.seconds.items())},
          "rows": rows}
   print(json.dumps(out) if args.json else table(out))
@@ -98,25 +116,28 @@ def make_engine(model, max_batch: int, seq_tokens: int):
                        max_seq_len=cfg.max_context)
   return DecodeEngine(model, cache)
 
-def decode_all(engine, groups: list[list[list[int]]], new: int, mode: str, k: int, costs=None, policy=None) -> tuple[list[list[int]], float, float]:
+def decode_all(engine, groups: list[list[list[int]]], new: int, mode: str, k: int, costs=None, policy=None,
+               draft=None) -> tuple[list[list[int]], float, float]:
   """decode() of each group of prompts in turn: (every row's tokens, decode tokens/s over all the groups' decode time,
   accept length over all their steps)."""
   toks, elapsed, steps, accepted = [], 0.0, 0, 0
   for prompts in groups:
-    t, seconds, n, a = decode(engine, prompts, new, mode, k, costs, policy)
+    t, seconds, n, a = decode(engine, prompts, new, mode, k, costs, policy, draft)
     toks, elapsed, steps, accepted = toks + t, elapsed + seconds, steps + n, accepted + a
   return toks, sum(len(g) for g in groups) * (new - 1) / elapsed, (accepted + steps) / steps if steps else 1.0
 
-def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=None, policy=None) -> tuple[list[list[int]], float, int, int]:
+def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=None, policy=None,
+           draft=None) -> tuple[list[list[int]], float, int, int]:
   """Greedy decode of every prompt to `new` tokens in one batch: (tokens, decode seconds, sequence-steps, drafts accepted
   over them; 0, 0 for off). costs: the
   StepCosts the speculative step prices drafts with (kept across runs: measured once). policy: the SpecPolicy that cuts
-  the drafts (None: every n-gram draft verified whole)."""
+  the drafts (None: every draft verified whole). draft: the DraftModel of mode draft."""
   from tinyhet.engine.prefill import prefill_first_token
   from tinyhet.engine.speculative import SpeculativeStep
   from tinyhet.model.sampling import Sampler, sample_batch
   cache, bm = engine.cache, engine.cache.block_manager
-  spec, samplers, toks = SpeculativeStep(engine, policy is not None, policy), [Sampler(0.0) for _ in prompts], [list(p) for p in prompts]
+  spec = SpeculativeStep(engine, policy is not None, policy, draft=draft)
+  samplers, toks = [Sampler(0.0) for _ in prompts], [list(p) for p in prompts]
   if costs is not None: spec.costs = costs
   try:
     for sid, p in enumerate(prompts):
@@ -128,7 +149,8 @@ def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=
       if mode == "off":
         logits = engine.step(live, [toks[i][-1] for i in live])
         draws = [[d] for d in sample_batch(logits, [samplers[i] for i in live], [len(toks[i]) for i in live], [toks[i] for i in live])]
-      else: draws = spec.step(live, [toks[i] for i in live], [samplers[i] for i in live], k, [new - (len(toks[i]) - len(prompts[i])) for i in live])
+      else: draws = spec.step(live, [toks[i] for i in live], [samplers[i] for i in live], k, [new - (len(toks[i]) - len(prompts[i])) for i in live],
+                              modes=[mode] * len(live))
       for i, ds in zip(live, draws): toks[i] += [d.token for d in ds]
     elapsed = time.perf_counter() - t0
   finally:
@@ -138,7 +160,8 @@ def decode(engine, prompts: list[list[int]], new: int, mode: str, k: int, costs=
   return [t[len(p):] for t, p in zip(toks, prompts)], elapsed, spec.steps, spec.accepted
 
 def table(out: dict) -> str:
-  lines = [f"tinyhet bench spec: {out['model']}, k {out['k']}, {out['new_tokens']} new tokens a row, greedy, {out['policy']} drafts",
+  drafter = f", draft model {out['draft_model']}" if out.get("draft_model") else ""
+  lines = [f"tinyhet bench spec: {out['model']}{drafter}, k {out['k']}, {out['new_tokens']} new tokens a row, greedy, {out['policy']} drafts",
            "step ms by batch bucket (measured, the policy's cost model): " + ", ".join(f"{b}: {t}" for b, t in out["step_ms"].items()),
            f"{'task':<6}{'mode':<7}{'batch':>6}{'decode tok/s':>14}{'accept len':>12}{'x off':>8}  tokens equal"]
   off = {(r["task"], r["batch"]): r["decode_tok_s"] for r in out["rows"] if r["mode"] == "off"}

@@ -527,3 +527,7 @@ def test_two_hosts_over_veth(model):
           p.stdin.close()
           p.wait(15)
         except (subprocess.TimeoutExpired, OSError): p.kill()
+
+def test_draft_mode_on_a_node_without_a_draft_model_says_so(cluster):
+  status, _, obj = cluster["router"].request("POST", "/v1/completions", {"prompt": prompt(3), "max_tokens": 4, "speculative": {"mode": "draft"}})
+  assert status == 400 and "needs a draft model" in obj["error"]["message"], (status, obj)

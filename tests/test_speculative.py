@@ -22,15 +22,15 @@ def llama(): return model.Llama(CFG, model.random_weights(CFG, seed=1))
 def shared_engine(llama):
   return DecodeEngine(llama, PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256))
 
-def run(llama, prompts, new, k, temperature=0.0, engine=None, adaptive=False, policy=None, capture=True):
+def run(llama, prompts, new, k, temperature=0.0, engine=None, adaptive=False, policy=None, capture=True, draft=None):
   """Tokens of each prompt (plain decode: k = 0), and the block manager after. engine: a DecodeEngine to decode with
   (default: a fresh one), whose pool holds no sequence 0..len(prompts)-1. adaptive: drafts cut by the policy (default: every
-  n-gram draft verified whole, so drafts are made and checked)."""
+  n-gram draft verified whole, so drafts are made and checked). draft: a DraftModel every sequence drafts with (mode "draft")."""
   if engine is None:
     cache = PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256)
     engine = DecodeEngine(llama, cache)
   cache, bm = engine.cache, engine.cache.block_manager
-  spec = SpeculativeStep(engine, adaptive=adaptive or policy is not None, policy=policy, capture=capture)
+  spec = SpeculativeStep(engine, adaptive=adaptive or policy is not None, policy=policy, capture=capture, draft=draft)
   toks = [list(p) for p in prompts]
   samplers = [Sampler(temperature, 1.0, seed=7 + i) for i in range(len(prompts))]
   for i, p in enumerate(prompts):
@@ -44,7 +44,7 @@ def run(llama, prompts, new, k, temperature=0.0, engine=None, adaptive=False, po
     limits = [new - (len(toks[i]) - len(prompts[i])) for i in live]
     if k:
       before, held = list(bm.free_ids), held_blocks(bm)
-      draws = spec.step(live, [toks[i] for i in live], [samplers[i] for i in live], k, limits)
+      draws = spec.step(live, [toks[i] for i in live], [samplers[i] for i in live], k, limits, modes=["draft"] * len(live) if draft else None)
       taken = held_blocks(bm) - held        # rejected drafts' blocks are back in their places in the free queue
       assert list(bm.free_ids) == [b for b in before if b not in taken]
     else:

@@ -76,7 +76,7 @@ class Config:
   warm_up: str = "background"            # background: a node builds every capture while idle | before: before it says ready | off
   kv_disk: str = ""                      # a decode node's KV disk tier: the folder evicted cached blocks go to (tinyhet.kv.disk_tier); empty = none
   kv_disk_size: int = 64 << 30           # the disk tier's bound: past it the oldest segment files are deleted
-  speculative: str = "off"              # a decode node's default for requests that do not say: off | ngram (docs/speculative.md)
+  speculative: str = "off"              # a decode node's default for requests that do not say: off | ngram | draft (docs/speculative.md)
 
   def __post_init__(self): validate(self, "config")
 
@@ -140,7 +140,7 @@ def validate(cfg: Config, source: str):
     bad("pull_pool_bytes", "must be a size of 0 (every pulled prompt's pools sized to its bucket) or more (e.g. 1G)")
   if cfg.warm_up not in WARM_UP_MODES: bad("warm_up", f"is not one of {', '.join(WARM_UP_MODES)}")
   if not isinstance(cfg.kv_disk, str) or "\0" in cfg.kv_disk: bad("kv_disk", "must be a directory path")
-  if cfg.speculative not in ("off", "ngram"): bad("speculative", "is not one of off, ngram")
+  if cfg.speculative not in ("off", "ngram", "draft"): bad("speculative", "is not one of off, ngram, draft")
   if not isinstance(cfg.kv_disk_size, int) or isinstance(cfg.kv_disk_size, bool) or cfg.kv_disk_size < 1 << 20:
     bad("kv_disk_size", "must be at least 1 MiB (e.g. 512M, 200G)")
 

@@ -26,8 +26,10 @@ def parse_args(argv):
                   "full blocks cached until the pool needs them, and share them with requests whose prompt starts the same)")
   ap.add_argument("--kv-disk", default=None, help="a folder for the KV disk tier: cached blocks evicted from RAM are written there "
                   "and read back on a hit, across restarts (TINYHET_KV_DISK; default: none)")
-  ap.add_argument("--speculative", default=None, choices=("off", "ngram"),
+  ap.add_argument("--speculative", default=None, choices=("off", "ngram", "draft"),
                   help="speculative decoding for requests that do not set it (TINYHET_SPECULATIVE; default off; docs/speculative.md)")
+  ap.add_argument("--draft-model", default=None, help="a smaller model of the same tokenizer (GGUF file or Hugging Face directory) "
+                  "that drafts for requests of speculative mode draft, on this node (default: none)")
   ap.add_argument("--kv-disk-size", default=None, help="the disk tier's bound, e.g. 200G (TINYHET_KV_DISK_SIZE; default 64G)")
   ap.add_argument("--stdin-stop", action="store_true", help="exit when stdin closes (for a parent process that owns this node)")
   ap.add_argument("--quiet", action="store_true")
@@ -86,10 +88,13 @@ def serve(args, stop: threading.Event) -> int:
   from tinyhet.config import load_config, parse_bytes
   kv_bytes = parse_bytes(args.kv_memory, "--kv-memory")     # checked by parse_args, as --listen was
   host, _, port = args.listen.rpartition(":")
-  node, model, tok, model_id = start(args.model, kv_bytes, args.max_context, args.quiet, packed=not args.float_weights)
+  cfg = load_config(kv_disk=args.kv_disk, kv_disk_size=args.kv_disk_size, speculative=args.speculative)
+  if cfg.speculative == "draft" and not args.draft_model:
+    print("tinyhet node: --speculative draft needs a draft model: give --draft-model (a smaller model of the same tokenizer)", file=sys.stderr)
+    return 2
+  node, model, tok, model_id = start(args.model, kv_bytes, args.max_context, args.quiet, packed=not args.float_weights, draft=args.draft_model)
   from tinyhet.engine.decode_node import DecodeNode
   from tinyhet.kv.paged_cache import kv_blocks_for
-  cfg = load_config(kv_disk=args.kv_disk, kv_disk_size=args.kv_disk_size, speculative=args.speculative)
   try: blocks = kv_blocks_for(model.cfg, cfg.kv_block_size, cfg.kv_dtype, kv_bytes)
   except ValueError as e:                    # the smallest pool depends on the model: known only once it is loaded
     print(f"tinyhet node: --kv-memory {args.kv_memory}: {e}: give a bigger --kv-memory", file=sys.stderr)
@@ -103,6 +108,12 @@ def serve(args, stop: threading.Event) -> int:
   decode.tokenizer = tok                 # stop strings end sequences on the node
   from tinyhet.engine.speculative import DEFAULT_K
   decode.speculative = {"mode": cfg.speculative, "k": DEFAULT_K}     # the default of requests without a speculative field
+  if args.draft_model:
+    try: decode.draft = load_draft(args, model, tok, blocks, cfg.kv_block_size, kv_bytes)
+    except ValueError as e:
+      print(f"tinyhet node: --draft-model {args.draft_model}: {e}", file=sys.stderr)
+      return 2
+    if cfg.warm_up != "off": decode.draft.ready = set()       # it drafts at the buckets the warm-up has captured
   if cfg.kv_disk and not args.no_prefix_cache:
     from tinyhet.kv.disk_tier import DiskTier
     try: decode.disk = DiskTier(decode.cache, cfg.kv_disk, cfg.kv_disk_size)
@@ -138,6 +149,23 @@ def serve(args, stop: threading.Event) -> int:
     node.endpoint.close()
   return 0
 
+def load_draft(args, model, tok, blocks: int, block_size: int, kv_bytes: int):
+  """The node's DraftModel (engine/draft_model.py): args.draft_model on MESH, checked to share the model's tokenizer, its
+  pool as many blocks as the node's (at most kv_bytes of them). ValueError in one line where it cannot be one."""
+  from tinyhet.engine.draft_model import DraftModel, same_tokenizer
+  from tinyhet.kv.paged_cache import kv_blocks_for
+  from tinyhet.model import spec as service_model
+  from tinyhet.model.weights import WeightsError
+  try: draft, dtok, name = service_model.load(args.draft_model, "MESH", args.max_context or model.cfg.max_context, args.quiet, not args.float_weights)
+  except (OSError, WeightsError, service_model.ModelSpecError) as e: raise ValueError(str(e)) from None
+  if (why := same_tokenizer(tok, dtok)) is not None: raise ValueError(f"its tokenizer is not the model's: {why}")
+  if draft.cfg.vocab_size != model.cfg.vocab_size:
+    raise ValueError(f"its output has {draft.cfg.vocab_size} logits, not the model's {model.cfg.vocab_size}")
+  d = DraftModel(draft, min(blocks, kv_blocks_for(draft.cfg, block_size, "float16", kv_bytes)), block_size, name)
+  if not args.quiet: print(f"tinyhet node: draft model {name}: {draft.cfg.n_layers} layers, dim {draft.cfg.dim}, a pool of "
+                           f"{d.bm.num_blocks - 1} blocks", file=sys.stderr, flush=True)
+  return d
+
 def warm_report(quiet: bool):
   """on_warm for a node: one line on stderr once every capture is built (tinyhet.engine.warm_up)."""
   def report(status: dict):
@@ -158,14 +186,16 @@ def say_guarantees(node, trusted_writers, quiet: bool):
     lines.append(f"warning: trusted writers without a public key in peer_keys or the cluster file: {', '.join(unbound)}")
   for line in lines: print(f"tinyhet node {node.name}: {line}", file=sys.stderr, flush=True)
 
-def start(model_path, kv_bytes: int, max_context: int | None, quiet: bool, packed: bool = True):
-  """Size MESH's arena for the weights, the KV pool and activations, then load the model onto MESH."""
+def start(model_path, kv_bytes: int, max_context: int | None, quiet: bool, packed: bool = True, draft=None):
+  """Size MESH's arena for the weights, the KV pool and activations (and a draft model's weights and pool, at most the
+  KV pool's size), then load the model onto MESH."""
   import tinyhet  # noqa: F401  (HET and MESH)
   from tinyhet.config import load_config
   from tinyhet.device.memory import LocalNode
   import tinyhet.device.memory as memory
   from tinyhet.model import spec as service_model
   need = service_model.weights_nbytes(model_path, packed) + kv_bytes + (1 << 30)
+  if draft: need += service_model.weights_nbytes(draft, packed) + kv_bytes
   cfg = load_config()
   memory._node = node = LocalNode(load_config(arena_bytes=max(cfg.arena_bytes, need)))
   model, tok, model_id = service_model.load(model_path, "MESH", max_context, quiet, packed)   # a file, or random: for tests

@@ -73,6 +73,7 @@ class DecodeNode:
     self.limbo: dict[int, Sequence] = {}    # released before all layers landed while its writer may still copy (shm, verbs)
     self.rejected_notices, self.disk = 0, None  # disk: the KV disk tier (tinyhet.kv.disk_tier), or None
     self.speculative, self.spec = {"mode": "off", "k": DEFAULT_K}, None   # requests' default; the SpeculativeStep (engine.speculative_rows)
+    self.draft = None                       # a DraftModel (engine/draft_model.py) for mode "draft", or None (tinyhet node --draft-model)
     self.prefills = self.prefilled_tokens = 0   # prefills run here and the prompt tokens they computed (a prefix hit's are not)
     self.can_submit = False                 # decode.submit is served here too (tinyhet.service.node_roles installs it)
     self.between_steps = None               # called by run() before each step, without the lock: other work on the model's thread
@@ -100,6 +101,7 @@ class DecodeNode:
             "rejected_notices": self.rejected_notices, "prefix_cache": bm.prefix_cache, "cached_blocks": bm.num_cached, "submit": self.can_submit,
             "prefix_queried_tokens": bm.queried_tokens, "prefix_hit_tokens": bm.matched_tokens, "preemptions": self.scheduler.num_preemptions,
             "prefills": self.prefills, "prefilled_tokens": self.prefilled_tokens, **(self.disk.status() if self.disk else {}),
+            "speculative": self.speculative["mode"], "draft_model": self.draft.name if self.draft else None,
             "peak_used_blocks": peak, "connection_sequences": len(conn.state.get("seqs", {})), "connection_cleanups": len(conn.cleanups)}
 
   def _serve_lookup(self, conn, prompt_ids: list[int], cache_salt: str = "") -> dict:

@@ -47,6 +47,7 @@ from __future__ import annotations
 from typing import Callable
 from tinyhet.engine.decode_engine import BATCH_BUCKETS, batch_bucket
 
+DRAFT_N = 0          # the key a draft model's acceptance is kept under (an n-gram draft's is its match length, >= 1)
 BUCKETS = frozenset(BATCH_BUCKETS)
 def is_bucket(rows: int) -> bool:
   """Whether a step of rows fills its batch bucket (one more row runs at the next): batch_bucket(rows) == rows."""
@@ -81,10 +82,13 @@ class SpecPolicy:
     """seq_id is done: a probe it was given is dropped."""
     self.probing.pop(seq_id, None)
 
-  def plan(self, seq_ids: list[int], draft_lens: list[int], ns: list[int], cost: Callable[[int], float]) -> list[int]:
+  def plan(self, seq_ids: list[int], draft_lens: list[int], ns: list[int], cost: Callable[[int], float],
+           draft_cost: Callable[[int], float] | None = None) -> list[int]:
     """Tokens of each sequence's draft to verify (<= draft_lens[i], ns[i] the tail length it matched on): the choice with
     the most expected tokens per second of step time, cost(R) being a step of R rows. The probes (one token, at most one
-    for each n) due are kept."""
+    for each n) due are kept. A sequence with ns[i] == DRAFT_N drafts with a draft model after the plan (draft_lens[i]
+    the most it may draft): draft_cost(depth), the seconds its drafting of depth tokens takes, is added to the step's,
+    depth the most tokens any such sequence is given."""
     B = len(seq_ids)
     take = [0] * B
     self.probing = {}
@@ -100,17 +104,22 @@ class SpecPolicy:
     worth = sorted(((ps[i] ** m, i) for i, d in enumerate(draft_lens) for m in range(1 + probes[i], d + 1)), key=lambda w: -w[0])
     gain = sum(ps[i] for i, t in enumerate(probes) if t)
     R0, total = B + sum(probes), gain + sum(w for w, _ in worth)
-    if (base := cost(R0)) == float("inf"):       # even the probes' step is at a bucket the node cannot run now: no drafts
+    modeled, dc = [n == DRAFT_N for n in ns], draft_cost or (lambda depth: 0.0)
+    cur, depth = list(probes), max((t for t, m in zip(probes, modeled) if m), default=0)
+    if (base := cost(R0) + dc(depth)) == float("inf"):   # even the probes' step is at a bucket the node cannot run now: no drafts
       self.probing = {}
       return [0] * B
     best_r, best = 0, (B + gain) / base * (1 + self.margin)    # drafts must beat the plain step by margin
-    for r, (w, _) in enumerate(worth, 1):
+    for r, (w, i) in enumerate(worth, 1):
       gain += w
+      cur[i] += 1
+      if modeled[i]: depth = max(depth, cur[i])
       # a step costs its bucket's time: within a bucket more rows only add worth, so only a bucket's last row count is
-      # priced; and no larger step can beat best once all the worth left over the cheapest step's time does not
+      # priced (with a draft model's cost, every count: a deeper draft costs more); and no larger step can beat best
+      # once all the worth left over the cheapest step's time does not
       if (B + total) / base <= best * (1 + 1e-9): break
-      if r < len(worth) and not is_bucket(R0 + r): continue
-      if (rate := (B + gain) / cost(R0 + r)) > best * (1 + 1e-9): best_r, best = r, rate
+      if draft_cost is None and r < len(worth) and not is_bucket(R0 + r): continue
+      if (rate := (B + gain) / (cost(R0 + r) + dc(depth))) > best * (1 + 1e-9): best_r, best = r, rate
     for _, i in worth[:best_r]: take[i] += 1
     self.probing = {sid: n for sid, n in self.probing.items() if take[seq_ids.index(sid)] == 1}
     offered, taken = {n for n, d in zip(ns, draft_lens) if d}, {n for n, t in zip(ns, take) if t}

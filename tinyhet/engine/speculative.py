@@ -33,16 +33,17 @@ from __future__ import annotations
 import contextlib
 import time
 from tinyhet.engine.ngram_draft import NgramIndex
-from tinyhet.engine.spec_policy import SpecPolicy
+from tinyhet.engine.draft_model import MAX_PENDING
+from tinyhet.engine.spec_policy import DRAFT_N, SpecPolicy
 from tinyhet.engine.step_costs import StepCosts
 from tinyhet.model.sampling import sample_batch
 
-MODES = ("off", "ngram")
+MODES = ("off", "ngram", "draft")    # draft: a draft model's greedy tokens (engine/draft_model.py), on a node that has one
 MAX_K = DEFAULT_K = 8   # the most a sequence drafts a step; the policy cuts each draft to what pays (engine/spec_policy.py)
 MAX_INDEXES = 4096      # sequences whose n-gram table is kept (the oldest goes first: one never forgotten)
 
 def check_speculative(value) -> dict:
-  """A request's `speculative` field ({"mode": "off" | "ngram", "k": 1..8}), checked: ValueError in one line."""
+  """A request's `speculative` field ({"mode": "off" | "ngram" | "draft", "k": 1..8}), checked: ValueError in one line."""
   if not isinstance(value, dict) or set(value) - {"mode", "k"}:
     raise ValueError(f'speculative must be an object like {{"mode": "ngram", "k": 4}}, got {str(value)[:60]!r}')
   mode, k = value.get("mode", "ngram"), value.get("k", DEFAULT_K)
@@ -53,7 +54,7 @@ def check_speculative(value) -> dict:
 
 class SpeculativeStep:
   """Draft, verify in one multi-token step through the paged cache, keep the agreeing prefix, roll the rest back."""
-  def __init__(self, engine, adaptive: bool = True, policy: SpecPolicy | None = None, capture: bool = True):
+  def __init__(self, engine, adaptive: bool = True, policy: SpecPolicy | None = None, capture: bool = True, draft=None):
     self.engine, self.cache, self.bm = engine, engine.cache, engine.cache.block_manager
     self.drafted = self.accepted = self.steps = 0      # /metrics' counters: accept length = accepted / steps + 1
     self.verifies = self.plain_steps = 0               # engine steps run with drafts, and without (a plain decode step)
@@ -62,28 +63,49 @@ class SpeculativeStep:
     self.policy = (policy or SpecPolicy()) if adaptive else None
     self.costs = StepCosts(engine, capture=capture)     # capture False: only buckets captured already are planned (a node's)
     self.index: dict[int, NgramIndex] = {}             # seq_id -> its n-gram table (ngram_draft.NgramIndex)
+    self.draft = draft                                 # a DraftModel (engine/draft_model.py) for the sequences of mode "draft", or None
 
   def forget(self, seq_id: int):
     """seq_id is done: its n-gram table and any probe it was given go."""
     self.index.pop(seq_id, None)
     if self.policy is not None: self.policy.forget(seq_id)
+    if self.draft is not None: self.draft.forget(seq_id)
 
-  def drafts(self, seq_ids: list[int], token_lists: list[list[int]], ks: list[int], limits: list[int]) -> tuple[list[list[int]], list[int]]:
-    """Each sequence's draft and the tail length it matched on: its n-gram draft of up to ks[i] tokens and its limit (tokens
-    it may still take, less the one every step gives), cut by the policy where adaptive. Needs no lock (the policy may
-    time a step: StepCosts.measure)."""
+  def drafts(self, seq_ids: list[int], token_lists: list[list[int]], ks: list[int], limits: list[int],
+             modes: list[str] | None = None) -> tuple[list[list[int]], list[int]]:
+    """Each sequence's draft and the tail length it matched on (DRAFT_N for a draft model's): up to ks[i] tokens and its
+    limit (tokens it may still take, less the one every step gives), cut by the policy where adaptive. modes[i]: "ngram"
+    (the default) or "draft" (the draft model's, drafted after the plan, as long as the plan gives it). Needs no lock
+    (the policy may time a step: StepCosts.measure)."""
+    modes = modes or ["ngram"] * len(seq_ids)
+    if "draft" in modes and self.draft is None: raise ValueError('speculative mode "draft" needs a draft model (tinyhet node --draft-model)')
+    caps = [min(k, max(0, limit - 1), self.cache.max_seq_len - len(t)) for t, k, limit in zip(token_lists, ks, limits)]
+    modeled = [i for i, m in enumerate(modes) if m == "draft"]
+    pending = dict(zip(modeled, self.draft.sync([seq_ids[i] for i in modeled], [token_lists[i] for i in modeled]))) if modeled else {}
     out, ns = [], []
-    for sid, tokens, k, limit in zip(seq_ids, token_lists, ks, limits):
+    for i, (sid, tokens, cap) in enumerate(zip(seq_ids, token_lists, caps)):
+      if i in pending:               # drafted below; it may draft once the draft model has caught up with it
+        out.append([0] * (cap if pending[i] <= MAX_PENDING else 0))
+        ns.append(DRAFT_N)
+        continue
       if (ix := self.index.get(sid)) is None:
         if len(self.index) >= MAX_INDEXES: self.index.pop(next(iter(self.index)))
         ix = self.index[sid] = NgramIndex()
-      d, n = ix.draft(tokens, min(k, max(0, limit - 1), self.cache.max_seq_len - len(tokens)))
+      d, n = ix.draft(tokens, cap)
       out.append(d)
       ns.append(n)
+    take = [len(d) for d in out]
     if self.policy is not None:
-      take = self.policy.plan(seq_ids, [len(d) for d in out], ns, self.costs)
-      out = [d[:n] for d, n in zip(out, take)]
-    return out, ns
+      draft_cost = None
+      if modeled:
+        ready = [i for i in modeled if out[i]]
+        first = sum(pending[i] for i in ready)
+        draft_cost = lambda depth: self.draft.cost(depth, first, len(ready))    # noqa: E731
+      take = self.policy.plan(seq_ids, take, ns, self.costs, draft_cost)
+    if modeled:
+      made = self.draft.run([seq_ids[i] for i in modeled], [token_lists[i] for i in modeled], [take[i] for i in modeled])
+      for i, d in zip(modeled, made): out[i] = d
+    return [d[:n] for d, n in zip(out, take)], ns
 
   def fit(self, token_lists: list[list[int]], out: list[list[int]]) -> list[list[int]]:
     """The drafts cut so their slots fit the plain free blocks (no cached block evicted, nothing preempted); under the lock."""
@@ -95,9 +117,9 @@ class SpeculativeStep:
     return [d[:n] for d in out]
 
   def step(self, seq_ids: list[int], token_lists: list[list[int]], samplers: list, k: int | list[int], limits: list[int] | None = None,
-           stops: list[set] | None = None, lock=None) -> list[list]:
+           stops: list[set] | None = None, lock=None, modes: list[str] | None = None) -> list[list]:
     """Per sequence the Draws of its new tokens (1 + its accepted drafts). k: the most tokens a sequence drafts (one for all,
-    or one each). limits: tokens each may still take. stops: each
+    or one each). limits: tokens each may still take. modes: each one's drafter, "ngram" (default) or "draft". stops: each
     sequence's stop ids, after which nothing more is kept (cut before the rollback). lock: held while the block manager
     and the step's block tables are touched (the decode node's, whose other threads change them).
     The verify step is a decode step (DecodeEngine.step with counts) whose rows are each sequence's newest token and its
@@ -107,7 +129,7 @@ class SpeculativeStep:
     ks = list(k) if isinstance(k, (list, tuple)) else [k] * len(seq_ids)
     limits = limits or [kk + 1 for kk in ks]
     self.costs.lock = lock
-    drafts, ns = self.drafts(seq_ids, token_lists, ks, limits)
+    drafts, ns = self.drafts(seq_ids, token_lists, ks, limits, modes)
     with lock if lock is not None else contextlib.nullcontext():
       drafts = self.fit(token_lists, drafts)
       for sid, d in zip(seq_ids, drafts):

@@ -87,9 +87,12 @@ class WarmUp:
     prefill = prefill_items(model, cache.kv_dtype, None if prefill_jobs else chunk)
     suffix = [("suffix", C, lambda C=C: warm_suffix(model, cache, C)) for C in (chunk, *below_chunk(chunk))]
     pulled = pulled_items(model, cache.kv_dtype, cache.block_size) if prefill_jobs else []    # its prefill jobs pull prefixes too
+    # a draft model's decode step at every bucket a draft step may take: the drafting rows and the catch-up rows of one
+    draft = [] if decode.draft is None else [("draft", B, lambda B=B: decode.draft.warm(B))
+                                             for B in BATCH_BUCKETS if B <= max(top, batch_bucket(decode.draft.catch_up))]
     # the batch of one and the longest prefill and chunk first (every shorter prompt can run there meanwhile), then the
     # rest smallest first
-    return WarmUp(model, steps[:1] + prefill[:1] + suffix[:1] + prefill[1:] + steps[1:] + suffix[1:] + pulled)
+    return WarmUp(model, steps[:1] + prefill[:1] + suffix[:1] + prefill[1:] + steps[1:] + suffix[1:] + pulled + draft)
 
 def chunk_of(model) -> int:
   from tinyhet.model.llama import _config_chunk
