@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
   out = {"model": model_id(args.model) if args.model else name, "draft_model": draft.name if draft else None, "k": args.k,
          "new_tokens": args.new_tokens,
          "policy": "fixed" if args.fixed else "adaptive", "step_ms": {b: round(t * 1e3, 3) for b, t in sorted(costs.seconds.items())},
+         **({"draft_step_ms": {b: round(t * 1e3, 3) for b, t in sorted(draft.costs.seconds.items())}} if draft else {}),
          "rows": rows}
   print(json.dumps(out) if args.json else table(out))
   return 0
@@ -163,6 +164,8 @@ def table(out: dict) -> str:
   drafter = f", draft model {out['draft_model']}" if out.get("draft_model") else ""
   lines = [f"tinyhet bench spec: {out['model']}{drafter}, k {out['k']}, {out['new_tokens']} new tokens a row, greedy, {out['policy']} drafts",
            "step ms by batch bucket (measured, the policy's cost model): " + ", ".join(f"{b}: {t}" for b, t in out["step_ms"].items()),
+           *(["draft model's step ms by batch bucket: " + ", ".join(f"{b}: {t}" for b, t in out["draft_step_ms"].items())]
+             if out.get("draft_step_ms") else []),
            f"{'task':<6}{'mode':<7}{'batch':>6}{'decode tok/s':>14}{'accept len':>12}{'x off':>8}  tokens equal"]
   off = {(r["task"], r["batch"]): r["decode_tok_s"] for r in out["rows"] if r["mode"] == "off"}
   for r in out["rows"]:

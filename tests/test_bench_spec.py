@@ -21,3 +21,16 @@ def test_bench_spec_refuses_a_bad_k():
 def test_bench_spec_refuses_no_rounds():
   out = subprocess.run([sys.executable, "-m", "tinyhet.bench", "spec", "--rounds", "0"], capture_output=True, text=True, timeout=60)
   assert out.returncode != 0 and "--rounds must be at least 1" in out.stderr and "Traceback" not in out.stderr
+
+def test_bench_spec_draft_model_rows():
+  """--draft-model adds the draft mode's rows; the model drafting for itself with every draft verified (--fixed): its
+  tokens equal off's and its drafts are kept."""
+  spec = "random:max_context=256"
+  out = subprocess.run([sys.executable, "-m", "tinyhet.bench", "spec", "--model", spec, "--draft-model", spec, "--fixed", "--batch", "1",
+                        "--k", "3", "--tasks", "chat", "--new-tokens", "12", "--max-prompt", "48", "--rounds", "1", "--json"],
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  r = json.loads(out.stdout.strip().splitlines()[-1])
+  rows = {x["mode"]: x for x in r["rows"]}
+  assert set(rows) == {"off", "ngram", "draft"} and r["draft_model"].startswith("random:") and r["policy"] == "fixed"
+  assert rows["draft"]["tokens_equal"] is True and rows["draft"]["accept_len"] > 2.0

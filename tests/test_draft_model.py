@@ -100,3 +100,17 @@ def test_other_tokenizers_are_named():
   b = ByteTokenizer()
   b.vocab_size = 300
   assert "vocabularies of 256 and 300" in same_tokenizer(ByteTokenizer(), b)
+
+def test_a_prompt_is_fed_to_the_draft_only_where_it_pays(llama):
+  """The catch-up rule against set step costs (the node measures its own): a cheap draft's catch-up of 100 tokens pays
+  for a sequence with 100 tokens to go and not for one with 10; a draft as dear as the model never pays."""
+  from tinyhet.engine.spec_policy import SpecPolicy
+  from tinyhet.engine.speculative import SpeculativeStep
+  draft = DraftModel(llama, 64, 8)
+  spec = SpeculativeStep(engine(llama), policy=SpecPolicy(draft_prior=0.6), draft=draft)
+  spec.costs = lambda rows: 0.010 * max(1.0, rows / 8)        # a plain step: 10 ms up to 8 rows
+  draft.price = lambda rows: 0.002 * max(1.0, rows / 4)       # a draft step: 2 ms up to 4 rows
+  assert spec.policy.draft_gain(1, 8, spec.costs, draft.price) > 0.002
+  assert spec.catch_up_pays(100, 100, 1, 8) and not spec.catch_up_pays(100, 10, 1, 8)
+  draft.price = lambda rows: 0.010 * max(1.0, rows / 8)
+  assert spec.policy.draft_gain(1, 8, spec.costs, draft.price) == 0 and not spec.catch_up_pays(100, 10 ** 6, 1, 8)

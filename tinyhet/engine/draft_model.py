@@ -110,9 +110,10 @@ class DraftModel:
       self.forget(old)
     return True
 
-  def run(self, seq_ids: list[int], token_lists: list[list[int]], takes: list[int]) -> list[list[int]]:
+  def run(self, seq_ids: list[int], token_lists: list[list[int]], takes: list[int], catch_up: list[bool] | None = None) -> list[list[int]]:
     """Each sequence's greedy draft of takes[i] tokens (after sync: the pool holds its tokens but its pending tail);
-    sequences taking none are fed part of their tail (catch-up rows) within the step's budget."""
+    sequences taking none are fed part of their tail (catch-up rows) within the step's budget, where catch_up[i] (default
+    all)."""
     keep, drafts, takes = set(seq_ids), [[] for _ in seq_ids], list(takes)
     feed, budget = [0] * len(seq_ids), min(self.catch_up, self.most_rows())
     for i, (sid, tokens, t) in enumerate(zip(seq_ids, token_lists, takes)):     # drafting rows first, whole
@@ -120,7 +121,7 @@ class DraftModel:
       if t > 0 and pend <= budget and self.room(sid, pend + t - 1, keep): feed[i], budget = pend, budget - pend
       else: takes[i] = 0
     for i, (sid, tokens) in enumerate(zip(seq_ids, token_lists)):               # then catch-up rows, as the budget allows
-      if takes[i] or budget <= 0: continue
+      if takes[i] or budget <= 0 or catch_up is not None and not catch_up[i]: continue
       n = min(len(tokens) - len(self.fed[sid]), budget)
       if n > 0 and self.room(sid, n, keep): feed[i], budget = n, budget - n
     rows = [(i, tokens[len(self.fed[sid]):len(self.fed[sid]) + feed[i]]) for i, (sid, tokens) in enumerate(zip(seq_ids, token_lists)) if feed[i]]

@@ -55,8 +55,10 @@ def is_bucket(rows: int) -> bool:
 
 class SpecPolicy:
   """The node's acceptance estimate for each match length, and the rows-vs-time choice of each step's drafts."""
-  def __init__(self, prior: float = 0.3, decay: float = 0.02, probe_every: int = 16, max_probe_gap: int = 256, margin: float = 0.05):
+  def __init__(self, prior: float = 0.3, decay: float = 0.02, probe_every: int = 16, max_probe_gap: int = 256, margin: float = 0.05,
+               draft_prior: float = 0.6):
     self.prior, self.decay, self.probe_every, self.max_probe_gap, self.margin = prior, decay, probe_every, max_probe_gap, margin
+    self.draft_prior = draft_prior           # a draft model's starting estimate: it was chosen to agree with its target
     self.acc: dict[int, float] = {}          # n -> decayed sum of accepted tokens over verifies of n-matched drafts
     self.tried: dict[int, float] = {}        # n -> decayed sum of positions tried (accepted + the rejected one)
     self.idle: dict[int, int] = {}           # n -> steps with an n-matched draft but none taken
@@ -65,7 +67,9 @@ class SpecPolicy:
 
   def p(self, n: int) -> float:
     """The estimated chance a drafted token is kept (after the ones before it were), its draft matched on n tokens."""
-    return min(self.acc.get(n, self.prior) / self.tried.get(n, 1.0), 0.999)
+    return min(self.acc.get(n, self.prior_of(n)) / self.tried.get(n, 1.0), 0.999)
+
+  def prior_of(self, n: int) -> float: return self.draft_prior if n == DRAFT_N else self.prior
 
   def update(self, seq_id: int, n: int, tried: int, accepted: int):
     """After a verify of `tried` positions of seq_id's n-matched draft, of which the first `accepted` were kept (tried =
@@ -75,12 +79,20 @@ class SpecPolicy:
       del self.probing[seq_id]
       self.gap[n] = self.probe_every if accepted else min(2 * self.gap.get(n, self.probe_every), self.max_probe_gap)
     keep = 1 - self.decay
-    self.acc[n] = keep * self.acc.get(n, self.prior) + accepted
+    self.acc[n] = keep * self.acc.get(n, self.prior_of(n)) + accepted
     self.tried[n] = keep * self.tried.get(n, 1.0) + tried
 
   def forget(self, seq_id: int):
     """seq_id is done: a probe it was given is dropped."""
     self.probing.pop(seq_id, None)
+
+  def draft_gain(self, B: int, k: int, cost: Callable[[int], float], draft_step: Callable[[int], float]) -> float:
+    """Seconds a draft model would save per token of a sequence in a batch of B, by the estimate p(DRAFT_N): a plain step
+    of B rows against the best draft depth d <= k (B * (d + 1) rows verified after d draft steps of B rows, for
+    1 + p + ... + p^d tokens a sequence); 0 where no depth beats the plain step."""
+    p, plain = self.p(DRAFT_N), cost(B)
+    best = min((cost(B * (d + 1)) + d * draft_step(B)) / sum(p ** m for m in range(d + 1)) for d in range(1, k + 1))
+    return max(0.0, plain - best)
 
   def plan(self, seq_ids: list[int], draft_lens: list[int], ns: list[int], cost: Callable[[int], float],
            draft_cost: Callable[[int], float] | None = None) -> list[int]:
