@@ -2,7 +2,7 @@
 test.cached: every cached block's bytes; test.fail: make the next prefill or decode step fail; test.withdraw_reads: take
 back a reservation's read grants) and decode.submit, and a writer that plays the prefill node's part by hand (reserve,
 write layers, generate) with its own name, endpoint and registered memory."""
-import json, os, subprocess, sys
+import json, os, subprocess, sys, time
 import numpy as np
 from tinyhet.config import load_config
 from tinyhet.kv.notices import notice_value
@@ -91,6 +91,18 @@ class DecodeNodeProcess:
     self.proc.stdin.close()
     try: self.proc.wait(30)
     except subprocess.TimeoutExpired: self.proc.kill()
+
+def writer_when_free(name: str, address: str, within: float = 30.0) -> "Writer":
+  """A Writer under name once the node has let go of the connections an earlier Writer of that name (another key) held:
+  the node drops a closed connection's name in the background, so a test's fresh peer of the last test's name waits
+  for that, not for a fixed time."""
+  from tinyhet.runtime.transport import TransportError
+  deadline = time.monotonic() + within
+  while True:
+    try: return Writer(name, address)
+    except TransportError as e:
+      if "held by another live connection" not in str(e) or time.monotonic() > deadline: raise
+      time.sleep(0.05)
 
 class Writer:
   """One peer: a control connection and a transport link to the decode node, and 1 MiB of its own registered memory."""

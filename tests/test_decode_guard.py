@@ -6,7 +6,7 @@ import pytest
 from tinyhet.kv.notices import notice_value
 from tinyhet.runtime.control import ControlError
 from tinyhet.runtime.transport import TransportError
-from decode_util import Writer, clean_request, generate, kv_bytes
+from decode_util import Writer, clean_request, generate, kv_bytes, writer_when_free
 from test_e2e import SMALL
 
 @pytest.fixture
@@ -14,7 +14,7 @@ def node(guarded_node): return guarded_node
 
 @pytest.fixture
 def alice(node):
-  w = Writer("alice", node.address)
+  w = writer_when_free("alice", node.address)      # the last test's alice (another key) may still be let go of
   yield w
   w.close()
 
@@ -27,7 +27,7 @@ def settle(w: Writer, within: float = 60.0, **want) -> dict:
     time.sleep(0.05)
 
 def test_a_reservation_is_writable_only_by_its_peer_and_only_in_its_blocks(node, alice):
-  mallory = Writer("mallory", node.address)
+  mallory = writer_when_free("mallory", node.address)
   try:
     ra, rm = alice.reserve(), mallory.reserve()
     bb, before = ra["block_bytes"], alice.ctl.call("test.digest")["blocks"]
@@ -47,7 +47,7 @@ def test_a_reservation_is_writable_only_by_its_peer_and_only_in_its_blocks(node,
   finally: mallory.close()
 
 def test_notices_count_only_real_layers_from_the_reserving_peer(node, alice):
-  mallory = Writer("mallory", node.address)
+  mallory = writer_when_free("mallory", node.address)
   try:
     alice.fill(kv_bytes(4096))
     rejected = alice.ctl.call("decode.info")["rejected_notices"]

@@ -10,7 +10,7 @@ from tinyhet.runtime.control import ControlError
 from tinyhet.runtime.descriptor import RegionDescriptor
 from tinyhet.runtime.transport import TransportError
 from tinyhet.runtime.transport import Span
-from decode_util import Writer, generate, kv_bytes, submit
+from decode_util import Writer, generate, kv_bytes, submit, writer_when_free
 from test_e2e import SMALL
 
 def reserve(w: Writer, prompt: list[int], new: int = 2) -> dict:
@@ -19,7 +19,7 @@ def reserve(w: Writer, prompt: list[int], new: int = 2) -> dict:
   return r
 
 def test_a_hit_reserves_and_exposes_only_the_suffix(guarded_node):
-  w = Writer("kv-writer", guarded_node.address)
+  w = writer_when_free("kv-writer", guarded_node.address)
   try:
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]        # 13 tokens: 3 full blocks of 4 and one more
     r = reserve(w, prompt)
@@ -57,7 +57,7 @@ def test_a_hit_gets_a_read_grant_for_its_prefix_only_and_hostile_pulls_are_refus
   block outside the reservation, another request's shared block or its grant, past the pool, through the write grant,
   by another peer, after the release), so is a write
   through the read grant, and the node keeps serving."""
-  w, intruder = Writer("kv-writer", guarded_node.address), Writer("kv-intruder", guarded_node.address)
+  w, intruder = writer_when_free("kv-writer", guarded_node.address), writer_when_free("kv-intruder", guarded_node.address)
   try:
     prompt = [31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43]
     r = reserve(w, prompt)
@@ -133,7 +133,7 @@ def test_a_token_holder_cannot_plant_kv_for_other_requests(guarded_node):
     assert done["cached_tokens"] == 0
     assert got == clean_answer(victim, longer, 5)
     # the same attack through a trusted writer's name would be cached: kv-writer is one (the node's configuration)
-    w = Writer("kv-writer", guarded_node.address)
+    w = writer_when_free("kv-writer", guarded_node.address)
     try:
       r = reserve(w, [p + 100 for p in prompt])
       w.fill(kv_bytes(len(r["blocks"]) * r["block_bytes"], seed=67))
@@ -148,7 +148,7 @@ def test_a_token_holder_cannot_plant_kv_for_other_requests(guarded_node):
 def test_a_failed_prefill_caches_nothing_and_its_retry_gives_the_clean_tokens(guarded_node):
   """The node's own prefill (decode.submit) fails after its first layer: the retry (the router's, on the same node) finds
   nothing cached, reports cached_tokens 0 and gives a clean node's tokens."""
-  w = Writer("kv-router", guarded_node.address)
+  w = writer_when_free("kv-router", guarded_node.address)
   try:
     prompt = [81 + i for i in range(13)]
     w.ctl.call("test.fail", what="prefill")
@@ -162,7 +162,7 @@ def test_a_failed_prefill_caches_nothing_and_its_retry_gives_the_clean_tokens(gu
 def test_a_failed_decode_step_caches_only_the_tokens_whose_kv_was_stored(guarded_node):
   """A 7-token prompt prefills, its first token is sampled, and the decode step that would store that token's KV (the
   eighth slot, filling the second block) fails: only the first block is cached, and the next turn gives clean tokens."""
-  w = Writer("kv-router", guarded_node.address)
+  w = writer_when_free("kv-router", guarded_node.address)
   try:
     prompt = [101, 102, 103, 104, 105, 106, 107]
     w.ctl.call("test.fail", what="step")
@@ -191,7 +191,7 @@ def test_a_pull_that_fails_half_way_falls_back_to_computing_the_prefix_and_the_n
   node.endpoint.token = TOKEN
   cfg = small_config(**SMALL)
   prefill = PrefillNode(Llama(cfg, random_weights(cfg, device="HET", seed=7), "HET"), node, transport="tcp")
-  w, ctl = Writer("kv-router", guarded_node.address), ControlClient(node.endpoint, guarded_node.address)
+  w, ctl = writer_when_free("kv-router", guarded_node.address), ControlClient(node.endpoint, guarded_node.address)
   try:
     prompt = [121 + i for i in range(13)]
     submit(w, prompt, 1)                                                     # the node computes it: its 3 full blocks are cached
@@ -237,7 +237,7 @@ def test_after_its_warm_up_a_prefill_nodes_pulled_turns_build_no_capture_and_mak
   warm = WarmUp.for_prefill(model, dtypes.float16, block_size=4)              # the decode node's block size and KV dtype
   while warm.step(): pass
   assert warm.ready["pulled"] == {16, 24, 32} and warm.captures > 0 and warm.cold == 0
-  w, ctl = Writer("kv-router", guarded_node.address), ControlClient(node.endpoint, guarded_node.address)
+  w, ctl = writer_when_free("kv-router", guarded_node.address), ControlClient(node.endpoint, guarded_node.address)
   try:
     ids = [141 + i for i in range(13)]
     ids += submit(w, ids, 4)[0]                                              # the decode node computes it; its blocks are cached
