@@ -6,8 +6,8 @@ nibble), which reads blocks at 1.5-2 GB/s on a core where memory gives 10-20, an
 copy of the whole matrix each step. Unlike llama.cpp's default, x stays float32 (it is not rounded to 8 bits for integer
 dot products), so the result is the float32 reference's up to the order of the additions.
 
-Two kernels (C, clang vector extensions: no intrinsics beyond the CPU's half-float conversion, so they build for any -march
-tinygrad's CPU compiler targets), both computing
+Three kernels (C, clang vector extensions: no intrinsics beyond the CPU's half-float conversion, so they build for any -march
+tinygrad's CPU compiler targets), each computing
   out[m, r] = sum_k x[m, k] * W[r, k]        x (M, K) float32, W (N, K) in its stored blocks, out (M, N) float32
 with the rows r of W split into `parts` contiguous ranges, one per core_id:
 - decode (M <= DECODE_MAX_M): each weight row's blocks are dequantized in registers (kernels/quant_blocks.py: 32 weights as
@@ -19,6 +19,8 @@ with the rows r of W split into `parts` contiguous ranges, one per core_id:
   stack (k-major, in the micro-kernel's order: 64 KiB, in L2; 16 rows' sub-blocks transposed in registers, a vector store
   a column) and reused for every row of x, MR rows at a time by an
   outer-product micro-kernel (MR x NR accumulators in registers, no horizontal sums). No float copy of the matrix exists.
+- dot (F16, BF16 past DECODE_MAX_M rows of x, in place of the tiled one): kernels/dot_gemm.py, 4 weight rows by 4 rows of x,
+  dot products along k, the weights converted in registers as the decode kernel's are, no panel.
 They reach tinygrad as custom kernels (Tensor.custom_kernel with a compiled PROGRAM), so they are scheduled, captured by
 TinyJit and run by the worker pool (runtime/cpu_pool.py) like any other kernel.
 The int8-activation mode (off by default): from INT8_TILED_MIN_M rows of x on, for any count, the int8 tiled kernel
@@ -31,8 +33,8 @@ from __future__ import annotations
 import dataclasses, functools, math
 from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
-from tinyhet.kernels.quant_blocks import BF16, DEQUANT, LAYOUT, NAMES, QUANTS, supported, supported_int8
-from tinyhet.kernels import bf16_gemm, int8_gemm, kquant_int8
+from tinyhet.kernels.quant_blocks import BF16, DEQUANT, FLOAT_TYPES, LAYOUT, NAMES, QUANTS, supported, supported_int8
+from tinyhet.kernels import bf16_gemm, dot_gemm, int8_gemm, kquant_int8
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
 MIN_ROWS_PER_ROUNDING_PART = 8   # rows of x per part of the rounding kernel, at least (a row is a few microseconds' work)
 MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
@@ -43,6 +45,11 @@ MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 whe
 # decode runs, so speculative greedy tokens equal plain ones bit for bit at batch 1; at exactly 8 rows the tiled kernel's
 # gain is the smallest
 DECODE_MAX_M = 8
+# the float path past DECODE_MAX_M rows of F16 and BF16 weights: the dot kernel (kernels/dot_gemm.py), not the tiled one
+# (measured there: 1.3-1.6x at 16 rows, 1.1x at 64, within 3% either way at 512). Not the block types: their dequantization
+# runs once per tile of x there (they gain 1.1-1.3x at 16 rows and lose from 24-32), and a row must get the same bits at any
+# M past DECODE_MAX_M (a 16-token chunk of a stall-free step against the whole prompt's product)
+DOT_TYPES = FLOAT_TYPES
 KC = 512                 # columns of a dequantized panel (a multiple of every block size)
 # bytes ahead of a decode kernel's loads that it prefetches (0: none). Measured (one core, ctypes, 1 row of x, 1536 x 576 and
 # 576 x 1536, weights cold: a rotating 512 MB of copies): Q8_0 155 -> 106-112 us, Q5_0 184 -> 92-98, Q4_K 167 -> 95, F16 177 ->
@@ -277,6 +284,7 @@ INLINE void tiled(float *restrict out, const u8 *restrict w, const float *restri
   }
 }
 
+%(dot)s
 #if INT8
 /* int8 activations (off by default): each block of 32 of x rounded to int8 with scale max|x|/127, as llama.cpp's q8 blocks;
    a weight sub-block's unsigned quants against them is an integer dot product (u8 x s8: vpdpbusd with AVX512-VNNI), scaled
@@ -382,6 +390,9 @@ KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *res
 #elif INT8 == 4
   tiledb(out, w, (const u8 *)x, r0, r1); return;
 #endif
+#if TILED == 2
+  dotted(out, w, x, r0, r1); return;
+#endif
   if (TILED) { tiled(out, w, x, r0, r1); return; }
   /* weight rows in blocks of RB, every tile of x against one block before the next, so that a block is read from memory once
      and from L2 for the other tiles: the float kernel past one tile (measured, 16-32 rows of 4096 x 4096: F16/BF16 1.14-1.34x,
@@ -416,7 +427,8 @@ def kernel_parts(rows: int, threads: int) -> int:
 def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: bool | None = None, int8: bool = False,
                   prefetch: bool = True) -> tuple[str, str]:
   """(function name, C source) of the kernel for x (M, K) against W (N, K) in GGML type `ggml_type`, split in `parts` parts;
-  the tiled kernel past DECODE_MAX_M rows of x unless `tiled` says. int8: x rounded to int8 per block of 32 and integer dot
+  past DECODE_MAX_M rows of x the tiled kernel (the dot kernel for DOT_TYPES), unless `tiled` says (True: the tiled kernel,
+  False: the decode kernel, "dot": the dot kernel). int8: x rounded to int8 per block of 32 and integer dot
   products, in the decode kernel (where the type has it: quant_blocks.supported_int8; else the float kernel). prefetch=False:
   the same kernel without its weight prefetch (WEIGHT_PREFETCH), named `..._nopf`, for measurements and tests."""
   if not supported(ggml_type, K): raise ValueError(f"no quantized matmul kernel for GGML type {ggml_type} with {K} columns")
@@ -427,13 +439,14 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   gemmb = int8 and tiled is None and ggml_type == BF16 and M >= BF16_TILED_MIN_M   # x rounded to bfloat16, vdpbf16ps
   gemm8 = gemm8 or gemmb
   kq8 = int8 and ggml_type in kquant_int8.KQ_INT8_TYPES and supported_int8(ggml_type, K) and tiled is not True and M <= KQ8_MAX_M
-  tiled = True if gemm8 else False if kq8 else M > DECODE_MAX_M if tiled is None else tiled
+  dot = tiled == "dot" or (tiled is None and not gemm8 and not kq8 and ggml_type in DOT_TYPES and M > DECODE_MAX_M)
+  tiled = 2 if dot else True if gemm8 else False if kq8 else M > DECODE_MAX_M if tiled is None else tiled
   # the 32-weight types pay for x's rounding more than the integer products save at a few rows (measured: 0.4-0.7x at one row,
   # 1.1-1.3x at 16); the K-quants gain from one row on (1.3-1.6x at one, ~2x at 16)
   int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
   # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
   int8 = 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
-  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{'_tiled' if tiled else ''}{['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]}"
+  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{['', '_tiled', '_dot'][int(tiled)]}{['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]}"
   name += "" if prefetch else "_nopf"
   qb, sbb = LAYOUT[ggml_type]
   return name, _SOURCE % {"name": name, "pf": WEIGHT_PREFETCH if prefetch else 0, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb,
@@ -445,7 +458,7 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
                           "dequant": DEQUANT[ggml_type], "int8": int8,
                           "kint8": kquant_int8.source(ggml_type) if int8 == 2 else int8_gemm.source(ggml_type) if int8 == 3 else
                                    bf16_gemm.source() if int8 == 4 else "",
-                          "quants": QUANTS.get(ggml_type, ""), "transpose": _transpose16(),
+                          "quants": QUANTS.get(ggml_type, ""), "transpose": _transpose16(), "dot": dot_gemm.source() if dot else "",
                           "i32": ", ".join(map(str, range(32))), "i64": ", ".join(map(str, range(64))),
                           **{f"l{k}": ", ".join(str(4 * i + k) for i in range(16)) for k in range(4)}}
 

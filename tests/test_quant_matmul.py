@@ -60,6 +60,24 @@ def test_past_one_decode_tile_a_row_gets_the_same_bits_in_any_batch(t, rows, out
   part = qmm.quant_matmul(Tensor(x[:rows], device="MESH"), Tensor(b, device="MESH"), t, (out, cols_for(t)), 1).numpy()
   np.testing.assert_array_equal(part, got[:rows])
 
+@settings(max_examples=12, deadline=None)
+@given(t=st.sampled_from(TYPES), rows=st.integers(1, 70), out=st.integers(1, 75), parts=st.sampled_from([1, 2, 3]),
+       wide=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_dot_kernel_equals_the_dequantized_product_and_its_bits_hold_for_any_rows_and_parts(t, rows, out, parts, wide, seed):
+  # kernels/dot_gemm.py (F16/BF16's float path past one decode tile; any type when asked): blocks of 4 weight rows and tails
+  # of 1-3, tiles of 4 rows of x and tails, groups of rows (wide: 4096 columns of F16, 32 rows a group, so 75 rows are 3)
+  cols = 4096 if wide else cols_for(t)
+  got, want = product(t, rows, out, cols, parts, seed, tiled="dot")
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  # every output is one accumulator summed in one order: the same bits for a row of x whatever the other rows and the split
+  np.testing.assert_array_equal(product(t, rows + 5, out, cols, 1, seed, tiled="dot")[0][:rows], got)
+
+def test_float_weights_past_one_decode_tile_take_the_dot_kernel_and_block_types_the_tiled_one():
+  for t in TYPES:
+    name, _ = qmm.kernel_source(t, qmm.DECODE_MAX_M + 1, 64, 512 if LAYOUT[t][0] == 32 else 768, 2)
+    assert name.endswith("_dot" if t in (F16, BF16) else "_tiled"), name
+  assert not qmm.kernel_source(F16, qmm.DECODE_MAX_M, 64, 512, 2)[0].endswith("_dot")   # one decode tile: the decode kernel
+
 @settings(max_examples=10, deadline=None)
 @given(t=st.sampled_from(TYPES), rows=st.sampled_from([1, 3, 8, 33]), out=st.sampled_from([1, 17, 50]), parts=st.sampled_from([1, 2, 3]),
        seed=st.integers(0, 2**16))
