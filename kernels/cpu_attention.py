@@ -21,11 +21,11 @@ result); V rows past the tile's longest length are zeroed before use. Within a p
 and the K, V of every position below the tile's longest length are stored (a chunk's own tokens are scattered first).
 """
 from __future__ import annotations
-import dataclasses, functools, math
+import functools, math
 from tinygrad import Device, Tensor, dtypes
 from tinygrad.dtype import DType
 from tinygrad.runtime.ops_cpu import CPUProgram
-from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo, UOp
+from tinyhet.kernels.c_program import c_program
 from tinyhet.kernels.kv_quant import C_LOADS, SCATTER, block_size_of
 
 # int8: q8_0; uint16: bfloat16 bits (kernels/kv_quant.py)
@@ -403,17 +403,6 @@ def _source(kind: str, **kw) -> tuple[str, str]:
   template = {"merge": _MERGE, "scatter": SCATTER}.get(kind, _SOURCE)
   return name, template % {**kw, "name": name, "LOADS": C_LOADS}
 
-def _program(name: str, src: str, parts: int, n_bufs: int):
-  def program(*params: UOp) -> UOp:
-    # the part id: the argument after the buffers, filled in by the worker pool (or tinygrad's CPU loop) for each part
-    core = UOp.variable("core_id", 0, parts - 1, dtypes.int, param=True) if parts > 1 else None
-    if core is not None: core = core.replace(arg=dataclasses.replace(core.arg, slot=n_bufs))
-    sink = UOp.sink(*params, *([core] if core is not None else []), arg=KernelInfo(name=name))
-    info = ProgramInfo(name=name, global_size=(parts, 1, 1), vars=(core,) if core is not None else (), globals=tuple(range(n_bufs)),
-                       outs=(0,), ins=tuple(range(1, n_bufs)))
-    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=(*sink.src, sink)), UOp(Ops.SOURCE, arg=src)), arg=info)
-  return program
-
 def cpu_paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens: Tensor, threads: int, splits: int = 1,
                         shared_table: bool = False, prefill: bool = False) -> Tensor:
   """paged_attention's result, (R, n_heads, head_dim) float32, by the C kernels split over `threads` parts.
@@ -432,10 +421,10 @@ def cpu_paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_l
   ins = [q.float().contiguous(), pool, block_tables.cast(dtypes.int32).contiguous(), context_lens.cast(dtypes.int32).contiguous()]
   P = kw["P"]
   shape = (R, H, D) if P == 1 else (R, H, P, D + 2)
-  out = Tensor.empty(*shape, dtype=dtypes.float32, device=q.device).custom_kernel(*ins, fxn=_program(name, src, parts, 5))[0]
+  out = Tensor.empty(*shape, dtype=dtypes.float32, device=q.device).custom_kernel(*ins, fxn=c_program(name, src, parts, 5))[0]
   if P == 1: return out
   mname, msrc = _source("merge", D=D, P=P, RH=R * H, PARTS=parts)
-  return Tensor.empty(R, H, D, dtype=dtypes.float32, device=q.device).custom_kernel(out, fxn=_program(mname, msrc, parts, 2))[0]
+  return Tensor.empty(R, H, D, dtype=dtypes.float32, device=q.device).custom_kernel(out, fxn=c_program(mname, msrc, parts, 2))[0]
 
 def cpu_scatter_coded(pool: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
   """kernels/paged_attention.py's kv_scatter into a coded pool (8-bit or bfloat16 bits, kernels/kv_quant.py's tiles): each
@@ -447,4 +436,4 @@ def cpu_scatter_coded(pool: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, 
   if not cpu_compiled(pool.device): raise ValueError(f"an 8-bit or bfloat16 kv_dtype: the KV scatter is C for CPU devices, not {pool.device}")
   name, src = _source("scatter", KVB=KV_CODES[pool.dtype], R=R, KVH=KV, D=D, BS=block_size_of(pool.dtype, X, D), CAP=block_tables.shape[1], NBLK=NB)
   ins = [k.float().contiguous(), v.float().contiguous(), block_tables.cast(dtypes.int32).contiguous(), positions.cast(dtypes.int32).contiguous()]
-  return pool.custom_kernel(*ins, fxn=_program(name, src, 1, 5))[0]
+  return pool.custom_kernel(*ins, fxn=c_program(name, src, 1, 5))[0]

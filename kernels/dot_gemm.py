@@ -59,7 +59,7 @@ INLINE void dtile(float *restrict out, const u8 *restrict w, const float *restri
     for (int jj = 0; jj < NSTEP; jj++) {
       f32x16 lo[WR], hi[WR];
       for (int j = 0; j < wr; j++) dq(w + (size_t)(r0 + j) * ROWB, g, jj, &lo[j], &hi[j]);
-      if (pf) for (int j = 0; j < WR; j++) __builtin_prefetch(w + (size_t)(r0 + WR + j) * ROWB + (size_t)(g * NSTEP + jj) * SBB / NSUB, 0, 3);
+      if (pf) for (int j = 0; j < WR; j++) __builtin_prefetch(w + (size_t)(r0 + WR + j) * ROWB + (size_t)(g * NSTEP + jj) * SBB / NSUB, 0, 1);
       for (int i = 0; i < xr; i++) {
         const float *xb = x + (size_t)(m0 + i) * K + (g * NSTEP + jj) * 32;
         const f32x16 xl = load16(xb), xh = load16(xb + 16);

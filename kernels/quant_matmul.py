@@ -30,11 +30,11 @@ keep the float decode kernel (their int8 decode tile, tile8, x per 32, runs only
 in that mode: from BF16_TILED_MIN_M rows, kernels/bf16_gemm.py (x rounded to bfloat16, vdpbf16ps).
 """
 from __future__ import annotations
-import dataclasses, functools, math
+import functools, math
 from tinygrad import Tensor, dtypes
-from tinygrad.uop.ops import UOp, Ops, KernelInfo, ProgramInfo
 from tinyhet.kernels.quant_blocks import BF16, DEQUANT, FLOAT_TYPES, LAYOUT, NAMES, QUANTS, supported, supported_int8
 from tinyhet.kernels import bf16_gemm, dot_gemm, int8_gemm, kquant_int8
+from tinyhet.kernels.c_program import c_program
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
 MIN_ROWS_PER_ROUNDING_PART = 8   # rows of x per part of the rounding kernel, at least (a row is a few microseconds' work)
 MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 where AVX-512 gives 32 vector registers, else 4)
@@ -469,17 +469,6 @@ def rounding_kernel(name: str, ggml_type: int, M: int, K: int, parts: int) -> tu
   if name.endswith("_int8t"): return *int8_gemm.round_source(ggml_type, M, K, parts), int8_gemm.rounded_bytes(ggml_type, M, K)
   return (*bf16_gemm.round_source(M, K, parts), bf16_gemm.rounded_bytes(M, K)) if name.endswith("_bf16t") else None
 
-def _program(name: str, src: str, parts: int, nbuf: int, outs: tuple[int, ...], ins: tuple[int, ...]):
-  """The custom kernel's PROGRAM for C function `name` of `src`: nbuf buffers, then (past one part) the part id (the pool's)."""
-  def program(*params: UOp) -> UOp:
-    core = UOp.variable("core_id", 0, parts - 1, dtypes.int, param=True) if parts > 1 else None
-    if core is not None: core = core.replace(arg=dataclasses.replace(core.arg, slot=nbuf))
-    sink = UOp.sink(*params, *([core] if core is not None else []), arg=KernelInfo(name=name))
-    info = ProgramInfo(name=name, global_size=(parts, 1, 1), vars=(core,) if core is not None else (), globals=tuple(range(nbuf)),
-                       outs=outs, ins=ins)
-    return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=(*sink.src, sink)), UOp(Ops.SOURCE, arg=src)), arg=info)
-  return program
-
 def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, int], threads: int, tiled: bool | None = None,
                  int8: bool = False) -> Tensor:
   """x (..., K) float32 @ W.T, W (N, K) held as stored (`blocks`: a Tensor of its bytes, any dtype: uint8 GGUF blocks, or the
@@ -496,6 +485,6 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
   rparts = max(1, min(threads, M // MIN_ROWS_PER_ROUNDING_PART))
   if (rounding := rounding_kernel(name, ggml_type, M, K, rparts)) is not None:   # x rounded once, into what every part reads
     xr = Tensor.empty(rounding[2], dtype=dtypes.uint8, device=x.device)
-    xs = xr.custom_kernel(xs, fxn=_program(*rounding[:2], rparts, 2, (0,), (1,)))[0]
-  out = out.custom_kernel(blocks.contiguous(), xs, fxn=_program(name, src, parts, 3, (0,), (1, 2)))[0]
+    xs = xr.custom_kernel(xs, fxn=c_program(*rounding[:2], rparts, 2))[0]
+  out = out.custom_kernel(blocks.contiguous(), xs, fxn=c_program(name, src, parts, 3))[0]
   return out.reshape(*lead, N)

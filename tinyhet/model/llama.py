@@ -22,7 +22,7 @@ from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.dtype import DType
 from tinyhet.device.cpu_threads import kernel_threads, pool_threads
 from tinyhet.model.layers import Matrix, apply_rope, attention, linear, rms_norm, rope_tables, stored_format
-from tinyhet.model.packed import PackedWeight
+from tinyhet.model.packed import PackedWeight, lookup
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -243,7 +243,7 @@ class Llama:
 
   def embed(self, tokens: Tensor) -> Tensor:
     e = self.w.tok_embeddings
-    return e.rows(tokens) if isinstance(e, PackedWeight) else e[tokens].float()   # (B, T, dim)
+    return e.rows(tokens) if isinstance(e, PackedWeight) else lookup(e, tokens).float()   # (B, T, dim)
 
   def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, all_rows: bool = False) -> Tensor:
     """tokens, positions: (B, T) int32 -> logits (B, vocab) float32 of the last position of each row (all_rows: (B, T, vocab),

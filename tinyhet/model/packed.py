@@ -69,7 +69,17 @@ class PackedWeight:
 
   def rows(self, index: Tensor) -> Tensor:
     """Dequantized rows picked by an integer Tensor (an embedding lookup): (*index.shape, cols) float32."""
-    return self.dequantize(self.blocks[index])
+    return self.dequantize(lookup(self.blocks, index))
+
+def lookup(table: Tensor, index: Tensor) -> Tensor:
+  """table[index] for a (rows, ...) Tensor: on a device whose kernels run on the worker pool (HET on a CPU, MESH), one C
+  kernel copying the rows' bytes (kernels/gather_rows.py); elsewhere tinygrad's own indexing."""
+  from tinyhet.device.cpu_threads import pool_threads
+  if not pool_threads(table.device): return table[index]
+  from tinyhet.kernels.gather_rows import gather_rows
+  row = table.shape[1:]
+  got = gather_rows(table, index, table.nbytes() // table.shape[0])   # (*index.shape, row bytes) uint8
+  return got if table.dtype == dtypes.uint8 else got.bitcast(table.dtype).reshape(*index.shape, *row)
 
 def _f16(two_bytes: Tensor) -> Tensor:
   """(..., 2) little-endian bytes -> (..., 1) float32 of the float16 they hold."""
