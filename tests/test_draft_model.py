@@ -111,6 +111,7 @@ def test_a_prompt_is_fed_to_the_draft_only_where_it_pays(llama):
   spec.costs = lambda rows: 0.010 * max(1.0, rows / 8)        # a plain step: 10 ms up to 8 rows
   draft.price = lambda rows: 0.002 * max(1.0, rows / 4)       # a draft step: 2 ms up to 4 rows
   assert spec.policy.draft_gain(1, 8, spec.costs, draft.price) > 0.002
-  assert spec.catch_up_pays(100, 100, 1, 8) and not spec.catch_up_pays(100, 10, 1, 8)
+  gain = spec.catch_up_gain(1, 8)
+  assert spec.catch_up_pays(100, 100, gain) and not spec.catch_up_pays(100, 10, gain)
   draft.price = lambda rows: 0.010 * max(1.0, rows / 8)
-  assert spec.policy.draft_gain(1, 8, spec.costs, draft.price) == 0 and not spec.catch_up_pays(100, 10 ** 6, 1, 8)
+  assert spec.policy.draft_gain(1, 8, spec.costs, draft.price) == 0 and not spec.catch_up_pays(100, 10 ** 6, spec.catch_up_gain(1, 8))

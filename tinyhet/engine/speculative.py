@@ -82,7 +82,9 @@ class SpeculativeStep:
     caps = [min(k, max(0, limit - 1), self.cache.max_seq_len - len(t)) for t, k, limit in zip(token_lists, ks, limits)]
     modeled = [i for i, m in enumerate(modes) if m == "draft"]
     pending = dict(zip(modeled, self.draft.sync([seq_ids[i] for i in modeled], [token_lists[i] for i in modeled]))) if modeled else {}
-    catch_up = {i: self.catch_up_pays(pending[i], limits[i], len(seq_ids), max(ks)) for i in modeled if pending[i] > MAX_PENDING}
+    behind = [i for i in modeled if pending[i] > MAX_PENDING]
+    gain = self.catch_up_gain(len(seq_ids), max(ks)) if behind else 0.0   # the same for every sequence of the step: once
+    catch_up = {i: self.catch_up_pays(pending[i], limits[i], gain) for i in behind}
     out, ns = [], []
     for i, (sid, tokens, cap) in enumerate(zip(seq_ids, token_lists, caps)):
       if i in pending:               # drafted below; it may draft once the draft model has caught up with it
@@ -109,15 +111,19 @@ class SpeculativeStep:
       for i, d in zip(modeled, made): out[i] = d
     return [d[:n] for d, n in zip(out, take)], ns
 
-  def catch_up_pays(self, pending: int, limit: int, B: int, k: int) -> bool:
+  def catch_up_gain(self, B: int, k: int) -> float | None:
+    """Seconds a draft saves per token at this step's batch and depth (SpecPolicy.draft_gain, by the node's estimate and
+    measured step costs); None without a policy (catching up always pays), 0 where the draft model has no captured rows."""
+    if self.policy is None: return None
+    if not (self.draft.most_rows() and min(self.draft.catch_up, self.draft.most_rows())): return 0.0
+    return self.policy.draft_gain(B, k, self.costs, self.draft.price)
+
+  def catch_up_pays(self, pending: int, limit: int, gain: float | None) -> bool:
     """Whether feeding a sequence's pending tokens to the draft model (its prompt, say) pays for itself over the limit
-    tokens it may still take: the draft's catch-up rows' time against the seconds its drafts would save per token
-    (SpecPolicy.draft_gain, by the node's estimate and measured step costs). Always without a policy."""
-    if self.policy is None: return True
+    tokens it may still take: the draft's catch-up rows' time against `gain` (catch_up_gain) per token."""
+    if gain is None: return True
     rows = self.draft.most_rows() and min(self.draft.catch_up, self.draft.most_rows())
-    if not rows: return False
-    gain = self.policy.draft_gain(B, k, self.costs, self.draft.price)
-    return limit * gain > pending * self.draft.price(rows) / rows
+    return bool(rows) and limit * gain > pending * self.draft.price(rows) / rows
 
   def fit(self, token_lists: list[list[int]], out: list[list[int]]) -> list[list[int]]:
     """The drafts cut so their slots fit the plain free blocks (no cached block evicted, nothing preempted); under the lock."""

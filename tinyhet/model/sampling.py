@@ -39,12 +39,16 @@ OPTIONS = {
                                                                                          for t in v), "a list of at most 1024 token ids"),
   # llguidance grammar text (tinyhet.engine.grammar): the node that samples builds its Constraint, which masks every draw
   # speculative decoding on the decode node (tinyhet.engine.speculative.check_speculative gives the precise error)
-  "speculative": (None, lambda v: v is None or (isinstance(v, dict) and set(v) <= {"mode", "k"}
-                                                and v.get("mode", "ngram") in ("off", "ngram", "draft")
-                  and isinstance(v.get("k", 4), int) and not isinstance(v.get("k", 4), bool) and 1 <= v.get("k", 4) <= 8),
+  "speculative": (None, lambda v: v is None or _speculative_ok(v),
                   'null or an object like {"mode": "ngram", "k": 4} (mode off, ngram or draft, k in 1..8)'),
   "grammar": (None, lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 1 << 20), "null or a grammar text of at most 1 MiB"),
 }
+
+def _speculative_ok(value) -> bool:
+  from tinyhet.engine.speculative import check_speculative   # imported when used: that module imports this one
+  try: check_speculative(value)
+  except ValueError: return False
+  return True
 
 def check_options(options: dict) -> dict:
   """The sampling options of a control request, checked: ValueError naming a bad or unknown one."""
