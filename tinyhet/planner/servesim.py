@@ -140,7 +140,9 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
     raise ValueError(f"{', '.join(full)} cannot hold {model.name} with a {prompt_len + output_len}-token sequence")
   kv_bytes = prompt_len * model.kv_bytes_per_token
   arrive, first, finish = {}, {}, {}
-  made: list[tuple[float, int]] = []  # (time, output tokens made then): throughput counts tokens as they come, not as requests end
+  # (time of the first event, seconds between events, events, output tokens each): throughput counts tokens as they come
+  # (each step of a decode run at its own end, not the run's tokens where the run ends), not as requests end
+  made: list[tuple[float, float, int, int]] = []
   events, seq, issued, rr = [], 0, 0, 0
   rng = random.Random(seed)
 
@@ -227,10 +229,10 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
     else:  # a unit finished its work
       s, version = what
       if version != s.version: continue  # a run that was cut short
-      kind_, payload = s.work[:2]
-      s.work = ()
+      work, s.work = s.work, ()
+      kind_, payload = work[:2]
       if kind_ == "prefill":
-        made.append((now, len(payload)))
+        made.append((now, 0.0, 1, len(payload)))
         for r in payload:
           first[r] = now
           if output_len == 1: done(r, now)
@@ -246,7 +248,8 @@ def simulate(units: list[Unit], model: Model, prompt_len: int, output_len: int, 
             push(sent, "kv", (r, d))
         admit(s, now) if s.unit.role == "both" else start(s, now)
       else:
-        made.append((now, len(s.active) * payload))
+        _, steps, begun, step = work
+        made.append((begun + step, step, steps, len(s.active)))
         for r in list(s.active):
           s.active[r] -= payload
           if s.active[r] <= 0:
@@ -269,13 +272,20 @@ def _measure(arrive, first, finish, made, requests, output_len, rate, slo, state
   # rate, whereas the queue still holds the requests after the last measured one when its first token is out
   a, b = first[lo], first[min(hi, requests - 1)]
   if b <= a: a, b = 0.0, end  # a closed loop's clients all sent at once: the whole run
-  rps = sum(n for t, n in made if a < t <= b) / (b - a) / output_len
+  rps = sum(n * _events_in(t0, dt, k, a, b) for t0, dt, k, n in made) / (b - a) / output_len
   met = sum(1 for x, y in zip(ttft, tpot) if slo.met(x, y)) / max(1, len(ttft))
   offered = rps if rate is None else min(rate, rps)
   pre = [s.prefill_s_total / end for s in states if s.unit.role != "decode"] if end > 0 else [0.0]
   dec = [s.batch_s / end for s in states if s.unit.role != "prefill"] if end > 0 else [0.0]
   return Outcome(_pct(ttft, 0.5), _pct(ttft, 0.9), _pct(tpot, 0.5), _pct(tpot, 0.9), rps * output_len, rps, met, offered * met,
                  sum(pre) / len(pre), sum(dec) / len(dec), sum(finish[r] - arrive[r] for r in measured) / max(1, len(measured)))
+
+def _events_in(t0: float, dt: float, k: int, a: float, b: float) -> int:
+  """How many of the k events at t0, t0 + dt, ..., t0 + (k - 1) dt fall in (a, b]."""
+  if dt <= 0: return k if a < t0 <= b else 0
+  lo = 0 if t0 > a else math.floor((a - t0) / dt) + 1
+  hi = -1 if t0 > b else min(k - 1, math.floor((b - t0) / dt))
+  return max(0, hi - lo + 1)
 
 def unit_rates(node: Node, role: str, model: Model, prompt_len: int, output_len: int) -> tuple[float, float]:
   """(requests/s it prefills, requests/s it decodes) at most, for one unit in `role`: prompts batched to the token
