@@ -424,6 +424,12 @@ def _transpose16() -> str:
       lines.append(f"  a = v[{i}]; b = v[{i + s}]; v[{i}] = __builtin_shufflevector(a, b, {lo}); v[{i + s}] = __builtin_shufflevector(a, b, {hi});")
   return "\n".join(lines)
 
+def _micros() -> str:
+  """micro_1..micro_8: the tiled kernel's micro-kernel for each count of rows of x, not inlined; micro_MR the full tile's."""
+  fns = [f"static __attribute__((noinline)) KERNEL void micro_{i}(float *restrict out, const float *restrict wf, const float *restrict x, "
+         f"int m0, int n0, int nr, int k0, int kc) {{ if ({i} <= MR) micro(out, wf, x, m0, {i}, n0, nr, k0, kc); }}" for i in range(1, 9)]
+  return "\n".join(fns) + "\n#define micro_MR_(m) micro_##m\n#define micro_MR__(m) micro_MR_(m)\n#define micro_MR micro_MR__(MR)"
+
 def kernel_parts(rows: int, threads: int) -> int:
   """How many parts the weight rows are split in: every thread, unless that leaves a part fewer than MIN_ROWS_PER_PART rows."""
   return max(1, min(threads, rows // MIN_ROWS_PER_PART))
@@ -451,7 +457,8 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
   # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
   int8 = 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
-  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{['', '_tiled', '_dot'][int(tiled)]}{['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]}"
+  kind = ['', '_tiled', '_dot'][int(tiled)] + ['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]
+  name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{kind}"
   name += "" if prefetch else "_nopf"
   qb, sbb = LAYOUT[ggml_type]
   return name, _SOURCE % {"name": name, "pf": WEIGHT_PREFETCH if prefetch else 0, "M": M, "N": N, "K": K, "QB": qb, "SBB": sbb,
@@ -460,9 +467,7 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
                           "tails": "\n".join(f"      case {i}: if ({i} < MT) TILE(out, w, x, m0, {i}, rb, re); break;" for i in range(1, MT_MAX)),
                           "micro_tails": "\n".join(f"        case {i}: if ({i} < MR) micro_{i}(out, wf, x, m0, n0, nr, k0, kc); break;"
                                                    for i in range(1, 8)),
-                          "micros": "\n".join(f"static __attribute__((noinline)) KERNEL void micro_{i}(float *restrict out, const float *restrict wf, "
-                                               f"const float *restrict x, int m0, int n0, int nr, int k0, int kc) {{ if ({i} <= MR) micro(out, wf, x, m0, {i}, n0, nr, k0, kc); }}"
-                                               for i in range(1, 9)) + "\n#define micro_MR_(m) micro_##m\n#define micro_MR__(m) micro_MR_(m)\n#define micro_MR micro_MR__(MR)",
+                          "micros": _micros(),
                           "dequant": DEQUANT[ggml_type], "int8": int8,
                           "kint8": kquant_int8.source(ggml_type) if int8 == 2 else int8_gemm.source(ggml_type) if int8 == 3 else
                                    bf16_gemm.source() if int8 == 4 else "",

@@ -36,21 +36,10 @@ from tinyhet.engine.ngram_draft import NgramIndex
 from tinyhet.engine.draft_model import MAX_PENDING
 from tinyhet.engine.spec_policy import DRAFT_N, SpecPolicy
 from tinyhet.engine.step_costs import StepCosts
-from tinyhet.model.sampling import sample_batch
+from tinyhet.model.sampling import DEFAULT_K, MAX_K, MODES, check_speculative, sample_batch  # noqa: F401  (the request's field: checked there)
 
-MODES = ("off", "ngram", "draft")    # draft: a draft model's greedy tokens (engine/draft_model.py), on a node that has one
-MAX_K = DEFAULT_K = 8   # the most a sequence drafts a step; the policy cuts each draft to what pays (engine/spec_policy.py)
 MAX_INDEXES = 4096      # sequences whose n-gram table is kept (the oldest goes first: one never forgotten)
 
-def check_speculative(value) -> dict:
-  """A request's `speculative` field ({"mode": "off" | "ngram" | "draft", "k": 1..8}), checked: ValueError in one line."""
-  if not isinstance(value, dict) or set(value) - {"mode", "k"}:
-    raise ValueError(f'speculative must be an object like {{"mode": "ngram", "k": 4}}, got {str(value)[:60]!r}')
-  mode, k = value.get("mode", "ngram"), value.get("k", DEFAULT_K)
-  if mode not in MODES: raise ValueError(f"speculative mode must be one of {', '.join(MODES)}, got {str(mode)[:40]!r}")
-  if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
-    raise ValueError(f"speculative k must be an integer in 1..{MAX_K}, got {k!r}")
-  return {"mode": mode, "k": k}
 
 class SpeculativeStep:
   """Draft, verify in one multi-token step through the paged cache, keep the agreeing prefix, roll the rest back."""

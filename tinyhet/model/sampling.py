@@ -38,14 +38,26 @@ OPTIONS = {
   "min_tokens_ids": ((), lambda v: isinstance(v, (list, tuple)) and len(v) <= 1024 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                                                          for t in v), "a list of at most 1024 token ids"),
   # llguidance grammar text (tinyhet.engine.grammar): the node that samples builds its Constraint, which masks every draw
-  # speculative decoding on the decode node (tinyhet.engine.speculative.check_speculative gives the precise error)
+  # speculative decoding on the decode node (tinyhet.engine.speculative; check_speculative below gives the precise error)
   "speculative": (None, lambda v: v is None or _speculative_ok(v),
                   'null or an object like {"mode": "ngram", "k": 4} (mode off, ngram or draft, k in 1..8)'),
   "grammar": (None, lambda v: v is None or (isinstance(v, str) and 0 < len(v) <= 1 << 20), "null or a grammar text of at most 1 MiB"),
 }
 
+MODES = ("off", "ngram", "draft")    # draft: a draft model's greedy tokens (tinyhet.engine.draft_model), on a node that has one
+MAX_K = DEFAULT_K = 8   # the most a sequence drafts a step; the policy cuts each draft to what pays (tinyhet.engine.spec_policy)
+
+def check_speculative(value) -> dict:
+  """A request's `speculative` field ({"mode": "off" | "ngram" | "draft", "k": 1..8}), checked: ValueError in one line."""
+  if not isinstance(value, dict) or set(value) - {"mode", "k"}:
+    raise ValueError(f'speculative must be an object like {{"mode": "ngram", "k": 4}}, got {str(value)[:60]!r}')
+  mode, k = value.get("mode", "ngram"), value.get("k", DEFAULT_K)
+  if mode not in MODES: raise ValueError(f"speculative mode must be one of {', '.join(MODES)}, got {str(mode)[:40]!r}")
+  if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+    raise ValueError(f"speculative k must be an integer in 1..{MAX_K}, got {k!r}")
+  return {"mode": mode, "k": k}
+
 def _speculative_ok(value) -> bool:
-  from tinyhet.engine.speculative import check_speculative   # imported when used: that module imports this one
   try: check_speculative(value)
   except ValueError: return False
   return True
