@@ -4,12 +4,13 @@ one weight row and one row of x along k (no panel: the weights are converted in 
 decode kernel does, once per tile of x); at the end the sixteen accumulators are summed across their lanes at once
 (reduce16: four rounds of shuffles and adds, one vector of sixteen sums). The rows go in groups of GROUP_BYTES, every tile of
 x against a group before the next: the group's rows come from memory once and stay in L2, a tile of x is read once a group.
-While the first tile runs, the next block's rows are asked of memory (one line of each row per sub-block).
+While the first tile runs, the next block's rows are asked of memory into L2 (one line of each row per sub-block; into
+L1 the cold 16-row product took 0.43 ms, not 0.31).
 
 Why: the tiled kernel's panel (kernels/quant_matmul.py) converts 32 rows by KC columns and transposes them into a k-major
 scratch before its outer products; at 16 rows of x that is a quarter of the product, and its 32 strided row reads wait on
 memory. Measured (one core, ctypes; AMD EPYC Zen 4; cold: a rotating 512 MB of copies of the matrix): F16 1536 x 576 at 16
-rows 0.52 -> 0.41 ms cold (0.39 -> 0.27 hot), 576 x 1536 0.49 -> 0.36, 4096 x 4096 9.4 -> 5.9; at 64 rows 1.27 -> 1.19; at
+rows 0.52 -> 0.31 ms cold (0.39 -> 0.27 hot), 576 x 1536 0.49 -> 0.31, 4096 x 4096 9.4 -> 5.9; at 64 rows 1.27 -> 1.19; at
 512 rows within 3% either way (8.5 against 8.4-8.7 ms); BF16 the same. The block types gain at 16 rows (Q8_0 1.3x, Q4_1
 1.17x) and lose past 24-32 (their dequantization, once per tile of x here, is shared by every row of x in a panel), so they
 keep the tiled kernel.
@@ -125,5 +126,5 @@ INLINE void dtile_call(float *restrict out, const u8 *restrict w, const float *r
 
 def source() -> str:
   """The C of the dot kernel (dotted), for the source of kernels/quant_matmul.py (which defines dq, dequant, load16)."""
-  assert WR * XR == 16 and XR == 4, "reduce16 sums sixteen accumulators; dblock's tails are for XR = 4"
+  assert WR == XR == 4, "reduce16 sums sixteen accumulators; the tails of dgroup (weight rows) and dotted (rows of x) are 1-3"
   return reduce_source() + SOURCE % {"WR": WR, "XR": XR, "DG": DG, "GB": GROUP_BYTES, "tiles": _tiles()}

@@ -66,6 +66,10 @@ class DraftModel:
   def most_rows(self) -> int:
     return max(self.ready, default=0) if self.ready is not None else BATCH_BUCKETS[-1]
 
+
+  def catch_up_rows(self) -> int:
+    """Rows a step's catch-up feeds run at, at most: the catch-up budget within the most rows captured (0: none)."""
+    return min(self.catch_up, self.most_rows())
   def price(self, rows: int) -> float:
     """Seconds of a draft step of rows (its bucket's, measured; infinity where no ready bucket holds them)."""
     return float("inf") if (B := self.bucket(rows)) is None else self.costs(B)
@@ -115,7 +119,7 @@ class DraftModel:
     sequences taking none are fed part of their tail (catch-up rows) within the step's budget, where catch_up[i] (default
     all)."""
     keep, drafts, takes = set(seq_ids), [[] for _ in seq_ids], list(takes)
-    feed, budget = [0] * len(seq_ids), min(self.catch_up, self.most_rows())
+    feed, budget = [0] * len(seq_ids), self.catch_up_rows()
     for i, (sid, tokens, t) in enumerate(zip(seq_ids, token_lists, takes)):     # drafting rows first, whole
       pend = len(tokens) - len(self.fed[sid])
       if t > 0 and pend <= budget and self.room(sid, pend + t - 1, keep): feed[i], budget = pend, budget - pend

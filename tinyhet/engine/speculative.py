@@ -104,14 +104,13 @@ class SpeculativeStep:
     """Seconds a draft saves per token at this step's batch and depth (SpecPolicy.draft_gain, by the node's estimate and
     measured step costs); None without a policy (catching up always pays), 0 where the draft model has no captured rows."""
     if self.policy is None: return None
-    if not (self.draft.most_rows() and min(self.draft.catch_up, self.draft.most_rows())): return 0.0
-    return self.policy.draft_gain(B, k, self.costs, self.draft.price)
+    return self.policy.draft_gain(B, k, self.costs, self.draft.price) if self.draft.catch_up_rows() else 0.0
 
   def catch_up_pays(self, pending: int, limit: int, gain: float | None) -> bool:
     """Whether feeding a sequence's pending tokens to the draft model (its prompt, say) pays for itself over the limit
     tokens it may still take: the draft's catch-up rows' time against `gain` (catch_up_gain) per token."""
     if gain is None: return True
-    rows = self.draft.most_rows() and min(self.draft.catch_up, self.draft.most_rows())
+    rows = self.draft.catch_up_rows()
     return bool(rows) and limit * gain > pending * self.draft.price(rows) / rows
 
   def fit(self, token_lists: list[list[int]], out: list[list[int]]) -> list[list[int]]:
