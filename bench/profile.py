@@ -54,7 +54,7 @@ class _NoRun:
   @staticmethod
   def run(cmds, n=None): return False
 
-QMM = re.compile(r"qmatmul_(\w+?)_(\d+)_(\d+)_(\d+)_p(\d+)(_tiled|_dot)?(_int8[kt]?|_bf16t)?$")
+QMM = re.compile(r"qmatmul_(\w+?)_(\d+)_(\d+)_(\d+)_p(\d+)(_tiled|_dot)?(_int8[ktv]?|_bf16t)?$")
 ROUND = re.compile(r"round_x_(int8|bf16)\w*?_(\d+)_(\d+)_p(\d+)$")   # the kernels that round x once before the int8, bf16 tiled ones
 ATTENTION = ("attention", "paged")
 

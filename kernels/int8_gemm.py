@@ -208,12 +208,18 @@ typedef signed char i8x16 __attribute__((vector_size(16)));
 #define NG (K / G)
 #define XK (K + 64)
 #define PARTS %(parts)d
-INLINE float hsum(f32x16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < 16; i++) s += v[i];
-  return s;
-}
 INLINE f32x16 load16(const float *p) { f32x16 v; __builtin_memcpy(&v, p, 64); return v; }
+/* a block's max |x| and its quants' sum as trees of lane shuffles (a serial loop of compares and adds was most of the kernel's
+   time): a max and a sum of integers are exact in any order, so the bits are the serial loop's */
+INLINE f32x16 vmax(f32x16 a, f32x16 b) { const i32x16 m = a > b; return (f32x16)(((i32x16)a & m) | ((i32x16)b & ~m)); }
+#define HALVES(v, op) \
+  v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)); \
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)); \
+  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)); \
+  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#define ADD(a, b) ((a) + (b))
+INLINE float hmax(f32x16 v) { HALVES(v, vmax) return v[0]; }
+INLINE int hsumi(i32x16 v) { HALVES(v, ADD) return v[0]; }
 /* rows i0..i1 of x: xq its int8 quants (x's order), xd per block of 32 the scale max|x|/127, xs per group the sum of the rounded x
    (with OFF: in its place, as an int, -OFF times the sum of the quants) */
 INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd, float *restrict xs, int i0, int i1) {
@@ -223,18 +229,14 @@ INLINE void round_x(const float *restrict x, i8 *restrict xq, float *restrict xd
   for (int i = i0; i < i1; i++) for (int b = 0; b < K / 32; b++) {
     const float *xb = x + (size_t)i * K + b * 32;
     f32x16 lo = load16(xb), hi = load16(xb + 16);
-    float amax = 0.0f;
-    for (int l = 0; l < 16; l++) {
-      float a = lo[l] < 0 ? -lo[l] : lo[l], c = hi[l] < 0 ? -hi[l] : hi[l];
-      amax = a > amax ? a : amax; amax = c > amax ? c : amax;
-    }
+    const float amax = hmax(vmax((f32x16)((i32x16)lo & 0x7fffffff), (f32x16)((i32x16)hi & 0x7fffffff)));
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
     /* round to nearest even: adding 1.5 * 2^23 puts the integer in the low mantissa bits */
     i32x16 ql = (i32x16)(lo * inv + 12582912.0f) - 0x4B400000, qh = (i32x16)(hi * inv + 12582912.0f) - 0x4B400000;
     i8x16 l8 = __builtin_convertvector(ql, i8x16), h8 = __builtin_convertvector(qh, i8x16);
     __builtin_memcpy(xq + (size_t)i * XK + b * 32, &l8, 16); __builtin_memcpy(xq + (size_t)i * XK + b * 32 + 16, &h8, 16);
     xd[(size_t)i * (K / 32) + b] = d;
-    float sl = hsum(__builtin_convertvector(ql, f32x16)), sh = hsum(__builtin_convertvector(qh, f32x16));
+    const float sl = (float)hsumi(ql), sh = (float)hsumi(qh);
     if (OFF) {
       int *xo = (int *)xs + (size_t)i * NG;
       if (G == 32) xo[b] = -OFF * (int)(sl + sh);

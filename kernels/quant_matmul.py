@@ -26,14 +26,15 @@ TinyJit and run by the worker pool (runtime/cpu_pool.py) like any other kernel.
 The int8-activation mode (off by default): from INT8_TILED_MIN_M rows of x on, for any count, the int8 tiled kernel
 (kernels/int8_gemm.py: x rounded per 32 once, by a kernel of its own, a u8 panel reused for every row of x); below it the
 K-quants swap the decode kernel's tile for kernels/kquant_int8.py's tile8k (x per super-block of 256), the 32-weight types
-keep the float decode kernel (their int8 decode tile, tile8, x per 32, runs only when asked for by tiled=False). BF16 weights
+take kernels/int8_gemv.py's kernel (x rounded by the same kernel of its own, 16 weight rows in registers, no panel: the tiled
+kernel's bits; their older int8 decode tile, tile8, runs only when asked for by tiled=False). BF16 weights
 in that mode: from BF16_TILED_MIN_M rows, kernels/bf16_gemm.py (x rounded to bfloat16, vdpbf16ps).
 """
 from __future__ import annotations
-import functools, math
+import functools, math, weakref
 from tinygrad import Tensor, dtypes
 from tinyhet.kernels.quant_blocks import BF16, DEQUANT, FLOAT_TYPES, LAYOUT, NAMES, QUANTS, supported, supported_int8
-from tinyhet.kernels import bf16_gemm, dot_gemm, int8_gemm, kquant_int8
+from tinyhet.kernels import bf16_gemm, dot_gemm, int8_gemm, int8_gemv, kquant_int8
 from tinyhet.kernels.c_program import c_program
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
 MIN_ROWS_PER_ROUNDING_PART = 8   # rows of x per part of the rounding kernel, at least (a row is a few microseconds' work)
@@ -56,10 +57,13 @@ KC = 512                 # columns of a dequantized panel (a multiple of every b
 # 152-166 (hot: unchanged, 60 / 90 / 89 / 50); 1 KiB ahead gained less for Q5_0 and Q4_K, 4-8 KiB less for all
 WEIGHT_PREFETCH = 2048
 KQ8_MAX_M = 256          # rows of x up to which the K-quants' int8 decode kernel may run in the int8 mode
-# rows of x from which the int8 mode takes its tiled kernel (kernels/int8_gemm.py), for any count past it, by weights per block:
-# measured (one core, 4096 x 4096 and SmolLM2's 1536 x 576, 576 x 1536) against the float decode kernel for the 32-weight types
-# (0.7-0.9x at 1-2 rows, 1.35-1.7x at 4, 2-2.3x at 8) and the K-quants' int8 decode kernel (0.73-0.8x at 8, 1.0-1.3x at 16)
-INT8_TILED_MIN_M = {32: 4, 256: 16}
+# rows of x from which the int8 mode takes its tiled kernel (kernels/int8_gemm.py), for any count past it, by weights per block.
+# The K-quants: measured (one core, 4096 x 4096 and SmolLM2's 1536 x 576, 576 x 1536) against their int8 decode kernel, 0.73-0.8x
+# at 8 rows, 1.0-1.3x at 16. The 32-weight types: below it kernels/int8_gemv.py's kernel, the same bits, faster at every count
+# up to 16 (measured, one core, AMD EPYC, weights hot / cold: 1536 x 576 Q4_1 at 1 row 26 / 36 us against 63 / 78, at 8 rows
+# 59 / 63 against 102 / 118, at 16 114 / 118 against 153 / 167; 4096 x 4096 Q8_0 at 16 rows 1.83 / 1.95 ms against 2.66 / 2.90);
+# past 16 its accumulators would not fit in registers
+INT8_TILED_MIN_M = {32: 17, 256: 16}
 # rows of x from which the int8 (reduced-precision) mode rounds x to bfloat16 for BF16 weights (bf16_gemm.py): measured 1.7x
 # the float decode kernel at 4 rows of 4096 x 4096, 3.0x at 16, 2.0x the float tiled kernel at 512
 BF16_TILED_MIN_M = 4
@@ -394,6 +398,8 @@ KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *res
   tiled8(out, w, (const u8 *)x, r0, r1); return;
 #elif INT8 == 4
   tiledb(out, w, (const u8 *)x, r0, r1); return;
+#elif INT8 == 5
+  gemv8(out, w, (const u8 *)x, r0, r1); return;
 #endif
 #if TILED == 2
   dotted(out, w, x, r0, r1); return;
@@ -449,15 +455,16 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   gemm8 = int8 and tiled is None and supported_int8(ggml_type, K) and M >= INT8_TILED_MIN_M[LAYOUT[ggml_type][0]]
   gemmb = int8 and tiled is None and ggml_type == BF16 and M >= BF16_TILED_MIN_M   # x rounded to bfloat16, vdpbf16ps
   gemm8 = gemm8 or gemmb
+  gemv = int8 and tiled is None and ggml_type in int8_gemv.GEMV8_TYPES and supported_int8(ggml_type, K) and not gemm8
   kq8 = int8 and ggml_type in kquant_int8.KQ_INT8_TYPES and supported_int8(ggml_type, K) and tiled is not True and M <= KQ8_MAX_M
   dot = tiled == "dot" or (tiled is None and not gemm8 and not kq8 and ggml_type in DOT_TYPES and M > DECODE_MAX_M)
-  tiled = 2 if dot else True if gemm8 else False if kq8 else M > DECODE_MAX_M if tiled is None else tiled
+  tiled = 2 if dot else True if gemm8 else False if kq8 or gemv else M > DECODE_MAX_M if tiled is None else tiled
   # the 32-weight types pay for x's rounding more than the integer products save at a few rows (measured: 0.4-0.7x at one row,
   # 1.1-1.3x at 16); the K-quants gain from one row on (1.3-1.6x at one, ~2x at 16)
-  int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8)
+  int8 = int8 and not tiled and supported_int8(ggml_type, K) and (LAYOUT[ggml_type][0] == 256 or M >= 8 or gemv)
   # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
-  int8 = 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
-  kind = ['', '_tiled', '_dot'][int(tiled)] + ['', '_int8', '_int8k', '_int8t', '_bf16t'][int8]
+  int8 = 5 if gemv else 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
+  kind = ['', '_tiled', '_dot'][int(tiled)] + ['', '_int8', '_int8k', '_int8t', '_bf16t', '_int8v'][int8]
   name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{kind}"
   name += "" if prefetch else "_nopf"
   qb, sbb = LAYOUT[ggml_type]
@@ -470,7 +477,7 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
                           "micros": _micros(),
                           "dequant": DEQUANT[ggml_type], "int8": int8,
                           "kint8": kquant_int8.source(ggml_type) if int8 == 2 else int8_gemm.source(ggml_type) if int8 == 3 else
-                                   bf16_gemm.source() if int8 == 4 else "",
+                                   bf16_gemm.source() if int8 == 4 else int8_gemv.source(ggml_type) if int8 == 5 else "",
                           "quants": QUANTS.get(ggml_type, ""), "transpose": _transpose16(), "dot": dot_gemm.source() if dot else "",
                           "i32": ", ".join(map(str, range(32))), "i64": ", ".join(map(str, range(64))),
                           **{f"l{k}": ", ".join(str(4 * i + k) for i in range(16)) for k in range(4)}}
@@ -479,8 +486,12 @@ def rounding_kernel(name: str, ggml_type: int, M: int, K: int, parts: int) -> tu
   """(function name, C source, output bytes) of the kernel that rounds x once before the kernel `name` (the int8 and bf16
   tiled kernels read x rounded as their third argument), split over x's rows in `parts` parts; None: `name` reads x itself."""
   name = name.removesuffix("_nopf")   # the same kernel without its prefetch reads the same rounded x
-  if name.endswith("_int8t"): return *int8_gemm.round_source(ggml_type, M, K, parts), int8_gemm.rounded_bytes(ggml_type, M, K)
+  if name.endswith(("_int8t", "_int8v")): return *int8_gemm.round_source(ggml_type, M, K, parts), int8_gemm.rounded_bytes(ggml_type, M, K)
   return (*bf16_gemm.round_source(M, K, parts), bf16_gemm.rounded_bytes(M, K)) if name.endswith("_bf16t") else None
+
+# (id of x's UOp, rounding kernel) -> x rounded, weakly: an entry lives while a graph holds it, which holds x's UOp (so its id
+# is not reused meanwhile)
+_ROUNDED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, int], threads: int, tiled: bool | None = None,
                  int8: bool = False) -> Tensor:
@@ -497,7 +508,9 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
   out = Tensor.empty(M, N, dtype=dtypes.float32, device=x.device)
   rparts = max(1, min(threads, M // MIN_ROWS_PER_ROUNDING_PART))
   if (rounding := rounding_kernel(name, ggml_type, M, K, rparts)) is not None:   # x rounded once, into what every part reads
-    xr = Tensor.empty(rounding[2], dtype=dtypes.uint8, device=x.device)
-    xs = xr.custom_kernel(xs, fxn=c_program(*rounding[:2], rparts, 2))[0]
+    # and once for every product of the same x (a layer's q, k, v; gate and up): the rounded x of a graph still being built
+    if (xr := _ROUNDED.get(key := (id(xs.uop), rounding[0]))) is None:
+      xr = _ROUNDED[key] = Tensor.empty(rounding[2], dtype=dtypes.uint8, device=x.device).custom_kernel(xs, fxn=c_program(*rounding[:2], rparts, 2))[0].uop
+    xs = Tensor(xr, device=x.device)
   out = out.custom_kernel(blocks.contiguous(), xs, fxn=c_program(name, src, parts, 3))[0]
   return out.reshape(*lead, N)

@@ -242,10 +242,11 @@ def test_int8_mode_is_off_by_default_and_chosen_by_the_environment(monkeypatch):
   assert not any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
   monkeypatch.setenv("TINYHET_INT8_ACTIVATIONS", "1")
   assert any("_int8" in n for n in kernels_run(lambda: linear(x, w).realize()))
-  # F16 and BF16 have no int8 kernel: the float one, named as such; the 32-weight types below 4 rows neither
-  assert "_int8" not in qmm.kernel_source(F16, 1, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q5_0, 3, 64, 256, 1, int8=True)[0]
+  # F16 and BF16 have no int8 kernel: the float one, named as such; the 32-weight types below the crossover the int8 decode one
+  assert "_int8" not in qmm.kernel_source(F16, 1, 64, 256, 1, int8=True)[0]
+  assert all(qmm.kernel_source(Q5_0, rows, 64, 256, 1, int8=True)[0].endswith("p1_int8v") for rows in (1, 3, 9, 16))
   # past the crossover, for any count of rows, the int8 tiled kernel, unless the (float) tiled kernel is asked for
-  for t, rows in ((Q5_0, 4), (Q5_0, 5000), (Q4_K, 16), (Q4_K, 5000)): assert qmm.kernel_source(t, rows, 64, 256, 1, int8=True)[0].endswith("_int8t")
+  for t, rows in ((Q5_0, 17), (Q5_0, 5000), (Q4_K, 16), (Q4_K, 5000)): assert qmm.kernel_source(t, rows, 64, 256, 1, int8=True)[0].endswith("_int8t")
   assert "_int8k" in qmm.kernel_source(Q4_K, 15, 64, 256, 1, int8=True)[0] and "_int8" not in qmm.kernel_source(Q4_K, 64, 64, 256, 1, True, True)[0]
 
 @pytest.mark.parametrize("march", ["native -mno-avx512vnni", "x86-64-v3", "x86-64"], ids=["avx512-no-vnni", "avx2", "x86-64"])
@@ -263,7 +264,8 @@ def test_each_cpu_path_the_source_has(march, tmp_path):
     return getattr(ctypes.CDLL(str(lib)), name)
   for t, rows, int8 in [(Q4_K, 9, True), (Q5_K, 1, True), (Q6_K, 3, True), (Q8_0, 9, True), (Q4_K, 5, False), (F16, 1, False), (BF16, 40, False),
                         (Q5_0, 1, False), (Q5_1, 2, False),   # the fifth bits' byte path (not AVX-512) and lane path
-                        (Q4_K, 19, True), (Q6_K, 16, True), (Q5_0, 5, True), (BF16, 9, True)]:   # the last four: the tiled int8, bf16 kernels
+                        (Q4_K, 19, True), (Q6_K, 16, True), (Q5_0, 17, True), (BF16, 9, True),   # the tiled int8, bf16 kernels
+                        (Q5_0, 5, True), (Q4_1, 1, True), (Q5_1, 16, True)]:   # the 32-weight types' int8 decode kernel (and Q8_0's 9)
     cols, out = cols_for(t) if not int8 else 512, 24
     name, src = qmm.kernel_source(t, rows, out, cols, 1, int8=int8)
     b = random_blocks(out, cols, t, rng)
@@ -298,7 +300,7 @@ def test_int8_tiled_kernel_is_the_exact_product_with_x_rounded_per_32(t):
       assert np.abs(got - per256).max() > 1e-3 * np.abs(want).max()
 
 @settings(max_examples=6, deadline=None)
-@given(t=st.sampled_from(INT8_TYPES), rows=st.integers(16, 40), out=st.integers(48, 90), parts=st.sampled_from([2, 3]), seed=st.integers(0, 2**16))
+@given(t=st.sampled_from(INT8_TYPES), rows=st.integers(17, 40), out=st.integers(48, 90), parts=st.sampled_from([2, 3]), seed=st.integers(0, 2**16))
 def test_int8_tiled_kernel_gives_the_same_bits_for_any_part_count(t, rows, out, parts, seed):
   # x is rounded once, by its own kernel (a row the same way in any of its parts), and each part of the product sums each of
   # its output rows in one order: the split changes which core computes a row, not its bits
@@ -308,6 +310,36 @@ def test_int8_tiled_kernel_gives_the_same_bits_for_any_part_count(t, rows, out, 
   got = [qmm.quant_matmul(Tensor(x, device="MESH"), b, t, (out, cols), p, int8=True).numpy() for p in (1, parts)]
   assert qmm.kernel_parts(out, parts) == parts and qmm.kernel_source(t, rows, out, cols, parts, int8=True)[0].endswith("_int8t")
   np.testing.assert_array_equal(got[0], got[1])
+
+GEMV8 = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0]
+
+@pytest.mark.parametrize("t", GEMV8, ids=[NAMES[t] for t in GEMV8])
+def test_int8_decode_kernel_is_the_exact_product_with_x_rounded_per_32(t):
+  # kernels/int8_gemv.py, the int8 mode's kernel for the 32-weight types below the tiled kernel's crossover: one row, a few,
+  # the most it takes; weight rows not a multiple of its 16-row groups (a part's last group repeats its last row); 1-3 parts
+  rng = np.random.default_rng(200 + t)
+  for rows, out, parts in ((1, 37, 3), (5, 21, 2), (qmm.INT8_TILED_MIN_M[32] - 1, 50, 1), (2, 16, 1)):
+    b = random_blocks(out, 576, t, rng)
+    x = rng.standard_normal((rows, 576), dtype=np.float32) * rng.uniform(0.1, 10, (rows, 1)).astype(np.float32)
+    x[0, 32:64] = 0                                               # an all-zero block: scale 0, no division by it
+    assert qmm.kernel_source(t, rows, out, 576, parts, int8=True)[0].endswith("_int8v")
+    want = rounded_to_int8(x, 32).astype(np.float64) @ reference(b, t, 576).astype(np.float64).T
+    got = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (out, 576), parts, int8=True).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"{rows} rows, {out} out, {parts} parts")
+
+@settings(max_examples=10, deadline=None)
+@given(t=st.sampled_from(GEMV8), rows=st.integers(1, 16), out=st.integers(16, 70), parts=st.integers(1, 3), blocks=st.integers(1, 10),
+       seed=st.integers(0, 2**16))
+def test_int8_decode_kernel_gives_the_tiled_kernels_bits_for_any_rows_and_parts(t, rows, out, parts, blocks, seed):
+  # a row of x gets the same bits from the decode kernel (a decode step, a short chunk) as from the tiled one (the whole
+  # prompt, past the crossover), whatever the part count of either: a stall-free step's chunk gives the unchunked tokens
+  rng = np.random.default_rng(seed)
+  cols, many = 64 * blocks, qmm.INT8_TILED_MIN_M[32] + int(rng.integers(0, 9))
+  b, x = Tensor(random_blocks(out, cols, t, rng), device="MESH"), rng.standard_normal((many, cols), dtype=np.float32)
+  assert qmm.kernel_source(t, many, out, cols, 1, int8=True)[0].endswith("_int8t")
+  whole = qmm.quant_matmul(Tensor(x, device="MESH"), b, t, (out, cols), 1, int8=True).numpy()
+  part = qmm.quant_matmul(Tensor(x[-rows:], device="MESH"), b, t, (out, cols), parts, int8=True).numpy()
+  np.testing.assert_array_equal(part, whole[-rows:])
 
 def test_the_int8_mode_rounds_x_to_bf16_for_bf16_weights_in_batches_and_prefill():
   # kernels/bf16_gemm.py (vdpbf16ps): the exact product with x rounded to bfloat16, told apart from the float32 product;
