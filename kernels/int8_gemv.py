@@ -21,6 +21,9 @@ from __future__ import annotations
 from tinyhet.kernels.quant_blocks import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 GEMV8_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+# the types whose 16 rows' scale words are one AVX-512 gather, not 16 loads put in lanes: the two with an offset beside the
+# scale (measured, one core, 1536 x 576, one row: Q4_1 35 -> 26 us, Q5_1 45 -> 42; the others slower gathered, Q4_0 19 -> 24,
+# Q5_0 34 -> 40, Q8_0 27 -> 31)
 GATHER_TYPES = (Q4_1, Q5_1)
 
 # per type: a sub-block's quants q[c] (c = 0..7: lane n, bytes of row n's weights 4c..4c+3, unsigned), scales s and offsets m
@@ -99,7 +102,8 @@ INLINE void gemv8(float *restrict out, const u8 *restrict w, const u8 *restrict 
     const u8 *p[16];
     i32x16 gidx;
     for (int n = 0; n < 16; n++) { p[n] = w + (size_t)(n0 + n < r1 ? n0 + n : r1 - 1) * ROWB; gidx[n] = (int)(p[n] - p[0]); }
-    const u8 *next = w + (size_t)(n0 + 16) * ROWB;   /* the next group's rows, contiguous: asked of memory a sub-block's share at a time */
+    /* the next group's rows, contiguous: asked of memory a sub-block's share at a time */
+    const u8 *next = w + (size_t)(n0 + 16) * ROWB;
     const int ahead = n0 + 32 <= r1 ? 16 * ROWB : n0 + 16 < r1 ? (r1 - n0 - 16) * ROWB : 0;
     f32x16 acc[M];
     for (int i = 0; i < M; i++) acc[i] = (f32x16){0};
@@ -129,7 +133,8 @@ def source(ggml_type: int) -> str:
   """The C of the int8 decode kernel (gemv8) for one of GEMV8_TYPES."""
   from tinyhet.kernels.int8_gemm import OFFSET
   lanes = lambda f: ", ".join(str(f(l, i)) for l in range(4) for i in range(4))
-  return SOURCE % {"OFF": OFFSET.get(ggml_type, 0), "gather": int(ggml_type in GATHER_TYPES), "rows": ROWS[ggml_type], "i16": ", ".join(map(str, range(16))),
+  return SOURCE % {"OFF": OFFSET.get(ggml_type, 0), "gather": int(ggml_type in GATHER_TYPES), "rows": ROWS[ggml_type],
+                   "i16": ", ".join(map(str, range(16))),
                    "unpacklo": lanes(lambda l, i: 4 * l + i // 2 + 16 * (i & 1)),
                    "unpackhi": lanes(lambda l, i: 4 * l + 2 + i // 2 + 16 * (i & 1)),
                    "lo64": lanes(lambda l, i: 4 * l + (i & 1) + 16 * (i >> 1)),
