@@ -510,7 +510,8 @@ def quant_matmul(x: Tensor, blocks: Tensor, ggml_type: int, shape: tuple[int, in
   if (rounding := rounding_kernel(name, ggml_type, M, K, rparts)) is not None:   # x rounded once, into what every part reads
     # and once for every product of the same x (a layer's q, k, v; gate and up): the rounded x of a graph still being built
     if (xr := _ROUNDED.get(key := (id(xs.uop), rounding[0]))) is None:
-      xr = _ROUNDED[key] = Tensor.empty(rounding[2], dtype=dtypes.uint8, device=x.device).custom_kernel(xs, fxn=c_program(*rounding[:2], rparts, 2))[0].uop
+      xr = Tensor.empty(rounding[2], dtype=dtypes.uint8, device=x.device)
+      xr = _ROUNDED[key] = xr.custom_kernel(xs, fxn=c_program(*rounding[:2], rparts, 2))[0].uop
     xs = Tensor(xr, device=x.device)
   out = out.custom_kernel(blocks.contiguous(), xs, fxn=c_program(name, src, parts, 3))[0]
   return out.reshape(*lead, N)
