@@ -341,6 +341,22 @@ def test_int8_decode_kernel_gives_the_tiled_kernels_bits_for_any_rows_and_parts(
   part = qmm.quant_matmul(Tensor(x[-rows:], device="MESH"), b, t, (out, cols), parts, int8=True).numpy()
   np.testing.assert_array_equal(part, whole[-rows:])
 
+def test_products_of_one_x_share_one_rounding_of_it(monkeypatch):
+  # a layer's q, k, v (gate and up) multiply the same x: one rounding kernel in the graph for all of them, the same bits as
+  # each product with its own
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((5, 256), dtype=np.float32)
+  bs = [Tensor(random_blocks(48, 256, t, rng), device="MESH") for t in (Q4_1, Q4_1, Q4_1)]
+  alone = [qmm.quant_matmul(Tensor(x, device="MESH"), b, Q4_1, (48, 256), 2, int8=True).numpy() for b in bs]
+  from tinyhet.kernels.c_program import c_program
+  built = []
+  monkeypatch.setattr(qmm, "c_program", lambda name, *a, **k: built.append(name) or c_program(name, *a, **k))
+  xt = Tensor(x, device="MESH")
+  outs = [qmm.quant_matmul(xt, b, Q4_1, (48, 256), 2, int8=True) for b in bs]
+  Tensor.realize(*outs)
+  assert sum(n.startswith("round_x") for n in built) == 1 and sum(n.startswith("qmatmul") for n in built) == 3
+  for got, want in zip(outs, alone): np.testing.assert_array_equal(got.numpy(), want)
+
 def test_the_int8_mode_rounds_x_to_bf16_for_bf16_weights_in_batches_and_prefill():
   # kernels/bf16_gemm.py (vdpbf16ps): the exact product with x rounded to bfloat16, told apart from the float32 product;
   # below BF16_TILED_MIN_M rows, and in the float path, x stays float32
