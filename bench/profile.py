@@ -54,7 +54,7 @@ class _NoRun:
   @staticmethod
   def run(cmds, n=None): return False
 
-QMM = re.compile(r"qmatmul_(\w+?)_(\d+)_(\d+)_(\d+)_p(\d+)(_tiled|_dot)?(_int8[ktv]?|_bf16t)?$")
+QMM = re.compile(r"qmatmul_(\w+?)_(\d+)_(\d+)_(\d+)_p(\d+)(_tiled|_dot)?(_int8[ktv]?|_bf16t)?(_r16)?$")
 ROUND = re.compile(r"round_x_(int8|bf16)\w*?_(\d+)_(\d+)_p(\d+)$")   # the kernels that round x once before the int8, bf16 tiled ones
 ATTENTION = ("attention", "paged")
 
@@ -63,7 +63,7 @@ def group(name: str, vocab: int) -> tuple[str, float]:
   if m := QMM.match(name):
     t, M, N, K, parts = m.group(1), *map(int, m.group(2, 3, 4, 5))
     what = "logits" if N == vocab else "matmul"
-    return f"{what} {t} {M}x{N}x{K} p{parts}{m.group(6) or ''}{m.group(7) or ''}", 2.0 * M * N * K
+    return f"{what} {t} {M}x{N}x{K} p{parts}{''.join(g or '' for g in m.group(6, 7, 8))}", 2.0 * M * N * K
   if m := ROUND.match(name): return f"rounding x {m.group(1)} {m.group(2)}x{m.group(3)} p{m.group(4)}", 0.0
   if any(a in name for a in ATTENTION): return "attention (C)", 0.0
   return "tinygrad " + name, 0.0

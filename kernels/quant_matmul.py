@@ -6,10 +6,12 @@ nibble), which reads blocks at 1.5-2 GB/s on a core where memory gives 10-20, an
 copy of the whole matrix each step. Unlike llama.cpp's default, x stays float32 (it is not rounded to 8 bits for integer
 dot products), so the result is the float32 reference's up to the order of the additions.
 
-Three kernels (C, clang vector extensions: no intrinsics beyond the CPU's half-float conversion, so they build for any -march
+Four kernels (C, clang vector extensions: no intrinsics beyond the CPU's half-float conversion, so they build for any -march
 tinygrad's CPU compiler targets), each computing
   out[m, r] = sum_k x[m, k] * W[r, k]        x (M, K) float32, W (N, K) in its stored blocks, out (M, N) float32
 with the rows r of W split into `parts` contiguous ranges, one per core_id:
+- the 32-weight types' decode kernel (M <= DECODE_MAX_M; float mode): kernels/gemv16.py's gemvf, 16 weight rows at a time in
+  registers (the kernel below runs for them only when asked for by tiled=False).
 - decode (M <= DECODE_MAX_M): each weight row's blocks are dequantized in registers (kernels/quant_blocks.py: 32 weights as
   two 16-lane vectors) and multiplied into up to 8 rows of x at once; the weights stream from memory once per 8 rows of x.
   At one or two rows of x it is bound by the dequantization's vector ops, not memory (a 576-column matrix of SmolLM2 sits in
@@ -26,7 +28,7 @@ TinyJit and run by the worker pool (runtime/cpu_pool.py) like any other kernel.
 The int8-activation mode (off by default): from INT8_TILED_MIN_M rows of x on, for any count, the int8 tiled kernel
 (kernels/int8_gemm.py: x rounded per 32 once, by a kernel of its own, a u8 panel reused for every row of x); below it the
 K-quants swap the decode kernel's tile for kernels/kquant_int8.py's tile8k (x per super-block of 256), the 32-weight types
-take kernels/int8_gemv.py's kernel (x rounded by the same kernel of its own, 16 weight rows in registers, no panel: the tiled
+take kernels/gemv16.py's kernel (x rounded by the same kernel of its own, 16 weight rows in registers, no panel: the tiled
 kernel's bits; their older int8 decode tile, tile8, runs only when asked for by tiled=False). BF16 weights
 in that mode: from BF16_TILED_MIN_M rows, kernels/bf16_gemm.py (x rounded to bfloat16, vdpbf16ps).
 """
@@ -34,7 +36,7 @@ from __future__ import annotations
 import functools, math, weakref
 from tinygrad import Tensor, dtypes
 from tinyhet.kernels.quant_blocks import BF16, DEQUANT, FLOAT_TYPES, LAYOUT, NAMES, QUANTS, supported, supported_int8
-from tinyhet.kernels import bf16_gemm, dot_gemm, int8_gemm, int8_gemv, kquant_int8
+from tinyhet.kernels import bf16_gemm, dot_gemm, int8_gemm, gemv16, kquant_int8
 from tinyhet.kernels.c_program import c_program
 MIN_ROWS_PER_PART = 16   # fewer weight rows than this per core and a split costs more than it saves
 MIN_ROWS_PER_ROUNDING_PART = 8   # rows of x per part of the rounding kernel, at least (a row is a few microseconds' work)
@@ -59,7 +61,7 @@ WEIGHT_PREFETCH = 2048
 KQ8_MAX_M = 256          # rows of x up to which the K-quants' int8 decode kernel may run in the int8 mode
 # rows of x from which the int8 mode takes its tiled kernel (kernels/int8_gemm.py), for any count past it, by weights per block.
 # The K-quants: measured (one core, 4096 x 4096 and SmolLM2's 1536 x 576, 576 x 1536) against their int8 decode kernel, 0.73-0.8x
-# at 8 rows, 1.0-1.3x at 16. The 32-weight types: below it kernels/int8_gemv.py's kernel, the same bits, faster at every count
+# at 8 rows, 1.0-1.3x at 16. The 32-weight types: below it kernels/gemv16.py's kernel, the same bits, faster at every count
 # up to 16 (measured, one core, AMD EPYC, weights hot / cold: 1536 x 576 Q4_1 at 1 row 26 / 36 us against 63 / 78, at 8 rows
 # 59 / 63 against 102 / 118, at 16 114 / 118 against 153 / 167; 4096 x 4096 Q8_0 at 16 rows 1.83 / 1.95 ms against 2.66 / 2.90);
 # past 16 its accumulators would not fit in registers
@@ -294,6 +296,8 @@ INLINE void tiled(float *restrict out, const u8 *restrict w, const float *restri
 }
 
 %(dot)s
+#define GEMVF %(gemvf)d
+%(gemvf_source)s
 #if INT8
 /* int8 activations (off by default): each block of 32 of x rounded to int8 with scale max|x|/127, as llama.cpp's q8 blocks;
    a weight sub-block's unsigned quants against them is an integer dot product (u8 x s8: vpdpbusd with AVX512-VNNI), scaled
@@ -404,6 +408,9 @@ KERNEL void %(name)s(float *restrict out, const u8 *restrict w, const float *res
 #if TILED == 2
   dotted(out, w, x, r0, r1); return;
 #endif
+#if GEMVF
+  gemvf(out, w, x, r0, r1); return;
+#endif
   if (TILED) { tiled(out, w, x, r0, r1); return; }
   /* weight rows in blocks of RB, every tile of x against one block before the next, so that a block is read from memory once
      and from L2 for the other tiles: the float kernel past one tile (measured, 16-32 rows of 4096 x 4096: F16/BF16 1.14-1.34x,
@@ -449,13 +456,14 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   products, in the decode kernel (where the type has it: quant_blocks.supported_int8; else the float kernel). prefetch=False:
   the same kernel without its weight prefetch (WEIGHT_PREFETCH), named `..._nopf`, for measurements and tests."""
   if not supported(ggml_type, K): raise ValueError(f"no quantized matmul kernel for GGML type {ggml_type} with {K} columns")
+  tiled_arg = tiled
   # the K-quants' int8 kernel serves small prefills too, up to KQ8_MAX_M rows (unless the tiled one is asked for): measured
   # (bench qmm, one core, 1536 x 1536) 1.5x the float tiled kernel at 64 rows, 0.98-1.04x at 512
   # past INT8_TILED_MIN_M rows the int8 tiled kernel (unless a kernel is asked for: tiled True, the float tiled one; False, decode)
   gemm8 = int8 and tiled is None and supported_int8(ggml_type, K) and M >= INT8_TILED_MIN_M[LAYOUT[ggml_type][0]]
   gemmb = int8 and tiled is None and ggml_type == BF16 and M >= BF16_TILED_MIN_M   # x rounded to bfloat16, vdpbf16ps
   gemm8 = gemm8 or gemmb
-  gemv = int8 and tiled is None and ggml_type in int8_gemv.GEMV8_TYPES and supported_int8(ggml_type, K) and not gemm8
+  gemv = int8 and tiled is None and ggml_type in gemv16.GEMV16_TYPES and supported_int8(ggml_type, K) and not gemm8
   kq8 = int8 and ggml_type in kquant_int8.KQ_INT8_TYPES and supported_int8(ggml_type, K) and tiled is not True and M <= KQ8_MAX_M
   dot = tiled == "dot" or (tiled is None and not gemm8 and not kq8 and ggml_type in DOT_TYPES and M > DECODE_MAX_M)
   tiled = 2 if dot else True if gemm8 else False if kq8 or gemv else M > DECODE_MAX_M if tiled is None else tiled
@@ -465,6 +473,9 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
   int8 = 5 if gemv else 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
   kind = ['', '_tiled', '_dot'][int(tiled)] + ['', '_int8', '_int8k', '_int8t', '_bf16t', '_int8v'][int8]
+  # the float path's 32-weight types within one decode tile: gemv16.py's 16-row kernel (unless the decode kernel is asked for)
+  gemvf = not tiled and not int8 and tiled_arg is None and ggml_type in gemv16.GEMV16_TYPES
+  kind += "_r16" if gemvf else ""
   name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{kind}"
   name += "" if prefetch else "_nopf"
   qb, sbb = LAYOUT[ggml_type]
@@ -477,7 +488,8 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
                           "micros": _micros(),
                           "dequant": DEQUANT[ggml_type], "int8": int8,
                           "kint8": kquant_int8.source(ggml_type) if int8 == 2 else int8_gemm.source(ggml_type) if int8 == 3 else
-                                   bf16_gemm.source() if int8 == 4 else int8_gemv.source(ggml_type) if int8 == 5 else "",
+                                   bf16_gemm.source() if int8 == 4 else gemv16.source(ggml_type, True) if int8 == 5 else "",
+                          "gemvf": int(gemvf), "gemvf_source": gemv16.source(ggml_type, False) if gemvf else "",
                           "quants": QUANTS.get(ggml_type, ""), "transpose": _transpose16(), "dot": dot_gemm.source() if dot else "",
                           "i32": ", ".join(map(str, range(32))), "i64": ", ".join(map(str, range(64))),
                           **{f"l{k}": ", ".join(str(4 * i + k) for i in range(16)) for k in range(4)}}

@@ -8,6 +8,7 @@ def test_kernel_names_group_by_kind():
   assert group("qmatmul_q8_0_1_49152_576_p2", 49152)[0].startswith("logits q8_0 1x49152x576")
   assert group("qmatmul_q6_k_16_576_1536_p2_int8k", 49152)[0] == "matmul q6_k 16x576x1536 p2_int8k"
   assert group("qmatmul_q4_1_1_1536_576_p2_int8v", 49152)[0] == "matmul q4_1 1x1536x576 p2_int8v"
+  assert group("qmatmul_q5_0_8_576_576_p2_r16", 49152)[0] == "matmul q5_0 8x576x576 p2_r16"
   assert group("cpu_attention_prefill_bs16_cap32", 49152) == ("attention (C)", 0.0)
   # the kernels that round x once before the int8 and bf16 tiled products: a group of their own, not tinygrad's
   assert group("round_x_int8_g32_o8_16_576_p2", 49152) == ("rounding x int8 16x576 p2", 0.0)

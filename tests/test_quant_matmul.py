@@ -88,6 +88,23 @@ def test_equals_the_dequantized_float_product_for_any_part_count(t, rows, out, p
   # each output row is summed within one part, in one order: the split changes which core computes it, not its bits
   np.testing.assert_array_equal(product(t, rows, out, cols, 1, seed)[0], got)
 
+@settings(max_examples=10, deadline=None)
+@given(t=st.sampled_from([Q4_0, Q4_1, Q5_0, Q5_1, Q8_0]), rows=st.integers(1, qmm.DECODE_MAX_M), out=st.integers(16, 70),
+       parts=st.integers(1, 3), blocks=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_the_16_row_float_decode_kernel_gives_a_row_the_same_bits_at_any_count_and_part(t, rows, out, parts, blocks, seed):
+  # kernels/gemv16.py's float kernel, the 32-weight types' float path within one decode tile: a batch of one's step and its
+  # speculative verify step (up to DECODE_MAX_M rows) give a row the same bits, whatever the part count; odd sub-block
+  # counts, weight rows past a multiple of its 16-row groups; and the dequantized product's values
+  rng = np.random.default_rng(seed)
+  cols = 32 * blocks
+  b, x = random_blocks(out, cols, t, rng), rng.standard_normal((qmm.DECODE_MAX_M, cols), dtype=np.float32)
+  assert qmm.kernel_source(t, rows, out, cols, parts)[0].endswith("_r16")
+  tile = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (out, cols), 1).numpy()
+  got = qmm.quant_matmul(Tensor(x[:rows], device="MESH"), Tensor(b, device="MESH"), t, (out, cols), parts).numpy()
+  np.testing.assert_array_equal(got, tile[:rows])
+  want = x.astype(np.float64) @ reference(b, t, cols).astype(np.float64).T
+  np.testing.assert_allclose(tile, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
 def test_leading_axes_are_kept():
   w = PackedWeight.random(48, 64, Q4_1, device="MESH")
   x = Tensor.randn(2, 3, 64, device="MESH")
@@ -315,7 +332,7 @@ GEMV8 = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0]
 
 @pytest.mark.parametrize("t", GEMV8, ids=[NAMES[t] for t in GEMV8])
 def test_int8_decode_kernel_is_the_exact_product_with_x_rounded_per_32(t):
-  # kernels/int8_gemv.py, the int8 mode's kernel for the 32-weight types below the tiled kernel's crossover: one row, a few,
+  # kernels/gemv16.py's gemv8, the int8 mode's kernel for the 32-weight types below the tiled kernel's crossover: one row, a few,
   # the most it takes; weight rows not a multiple of its 16-row groups (a part's last group repeats its last row); 1-3 parts
   rng = np.random.default_rng(200 + t)
   for rows, out, parts in ((1, 37, 3), (5, 21, 2), (qmm.INT8_TILED_MIN_M[32] - 1, 50, 1), (2, 16, 1)):

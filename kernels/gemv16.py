@@ -1,0 +1,204 @@
+"""The 32-weight types' decode kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; a few rows of x): 16 weight rows at a time, read
+straight from their stored blocks into registers as vectors whose lane n is row n, so no row ever needs a horizontal sum and
+a sub-block's unpacking is shared by 16 rows' worth of products. C, included by kernels/quant_matmul.py's source, where the
+vector types, h2f16's conversions and (int8) dot4 are defined.
+
+Per sub-block of 32 weights and group of 16 rows: each row's 16 quant bytes are loaded (one 16-byte load), four rows to a
+vector (lane l of vector i: row i + 4l), and a 4 x 4 transpose of 32-bit words inside each 128-bit lane (eight two-source
+shuffles) leaves vector j lane n = row n's word j: 4 quant bytes of each of the 16 rows. The float16 scales (and Q4_1/Q5_1's
+offsets, Q5's fifth bits) of the 16 rows are one 32-bit load each, put side by side. Then:
+- gemv8 (int8 mode, 1-16 rows of x): with x rounded per 32 (xq its quants, xd its scale, xs its sum; the symmetric types'
+  offset as an integer that starts the sums, int8_gemm.OFFSET; the rounding is int8_gemm.py's kernel, the buffer the int8
+  tiled kernel reads), one vpdpbusd takes 16 rows x 4 k against a broadcast of 4 bytes of x:
+    acc[n] += float(sum_k q[n, k] xq[k]) * (s[n] xd)  +  m[n] xs
+  The int8 tiled kernel (int8_gemm.py) does the same arithmetic, in the same order, through a panel on the stack unpacked
+  once and reused for every row of x: the same bits (tested), and past 16 rows that wins; at one row its stores and reloads
+  were the cost (measured, one core, AMD EPYC, 1536 x 576 Q4_1, one row, hot: float decode kernel 90 us, int8 tiled 62, this
+  kernel 26, llama.cpp's ggml_mul_mat 43).
+- gemvf (float mode, up to DECODE_MAX_M rows of x, x float32): the quants, less a symmetric type's offset, converted to
+  float and multiplied into x in four chains per row of x, then scaled once per sub-block (measured as above: Q4_1 90 -> 52
+  us at one row, 271 -> 184 at 8; Q5_0 88 -> 62; Q8_0 55 -> 54, 274 -> 169 at 8). The float path's conversions are 4 of its
+  5 vector ops a weight: x as int8 (gemv8) is what reaches llama.cpp's speed at one row.
+
+Rows of a part past a multiple of 16 are computed as a group whose missing rows repeat the part's last row (not stored), so a
+row's bits never depend on how rows were grouped or split in parts.
+"""
+from __future__ import annotations
+from tinyhet.kernels.quant_blocks import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+
+GEMV16_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+# the types whose 16 rows' scale words are one AVX-512 gather, not 16 loads put in lanes: the two with an offset beside the
+# scale (measured, one core, 1536 x 576, one row: Q4_1 35 -> 26 us, Q5_1 45 -> 42; the others slower gathered, Q4_0 19 -> 24,
+# Q5_0 34 -> 40, Q8_0 27 -> 31)
+GATHER_TYPES = (Q4_1, Q5_1)
+
+# per type: a sub-block's quants q[c] (c = 0..7: lane n, bytes of row n's weights 4c..4c+3, unsigned), scales s and offsets m
+# (unused for the symmetric types) for the 16 rows whose blocks start at p[n] + o
+_NIBBLES = """  u32x16 T[4]; rows16(p, o + %(qs)d, T);
+  for (int c = 0; c < 4; c++) { q[c] = (u8x64)(T[c] & 0x0f0f0f0fu); q[c + 4] = (u8x64)((T[c] >> 4) & 0x0f0f0f0fu); }"""
+# Q5's fifth bits: bits 4c..4c+3 of each row's qh word to bit 4 of each byte of q[c] (a multiply spreads 4 bits to 4 bytes)
+_FIFTH = """
+  const u32x16 qh = words16(p, o + %(qh)d);
+  for (int c = 0; c < 8; c++) q[c] |= (u8x64)((((qh >> (4 * c)) & 15u) * 0x00204081u & 0x01010101u) << 4);"""
+_D = "  *s = h2f16w(words16(p, o));"
+_DM = "  const u32x16 dm = words16(p, o); *s = h2f16w(dm); *m = h2f16w(dm >> 16);"
+ROWS = {
+  Q4_0: _D + "\n" + _NIBBLES % {"qs": 2},
+  Q4_1: _DM + "\n" + _NIBBLES % {"qs": 4},
+  Q5_0: _D + "\n" + _NIBBLES % {"qs": 6} + _FIFTH % {"qh": 2},
+  Q5_1: _DM + "\n" + _NIBBLES % {"qs": 8} + _FIFTH % {"qh": 4},
+  Q8_0: _D + """
+  u32x16 T[4], U[4]; rows16(p, o + 2, T); rows16(p, o + 18, U);
+  for (int c = 0; c < 4; c++) { q[c] = (u8x64)(T[c] ^ 0x80808080u); q[c + 4] = (u8x64)(U[c] ^ 0x80808080u); }""",
+}
+
+ROWS_SOURCE = r"""
+typedef u32 u32x8 __attribute__((vector_size(32))); typedef int i32x16 __attribute__((vector_size(64)));
+typedef u8 u8x64 __attribute__((vector_size(64)));
+#define OFF %(OFF)d
+#define GATHER %(gather)d
+/* 16 rows' 16 bytes at p[n] + o -> T[j], lane n = row n's 32-bit word j */
+INLINE void rows16(const u8 *const *restrict p, const int o, u32x16 *restrict T) {
+  u32x4 a[16];
+  for (int n = 0; n < 16; n++) __builtin_memcpy(&a[n], p[n] + o, 16);
+  u32x16 Z[4];   /* Z[i] lane l (of four 128-bit lanes): row i + 4l */
+  for (int i = 0; i < 4; i++) {
+    const u32x8 lo = __builtin_shufflevector(a[i], a[i + 4], 0, 1, 2, 3, 4, 5, 6, 7);
+    const u32x8 hi = __builtin_shufflevector(a[i + 8], a[i + 12], 0, 1, 2, 3, 4, 5, 6, 7);
+    Z[i] = __builtin_shufflevector(lo, hi, %(i16)s);
+  }
+  const u32x16 A = __builtin_shufflevector(Z[0], Z[1], %(unpacklo)s), B = __builtin_shufflevector(Z[0], Z[1], %(unpackhi)s);
+  const u32x16 C = __builtin_shufflevector(Z[2], Z[3], %(unpacklo)s), D = __builtin_shufflevector(Z[2], Z[3], %(unpackhi)s);
+  T[0] = __builtin_shufflevector(A, C, %(lo64)s); T[1] = __builtin_shufflevector(A, C, %(hi64)s);
+  T[2] = __builtin_shufflevector(B, D, %(lo64)s); T[3] = __builtin_shufflevector(B, D, %(hi64)s);
+}
+/* the 32-bit word at p[n] + o of each of 16 rows */
+#if defined(__AVX512F__) && GATHER
+#define words16(p, o) ((u32x16)__builtin_ia32_gathersiv16si((i32x16){0}, (const void *)((p)[0] + (o)), gidx, (unsigned short)0xffff, 1))
+#else
+#define words16(p, o) words16_(p, o)
+#endif
+INLINE u32x16 words16_(const u8 *const *restrict p, const int o) {
+  u32x16 v;
+  for (int n = 0; n < 16; n++) { u32 t; __builtin_memcpy(&t, p[n] + o, 4); v[n] = t; }
+  return v;
+}
+/* the float16 in the low half of each 32-bit lane */
+INLINE f32x16 h2f16w(u32x16 v) {
+  const u16x16 h = __builtin_convertvector(v, u16x16);
+  u8 b[32]; __builtin_memcpy(b, &h, 32);
+  return h2f16(b);
+}
+INLINE void rows_sub(const u8 *const *restrict p, const i32x16 gidx, const int o, u8x64 *restrict q, f32x16 *restrict s, f32x16 *restrict m) {
+%(rows)s
+}
+"""
+
+INT8_SOURCE = r"""
+#define XK (K + 64)
+INLINE i32x16 dpbusd(i32x16 acc, u8x64 a, i8x64 b) {
+#if defined(__AVX512VNNI__)
+  return __builtin_ia32_vpdpbusd512(acc, (i32x16)a, (i32x16)b);
+#else
+  return acc + dot4(a, b);
+#endif
+}
+/* xr: x rounded by int8_gemm.py's rounding kernel */
+INLINE void gemv8(float *restrict out, const u8 *restrict w, const u8 *restrict xr, int r0, int r1) {
+  const i8 *xq = (const i8 *)xr;
+  const float *xd = (const float *)(xq + (size_t)M * XK), *xs = xd + (size_t)M * NB;
+  for (int n0 = r0; n0 < r1; n0 += 16) {
+    const u8 *p[16];
+    i32x16 gidx;
+    for (int n = 0; n < 16; n++) { p[n] = w + (size_t)(n0 + n < r1 ? n0 + n : r1 - 1) * ROWB; gidx[n] = (int)(p[n] - p[0]); }
+    /* the next group's rows, contiguous: asked of memory a sub-block's share at a time */
+    const u8 *next = w + (size_t)(n0 + 16) * ROWB;
+    const int ahead = n0 + 32 <= r1 ? 16 * ROWB : n0 + 16 < r1 ? (r1 - n0 - 16) * ROWB : 0;
+    f32x16 acc[M];
+    for (int i = 0; i < M; i++) acc[i] = (f32x16){0};
+    for (int b = 0; b < NB; b++) {
+      if (PF) for (int c = b * ahead / NB; c < (b + 1) * ahead / NB; c += 64) __builtin_prefetch(next + c);
+      u8x64 q[8]; f32x16 s, m = (f32x16){0};
+      rows_sub(p, gidx, b * SBB, q, &s, &m);
+      for (int i = 0; i < M; i++) {
+        i32x16 ia = OFF ? (i32x16){0} + ((const int *)xs)[(size_t)i * NB + b] : (i32x16){0};
+        const i8 *xb = xq + (size_t)i * XK + b * 32;
+#pragma clang loop unroll(full)
+        for (int c = 0; c < 8; c++) { int x4; __builtin_memcpy(&x4, xb + 4 * c, 4); ia = dpbusd(ia, q[c], (i8x64)((i32x16){0} + x4)); }
+        acc[i] += __builtin_convertvector(ia, f32x16) * (s * xd[(size_t)i * NB + b]);
+        if (!OFF) acc[i] += m * xs[(size_t)i * NB + b];
+      }
+    }
+    for (int i = 0; i < M; i++) {
+      float *o = out + (size_t)i * N + n0;
+      if (n0 + 16 <= r1) store16(o, acc[i]);
+      else for (int n = 0; n < r1 - n0; n++) o[n] = acc[i][n];
+    }
+  }
+}
+"""
+
+FLOAT_SOURCE = r"""
+/* x float32, as the float decode kernel takes it: per sub-block, per row of x, the sum of q x over its 32 columns in four
+   chains (column 4c + j into chain j; q less the symmetric types' offset, w = s q), then w = s q + m makes the row's term
+     acc[n] += s[n] (sum_k q[n, k] x[k]) + m[n] (sum_k x[k])
+   with x's sums per sub-block computed once by each part, in one order (the same bits in any part) */
+#define MF 4   /* rows of x per pass over a group's quants: 4 x 4 chains, 4 accumulators and 8 quant vectors in registers */
+INLINE void gemvf(float *restrict out, const u8 *restrict w, const float *restrict x, int r0, int r1) {
+  float xsum[M * NB];
+  for (int i = 0; i < M; i++) for (int b = 0; b < NB; b++) {
+    const f32x16 v = load16(x + (size_t)i * K + 32 * b) + load16(x + (size_t)i * K + 32 * b + 16);
+    xsum[i * NB + b] = hsum(v);
+  }
+  for (int n0 = r0; n0 < r1; n0 += 16) {
+    const u8 *p[16];
+    i32x16 gidx;
+    for (int n = 0; n < 16; n++) { p[n] = w + (size_t)(n0 + n < r1 ? n0 + n : r1 - 1) * ROWB; gidx[n] = (int)(p[n] - p[0]); }
+    const u8 *next = w + (size_t)(n0 + 16) * ROWB;
+    const int ahead = n0 + 32 <= r1 ? 16 * ROWB : n0 + 16 < r1 ? (r1 - n0 - 16) * ROWB : 0;
+    for (int i0 = 0; i0 < M; i0 += MF) {
+      const int mf = M - i0 < MF ? M - i0 : MF;
+      f32x16 acc[MF];
+      for (int i = 0; i < MF; i++) acc[i] = (f32x16){0};
+      for (int b = 0; b < NB; b++) {
+        if (PF && i0 == 0) for (int c = b * ahead / NB; c < (b + 1) * ahead / NB; c += 64) __builtin_prefetch(next + c);
+        u8x64 q[8]; f32x16 s, m = (f32x16){0};
+        rows_sub(p, gidx, b * SBB, q, &s, &m);
+        f32x16 a[MF][4];
+        for (int i = 0; i < MF; i++) for (int j = 0; j < 4; j++) a[i][j] = (f32x16){0};
+#pragma clang loop unroll(full)
+        for (int c = 0; c < 8; c++) {
+          const u32x16 v = (u32x16)q[c];   /* the quants less their offset, exact small integers (a symmetric type's sums cancel nothing) */
+          const f32x16 f[4] = {__builtin_convertvector((i32x16)(v & 0xffu) - OFF, f32x16),
+                               __builtin_convertvector((i32x16)((v >> 8) & 0xffu) - OFF, f32x16),
+                               __builtin_convertvector((i32x16)((v >> 16) & 0xffu) - OFF, f32x16),
+                               __builtin_convertvector((i32x16)(v >> 24) - OFF, f32x16)};
+          for (int i = 0; i < MF; i++) if (i < mf) {
+            const float *xk = x + (size_t)(i0 + i) * K + 32 * b + 4 * c;
+            for (int j = 0; j < 4; j++) a[i][j] += f[j] * xk[j];
+          }
+        }
+        for (int i = 0; i < MF; i++) if (i < mf)
+          acc[i] += OFF ? ((a[i][0] + a[i][1]) + (a[i][2] + a[i][3])) * s
+                        : ((a[i][0] + a[i][1]) + (a[i][2] + a[i][3])) * s + m * xsum[(i0 + i) * NB + b];
+      }
+      for (int i = 0; i < MF; i++) if (i < mf) {
+        float *o = out + (size_t)(i0 + i) * N + n0;
+        if (n0 + 16 <= r1) store16(o, acc[i]);
+        else for (int n = 0; n < r1 - n0; n++) o[n] = acc[i][n];
+      }
+    }
+  }
+}
+"""
+
+def source(ggml_type: int, int8: bool) -> str:
+  """The C of the 16-row decode kernel for one of GEMV16_TYPES: with int8, gemv8 (x rounded); else gemvf (x float32)."""
+  from tinyhet.kernels.int8_gemm import OFFSET
+  lanes = lambda f: ", ".join(str(f(l, i)) for l in range(4) for i in range(4))
+  return ROWS_SOURCE % {"OFF": OFFSET.get(ggml_type, 0), "gather": int(ggml_type in GATHER_TYPES), "rows": ROWS[ggml_type],
+                        "i16": ", ".join(map(str, range(16))),
+                        "unpacklo": lanes(lambda l, i: 4 * l + i // 2 + 16 * (i & 1)),
+                        "unpackhi": lanes(lambda l, i: 4 * l + 2 + i // 2 + 16 * (i & 1)),
+                        "lo64": lanes(lambda l, i: 4 * l + (i & 1) + 16 * (i >> 1)),
+                        "hi64": lanes(lambda l, i: 4 * l + 2 + (i & 1) + 16 * (i >> 1))} + (INT8_SOURCE if int8 else FLOAT_SOURCE)
