@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out) if args.json else format_table(out))
     return 0
   out = run_model(args, args.model, threads, gbps, log)
+  columns, cells = model_cells(out)
+  out["table"] = {"columns": columns, "rows": cells}      # what docs/benchmarks.md renders (bench/results.py)
   if args.json: print(json.dumps(out))
   else: print(table(out))
   return 0
@@ -331,6 +333,28 @@ def format_cells(out: dict) -> tuple[list[str], list[list[str]]]:
               ", ".join(run["skipped"]) or "-"]
     rows.append(cells)
   return columns, rows
+
+NAMES = {"tinyhet": "tinyhet", "tinyhet-int8": "tinyhet int8", "llama.cpp": "llama.cpp (flash)", "llama.cpp-noflash": "llama.cpp (no flash)",
+         "torch-f32": "PyTorch float32", "torch": "PyTorch bfloat16", "torch-compile": "PyTorch compiled"}
+
+def model_cells(out: dict) -> tuple[list[str], list[list[str]]]:
+  """One model's run as one row per figure (prefill per length, decode per batch with its read share), one column per
+  engine, then each tinyhet mode over the best baseline of its row, named."""
+  rows = out["rows"]
+  engines = list(dict.fromkeys(r["engine"] for r in rows))
+  ours, others = [e for e in engines if e.startswith("tinyhet")], [e for e in engines if not e.startswith("tinyhet")]
+  prompts, batches = sorted({r["prompt_tokens"] for r in rows if r["prefill_tok_s"]}), sorted({r["batch"] for r in rows if r["decode_tok_s"]})
+  keys = [(f"prefill {n} tokens, tok/s", "prefill_tok_s", {"prompt_tokens": n}) for n in prompts]
+  keys += [(f"decode batch {b}, tok/s (read share)", "decode_tok_s", {"batch": b}) for b in batches]
+  cells = []
+  for label, key, match in keys:
+    vals = {e: pick(rows, e, key, **match) for e in engines}
+    share = {e: pick(rows, e, "read_share", **match) for e in engines} if key == "decode_tok_s" else {}
+    line = [label] + [f"{v:.1f}" + (f" ({share[e]:.0%})" if share.get(e) else "") if v else "-" for e, v in vals.items()]
+    best = max(((vals[e], e) for e in others if vals[e]), default=None)
+    line += [f"{vals[e] / best[0]:.2f}x ({NAMES.get(best[1], best[1]).replace('(', '').replace(')', '')})" if best and vals[e] else "-" for e in ours]
+    cells.append(line)
+  return ["row"] + [NAMES.get(e, e) for e in engines] + [f"{NAMES.get(e, e)} / best baseline" for e in ours], cells
 
 def format_table(out: dict) -> str:
   """format_cells as text, one line per format."""

@@ -27,3 +27,18 @@ def test_the_formats_sweep_holds_llama_cpp_to_its_better_mode():
   got = dict(zip(columns, cells[0]))
   assert got["format"] == "Q8_0" and "(0.80x, no flash)" in got[columns[1]] and "int8 15.0 (1.20x)" in got[columns[1]]
   assert "(1.50x, flash)" in got["prefill 512"]
+
+def test_one_models_table_puts_each_tinyhet_mode_over_the_best_baseline_of_its_row():
+  """bench decode's saved table (docs/benchmarks.md): one column per engine, a dash where an engine has no row, and each
+  tinyhet mode over the best baseline that has the row, naming it; the other tinyhet mode is never the baseline."""
+  from tinyhet.bench.decode import model_cells
+  rows = [row("tinyhet", 1, None, 10.0, 0.25), row("tinyhet-int8", 1, None, 30.0, 0.5), row("llama.cpp", 1, None, 8.0),
+          row("torch-f32", 1, None, 12.5), row("tinyhet", None, 512, 900.0), row("llama.cpp-noflash", None, 512, 450.0)]
+  columns, cells = model_cells({"rows": rows})
+  got = {c[0]: dict(zip(columns, c)) for c in cells}
+  assert columns[-2:] == ["tinyhet / best baseline", "tinyhet int8 / best baseline"]
+  b1 = got["decode batch 1, tok/s (read share)"]
+  assert b1["tinyhet"] == "10.0 (25%)" and b1["tinyhet / best baseline"] == "0.80x (PyTorch float32)"
+  assert b1["tinyhet int8 / best baseline"] == "2.40x (PyTorch float32)" and b1["llama.cpp (no flash)"] == "-"
+  p = got["prefill 512 tokens, tok/s"]
+  assert p["tinyhet / best baseline"] == "2.00x (llama.cpp no flash)" and p["tinyhet int8"] == "-" and p["tinyhet int8 / best baseline"] == "-"
