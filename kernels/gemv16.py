@@ -15,10 +15,12 @@ offsets, Q5's fifth bits) of the 16 rows are one 32-bit load each, put side by s
   once and reused for every row of x: the same bits (tested), and past 16 rows that wins; at one row its stores and reloads
   were the cost (measured, one core, AMD EPYC, 1536 x 576 Q4_1, one row, hot: float decode kernel 90 us, int8 tiled 62, this
   kernel 26, llama.cpp's ggml_mul_mat 43).
-- gemvf (float mode, up to DECODE_MAX_M rows of x, x float32): the quants, less a symmetric type's offset, converted to
-  float and multiplied into x in four chains per row of x, then scaled once per sub-block (measured as above: Q4_1 90 -> 52
-  us at one row, 271 -> 184 at 8; Q5_0 88 -> 62; Q8_0 55 -> 54, 274 -> 169 at 8). The float path's conversions are 4 of its
-  5 vector ops a weight: x as int8 (gemv8) is what reaches llama.cpp's speed at one row.
+- gemvf (float mode, up to DECODE_MAX_M rows of x, x float32): the stored quants (bytes 1 and 2 of each word taken out by
+  one byte shuffle each) converted to float and multiplied into x in four chains per row of x, then scaled once per
+  sub-block; a symmetric type's offset joins x's sum as m = -OFF s, as an asymmetric type's offset does (measured as above:
+  Q4_1 90 -> 47 us at one row, 271 -> 184 at 8; Q4_0 42, Q5_0 88 -> 53; Q8_0 55 -> 47, 274 -> 169 at 8; ggml_mul_mat: Q4_0
+  42, Q4_1 42, Q5_0 50, Q8_0 36). The float path's conversions are most of its vector ops a weight: x as int8 (gemv8) is
+  what passes llama.cpp's speed at one row.
 
 Rows of a part past a multiple of 16 are computed as a group whose missing rows repeat the part's last row (not stored), so a
 row's bits never depend on how rows were grouped or split in parts.
@@ -140,7 +142,7 @@ INLINE void gemv8(float *restrict out, const u8 *restrict w, const u8 *restrict 
 
 FLOAT_SOURCE = r"""
 /* x float32, as the float decode kernel takes it: per sub-block, per row of x, the sum of q x over its 32 columns in four
-   chains (column 4c + j into chain j; q less the symmetric types' offset, w = s q), then w = s q + m makes the row's term
+   chains (column 4c + j into chain j; q as stored, a symmetric type's m = -OFF s), then w = s q + m makes the row's term
      acc[n] += s[n] (sum_k q[n, k] x[k]) + m[n] (sum_k x[k])
    with x's sums per sub-block computed once by each part, in one order (the same bits in any part) */
 #define MF 4   /* rows of x per pass over a group's quants: 4 x 4 chains, 4 accumulators and 8 quant vectors in registers */
@@ -168,19 +170,19 @@ INLINE void gemvf(float *restrict out, const u8 *restrict w, const float *restri
         for (int i = 0; i < MF; i++) for (int j = 0; j < 4; j++) a[i][j] = (f32x16){0};
 #pragma clang loop unroll(full)
         for (int c = 0; c < 8; c++) {
-          const u32x16 v = (u32x16)q[c];   /* the quants less their offset, exact small integers (a symmetric type's sums cancel nothing) */
-          const f32x16 f[4] = {__builtin_convertvector((i32x16)(v & 0xffu) - OFF, f32x16),
-                               __builtin_convertvector((i32x16)((v >> 8) & 0xffu) - OFF, f32x16),
-                               __builtin_convertvector((i32x16)((v >> 16) & 0xffu) - OFF, f32x16),
-                               __builtin_convertvector((i32x16)(v >> 24) - OFF, f32x16)};
+          const u32x16 v = (u32x16)q[c];   /* the stored quants, unsigned (the offset comes in once, with x's sum) */
+          const f32x16 f[4] = {__builtin_convertvector((i32x16)(v & 0xffu), f32x16),
+                               __builtin_convertvector((i32x16)__builtin_shufflevector(q[c], (u8x64){0}, %(byte1)s), f32x16),
+                               __builtin_convertvector((i32x16)__builtin_shufflevector(q[c], (u8x64){0}, %(byte2)s), f32x16),
+                               __builtin_convertvector((i32x16)(v >> 24), f32x16)};
           for (int i = 0; i < MF; i++) if (i < mf) {
             const float *xk = x + (size_t)(i0 + i) * K + 32 * b + 4 * c;
             for (int j = 0; j < 4; j++) a[i][j] += f[j] * xk[j];
           }
         }
+        if (OFF) m = s * (float)-OFF;
         for (int i = 0; i < MF; i++) if (i < mf)
-          acc[i] += OFF ? ((a[i][0] + a[i][1]) + (a[i][2] + a[i][3])) * s
-                        : ((a[i][0] + a[i][1]) + (a[i][2] + a[i][3])) * s + m * xsum[(i0 + i) * NB + b];
+          acc[i] += ((a[i][0] + a[i][1]) + (a[i][2] + a[i][3])) * s + m * xsum[(i0 + i) * NB + b];
       }
       for (int i = 0; i < MF; i++) if (i < mf) {
         float *o = out + (size_t)(i0 + i) * N + n0;
@@ -192,6 +194,11 @@ INLINE void gemvf(float *restrict out, const u8 *restrict w, const float *restri
 }
 """
 
+def byte_of_each_word(j: int) -> str:
+  """The shuffle indices that leave byte j of each 32-bit word of a u8x64 in the word's low byte, zeros above it (index 64:
+  the zero vector's first byte): one byte shuffle, where a shift and a mask were two ops."""
+  return ", ".join(str(4 * w + j if b == 0 else 64) for w in range(16) for b in range(4))
+
 def source(ggml_type: int, int8: bool) -> str:
   """The C of the 16-row decode kernel for one of GEMV16_TYPES: with int8, gemv8 (x rounded); else gemvf (x float32)."""
   from tinyhet.kernels.int8_gemm import OFFSET
@@ -201,4 +208,5 @@ def source(ggml_type: int, int8: bool) -> str:
                         "unpacklo": lanes(lambda l, i: 4 * l + i // 2 + 16 * (i & 1)),
                         "unpackhi": lanes(lambda l, i: 4 * l + 2 + i // 2 + 16 * (i & 1)),
                         "lo64": lanes(lambda l, i: 4 * l + (i & 1) + 16 * (i >> 1)),
-                        "hi64": lanes(lambda l, i: 4 * l + 2 + (i & 1) + 16 * (i >> 1))} + (INT8_SOURCE if int8 else FLOAT_SOURCE)
+                        "hi64": lanes(lambda l, i: 4 * l + 2 + (i & 1) + 16 * (i >> 1))} + \
+         (INT8_SOURCE if int8 else FLOAT_SOURCE % {"byte1": byte_of_each_word(1), "byte2": byte_of_each_word(2)})
