@@ -1,7 +1,8 @@
-"""The 32-weight types' decode kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; a few rows of x): 16 weight rows at a time, read
-straight from their stored blocks into registers as vectors whose lane n is row n, so no row ever needs a horizontal sum and
-a sub-block's unpacking is shared by 16 rows' worth of products. C, included by kernels/quant_matmul.py's source, where the
-vector types, h2f16's conversions and (int8) dot4 are defined.
+"""The block types' 16-row decode kernels (a few rows of x): 16 weight rows at a time, read straight from their stored blocks
+into registers as vectors whose lane n is row n, so no row ever needs a horizontal sum and a sub-block's unpacking is shared
+by 16 rows' worth of products. gemv8 (int8 mode) takes the 32-weight types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); gemvf (float mode)
+those and the K-quants (Q4_K, Q5_K, Q6_K). C, included by kernels/quant_matmul.py's source, where the vector types,
+h2f16's conversions and (int8) dot4 are defined.
 
 Per sub-block of 32 weights and group of 16 rows: each row's 16 quant bytes are loaded (one 16-byte load), four rows to a
 vector (lane l of vector i: row i + 4l), and a 4 x 4 transpose of 32-bit words inside each 128-bit lane (eight two-source
@@ -22,11 +23,18 @@ offsets, Q5's fifth bits) of the 16 rows are one 32-bit load each, put side by s
   42, Q4_1 42, Q5_0 50, Q8_0 36). The float path's conversions are most of its vector ops a weight: x as int8 (gemv8) is
   what passes llama.cpp's speed at one row.
 
+The K-quants (gemvf only) are unpacked a super-block of 256 weights at a time into 64 quant vectors on the stack, so the
+bytes two or four sub-blocks share (a byte's two nibbles, Q6_K's 2-bit highs, the scale bytes) are read and transposed once;
+Q6_K's scale per 16 weights takes a term per 16 columns. Measured (one core, AMD EPYC, hot, least of 8 rounds; against the
+float decode kernel they ran before): 576 x 1536 at one row Q4_K 75 -> 42-50 us, Q5_K 81 -> 50, Q6_K 86 -> 60; 4096 x 4096
+Q4_K 1.34 -> 0.81 ms, Q5_K 1.48 -> 1.01, Q6_K 1.60 -> 1.35; at 8 rows 1.3-1.8x (ggml_mul_mat, x as int8: 4096 x 4096 Q4_K
+0.45 ms, Q6_K 0.48-0.63 at one row; the int8 mode's kquant_int8 0.53, 0.54).
+
 Rows of a part past a multiple of 16 are computed as a group whose missing rows repeat the part's last row (not stored), so a
 row's bits never depend on how rows were grouped or split in parts.
 """
 from __future__ import annotations
-from tinyhet.kernels.quant_blocks import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+from tinyhet.kernels.quant_blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 GEMV16_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
 # the types whose 16 rows' scale words are one AVX-512 gather, not 16 loads put in lanes: the two with an offset beside the
@@ -42,17 +50,62 @@ _NIBBLES = """  u32x16 T[4]; rows16(p, o + %(qs)d, T);
 _FIFTH = """
   const u32x16 qh = words16(p, o + %(qh)d);
   for (int c = 0; c < 8; c++) q[c] |= (u8x64)((((qh >> (4 * c)) & 15u) * 0x00204081u & 0x01010101u) << 4);"""
+_O = "  const int o = b * SBB;\n"
 _D = "  *s = h2f16w(words16(p, o));"
 _DM = "  const u32x16 dm = words16(p, o); *s = h2f16w(dm); *m = h2f16w(dm >> 16);"
 ROWS = {
-  Q4_0: _D + "\n" + _NIBBLES % {"qs": 2},
-  Q4_1: _DM + "\n" + _NIBBLES % {"qs": 4},
-  Q5_0: _D + "\n" + _NIBBLES % {"qs": 6} + _FIFTH % {"qh": 2},
-  Q5_1: _DM + "\n" + _NIBBLES % {"qs": 8} + _FIFTH % {"qh": 4},
-  Q8_0: _D + """
+  Q4_0: _O + _D + "\n" + _NIBBLES % {"qs": 2},
+  Q4_1: _O + _DM + "\n" + _NIBBLES % {"qs": 4},
+  Q5_0: _O + _D + "\n" + _NIBBLES % {"qs": 6} + _FIFTH % {"qh": 2},
+  Q5_1: _O + _DM + "\n" + _NIBBLES % {"qs": 8} + _FIFTH % {"qh": 4},
+  Q8_0: _O + _D + """
   u32x16 T[4], U[4]; rows16(p, o + 2, T); rows16(p, o + 18, U);
   for (int c = 0; c < 4; c++) { q[c] = (u8x64)(T[c] ^ 0x80808080u); q[c + 4] = (u8x64)(U[c] ^ 0x80808080u); }""",
 }
+
+# The K-quants (float mode only; their int8 mode is kquant_int8.py's): a whole super-block of 256 weights at a time, b its
+# first sub-block, so bytes that serve two or four sub-blocks (a byte's two nibbles, Q6_K's 2-bit highs) are read and
+# transposed once: q[8j + c] is sub-block j's q[c], s[j] and m[j] its scale and offset (Q6_K: s[2j], s[2j + 1], one per 16)
+_KSCALES = """  const int o = b / 8 * SBB;
+  u32x16 S[4]; rows16(p, o, S);   /* d, dmin; the 12 bytes of 6-bit scales and mins */
+  const f32x16 d = h2f16w(S[0]), dmin = h2f16w(S[0] >> 16);
+  for (int j = 0; j < 8; j++) {
+    const int sh = 8 * (j & 3);
+    const u32x16 sc = j < 4 ? (S[1] >> sh) & 63u : ((S[3] >> sh) & 15u) | (((S[1] >> sh) >> 6 & 3u) << 4);
+    const u32x16 mn = j < 4 ? (S[2] >> sh) & 63u : ((S[3] >> sh) >> 4 & 15u) | (((S[2] >> sh) >> 6 & 3u) << 4);
+    s[j] = d * __builtin_convertvector(sc, f32x16); m[j] = -(dmin * __builtin_convertvector(mn, f32x16));
+  }"""
+# sub-blocks 2r and 2r + 1: the low and high nibbles of the same 32 bytes (Q5_K: the fifth bits, bit j of qh byte k)
+_KNIBBLES = """
+  for (int r = 0; r < 4; r++) {
+    u32x16 T[8]; rows16(p, o + %(qs)d + 32 * r, T); rows16(p, o + %(qs)d + 16 + 32 * r, T + 4);
+    for (int c = 0; c < 8; c++) {
+      q[16 * r + c] = (u8x64)(T[c] & 0x0f0f0f0fu); q[16 * r + 8 + c] = (u8x64)((T[c] >> 4) & 0x0f0f0f0fu);%(fifth)s
+    }
+  }"""
+_KFIFTH = """
+      q[16 * r + c] |= (u8x64)(((H[c] >> (2 * r)) & 0x01010101u) << 4); q[16 * r + 8 + c] |= (u8x64)(((H[c] >> (2 * r + 1)) & 0x01010101u) << 4);"""
+KROWS = {
+  Q4_K: _KSCALES + _KNIBBLES % {"qs": 16, "fifth": ""},
+  Q5_K: _KSCALES + "\n  u32x16 H[8]; rows16(p, o + 16, H); rows16(p, o + 32, H + 4);" + _KNIBBLES % {"qs": 48, "fifth": _KFIFTH},
+  # Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d; sub-block 4n + k: ql bytes 64n + 32(k & 1), nibble
+  # k >> 1, qh bytes 128 + 32n, bits 2k (d read as the high half of the word before it: the block's last bytes)
+  Q6_K: """  const int o = b / 8 * SBB;
+  u32x16 S[4]; rows16(p, o + 192, S);
+  const f32x16 d = h2f16w(words16(p, o + 206) >> 16);
+  for (int j = 0; j < 16; j++) s[j] = d * __builtin_convertvector((i32x16)(S[j / 4] << (24 - 8 * (j & 3))) >> 24, f32x16);
+  for (int n = 0; n < 2; n++) {
+    u32x16 H[8]; rows16(p, o + 128 + 32 * n, H); rows16(p, o + 144 + 32 * n, H + 4);
+    for (int h = 0; h < 2; h++) {
+      u32x16 L[8]; rows16(p, o + 64 * n + 32 * h, L); rows16(p, o + 64 * n + 32 * h + 16, L + 4);
+      for (int c = 0; c < 8; c++) {
+        q[8 * (4 * n + h) + c] = (u8x64)((L[c] & 0x0f0f0f0fu) | (((H[c] >> (2 * h)) & 0x03030303u) << 4));
+        q[8 * (4 * n + h + 2) + c] = (u8x64)(((L[c] >> 4) & 0x0f0f0f0fu) | (((H[c] >> (2 * h + 4)) & 0x03030303u) << 4));
+      }
+    }
+  }""",
+}
+GEMVF_TYPES = GEMV16_TYPES + tuple(KROWS)   # the float path's 16-row kernel
 
 ROWS_SOURCE = r"""
 typedef u32 u32x8 __attribute__((vector_size(32))); typedef int i32x16 __attribute__((vector_size(64)));
@@ -91,7 +144,7 @@ INLINE f32x16 h2f16w(u32x16 v) {
   u8 b[32]; __builtin_memcpy(b, &h, 32);
   return h2f16(b);
 }
-INLINE void rows_sub(const u8 *const *restrict p, const i32x16 gidx, const int o, u8x64 *restrict q, f32x16 *restrict s, f32x16 *restrict m) {
+INLINE void rows_sub(const u8 *const *restrict p, const i32x16 gidx, const int b, u8x64 *restrict q, f32x16 *restrict s, f32x16 *restrict m) {
 %(rows)s
 }
 """
@@ -121,7 +174,7 @@ INLINE void gemv8(float *restrict out, const u8 *restrict w, const u8 *restrict 
     for (int b = 0; b < NB; b++) {
       if (PF) for (int c = b * ahead / NB; c < (b + 1) * ahead / NB; c += 64) __builtin_prefetch(next + c);
       u8x64 q[8]; f32x16 s, m = (f32x16){0};
-      rows_sub(p, gidx, b * SBB, q, &s, &m);
+      rows_sub(p, gidx, b, q, &s, &m);
       for (int i = 0; i < M; i++) {
         i32x16 ia = OFF ? (i32x16){0} + ((const int *)xs)[(size_t)i * NB + b] : (i32x16){0};
         const i8 *xb = xq + (size_t)i * XK + b * 32;
@@ -144,13 +197,19 @@ FLOAT_SOURCE = r"""
 /* x float32, as the float decode kernel takes it: per sub-block, per row of x, the sum of q x over its 32 columns in four
    chains (column 4c + j into chain j; q as stored, a symmetric type's m = -OFF s), then w = s q + m makes the row's term
      acc[n] += s[n] (sum_k q[n, k] x[k]) + m[n] (sum_k x[k])
-   with x's sums per sub-block computed once by each part, in one order (the same bits in any part) */
+   (S16, Q6_K: one such term per 16 columns) with x's sums per sub-block (S16: per 16) computed once by each part, in one
+   order (the same bits in any part). SUBS sub-blocks are unpacked at a time (the K-quants: a super-block) */
 #define MF 4   /* rows of x per pass over a group's quants: 4 x 4 chains, 4 accumulators and 8 quant vectors in registers */
+#define SUBS %(subs)d
+#define S16 %(s16)d
+#define NXS (NB * (1 + S16))   /* x's sums per row */
+INLINE f32x16 chains(const f32x16 *a) { return (a[0] + a[1]) + (a[2] + a[3]); }
 INLINE void gemvf(float *restrict out, const u8 *restrict w, const float *restrict x, int r0, int r1) {
-  float xsum[M * NB];
+  float xsum[M * NXS];
   for (int i = 0; i < M; i++) for (int b = 0; b < NB; b++) {
-    const f32x16 v = load16(x + (size_t)i * K + 32 * b) + load16(x + (size_t)i * K + 32 * b + 16);
-    xsum[i * NB + b] = hsum(v);
+    const f32x16 lo = load16(x + (size_t)i * K + 32 * b), hi = load16(x + (size_t)i * K + 32 * b + 16);
+    if (S16) { xsum[i * NXS + 2 * b] = hsum(lo); xsum[i * NXS + 2 * b + 1] = hsum(hi); }
+    else xsum[i * NXS + b] = hsum(lo + hi);
   }
   for (int n0 = r0; n0 < r1; n0 += 16) {
     const u8 *p[16];
@@ -162,27 +221,38 @@ INLINE void gemvf(float *restrict out, const u8 *restrict w, const float *restri
       const int mf = M - i0 < MF ? M - i0 : MF;
       f32x16 acc[MF];
       for (int i = 0; i < MF; i++) acc[i] = (f32x16){0};
-      for (int b = 0; b < NB; b++) {
-        if (PF && i0 == 0) for (int c = b * ahead / NB; c < (b + 1) * ahead / NB; c += 64) __builtin_prefetch(next + c);
-        u8x64 q[8]; f32x16 s, m = (f32x16){0};
-        rows_sub(p, gidx, b * SBB, q, &s, &m);
-        f32x16 a[MF][4];
-        for (int i = 0; i < MF; i++) for (int j = 0; j < 4; j++) a[i][j] = (f32x16){0};
+      for (int b0 = 0; b0 < NB; b0 += SUBS) {
+        if (PF && i0 == 0) for (int c = b0 * ahead / NB; c < (b0 + SUBS) * ahead / NB; c += 64) __builtin_prefetch(next + c);
+        u8x64 q[8 * SUBS]; f32x16 s[SUBS * (1 + S16)], m[SUBS];
+        for (int u = 0; u < SUBS; u++) m[u] = (f32x16){0};
+        rows_sub(p, gidx, b0, q, s, m);
+        for (int u = 0; u < SUBS; u++) {
+          const int b = b0 + u;
+          f32x16 a[MF][4];
+          for (int i = 0; i < MF; i++) for (int j = 0; j < 4; j++) a[i][j] = (f32x16){0};
 #pragma clang loop unroll(full)
-        for (int c = 0; c < 8; c++) {
-          const u32x16 v = (u32x16)q[c];   /* the stored quants, unsigned (the offset comes in once, with x's sum) */
-          const f32x16 f[4] = {__builtin_convertvector((i32x16)(v & 0xffu), f32x16),
-                               __builtin_convertvector((i32x16)__builtin_shufflevector(q[c], (u8x64){0}, %(byte1)s), f32x16),
-                               __builtin_convertvector((i32x16)__builtin_shufflevector(q[c], (u8x64){0}, %(byte2)s), f32x16),
-                               __builtin_convertvector((i32x16)(v >> 24), f32x16)};
-          for (int i = 0; i < MF; i++) if (i < mf) {
-            const float *xk = x + (size_t)(i0 + i) * K + 32 * b + 4 * c;
-            for (int j = 0; j < 4; j++) a[i][j] += f[j] * xk[j];
+          for (int c = 0; c < 8; c++) {
+            const u8x64 qc = q[8 * u + c];
+            const u32x16 v = (u32x16)qc;   /* the stored quants, unsigned (the offset comes in once, with x's sum) */
+            const f32x16 f[4] = {__builtin_convertvector((i32x16)(v & 0xffu), f32x16),
+                                 __builtin_convertvector((i32x16)__builtin_shufflevector(qc, (u8x64){0}, %(byte1)s), f32x16),
+                                 __builtin_convertvector((i32x16)__builtin_shufflevector(qc, (u8x64){0}, %(byte2)s), f32x16),
+                                 __builtin_convertvector((i32x16)(v >> 24), f32x16)};
+            for (int i = 0; i < MF; i++) if (i < mf) {
+              const float *xk = x + (size_t)(i0 + i) * K + 32 * b + 4 * c;
+              for (int j = 0; j < 4; j++) a[i][j] += f[j] * xk[j];
+            }
+            if (S16 && c == 3) {   /* the sub-block's first 16 columns, under their own scale */
+              const f32x16 s0 = s[2 * u], m0 = s0 * (float)-OFF;
+              for (int i = 0; i < MF; i++) if (i < mf) {
+                acc[i] += chains(a[i]) * s0 + m0 * xsum[(i0 + i) * NXS + 2 * b];
+                for (int j = 0; j < 4; j++) a[i][j] = (f32x16){0};
+              }
+            }
           }
+          const f32x16 sl = s[(1 + S16) * u + S16], ml = OFF ? sl * (float)-OFF : m[u];
+          for (int i = 0; i < MF; i++) if (i < mf) acc[i] += chains(a[i]) * sl + ml * xsum[(i0 + i) * NXS + (1 + S16) * b + S16];
         }
-        if (OFF) m = s * (float)-OFF;
-        for (int i = 0; i < MF; i++) if (i < mf)
-          acc[i] += ((a[i][0] + a[i][1]) + (a[i][2] + a[i][3])) * s + m * xsum[(i0 + i) * NB + b];
       }
       for (int i = 0; i < MF; i++) if (i < mf) {
         float *o = out + (size_t)(i0 + i) * N + n0;
@@ -203,10 +273,11 @@ def source(ggml_type: int, int8: bool) -> str:
   """The C of the 16-row decode kernel for one of GEMV16_TYPES: with int8, gemv8 (x rounded); else gemvf (x float32)."""
   from tinyhet.kernels.int8_gemm import OFFSET
   lanes = lambda f: ", ".join(str(f(l, i)) for l in range(4) for i in range(4))
-  return ROWS_SOURCE % {"OFF": OFFSET.get(ggml_type, 0), "gather": int(ggml_type in GATHER_TYPES), "rows": ROWS[ggml_type],
+  return ROWS_SOURCE % {"OFF": OFFSET.get(ggml_type, 0), "gather": int(ggml_type in GATHER_TYPES), "rows": {**ROWS, **KROWS}[ggml_type],
                         "i16": ", ".join(map(str, range(16))),
                         "unpacklo": lanes(lambda l, i: 4 * l + i // 2 + 16 * (i & 1)),
                         "unpackhi": lanes(lambda l, i: 4 * l + 2 + i // 2 + 16 * (i & 1)),
                         "lo64": lanes(lambda l, i: 4 * l + (i & 1) + 16 * (i >> 1)),
                         "hi64": lanes(lambda l, i: 4 * l + 2 + (i & 1) + 16 * (i >> 1))} + \
-         (INT8_SOURCE if int8 else FLOAT_SOURCE % {"byte1": byte_of_each_word(1), "byte2": byte_of_each_word(2)})
+         (INT8_SOURCE if int8 else FLOAT_SOURCE % {"byte1": byte_of_each_word(1), "byte2": byte_of_each_word(2),
+                                                    "subs": 8 if ggml_type in KROWS else 1, "s16": int(ggml_type == Q6_K)})

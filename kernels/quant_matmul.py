@@ -10,7 +10,7 @@ Four kernels (C, clang vector extensions: no intrinsics beyond the CPU's half-fl
 tinygrad's CPU compiler targets), each computing
   out[m, r] = sum_k x[m, k] * W[r, k]        x (M, K) float32, W (N, K) in its stored blocks, out (M, N) float32
 with the rows r of W split into `parts` contiguous ranges, one per core_id:
-- the 32-weight types' decode kernel (M <= DECODE_MAX_M; float mode): kernels/gemv16.py's gemvf, 16 weight rows at a time in
+- the block types' decode kernel (M <= DECODE_MAX_M; float mode): kernels/gemv16.py's gemvf, 16 weight rows at a time in
   registers (the kernel below runs for them only when asked for by tiled=False).
 - decode (M <= DECODE_MAX_M): each weight row's blocks are dequantized in registers (kernels/quant_blocks.py: 32 weights as
   two 16-lane vectors) and multiplied into up to 8 rows of x at once; the weights stream from memory once per 8 rows of x.
@@ -474,7 +474,7 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   int8 = 5 if gemv else 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
   kind = ['', '_tiled', '_dot'][int(tiled)] + ['', '_int8', '_int8k', '_int8t', '_bf16t', '_int8v'][int8]
   # the float path's 32-weight types within one decode tile: gemv16.py's 16-row kernel (unless the decode kernel is asked for)
-  gemvf = not tiled and not int8 and tiled_arg is None and ggml_type in gemv16.GEMV16_TYPES
+  gemvf = not tiled and not int8 and tiled_arg is None and ggml_type in gemv16.GEMVF_TYPES
   kind += "_r16" if gemvf else ""
   name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{kind}"
   name += "" if prefetch else "_nopf"

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import tinyhet  # noqa: F401  (MESH)
 from tinygrad import Tensor, dtypes
-from tinyhet.kernels import quant_matmul as qmm
+from tinyhet.kernels import gemv16, quant_matmul as qmm
 from tinyhet.kernels.quant_blocks import (BF16, F16, LAYOUT, NAMES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, dequantize_reference,
                                           random_blocks, supported)
 from tinyhet.model.packed import PackedWeight
@@ -88,15 +88,17 @@ def test_equals_the_dequantized_float_product_for_any_part_count(t, rows, out, p
   # each output row is summed within one part, in one order: the split changes which core computes it, not its bits
   np.testing.assert_array_equal(product(t, rows, out, cols, 1, seed)[0], got)
 
-@settings(max_examples=10, deadline=None)
-@given(t=st.sampled_from([Q4_0, Q4_1, Q5_0, Q5_1, Q8_0]), rows=st.integers(1, qmm.DECODE_MAX_M), out=st.integers(16, 70),
+GEMVF = gemv16.GEMVF_TYPES
+
+@settings(max_examples=16, deadline=None)
+@given(t=st.sampled_from(GEMVF), rows=st.integers(1, qmm.DECODE_MAX_M), out=st.integers(16, 70),
        parts=st.integers(1, 3), blocks=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_the_16_row_float_decode_kernel_gives_a_row_the_same_bits_at_any_count_and_part(t, rows, out, parts, blocks, seed):
-  # kernels/gemv16.py's float kernel, the 32-weight types' float path within one decode tile: a batch of one's step and its
-  # speculative verify step (up to DECODE_MAX_M rows) give a row the same bits, whatever the part count; odd sub-block
-  # counts, weight rows past a multiple of its 16-row groups; and the dequantized product's values
+  # kernels/gemv16.py's float kernel, the block types' float path within one decode tile: a batch of one's step and its
+  # speculative verify step (up to DECODE_MAX_M rows) give a row the same bits, whatever the part count; odd block counts,
+  # weight rows past a multiple of its 16-row groups; and the dequantized product's values
   rng = np.random.default_rng(seed)
-  cols = 32 * blocks
+  cols = LAYOUT[t][0] * (blocks if LAYOUT[t][0] == 32 else 1 + blocks % 3)
   b, x = random_blocks(out, cols, t, rng), rng.standard_normal((qmm.DECODE_MAX_M, cols), dtype=np.float32)
   assert qmm.kernel_source(t, rows, out, cols, parts)[0].endswith("_r16")
   tile = qmm.quant_matmul(Tensor(x, device="MESH"), Tensor(b, device="MESH"), t, (out, cols), 1).numpy()
