@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from tinygrad import Tensor, dtypes
 from tinyhet.engine.decode_engine import BATCH_BUCKETS, DecodeEngine
 from tinyhet.engine.ngram_draft import NgramIndex, ngram_draft
-from tinyhet.engine.speculative import SpeculativeStep, check_speculative
+from tinyhet.engine.speculative import SpeculativeStep, check_speculative, within_one_tile
+from tinyhet.kernels.quant_matmul import DECODE_MAX_M
 from tinyhet.kv.paged_cache import PagedKVCache
 from tinyhet.model import llama as model
 from tinyhet.model.layer_jit import Replay
@@ -138,6 +139,24 @@ def test_a_node_verifies_only_at_buckets_it_captured(llama):
     assert spec.costs(3) == float("inf") and spec.costs(2) < float("inf")
   finally: del llama.warm
   assert spec.costs(3) < float("inf") and 4 in engine.steps        # no warm-up: priced by capturing and timing it
+
+@given(take=st.lists(st.integers(0, 8), min_size=1, max_size=20), tile=st.integers(1, 16))
+def test_drafts_are_cut_to_one_tile_where_plain_decode_fits_one(take, tile):
+  # a step whose plain rows fit the decode tile verifies within it (the same kernel, so the same bits, as plain decode); the
+  # fewest drafts are cut, none grows; past one tile nothing is cut
+  cut = within_one_tile(take, tile)
+  assert len(cut) == len(take) and all(0 <= c <= t for c, t in zip(cut, take))
+  if len(take) > tile: assert cut == take
+  else: assert len(cut) + sum(cut) == min(len(take) + sum(take), tile)
+
+def test_a_batch_of_one_verifies_within_one_decode_tile(llama, monkeypatch):
+  # k = 8 drafts at batch 1 would be a step of 9 rows, past the decode kernel plain decode runs: cut to 7 (8 rows)
+  engine = DecodeEngine(llama, PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=64, block_size=8, max_seq_len=256))
+  rows, step = [], engine.step
+  monkeypatch.setattr(engine, "step", lambda ids, toks, *a, **kw: rows.append(len(toks)) or step(ids, toks, *a, **kw))
+  plain, _, _ = run(llama, [[1, 2, 3, 4] * 8], 40, 0)
+  fast, _, spec = run(llama, [[1, 2, 3, 4] * 8], 40, 8, engine=engine)
+  assert fast == plain and spec.drafted > 0 and max(rows) == DECODE_MAX_M
 
 def test_ngram_draft():
   assert ngram_draft([1, 2, 3, 9, 9, 1, 2, 3], 3) == ([9, 9, 1], 3)

@@ -34,11 +34,23 @@ import contextlib
 import time
 from tinyhet.engine.ngram_draft import NgramIndex
 from tinyhet.engine.draft_model import MAX_PENDING
+from tinyhet.kernels.quant_matmul import DECODE_MAX_M
 from tinyhet.engine.spec_policy import DRAFT_N, SpecPolicy
 from tinyhet.engine.step_costs import StepCosts
 from tinyhet.model.sampling import DEFAULT_K, MAX_K, MODES, check_speculative, sample_batch  # noqa: F401  (the request's field: checked there)
 
 MAX_INDEXES = 4096      # sequences whose n-gram table is kept (the oldest goes first: one never forgotten)
+
+
+def within_one_tile(take: list[int], tile: int = DECODE_MAX_M) -> list[int]:
+  """The drafts' lengths cut, the longest first, so that a step whose plain rows fit one decode tile (`tile` rows: the
+  matrix kernels' decode kernel) verifies within it too. Past it the kernels switch (kernels/quant_matmul.py), and a row's
+  bits, so a near-tie's greedy token, would differ from plain decode's. A step of more sequences than a tile runs past it
+  plain or not, where every row gets the same bits at any count: nothing is cut."""
+  if len(take) > tile: return list(take)
+  take = list(take)
+  while len(take) + sum(take) > tile: take[take.index(max(take))] -= 1
+  return take
 
 
 class SpeculativeStep:
@@ -94,6 +106,7 @@ class SpeculativeStep:
         first = sum(pending[i] for i in ready)
         draft_cost = lambda depth: self.draft.cost(depth, first, len(ready))    # noqa: E731
       take = self.policy.plan(seq_ids, take, ns, self.costs, draft_cost)
+    take = within_one_tile(take)
     if modeled:
       made = self.draft.run([seq_ids[i] for i in modeled], [token_lists[i] for i in modeled], [take[i] for i in modeled],
                             [catch_up.get(i, True) for i in modeled])
