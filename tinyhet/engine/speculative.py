@@ -18,7 +18,8 @@ leaves them, no hash covering a rejected token. Which block ids each sequence ho
 cross block boundaries in another order, and a block one row rolls back stays free while a later row keeps its own.
 
 Why the output is plain decode's: row j of the step holds the model's logits after the tokens before it, so its draw is the
-token plain decode draws at that position; a draft is kept only while it equals that draw. Sampling draws from (seed,
+token plain decode draws at that position (up to the bits of the logits, which the verify's attention and, past one
+decode tile, its matrix kernels sum in another order: docs/speculative.md); a draft is kept only while it equals that draw. Sampling draws from (seed,
 position) (tinyhet.model.sampling), so the same holds at any temperature: for a draft that is one token (a point mass),
 drawing the model's token with the position's draw and keeping the draft while they agree is the standard rejection rule
 (kept with probability p(x); on a rejection the token drawn is from p restricted to tokens != x, renormalized), and the
@@ -43,14 +44,12 @@ MAX_INDEXES = 4096      # sequences whose n-gram table is kept (the oldest goes 
 
 
 def within_one_tile(take: list[int], tile: int = DECODE_MAX_M) -> list[int]:
-  """The drafts' lengths cut, the longest first, so that a step whose plain rows fit one decode tile (`tile` rows: the
-  matrix kernels' decode kernel) verifies within it too. Past it the kernels switch (kernels/quant_matmul.py), and a row's
-  bits, so a near-tie's greedy token, would differ from plain decode's. A step of more sequences than a tile runs past it
-  plain or not, where every row gets the same bits at any count: nothing is cut."""
-  if len(take) > tile: return list(take)
-  take = list(take)
-  while len(take) + sum(take) > tile: take[take.index(max(take))] -= 1
-  return take
+  """A batch of one's draft cut to tile - 1 tokens, so its verify step (at most `tile` rows) runs the matrix kernel plain
+  decode runs (the decode kernel up to DECODE_MAX_M rows of x, the tiled one past it: kernels/quant_matmul.py). Batches of
+  more sequences are not cut: their verify and plain steps already differ in how attention sums a row's context (and in
+  the kernel where the rows pass a tile), so a cut would cost them drafts and not make their bits equal
+  (docs/speculative.md, Not done yet)."""
+  return [min(take[0], tile - 1)] if len(take) == 1 else list(take)
 
 
 class SpeculativeStep:
