@@ -275,7 +275,8 @@ def byte_of_each_word(j: int) -> str:
   return ", ".join(str(4 * w + j if b == 0 else 64) for w in range(16) for b in range(4))
 
 def source(ggml_type: int, int8: bool) -> str:
-  """The C of the 16-row decode kernel for one of GEMV16_TYPES: with int8, gemv8 (x rounded); else gemvf (x float32)."""
+  """The C of the 16-row decode kernel for a type: with int8, gemv8 (x rounded; GEMV16_TYPES); else gemvf (x float32;
+  GEMVF_TYPES)."""
   from tinyhet.kernels.int8_gemm import OFFSET
   lanes = lambda f: ", ".join(str(f(l, i)) for l in range(4) for i in range(4))
   return ROWS_SOURCE % {"OFF": OFFSET.get(ggml_type, 0), "gather": int(ggml_type in GATHER_TYPES), "rows": {**ROWS, **KROWS}[ggml_type],

@@ -473,7 +473,7 @@ def kernel_source(ggml_type: int, M: int, N: int, K: int, parts: int, tiled: boo
   # the K-quants round x per super-block of 256 (llama.cpp's q8_K: integer sums over a whole super-block); the others per 32
   int8 = 5 if gemv else 4 if gemmb else 3 if gemm8 else int(int8) + int(int8 and ggml_type in kquant_int8.KQ_INT8_TYPES)
   kind = ['', '_tiled', '_dot'][int(tiled)] + ['', '_int8', '_int8k', '_int8t', '_bf16t', '_int8v'][int8]
-  # the float path's 32-weight types within one decode tile: gemv16.py's 16-row kernel (unless the decode kernel is asked for)
+  # the float path's block types within one decode tile: gemv16.py's 16-row kernel (unless the decode kernel is asked for)
   gemvf = not tiled and not int8 and tiled_arg is None and ggml_type in gemv16.GEMVF_TYPES
   kind += "_r16" if gemvf else ""
   name = f"qmatmul_{NAMES[ggml_type].lower()}_{M}_{N}_{K}_p{parts}{kind}"

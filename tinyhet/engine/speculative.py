@@ -35,20 +35,20 @@ import contextlib
 import time
 from tinyhet.engine.ngram_draft import NgramIndex
 from tinyhet.engine.draft_model import MAX_PENDING
-from tinyhet.kernels.quant_matmul import DECODE_MAX_M
 from tinyhet.engine.spec_policy import DRAFT_N, SpecPolicy
 from tinyhet.engine.step_costs import StepCosts
+from tinyhet.kernels.quant_matmul import DECODE_MAX_M
 from tinyhet.model.sampling import DEFAULT_K, MAX_K, MODES, check_speculative, sample_batch  # noqa: F401  (the request's field: checked there)
 
 MAX_INDEXES = 4096      # sequences whose n-gram table is kept (the oldest goes first: one never forgotten)
 
 
 def within_one_tile(take: list[int], tile: int = DECODE_MAX_M) -> list[int]:
-  """A batch of one's draft cut to tile - 1 tokens, so its verify step (at most `tile` rows) runs the matrix kernel plain
-  decode runs (the decode kernel up to DECODE_MAX_M rows of x, the tiled one past it: kernels/quant_matmul.py). Batches of
-  more sequences are not cut: their verify and plain steps already differ in how attention sums a row's context (and in
-  the kernel where the rows pass a tile), so a cut would cost them drafts and not make their bits equal
-  (docs/speculative.md, Not done yet)."""
+  """Each sequence's draft cap (`take`, the most it may draft) with a batch of one's cut to tile - 1 tokens, so its verify
+  step (at most `tile` rows) runs the matrix kernel plain decode runs (the decode kernel up to DECODE_MAX_M rows of x, the
+  tiled one past it: kernels/quant_matmul.py) and the policy prices the step that runs. Batches of more sequences are not
+  cut: their verify and plain steps already differ in how attention sums a row's context (and in the kernel where the rows
+  pass a tile), so a cut would cost them drafts and not make their bits equal (docs/speculative.md, Not done yet)."""
   return [min(take[0], tile - 1)] if len(take) == 1 else list(take)
 
 
@@ -79,7 +79,7 @@ class SpeculativeStep:
     (the policy may time a step: StepCosts.measure)."""
     modes = modes or ["ngram"] * len(seq_ids)
     if "draft" in modes and self.draft is None: raise ValueError('speculative mode "draft" needs a draft model (tinyhet node --draft-model)')
-    caps = [min(k, max(0, limit - 1), self.cache.max_seq_len - len(t)) for t, k, limit in zip(token_lists, ks, limits)]
+    caps = within_one_tile([min(k, max(0, limit - 1), self.cache.max_seq_len - len(t)) for t, k, limit in zip(token_lists, ks, limits)])
     modeled = [i for i, m in enumerate(modes) if m == "draft"]
     pending = dict(zip(modeled, self.draft.sync([seq_ids[i] for i in modeled], [token_lists[i] for i in modeled]))) if modeled else {}
     behind = [i for i in modeled if pending[i] > MAX_PENDING]
@@ -105,7 +105,6 @@ class SpeculativeStep:
         first = sum(pending[i] for i in ready)
         draft_cost = lambda depth: self.draft.cost(depth, first, len(ready))    # noqa: E731
       take = self.policy.plan(seq_ids, take, ns, self.costs, draft_cost)
-    take = within_one_tile(take)
     if modeled:
       made = self.draft.run([seq_ids[i] for i in modeled], [token_lists[i] for i in modeled], [take[i] for i in modeled],
                             [catch_up.get(i, True) for i in modeled])
