@@ -15,7 +15,9 @@ K, V block C times and converts it from float16 each time, and its exp is a scal
   2^8, so most slices need no horizontal max; the weight sums stay 16-lane vectors; o += p V with 8 rows' accumulators;
 - items are dealt round-robin to the parts (core_id), so a causal prefill's long and short tiles spread evenly.
 Decode rows are cut along the context into `splits` parts (per row from its real length: blocks [p * per, (p + 1) * per),
-per = ceil(row blocks / splits)); with splits > 1 each part writes (o, m, l) and a second kernel merges them.
+per = ceil(row blocks / splits)); with splits > 1 each part writes (o, m, l) and a second kernel merges them. A decode
+step may read its count at run time (split_count): a row's sums then depend on that count and its own length only, not on
+how many rows the step has, so a speculative verify's rows get the bits of the plain step of their sequences.
 Masking: a slot at or past a vector's length scores -inf-like (a select, never a multiply, so stale NaN bytes never reach the
 result); V rows past the tile's longest length are zeroed before use. Within a prefill tile the rows share the block table
 and the K, V of every position below the tile's longest length are stored (a chunk's own tokens are scattered first).
@@ -52,6 +54,13 @@ typedef unsigned long size_t;
 #define CAP %(CAP)d
 #define NBLK %(NBLK)d
 #define P %(P)d
+#if %(RT)d   /* the step's part count a row, 1..P, read at run time (one capture serves steps of either) */
+#define SPLIT_ARG const int *restrict nsplit,
+#define SPLITS (nsplit[0] < 1 ? 1 : nsplit[0] > P ? P : nsplit[0])
+#else
+#define SPLIT_ARG
+#define SPLITS P
+#endif
 #define QR %(QR)d
 #define NQ %(NQ)d
 #define PARTS %(PARTS)d
@@ -290,14 +299,15 @@ INLINE void start(int nq, float *m, f32x16 *l, float *o) {
 /* decode: item (row r, part p), every kv head (a block's K, V tiles of all heads are one contiguous span); out is (R, H, D)
    where P == 1, else the partials (R, H, P, D + 2): o, then m, l */
 KERNEL void %(name)s(float *restrict out, const float *restrict q, const KVT *restrict pool, const int *restrict bt,
-                     const int *restrict lens, int core_id) {
+                     const int *restrict lens, SPLIT_ARG int core_id) {
   if (PARTS == 1) core_id = 0;
   float qs[H * D], m[H], o[H * D];
   f32x16 l[H];   /* the weight sums, 16 lanes each until the end */
   int len[H];
-  for (int it = core_id; it < R * P; it += PARTS) {
-    int r = it / P, p = it %% P;
-    int n = lens[r], nblk = (n + BS - 1) / BS, per = (nblk + P - 1) / P, b0 = p * per, b1 = b0 + per < nblk ? b0 + per : nblk;
+  const int np = SPLITS;   /* the step's parts a row (at most P, the partials' stride) */
+  for (int it = core_id; it < R * np; it += PARTS) {
+    int r = it / np, p = it %% np;
+    int n = lens[r], nblk = (n + BS - 1) / BS, per = (nblk + np - 1) / np, b0 = p * per, b1 = b0 + per < nblk ? b0 + per : nblk;
     for (int i = 0; i < H; i++) {
       len[i] = n;
       for (int d = 0; d < D; d++) qs[i * D + d] = q[((size_t)r * H + i) * D + d] * SCALE;
@@ -354,6 +364,13 @@ typedef unsigned long size_t;
 #define P %(P)d
 #define RH %(RH)d
 #define PARTS %(PARTS)d
+#if %(RT)d
+#define SPLIT_ARG const int *restrict nsplit,
+#define SPLITS (nsplit[0] < 1 ? 1 : nsplit[0] > P ? P : nsplit[0])
+#else
+#define SPLIT_ARG
+#define SPLITS P
+#endif
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int i32x16 __attribute__((vector_size(64)));
 static inline __attribute__((always_inline)) float exp2s(float x) {   /* 2^x, x <= 0, as the attention kernel's */
@@ -365,14 +382,15 @@ static inline __attribute__((always_inline)) float exp2s(float x) {   /* 2^x, x 
   return p * s;
 }
 /* out (R, H, D) from the parts' (o, m, l): every part's weights rescaled to the overall max */
-KERNEL void %(name)s(float *restrict out, const float *restrict part, int core_id) {
+KERNEL void %(name)s(float *restrict out, const float *restrict part, SPLIT_ARG int core_id) {
   if (PARTS == 1) core_id = 0;
+  const int np = SPLITS;   /* parts written a row (one part: o / l, as the kernel's own P == 1 output) */
   for (int rh = core_id; rh < RH; rh += PARTS) {
     const float *pp = part + (size_t)rh * P * (D + 2);
     float mx = -1e30f, den = 0.0f, acc[D];
-    for (int p = 0; p < P; p++) if (pp[p * (D + 2) + D] > mx) mx = pp[p * (D + 2) + D];
+    for (int p = 0; p < np; p++) if (pp[p * (D + 2) + D] > mx) mx = pp[p * (D + 2) + D];
     for (int d = 0; d < D; d++) acc[d] = 0.0f;
-    for (int p = 0; p < P; p++) {
+    for (int p = 0; p < np; p++) {
       const float *x = pp + p * (D + 2);
       if (x[D + 1] == 0.0f) continue;   /* a part with no valid token */
       float w = exp2s(x[D] - mx);
@@ -404,27 +422,32 @@ def _source(kind: str, **kw) -> tuple[str, str]:
   return name, template % {**kw, "name": name, "LOADS": C_LOADS}
 
 def cpu_paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens: Tensor, threads: int, splits: int = 1,
-                        shared_table: bool = False, prefill: bool = False) -> Tensor:
+                        shared_table: bool = False, prefill: bool = False, split_count: Tensor | None = None) -> Tensor:
   """paged_attention's result, (R, n_heads, head_dim) float32, by the C kernels split over `threads` parts.
   splits: parts along each decode row's context (merged by a second kernel past 1). shared_table: every row reads block-table
   row 0 (one sequence's rows). prefill: tiles of QR consecutive rows (needs shared_table; the rows' K, V below the tile's
-  longest length are stored, as a chunked prefill's are)."""
+  longest length are stored, as a chunked prefill's are). split_count: a decode step's part count, (1,) int32 read when the
+  kernels run, 1..splits (splits the most, the partials' size): one capture serves steps of any count, and a row's sums
+  are those of the kernel made for that count (the merge of one part is o / l, the unsplit kernel's output)."""
   R, H, D = q.shape
   NB, _, KV, X = pool.shape
   BS, cap, G = block_size_of(pool.dtype, X, D), block_tables.shape[1], H // KV
   parts = max(1, threads)
   if prefill and not shared_table: raise ValueError("cpu_paged_attention: prefill tiles need rows sharing one block table")
+  rt = int(split_count is not None and not prefill and splits > 1)
   kw = dict(D=D, BS=BS, KVH=KV, G=G, R=R, CAP=cap, NBLK=NB, P=1 if prefill else splits, QR=QR if prefill else 0,
-            NQ=QR * G if prefill else H, PARTS=parts, SHARED=int(shared_table), KVB=KV_CODES[pool.dtype], TX=X,
+            NQ=QR * G if prefill else H, PARTS=parts, SHARED=int(shared_table), KVB=KV_CODES[pool.dtype], TX=X, RT=rt,
             SCALE=math.log2(math.e) / math.sqrt(D))
   name, src = _source("prefill" if prefill else "decode", **kw)
   ins = [q.float().contiguous(), pool, block_tables.cast(dtypes.int32).contiguous(), context_lens.cast(dtypes.int32).contiguous()]
+  if rt: ins.append(split_count)
   P = kw["P"]
   shape = (R, H, D) if P == 1 else (R, H, P, D + 2)
-  out = Tensor.empty(*shape, dtype=dtypes.float32, device=q.device).custom_kernel(*ins, fxn=c_program(name, src, parts, 5))[0]
+  out = Tensor.empty(*shape, dtype=dtypes.float32, device=q.device).custom_kernel(*ins, fxn=c_program(name, src, parts, 5 + rt))[0]
   if P == 1: return out
-  mname, msrc = _source("merge", D=D, P=P, RH=R * H, PARTS=parts)
-  return Tensor.empty(R, H, D, dtype=dtypes.float32, device=q.device).custom_kernel(out, fxn=c_program(mname, msrc, parts, 2))[0]
+  mname, msrc = _source("merge", D=D, P=P, RH=R * H, PARTS=parts, RT=rt)
+  return Tensor.empty(R, H, D, dtype=dtypes.float32, device=q.device).custom_kernel(out, *([split_count] if rt else []),
+                                                                                     fxn=c_program(mname, msrc, parts, 2 + rt))[0]
 
 def cpu_scatter_coded(pool: Tensor, k: Tensor, v: Tensor, block_tables: Tensor, positions: Tensor) -> Tensor:
   """kernels/paged_attention.py's kv_scatter into a coded pool (8-bit or bfloat16 bits, kernels/kv_quant.py's tiles): each

@@ -115,7 +115,8 @@ def uses_c(device: str, pool: Tensor, head_dim: int, threads: int | None) -> boo
   return threads is not None and cpu_attention.supported(device, pool.dtype, head_dim, block_size_of(pool.dtype, pool.shape[3], head_dim))
 
 def paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens: Tensor, max_blocks: int | UOp,
-                    splits: int | None = None, threads: int | None = None, shared_table: bool = False) -> Tensor:
+                    splits: int | None = None, threads: int | None = None, shared_table: bool = False,
+                    split_count: Tensor | None = None) -> Tensor:
   """Attention of q (R, n_heads, head_dim) over each row's cached tokens 0..context_lens[r]-1.
   pool: (num_blocks, 2, n_kv, block_size * head_dim) in the module's layout; block_tables: (R, cap) int32 whose first
   max_blocks entries are valid block ids (pad with any valid id: padded slots are masked and their bytes never reach the
@@ -127,7 +128,9 @@ def paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens:
   the parts. The only scratch is those partials, (R, n_heads, splits, head_dim + 2) float32, whatever the length.
   threads: on a CPU device, run the C kernels in that many parts (0: one) where uses_c says; None: this module's kernel.
   shared_table: every row reads block-table row 0 (rows of one sequence); the C kernels then tile consecutive rows (whose
-  K, V below the tile's longest row are stored: a chunk's own tokens scattered first), and splits is ignored."""
+  K, V below the tile's longest row are stored: a chunk's own tokens scattered first), and splits is ignored.
+  split_count: the C kernels' decode rows take their part count from this (1,) int32 at run time, 1..splits
+  (cpu_attention.cpu_paged_attention); this module's kernel ignores it."""
   R, H, D = q.shape
   _, _, KV, X = pool.shape
   if is_coded(pool.dtype) and not uses_c(q.device, pool, D, threads):
@@ -138,7 +141,8 @@ def paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens:
   c = uses_c(q.device, pool, D, threads)
   P = (decode_splits(R, 1, cap, max(1, threads)) if c else decode_splits(R, KV, cap)) if splits is None else splits
   if not 1 <= P <= cap: raise ValueError(f"paged_attention: splits must be in 1..{cap} (the block-table width), got {P}")
-  if c: return cpu_attention.cpu_paged_attention(q, pool, block_tables, context_lens, threads or 1, P, shared_table, shared_table and R > 1)
+  if c: return cpu_attention.cpu_paged_attention(q, pool, block_tables, context_lens, threads or 1, P, shared_table, shared_table and R > 1,
+                                                 None if shared_table else split_count)
   scale = 1.0 / math.sqrt(D)
   opts = _threads((R, KV, P))
 

@@ -43,6 +43,20 @@ def test_decode_matches_reference(bs, group, seed, lengths, splits, threads):
   out = cpu_paged_attention(Tensor(q), Tensor(pool), Tensor(tables), Tensor(np.array(lengths, np.int32)), threads, min(splits, cap)).numpy()
   for r in range(len(lengths)): np.testing.assert_allclose(out[r], dense_reference(q[r], ks[r], vs[r]), atol=2e-5, rtol=1e-4)
 
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), lengths=st.lists(st.integers(1, 200), min_size=1, max_size=5), most=st.integers(2, 5),
+       count=st.integers(-1, 6), threads=st.integers(1, 3))
+def test_a_run_time_part_count_gives_the_bits_of_that_count(seed, lengths, most, count, threads):
+  # split_count: the kernel made for `most` parts, told `count` at run time (clamped to 1..most), gives each row the bits
+  # of the kernel made for that count (one part: o / l, the unsplit kernel's output)
+  rng, bs, n_kv = np.random.default_rng(seed), 16, 3
+  cap = -(-200 // bs)
+  pool, tables, _, _ = rows_pool(rng, lengths, bs, n_kv, cap)
+  q = rng.standard_normal((len(lengths), n_kv * 3, D)).astype(np.float32)
+  args = (Tensor(q), Tensor(pool), Tensor(tables), Tensor(np.array(lengths, np.int32)), threads)
+  got = cpu_paged_attention(*args, most, split_count=Tensor(np.array([count], np.int32))).numpy()
+  np.testing.assert_array_equal(got, cpu_paged_attention(*args, min(max(count, 1), most)).numpy())
+
 @settings(max_examples=5, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), start=st.integers(0, 150), rows=st.integers(1, 3 * QR + 1), threads=st.integers(1, 3),
        group=st.sampled_from([1, 3]))

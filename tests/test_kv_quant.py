@@ -102,7 +102,8 @@ def test_config_names_the_formats():
 
 @pytest.mark.parametrize("code", range(6))
 def test_every_kv_kernel_links_without_libm(code):
-  """Each format's C kernels (decode, split decode, prefill tiles, the split merge, the scatter) compile to objects that call
+  """Each format's C kernels (decode, split decode with its count fixed or read at run time, prefill tiles, the split merge,
+  the scatter) compile to objects that call
   nothing outside themselves: tinygrad's loader links a libm call by a 32-bit PC-relative offset, which fails once the image
   lies over 2 GiB from libm (clang left `ldexpf` a call: the fp8 kernels failed that way late in a long run)."""
   from tinygrad import Device
@@ -111,8 +112,11 @@ def test_every_kv_kernel_links_without_libm(code):
   D, BS, KV, G = 64, 16, 2, 2
   common = dict(D=D, BS=BS, KVH=KV, G=G, R=4, CAP=8, NBLK=16, PARTS=2, SHARED=1, KVB=code, TX=tile_len(
     [dtypes.float32, dtypes.float16, dtypes.uint16, dtypes.int8, dtypes.fp8e4m3, dtypes.fp8e5m2][code], BS, D), SCALE=0.125)
+  common["RT"] = 0
   sources = [_source("decode", **{**common, "P": 1, "QR": 0, "NQ": KV * G}), _source("decode", **{**common, "P": 2, "QR": 0, "NQ": KV * G}),
-             _source("prefill", **{**common, "P": 1, "QR": QR, "NQ": QR * G}), _source("merge", D=D, P=2, RH=8, PARTS=2),
+             _source("decode", **{**common, "P": 2, "QR": 0, "NQ": KV * G, "RT": 1}),
+             _source("prefill", **{**common, "P": 1, "QR": QR, "NQ": QR * G}), _source("merge", D=D, P=2, RH=8, PARTS=2, RT=0),
+             _source("merge", D=D, P=2, RH=8, PARTS=2, RT=1),
              _source("scatter", KVB=code, R=4, KVH=KV, D=D, BS=BS, CAP=8, NBLK=16)]
   compiler = Device["CPU"].compiler
   for name, src in sources: elf_loader(compiler.compile(src))      # raises on a symbol it would have to link from a library

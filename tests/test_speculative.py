@@ -141,10 +141,15 @@ def test_a_node_verifies_only_at_buckets_it_captured(llama):
   assert spec.costs(3) < float("inf") and 4 in engine.steps        # no warm-up: priced by capturing and timing it
 
 @given(take=st.lists(st.integers(0, 8), min_size=1, max_size=20), tile=st.integers(1, 16))
-def test_a_batch_of_ones_draft_is_cut_to_one_tile_and_no_other(take, tile):
-  # a batch of one verifies within one decode tile (the kernel plain decode runs); larger batches keep their drafts
+def test_drafts_are_cut_to_one_tile_where_the_plain_step_fits_one(take, tile):
+  # a batch of at most a tile of sequences verifies within one decode tile (the kernel plain decode runs), the longest
+  # drafts cut first; a larger batch keeps its drafts
   cut = within_one_tile(take, tile)
-  assert cut == ([min(take[0], tile - 1)] if len(take) == 1 else take)
+  assert len(cut) == len(take) and all(0 <= c <= t for c, t in zip(cut, take))
+  if len(take) > tile: assert cut == take
+  else:
+    assert len(cut) + sum(cut) == min(len(take) + sum(take), tile)
+    assert all(c >= max(cut) - 1 for c, t in zip(cut, take) if c < t)     # the longest cut first: a cut one ends near the top
 
 def test_a_batch_of_one_verifies_within_one_decode_tile(llama, monkeypatch):
   # k = 8 drafts at batch 1 would be a step of 9 rows, past the decode kernel plain decode runs: cut to 7 (8 rows)

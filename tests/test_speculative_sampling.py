@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
-from tinyhet.engine.decode_engine import DecodeEngine
+from tinyhet.engine.decode_engine import DecodeEngine, batch_bucket
 from tinyhet.engine.spec_policy import SpecPolicy
 from tinyhet.engine.speculative import SpeculativeStep
 from tinyhet.kv.paged_cache import PagedKVCache
@@ -17,7 +17,7 @@ from tinyhet.model.layer_jit import Replay
 from tinyhet.model.sampling import Sampler, sample_batch
 
 CFG = model.small_config(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=32, max_context=128)
-B, NEW, K = 8, 4, 3                   # sequences a round, tokens each, tokens drafted a step
+B, NEW, K = 9, 4, 3                   # sequences a round (past one decode tile: drafts uncut), tokens each, tokens drafted a step
 PROMPT = [3, 9, 4, 3, 9, 4, 3, 9, 4, 3, 9]     # the 3-gram recurs: every step drafts
 
 @pytest.fixture(scope="module")
@@ -108,4 +108,4 @@ def test_no_drafts_is_the_plain_captured_step(engine):
   try: fast = decode_round(engine, seeds, spec, temperature=0.0, prompts=prompts)
   finally: engine.step, engine.steps = step, steps
   assert fast == plain and spec.verifies == 0 and spec.plain_steps == NEW - 1 and spec.drafted == 0
-  assert calls == [None] * (NEW - 1) and replays == [B] * (NEW - 1) and Replay.captures == captured
+  assert calls == [None] * (NEW - 1) and replays == [batch_bucket(B)] * (NEW - 1) and Replay.captures == captured

@@ -47,14 +47,18 @@ class DecodeEngine:
     run at (default: batch_bucket's, or while the model warms up the smallest ready one that holds it: tinyhet.engine.warm_up).
     counts: several tokens a sequence, one row each (speculative decoding's verify step): sequence seq_ids[i] has the
     counts[i] tokens after those of the sequences before it, its last counts[i] slots (cache.begin_step's counts). The step
-    is the plain decode step of len(tokens) rows, padded to its bucket and replayed from the same capture."""
+    is the plain decode step of len(tokens) rows, padded to its bucket and replayed from the same capture; its attention
+    cuts each row's context as the plain step of len(seq_ids) rows does (cache.begin_step's split_rows)."""
     n = len(tokens)
     if counts is None and n != len(seq_ids) or counts is not None and (len(counts) != len(seq_ids) or sum(counts) != n) or n == 0:
       raise ValueError(f"a decode step takes one token per row: {len(seq_ids)} sequences, {n} tokens, counts {counts}")
     B = bucket or batch_bucket(n)
     if bucket is None and (warm := getattr(self.model, "warm", None)) is not None: B = warm.pick("decode", B)
     with lock if lock is not None else contextlib.nullcontext():
-      positions = self.cache.begin_step(list(seq_ids) + [PAD_SEQ] * (B - n), 1, None if counts is None else list(counts) + [1] * (B - n))
+      # a verify's rows cut their context as the plain step of its sequences does (that bucket's attention parts): each
+      # row then sums its attention as a plain step would, whatever the verify's row count
+      positions = self.cache.begin_step(list(seq_ids) + [PAD_SEQ] * (B - n), 1, None if counts is None else list(counts) + [1] * (B - n),
+                                        None if counts is None else batch_bucket(len(seq_ids)))
     with kernel_threads(self.model.device):
       toks, pos = self.cache.step_inputs(np.array(list(tokens) + [0] * (B - n), dtype=np.int32).reshape(B, 1), positions)
       # replayed straight from its capture once made (layer_jit.Replay: TinyJit's own call re-derives every input's view, ~1.3 ms

@@ -44,12 +44,16 @@ MAX_INDEXES = 4096      # sequences whose n-gram table is kept (the oldest goes 
 
 
 def within_one_tile(take: list[int], tile: int = DECODE_MAX_M) -> list[int]:
-  """Each sequence's draft cap (`take`, the most it may draft) with a batch of one's cut to tile - 1 tokens, so its verify
-  step (at most `tile` rows) runs the matrix kernel plain decode runs (the decode kernel up to DECODE_MAX_M rows of x, the
-  tiled one past it: kernels/quant_matmul.py) and the policy prices the step that runs. Batches of more sequences are not
-  cut: their verify and plain steps already differ in how attention sums a row's context (and in the kernel where the rows
-  pass a tile), so a cut would cost them drafts and not make their bits equal (docs/speculative.md, Not done yet)."""
-  return [min(take[0], tile - 1)] if len(take) == 1 else list(take)
+  """Each sequence's draft cap (`take`, the most it may draft) cut, the longest first, so that a step whose plain rows fit
+  one decode tile (`tile` rows: the matrix kernels' decode kernel, up to DECODE_MAX_M rows of x) verifies within it too,
+  and the policy prices the step that runs. Past it the kernels switch (kernels/quant_matmul.py), and a row's bits, so a
+  near-tie's greedy token, would differ from plain decode's. A step of more sequences than a tile runs past it plain or
+  not, where every row gets the same bits at any count: nothing is cut. (Attention sums each row as the plain step of its
+  sequences does at any row count: the verify passes that step's part count, DecodeEngine.step.)"""
+  if len(take) > tile: return list(take)
+  take = list(take)
+  while len(take) + sum(take) > tile: take[take.index(max(take))] -= 1
+  return take
 
 
 class SpeculativeStep:

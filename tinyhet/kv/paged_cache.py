@@ -86,8 +86,9 @@ class PagedKVCache:
     self.block_nbytes = self.bytes_per_block(1, n_kv_heads, head_dim, block_size, self.kv_dtype)
     self._tables: dict[int, Tensor] = {}     # decode batch size -> (B, cap) int32, rewritten in place each step (fixed buffers for TinyJit)
     self._inputs: dict[int, tuple[Tensor, Tensor]] = {}   # decode batch size -> its tokens and positions, (B, 1) int32, the same way
+    self._splits: dict[int, Tensor] = {}     # decode batch size -> (1,) int32, the step's attention parts a row (C kernels), the same way
     self._max_blocks = max_blocks_var(self.cap)
-    self._step: tuple[int, int, Tensor, UOp] | None = None   # (batch, tokens per sequence, tables, bound block count)
+    self._step: tuple | None = None          # (batch, tokens per sequence, tables, bound block count, part count buffer or None)
 
   @staticmethod
   def bytes_per_block(n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, kv_dtype: DType) -> int:
@@ -96,7 +97,8 @@ class PagedKVCache:
 
   # ***** the model's KVCache protocol *****
 
-  def begin_step(self, seq_ids: Sequence[int], n_tokens: int = 1, counts: Sequence[int] | None = None) -> np.ndarray:
+  def begin_step(self, seq_ids: Sequence[int], n_tokens: int = 1, counts: Sequence[int] | None = None,
+                 split_rows: int | None = None) -> np.ndarray:
     """Set the batch of the next forward: row b of q/k/v/positions is seq_ids[b], each with n_tokens new tokens whose slots
     the block manager already holds (Scheduler.schedule, or allocate / append_slot): the last n_tokens of each sequence.
     Returns those positions, (B, n_tokens) int32, the positions to give the model. A position outside a sequence's blocks
@@ -106,7 +108,10 @@ class PagedKVCache:
     order, and the positions returned are (sum(counts), 1). Such a step's tables are the fixed buffer of its row count, as
     a plain decode step of that many rows has, so it replays that step's TinyJit capture; each row attends to its own
     position's prefix, which holds the K, V the sequence's earlier rows store in the same step (a layer's writes come
-    before its reads)."""
+    before its reads).
+    split_rows: a decode step's rows cut their context into the parts a step of this many rows would (decode_splits; default
+    its own row count): a verify step passes the bucket of its sequences' plain step, so each row's attention sums as
+    there (on the CPU C kernels, which read the count at run time; kernels/cpu_attention.py)."""
     tables = [self.block_manager.block_table(s) for s in seq_ids]
     if not tables: raise ValueError("begin_step: empty batch")
     ends = np.array([self.block_manager.length(s) for s in seq_ids], dtype=np.int32)
@@ -129,7 +134,12 @@ class PagedKVCache:
       # buffers; a recompute's rows are its length, which preemptions make unbounded, and it is not jitted
       if n_tokens == 1: self._tables[len(rows)] = buf
     _write(buf.uop.buffer, 0, rows.tobytes())
-    self._step = (len(rows) // n_tokens, n_tokens, buf, self._max_blocks.bind(longest))
+    parts = None
+    if n_tokens == 1 and (threads := self._c_threads()) is not None and decode_splits(1, 1, self.cap, threads) > 1:
+      if (parts := self._splits.get(len(rows))) is None:
+        parts = self._splits[len(rows)] = Tensor.zeros(1, dtype=dtypes.int32, device=self.pools[0].device).contiguous().realize()
+      _write(parts.uop.buffer, 0, np.array([decode_splits(split_rows or len(rows), 1, self.cap, threads)], dtype=np.int32).tobytes())
+    self._step = (len(rows) // n_tokens, n_tokens, buf, self._max_blocks.bind(longest), parts)
     if counts is None: return ends[:, None] - n_tokens + np.arange(n_tokens, dtype=np.int32)[None]
     first = np.repeat(np.cumsum(need) - need, need)             # each row's sequence's first row
     return (np.repeat(ends - need, need) + np.arange(len(rows), dtype=np.int32) - first).astype(np.int32)[:, None]
@@ -146,6 +156,12 @@ class PagedKVCache:
     for buf, a in zip(bufs, (tokens, positions)): _write(buf.uop.buffer, 0, np.ascontiguousarray(a, dtype=np.int32).reshape(B, 1).tobytes())
     return bufs
 
+  def _c_threads(self) -> int | None:
+    """The thread count the CPU C attention kernels run this cache's pools with, or None where they do not."""
+    dev = self.pools[0].device
+    threads = pool_threads(dev) if isinstance(dev, str) else None
+    return max(1, threads) if uses_c(dev, self.pools[0], self.head_dim, threads) else None
+
   def jit_kwargs(self) -> dict[str, UOp]:
     """Keyword arguments to pass into a TinyJit-ed step: the bound block count (a Variable reaches a JIT only as an argument)."""
     if self._step is None: raise RuntimeError("jit_kwargs: call begin_step first")
@@ -159,7 +175,7 @@ class PagedKVCache:
     B, T, H, D = q.shape
     if self._step is None or self._step[:2] != (B, T):
       raise RuntimeError(f"update_and_attend: batch {(B, T)} was not announced; call begin_step(seq_ids, n_tokens={T}) before the forward")
-    _, _, tables, max_blocks = self._step
+    _, _, tables, max_blocks, parts = self._step
     R = B * T
     pos = positions.reshape(R).cast(dtypes.int32)
     pool = kv_scatter(self.pools[layer], k.reshape(R, self.n_kv_heads, D), v.reshape(R, self.n_kv_heads, D), tables, pos)
@@ -168,13 +184,15 @@ class PagedKVCache:
     threads = pool_threads(q.device) if isinstance(q.device, str) else None
     c = uses_c(q.device, pool, D, threads)
     if c and B == 1 and T > 1: return paged_attention(q, pool, tables, n, max_blocks, threads=threads, shared_table=True).reshape(B, T, H, D)
-    # flash-decoding: a short batch's context is cut across the threads (the C kernels keep a row's kv heads in one part)
-    splits = decode_splits(R, 1, self.cap, max(1, threads)) if c else decode_splits(R, self.n_kv_heads, self.cap)
+    # flash-decoding: a short batch's context is cut across the threads (the C kernels keep a row's kv heads in one part);
+    # a decode step's C kernels take the step's part count at run time (begin_step's split_rows), the most a row here
+    if c and parts is not None: splits = decode_splits(1, 1, self.cap, max(1, threads))
+    else: splits, parts = (decode_splits(R, 1, self.cap, max(1, threads)) if c else decode_splits(R, self.n_kv_heads, self.cap)), None
     chunk = max(1, SCRATCH_BYTES // (H * splits * (D + 2) * 4))
-    if R <= chunk: return paged_attention(q, pool, tables, n, max_blocks, splits, threads if c else None).reshape(B, T, H, D)
-    # T > 1 (a recompute): rows in chunks so the partials stay bounded
-    outs = [paged_attention(q[i:i + chunk], pool, tables[i:i + chunk], n[i:i + chunk], max_blocks, splits, threads if c else None)
-            for i in range(0, R, chunk)]
+    if R <= chunk: return paged_attention(q, pool, tables, n, max_blocks, splits, threads if c else None, split_count=parts).reshape(B, T, H, D)
+    # rows in chunks so the partials stay bounded
+    outs = [paged_attention(q[i:i + chunk], pool, tables[i:i + chunk], n[i:i + chunk], max_blocks, splits, threads if c else None,
+                            split_count=parts) for i in range(0, R, chunk)]
     return Tensor.cat(*outs).reshape(B, T, H, D)
 
   # ***** bytes, for transports and tests *****
