@@ -45,8 +45,8 @@ MT_MAX = 8               # rows of x per decode tile, at most (the C picks 8 whe
 # 1536 x 576, Q4_K, Q6_K, Q5_0, F16 1536 x 768): the tiled kernel 1.2-1.6x slower at 4-6 rows, 0.7-0.9x the time at 8, ~0.5x
 # at 16, ~0.35x at 32-48; Q4_K 4096 x 4096: 0.59x at 8 rows, 0.35x at 16 (the crossover was 32-64 rows while the panel was
 # stored one float at a time). 8, not 7: a batch of one's verify step (up to 7 drafts, bucket 8: engine/speculative.py's
-# within_one_tile cuts it there) then runs the matrix kernel plain decode runs (its attention still sums a row's context
-# otherwise: docs/speculative.md); at exactly 8 rows the tiled kernel's gain is the smallest
+# within_one_tile cuts the drafts of at most 8 sequences to 8 rows) then runs the matrix kernel plain decode runs, so its
+# logits are plain decode's bits (docs/speculative.md); at exactly 8 rows the tiled kernel's gain is the smallest
 DECODE_MAX_M = 8
 # the float path past DECODE_MAX_M rows of F16 and BF16 weights: the dot kernel (kernels/dot_gemm.py), not the tiled one
 # (measured there: 1.3-1.6x at 16 rows, 1.1x at 64, within 3% either way at 512). Not the block types: their dequantization
