@@ -54,13 +54,7 @@ typedef unsigned long size_t;
 #define CAP %(CAP)d
 #define NBLK %(NBLK)d
 #define P %(P)d
-#if %(RT)d   /* the step's part count a row, 1..P, read at run time (one capture serves steps of either) */
-#define SPLIT_ARG const int *restrict nsplit,
-#define SPLITS (nsplit[0] < 1 ? 1 : nsplit[0] > P ? P : nsplit[0])
-#else
-#define SPLIT_ARG
-#define SPLITS P
-#endif
+%(SPLIT_COUNT)s
 #define QR %(QR)d
 #define NQ %(NQ)d
 #define PARTS %(PARTS)d
@@ -364,13 +358,7 @@ typedef unsigned long size_t;
 #define P %(P)d
 #define RH %(RH)d
 #define PARTS %(PARTS)d
-#if %(RT)d
-#define SPLIT_ARG const int *restrict nsplit,
-#define SPLITS (nsplit[0] < 1 ? 1 : nsplit[0] > P ? P : nsplit[0])
-#else
-#define SPLIT_ARG
-#define SPLITS P
-#endif
+%(SPLIT_COUNT)s
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int i32x16 __attribute__((vector_size(64)));
 static inline __attribute__((always_inline)) float exp2s(float x) {   /* 2^x, x <= 0, as the attention kernel's */
@@ -415,11 +403,22 @@ def supported(device: str, kv_dtype: DType, head_dim: int, block_size: int) -> b
   if kv_dtype not in KV_CODES or head_dim % (32 if kv_dtype == dtypes.int8 else 16) or block_size % 16: return False
   return isinstance(device, str) and cpu_compiled(device)
 
+# the decode and merge kernels' part count a row, 1..P: read at run time with RT (one capture serves steps of any count),
+# else P itself
+_SPLIT_COUNT = r"""#if %(RT)d
+#define SPLIT_ARG const int *restrict nsplit,
+#define SPLITS (nsplit[0] < 1 ? 1 : nsplit[0] > P ? P : nsplit[0])
+#else
+#define SPLIT_ARG
+#define SPLITS P
+#endif"""
+
 @functools.cache
 def _source(kind: str, **kw) -> tuple[str, str]:
   name = f"cpu_attention_{kind}_" + "_".join(f"{k}{v}" for k, v in sorted(kw.items()) if k != "SCALE").lower()
   template = {"merge": _MERGE, "scatter": SCATTER}.get(kind, _SOURCE)
-  return name, template % {**kw, "name": name, "LOADS": C_LOADS}
+  split_count = _SPLIT_COUNT % kw if kind in ("decode", "merge") else ""
+  return name, template % {**kw, "name": name, "LOADS": C_LOADS, "SPLIT_COUNT": split_count}
 
 def cpu_paged_attention(q: Tensor, pool: Tensor, block_tables: Tensor, context_lens: Tensor, threads: int, splits: int = 1,
                         shared_table: bool = False, prefill: bool = False, split_count: Tensor | None = None) -> Tensor:

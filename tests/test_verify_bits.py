@@ -23,7 +23,7 @@ def engine():
   # whose decode kernel (kernels/gemv16.py) is the one every 32-weight block type runs
   llama = model.Llama(CFG, model.random_weights(CFG, device="MESH", seed=3, packed=Q4_1), "MESH")
   cache = PagedKVCache(CFG.n_layers, CFG.n_kv_heads, CFG.head_dim, num_blocks=200, block_size=BS, max_seq_len=512, device="MESH")
-  assert cache._c_threads() is not None, "the C attention kernels must run this cache"
+  assert cache.c_threads is not None, "the C attention kernels must run this cache"
   return DecodeEngine(llama, cache)
 
 def prefill(engine, sid, prompt):

@@ -88,6 +88,12 @@ class PagedKVCache:
     self._inputs: dict[int, tuple[Tensor, Tensor]] = {}   # decode batch size -> its tokens and positions, (B, 1) int32, the same way
     self._splits: dict[int, Tensor] = {}     # decode batch size -> (1,) int32, the step's attention parts a row (C kernels), the same way
     self._max_blocks = max_blocks_var(self.cap)
+    # the CPU C attention kernels' thread count for these pools (None: they do not run them), and the most parts a decode
+    # row's context is cut into there (decode_splits of one row): past 1, a decode step reads its count at run time
+    dev = self.pools[0].device
+    threads = pool_threads(dev) if isinstance(dev, str) else None
+    self.c_threads = max(1, threads) if uses_c(dev, self.pools[0], head_dim, threads) else None
+    self._most_parts = 1 if self.c_threads is None else decode_splits(1, 1, self.cap, self.c_threads)
     self._step: tuple | None = None          # (batch, tokens per sequence, tables, bound block count, part count buffer or None)
 
   @staticmethod
@@ -135,10 +141,10 @@ class PagedKVCache:
       if n_tokens == 1: self._tables[len(rows)] = buf
     _write(buf.uop.buffer, 0, rows.tobytes())
     parts = None
-    if n_tokens == 1 and (threads := self._c_threads()) is not None and decode_splits(1, 1, self.cap, threads) > 1:
+    if n_tokens == 1 and self._most_parts > 1:
       if (parts := self._splits.get(len(rows))) is None:
         parts = self._splits[len(rows)] = Tensor.zeros(1, dtype=dtypes.int32, device=self.pools[0].device).contiguous().realize()
-      _write(parts.uop.buffer, 0, np.array([decode_splits(split_rows or len(rows), 1, self.cap, threads)], dtype=np.int32).tobytes())
+      _write(parts.uop.buffer, 0, np.array([decode_splits(split_rows or len(rows), 1, self.cap, self.c_threads)], dtype=np.int32).tobytes())
     self._step = (len(rows) // n_tokens, n_tokens, buf, self._max_blocks.bind(longest), parts)
     if counts is None: return ends[:, None] - n_tokens + np.arange(n_tokens, dtype=np.int32)[None]
     first = np.repeat(np.cumsum(need) - need, need)             # each row's sequence's first row
@@ -155,12 +161,6 @@ class PagedKVCache:
       bufs = self._inputs[B] = tuple(Tensor.zeros(B, 1, dtype=dtypes.int32, device=dev).contiguous().realize() for _ in range(2))
     for buf, a in zip(bufs, (tokens, positions)): _write(buf.uop.buffer, 0, np.ascontiguousarray(a, dtype=np.int32).reshape(B, 1).tobytes())
     return bufs
-
-  def _c_threads(self) -> int | None:
-    """The thread count the CPU C attention kernels run this cache's pools with, or None where they do not."""
-    dev = self.pools[0].device
-    threads = pool_threads(dev) if isinstance(dev, str) else None
-    return max(1, threads) if uses_c(dev, self.pools[0], self.head_dim, threads) else None
 
   def jit_kwargs(self) -> dict[str, UOp]:
     """Keyword arguments to pass into a TinyJit-ed step: the bound block count (a Variable reaches a JIT only as an argument)."""
@@ -181,13 +181,13 @@ class PagedKVCache:
     pool = kv_scatter(self.pools[layer], k.reshape(R, self.n_kv_heads, D), v.reshape(R, self.n_kv_heads, D), tables, pos)
     q, n = q.reshape(R, H, D), (pos + 1).contiguous()
     # on a CPU device the C kernels (kernels/cpu_attention.py); one sequence's T > 1 rows share its table: tiles of rows
-    threads = pool_threads(q.device) if isinstance(q.device, str) else None
-    c = uses_c(q.device, pool, D, threads)
+    threads = self.c_threads
+    c = threads is not None
     if c and B == 1 and T > 1: return paged_attention(q, pool, tables, n, max_blocks, threads=threads, shared_table=True).reshape(B, T, H, D)
     # flash-decoding: a short batch's context is cut across the threads (the C kernels keep a row's kv heads in one part);
     # a decode step's C kernels take the step's part count at run time (begin_step's split_rows), the most a row here
-    if c and parts is not None: splits = decode_splits(1, 1, self.cap, max(1, threads))
-    else: splits, parts = (decode_splits(R, 1, self.cap, max(1, threads)) if c else decode_splits(R, self.n_kv_heads, self.cap)), None
+    if parts is not None: splits = self._most_parts          # only a C kernels' decode step has a part count buffer
+    else: splits = decode_splits(R, 1, self.cap, threads) if c else decode_splits(R, self.n_kv_heads, self.cap)
     chunk = max(1, SCRATCH_BYTES // (H * splits * (D + 2) * 4))
     if R <= chunk: return paged_attention(q, pool, tables, n, max_blocks, splits, threads if c else None, split_count=parts).reshape(B, T, H, D)
     # rows in chunks so the partials stay bounded
