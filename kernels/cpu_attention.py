@@ -177,7 +177,7 @@ INLINE void deq_k(const KVT *restrict kp, int t0, float *restrict kb) {
   }
 #else
   for (int d = 0; d < D; d++) {
-    f32x16 x = ld_fp8(kp + d * BS + t0, KVB == 4 ? 3 : 2, KVB == 4 ? 0x1p120f : 0x1p112f);
+    f32x16 x = ld_fp8(kp + d * BS + t0, KVB == 4 ? 3 : 2, KVB == 4 ? 7 : 15);
     __builtin_memcpy(kb + d * 16, &x, 64);
   }
 #endif
