@@ -73,7 +73,7 @@ def test_scatter_matches_packer(fmt):
   assert np.array_equal(got, want[[2, 1, 0]])
 
 @settings(max_examples=12, deadline=None)
-@given(st.sampled_from(CODED), st.integers(1, 3), st.integers(1, 70), st.sampled_from([1, 3]), st.integers(0, 10**6))
+@given(st.sampled_from(CODED), st.integers(1, 3), st.integers(1, 70), st.sampled_from([1, 3, 8]), st.integers(0, 10**6))
 def test_attention_over_coded_blocks(fmt, rows, longest, G, seed):
   rng, KV, D, BS, NB = np.random.default_rng(seed), 2, 64, 16, 8
   nbytes = NB * 2 * KV * tile_len(fmt, BS, D) * fmt.itemsize
