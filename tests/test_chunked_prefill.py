@@ -4,7 +4,7 @@ length; and its memory stays weights + KV + O(chunk x width) where the dense pat
 import json, os, subprocess, sys
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 import tinyhet  # noqa: F401  (HET, MESH)
 from tinygrad import Tensor, dtypes
 from tinyhet.model.buckets import below_chunk
@@ -105,24 +105,57 @@ def test_pieces_of_a_prompt_spread_over_steps_run_the_output_head_at_its_last_pi
     llama.__dict__.pop("_chunk_jits", None)
     llama.prefill_chunk = 0
 
+@pytest.fixture(scope="module")
+def llama32():     # head_dim 32: q8_0 KV's groups
+  cfg = small_config(n_layers=2, dim=64, n_heads=2, n_kv_heads=1, hidden_dim=96, vocab_size=256, max_context=256)
+  return Llama(cfg, random_weights(cfg, device="MESH", seed=5), "MESH")
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["float16", "q8_0"]), st.lists(st.integers(1, 80), min_size=1, max_size=3))
+def test_the_local_engine_copies_the_prefills_blocks_as_they_lie_with_the_tokens_of_packing_each_layer(llama32, kv_dtype, lengths):
+  """LocalEngine hands the prefill's own packed blocks to its pool as they lie (PagedKVCache.chunk_storer: no unpack, no
+  pack, an 8-bit pool's bytes not quantized twice), short prompts (one capture per layer) and chunked ones alike: the
+  greedy tokens are those of an engine that packs each layer's K, V (layer_storer), and the copies took every layer."""
+  from tinyhet.engine.local_engine import LocalEngine
+  llama = llama32
+  llama.prefill_chunk = 32
+  try:
+    copied, plain = LocalEngine(llama, 256, block_size=16, kv_dtype=kv_dtype), LocalEngine(llama, 256, block_size=16, kv_dtype=kv_dtype)
+    plain.cache.chunk_storer = lambda seq_id: (lambda *a: False)
+    took = []
+    make = copied.cache.chunk_storer
+    def counting(seq_id):
+      store = make(seq_id)
+      return lambda layer, *a: took.append(layer) or store(layer, *a)
+    copied.cache.chunk_storer = counting
+    for i, T in enumerate(lengths):
+      ids = ids_of(T, 40 + i)
+      assert copied.generate(ids, 6)[0] == plain.generate(ids, 6)[0]
+    assert set(took) == set(range(llama.cfg.n_layers))
+  finally:
+    llama.__dict__.pop("_chunk_jits", None)
+    llama.prefill_chunk = 0
+
 def test_the_local_engine_caches_nothing_past_what_a_failed_request_stored(llama):
   """LocalEngine's prefix cache after a failure: a prefill that fails after its first layer caches none of the prompt; a
   decode step that fails caches only the blocks whose every slot was stored (a 15-token prompt: the slot the step was to
   fill is the 16th: only the first block is cached), and the request after either hits only that block."""
   from tinyhet.engine.local_engine import LocalEngine
   engine = LocalEngine(llama, 64, block_size=8, prefix_cache=True)
-  bm, storer, step = engine.cache.block_manager, engine.cache.layer_storer, engine.engine.step
-  def failing_storer(seq_id):
-    store = storer(seq_id)
-    def run(layer, k, v):
-      if layer > 0: raise RuntimeError("injected: the prefill failed after its first layer")
-      return store(layer, k, v)
-    return run
-  engine.cache.layer_storer = failing_storer
+  bm, storer, chunks, step = engine.cache.block_manager, engine.cache.layer_storer, engine.cache.chunk_storer, engine.engine.step
+  def failing(make):       # either hand-off of a layer's K, V (on_layer, on_chunk): fails after the first layer
+    def storer_of(seq_id):
+      store = make(seq_id)
+      def run(layer, *a):
+        if layer > 0: raise RuntimeError("injected: the prefill failed after its first layer")
+        return store(layer, *a)
+      return run
+    return storer_of
+  engine.cache.layer_storer, engine.cache.chunk_storer = failing(storer), failing(chunks)
   prompt = ids_of(20, 8)
   with pytest.raises(RuntimeError, match="injected"): engine.generate(prompt, 3)
   assert bm.num_cached == 0
-  engine.cache.layer_storer = storer
+  engine.cache.layer_storer, engine.cache.chunk_storer = storer, chunks
   def failing_step(*a, **kw): raise RuntimeError("injected: the decode step failed")
   engine.engine.step = failing_step
   with pytest.raises(RuntimeError, match="injected"): engine.generate(prompt[:15], 3)

@@ -48,7 +48,8 @@ class LocalEngine:
     hit = complete = bm.cached_length(seq)   # tokens whose KV is known stored: a failure caches nothing past them
     try:
       if hit > 0: token = sampler(prefill_suffix_logits(self.model, cache, seq, list(prompt_ids), hit), T)
-      else: token, _ = prefill_first_token(self.model, prompt_ids, sampler, cache.kv_dtype, cache.layer_storer(seq), progress)
+      else: token, _ = prefill_first_token(self.model, prompt_ids, sampler, cache.kv_dtype, cache.layer_storer(seq), progress,
+                                           cache.chunk_storer(seq))   # the prefill's packed blocks copied as they lie
       complete = T
       t1 = time.perf_counter()
       marks = []

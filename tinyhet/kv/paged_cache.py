@@ -250,6 +250,22 @@ class PagedKVCache:
         pool[blocks] = tmp
     return store
 
+  def chunk_storer(self, seq_id: int):
+    """on_chunk(layer, pool, b0, b1, piece, n_pieces) for Llama.prefill: blocks b0..b1-1 of a layer as the prefill packed them
+    in its own pool (its block i the prompt's block i), copied as they lie into the sequence's blocks b0..b1-1: no unpack and
+    no pack (an 8-bit pool's bytes are not dequantized and quantized again). False, nothing copied (layer_storer's on_layer
+    then gets the layer), where the pools' block layouts or dtypes differ or either is not host memory."""
+    from tinyhet.kv.sender import host_array
+    blocks = self.block_manager.block_table(seq_id)
+    def store(layer: int, pool: Tensor, b0: int, b1: int, piece: int, n_pieces: int) -> bool:
+      src, dst = host_array(pool), host_array(self.pools[layer])
+      if src is None or dst is None or src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:] or b1 > len(blocks): return False
+      ids = blocks[b0:b1]
+      if ids and ids == list(range(ids[0], ids[0] + len(ids))): dst[ids[0]:ids[0] + len(ids)] = src[b0:b1]
+      elif ids: dst[ids] = src[b0:b1]
+      return True
+    return store
+
   def copy_block(self, src: int, dst: int) -> None:
     """Copy block src to dst in every layer (BlockManager.fork's copy of a partial last block)."""
     for layer in range(self.n_layers): self.write_block_bytes(layer, dst, self.read_block_bytes(layer, src))
