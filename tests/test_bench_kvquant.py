@@ -10,11 +10,11 @@ def bench(*args, timeout=600):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 def test_bench_kvquant_short_run():
-  r = bench("kvquant", "--contexts", "48", "--tokens", "3", "--ppl-tokens", "64", "--dtypes", "float16,q8_0", "--batches", "1,16")
+  r = bench("kvquant", "--contexts", "48", "--tokens", "3", "--ppl-tokens", "64", "--dtypes", "float16,q8_0", "--batches", "1,16", "--rounds", "2")
   base, q8 = r["rows"]
   assert base["kv_dtype"] == "float16" and base["same_tokens_48"] == 3 and base["logit_max_abs_err_48"] == 0.0
   assert q8["capacity_x"] >= 1.85 and q8["wire_x"] == 34 / 64 and 0 <= q8["same_tokens_48"] <= 3
-  assert r["ppl_tokens"] == 64 and q8["perplexity"] > 1 and q8["prefill_s"] > 0 and r["batches"] == [1, 16]
+  assert r["ppl_tokens"] == 64 and q8["perplexity"] > 1 and q8["prefill_s"] > 0 and r["batches"] == [1, 16] and r["rounds"] == 2
   for B in (1, 16):
     assert base[f"decode_tok_s_b{B}"] > 0 and q8[f"decode_tok_s_b{B}"] > 0 and base[f"decode_b{B}_x"] == 1.0
     assert q8[f"decode_b{B}_x"] == pytest.approx(q8[f"decode_tok_s_b{B}"] / base[f"decode_tok_s_b{B}"])
@@ -23,6 +23,6 @@ def test_bench_kvquant_short_run():
   assert {"decode_tok_s_b1", "decode_tok_s_b16", "decode_b1_x", "decode_b16_x", "prefill_x"} <= set(columns) and len(rows) == 2
 
 def test_bench_kvquant_refuses_an_unknown_dtype_and_a_bad_batch():
-  for args, said in ((["--dtypes", "float16,q4_0"], "kv_dtype 'q4_0' is not one of"), (["--batches", "1,0"], "--batches")):
+  for args, said in ((["--dtypes", "float16,q4_0"], "kv_dtype 'q4_0' is not one of"), (["--batches", "1,0"], "--batches"), (["--rounds", "0"], "--rounds")):
     out = subprocess.run([sys.executable, "-m", "tinyhet.bench", "kvquant", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and said in out.stderr and "Traceback" not in out.stderr
