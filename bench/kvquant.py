@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
   if not names or not contexts or not batches or min(batches) < 1 or min(contexts) < 1 or args.tokens < 1 or args.rounds < 1:
     ap.error("--dtypes, --contexts and --batches need at least one entry, every context, batch, --tokens and --rounds at least 1")
   longest = max([*contexts, args.ppl_tokens])
-  model, tok = load_model(str(embedded_model_path()), device="MESH", max_context=longest + args.tokens + 16, quiet=True, packed=True)
+  model, tok = load_model(str(embedded_model_path()), device="MESH", max_context=longest + 3 + args.rounds * args.tokens + 16, quiet=True, packed=True)
   cfg, bs = model.cfg, 16
   text_ids = tok.encode(fixed_text(), add_special=False)[:args.ppl_tokens] if args.ppl_tokens else []
   if args.ppl_tokens and len(text_ids) < args.ppl_tokens: raise SystemExit(f"docs/*.md give {len(text_ids)} tokens, not {args.ppl_tokens}")
