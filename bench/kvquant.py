@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
   if not names or not contexts or not batches or min(batches) < 1 or min(contexts) < 1 or args.tokens < 1 or args.rounds < 1:
     ap.error("--dtypes, --contexts and --batches need at least one entry, every context, batch, --tokens and --rounds at least 1")
   longest = max([*contexts, args.ppl_tokens])
-  model, tok = load_model(str(embedded_model_path()), device="MESH", max_context=longest + 3 + args.rounds * args.tokens + 16, quiet=True, packed=True)
+  steps = 3 + args.rounds * args.tokens       # a batch's decode steps past the longest context
+  model, tok = load_model(str(embedded_model_path()), device="MESH", max_context=longest + steps + 16, quiet=True, packed=True)
   cfg, bs = model.cfg, 16
   text_ids = tok.encode(fixed_text(), add_special=False)[:args.ppl_tokens] if args.ppl_tokens else []
   if args.ppl_tokens and len(text_ids) < args.ppl_tokens: raise SystemExit(f"docs/*.md give {len(text_ids)} tokens, not {args.ppl_tokens}")
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = kv_format(name)
     per_block = PagedKVCache.bytes_per_block(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, bs, fmt)
     row = {"kv_dtype": name, "tokens_per_gib": (1 << 30) // per_block * bs, "wire_bytes_per_token": per_block / bs}
-    per_seq = max(contexts) + 3 + args.rounds * args.tokens + 2 * bs   # a batch row: the context, its steps, whole blocks
+    per_seq = max(contexts) + steps + 2 * bs      # a batch row: the context, its steps, whole blocks
     engine = LocalEngine(model, per_seq * (max(batches) + 1), block_size=bs, kv_dtype=name)   # + 1: the timed run's, beside the batch's
     for n in contexts:
       ids = filler_ids(tok, n)

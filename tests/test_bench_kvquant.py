@@ -23,6 +23,7 @@ def test_bench_kvquant_short_run():
   assert {"decode_tok_s_b1", "decode_tok_s_b16", "decode_b1_x", "decode_b16_x", "prefill_x"} <= set(columns) and len(rows) == 2
 
 def test_bench_kvquant_refuses_an_unknown_dtype_and_a_bad_batch():
-  for args, said in ((["--dtypes", "float16,q4_0"], "kv_dtype 'q4_0' is not one of"), (["--batches", "1,0"], "--batches"), (["--rounds", "0"], "--rounds")):
+  bad = ((["--dtypes", "float16,q4_0"], "kv_dtype 'q4_0' is not one of"), (["--batches", "1,0"], "--batches"), (["--rounds", "0"], "--rounds"))
+  for args, said in bad:
     out = subprocess.run([sys.executable, "-m", "tinyhet.bench", "kvquant", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and said in out.stderr and "Traceback" not in out.stderr
