@@ -87,10 +87,7 @@ def test_tool_call_round_trip(served):
     final = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], max_tokens=8, temperature=0)
     assert final.choices[0].finish_reason in ("stop", "length") and isinstance(final.choices[0].message.content, str)
     # the history reached the model: the call and its result rendered into the prompt (the byte tokenizer: one token a byte)
-    from tinyhet.model.spec import ByteTokenizer
-    from tinyhet.service import tools
-    tok = ByteTokenizer()
-    want = tools.encode(tok, tools.clean_messages(msgs), tools.parse_tools({"tools": [WEATHER]}, tok))
+    want = prompt_ids(msgs, [WEATHER])
     assert final.usage.prompt_tokens == len(want) and b"sunny, 21 C" in bytes(want)
 
 # random function schemas from a small grammar: objects of enums, bounded numbers and strings, and arrays of them
@@ -106,12 +103,12 @@ PARAMS = st.builds(lambda props, req: {"type": "object", "properties": props, "r
 
 CALL_ROOM = 384   # tokens a forced call is given: a call of these schemas is under 200 bytes but for a long number's digits
 
-def prompt_tokens(msgs: list, fns: list) -> int:
-  """The prompt's length in the byte tokenizer's tokens (one a byte), rendered as the router renders it."""
+def prompt_ids(msgs: list, fns: list) -> list[int]:
+  """The prompt as the router renders it, in the byte tokenizer's tokens (one a byte)."""
   from tinyhet.model.spec import ByteTokenizer
   from tinyhet.service import tools
   tok = ByteTokenizer()
-  return len(tools.encode(tok, tools.clean_messages(msgs), tools.parse_tools({"tools": fns}, tok)))
+  return tools.encode(tok, tools.clean_messages(msgs), tools.parse_tools({"tools": fns}, tok))
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.filter_too_much])
 @given(st.lists(PARAMS, min_size=1, max_size=2), st.booleans(), st.integers(0, 2**31))
@@ -121,7 +118,7 @@ def test_forced_tool_calls_validate(served, params, named, seed):
   1,024-token context are set aside (such a call ends at the context, finish_reason length, as it should)."""
   router, client = served
   fns = [{"type": "function", "function": {"name": f"f{i}", "parameters": p}} for i, p in enumerate(params)]
-  assume(prompt_tokens([{"role": "user", "content": "go"}], fns) + CALL_ROOM <= 1024)
+  assume(len(prompt_ids([{"role": "user", "content": "go"}], fns)) + CALL_ROOM <= 1024)
   choice = {"type": "function", "function": {"name": fns[-1]["function"]["name"]}} if named else "required"
   out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go"}], tools=fns, tool_choice=choice,
                                        parallel_tool_calls=False, temperature=1.0, seed=seed)

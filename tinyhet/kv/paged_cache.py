@@ -260,9 +260,7 @@ class PagedKVCache:
     def store(layer: int, pool: Tensor, b0: int, b1: int, piece: int, n_pieces: int) -> bool:
       src, dst = host_array(pool), host_array(self.pools[layer])
       if src is None or dst is None or src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:] or b1 > len(blocks): return False
-      ids = blocks[b0:b1]
-      if ids and ids == list(range(ids[0], ids[0] + len(ids))): dst[ids[0]:ids[0] + len(ids)] = src[b0:b1]
-      elif ids: dst[ids] = src[b0:b1]
+      dst[blocks[b0:b1]] = src[b0:b1]
       return True
     return store
 
